@@ -1,0 +1,274 @@
+//! Calls any RPC of the kforge.v1 contract with proto3 JSON in and out, like grpcurl with the descriptors built in.
+//!
+//! Requests are read as a sequence of JSON objects (one for unary and server-streaming methods, any number for
+//! client-streaming ones); each response is printed as proto3 JSON. Messages are encoded and decoded dynamically
+//! from the contract's descriptor set, so every method of every service is reachable without per-method code.
+
+use std::str::FromStr;
+use std::sync::LazyLock;
+
+use prost::Message as _;
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, MethodDescriptor, SerializeOptions};
+use tokio_stream::StreamExt;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::{Request, Status};
+
+/// Largest request `kforge call` sends; servers apply their own, usually smaller, limit.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
+
+/// What went wrong before or after the RPC itself.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("`{0}` is not Service/Method (e.g. Reward/ComputeReturns)")]
+    Syntax(String),
+    #[error("unknown service `{service}` (services: {known})")]
+    UnknownService { service: String, known: String },
+    #[error("unknown method `{method}` of {service} (methods: {known})")]
+    UnknownMethod { service: String, method: String, known: String },
+    #[error("request {index}: {message}")]
+    Json { index: usize, message: String },
+    #[error("{method} takes exactly one request, got {got}")]
+    RequestCount { method: String, got: usize },
+    #[error("request {index} is {size} bytes, over the {limit}-byte limit")]
+    TooLarge { index: usize, size: usize, limit: usize },
+    #[error("{code}: {message}")]
+    Rpc { code: String, message: String },
+    #[error("cannot print the response: {0}")]
+    Output(String),
+}
+
+impl From<Status> for CallError {
+    fn from(status: Status) -> Self {
+        Self::Rpc { code: code_name(status.code()), message: status.message().to_owned() }
+    }
+}
+
+/// `INVALID_ARGUMENT`-style name of a gRPC code.
+pub fn code_name(code: tonic::Code) -> String {
+    let debug = format!("{code:?}");
+    let mut name = String::with_capacity(debug.len() + 4);
+    for (i, c) in debug.chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            name.push('_');
+        }
+        name.push(c.to_ascii_uppercase());
+    }
+    name
+}
+
+/// The contract's descriptors (kforge.v1 and its imports).
+pub fn descriptors() -> &'static DescriptorPool {
+    static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
+        DescriptorPool::decode(kforge_proto::FILE_DESCRIPTOR_SET)
+            .expect("the descriptor set is generated from the same protos at build time")
+    });
+    &POOL
+}
+
+/// Resolves `Service/Method`: the service by its short (`Reward`) or full (`kforge.v1.Reward`) name.
+pub fn resolve(target: &str) -> Result<MethodDescriptor, CallError> {
+    let (service, method) =
+        target.trim_start_matches('/').split_once('/').ok_or_else(|| CallError::Syntax(target.into()))?;
+    if service.is_empty() || method.is_empty() || method.contains('/') {
+        return Err(CallError::Syntax(target.into()));
+    }
+    let pool = descriptors();
+    let kforge_services = || pool.services().filter(|s| s.package_name() == kforge_proto::PACKAGE);
+    let descriptor = kforge_services().find(|s| s.full_name() == service || s.name() == service).ok_or_else(|| {
+        CallError::UnknownService {
+            service: service.into(),
+            known: kforge_services().map(|s| s.name().to_owned()).collect::<Vec<_>>().join(", "),
+        }
+    })?;
+    let found = descriptor.methods().find(|m| m.name() == method);
+    found.ok_or_else(|| CallError::UnknownMethod {
+        service: descriptor.name().into(),
+        method: method.into(),
+        known: descriptor.methods().map(|m| m.name().to_owned()).collect::<Vec<_>>().join(", "),
+    })
+}
+
+/// Parses the requests for `method` from `input`: a sequence of JSON objects. Empty input means one empty request
+/// for a method that takes one, and no requests for a client-streaming method.
+pub fn parse_requests(method: &MethodDescriptor, input: &str) -> Result<Vec<DynamicMessage>, CallError> {
+    let descriptor = method.input();
+    let mut requests = Vec::new();
+    let mut stream = serde_json::Deserializer::from_str(input).into_iter::<serde_json::Value>();
+    while let Some(value) = stream.next() {
+        let index = requests.len();
+        let value = value.map_err(|e| CallError::Json { index, message: format!("malformed json: {e}") })?;
+        let mut track = serde_path_to_error::Track::new();
+        let message =
+            DynamicMessage::deserialize(descriptor.clone(), serde_path_to_error::Deserializer::new(&value, &mut track))
+                .map_err(|error| {
+                    let path = track.path().to_string();
+                    let message =
+                        if path.is_empty() || path == "." { error.to_string() } else { format!("{path}: {error}") };
+                    CallError::Json { index, message }
+                })?;
+        let size = message.encoded_len();
+        if size > MAX_REQUEST_BYTES {
+            return Err(CallError::TooLarge { index, size, limit: MAX_REQUEST_BYTES });
+        }
+        requests.push(message);
+    }
+    if !method.is_client_streaming() {
+        match requests.len() {
+            0 => requests.push(DynamicMessage::new(descriptor)),
+            1 => {}
+            got => return Err(CallError::RequestCount { method: method.full_name().into(), got }),
+        }
+    }
+    Ok(requests)
+}
+
+/// Calls `method` on `channel` with `requests` and returns every response.
+pub async fn invoke(
+    channel: kforge_server::client::Channel,
+    method: &MethodDescriptor,
+    requests: Vec<DynamicMessage>,
+) -> Result<Vec<DynamicMessage>, CallError> {
+    let path =
+        http::uri::PathAndQuery::from_str(&format!("/{}/{}", method.parent_service().full_name(), method.name()))
+            .map_err(|e| CallError::Syntax(e.to_string()))?;
+    let codec = DynamicCodec { response: method.output() };
+    let mut grpc = tonic::client::Grpc::new(channel)
+        .max_encoding_message_size(MAX_REQUEST_BYTES)
+        .max_decoding_message_size(usize::MAX);
+    grpc.ready().await.map_err(|e| Status::unavailable(format!("service not ready: {e}")))?;
+    let mut first = requests.into_iter();
+    match (method.is_client_streaming(), method.is_server_streaming()) {
+        (false, false) => {
+            let request = first.next().expect("parse_requests yields exactly one request for unary methods");
+            Ok(vec![grpc.unary(Request::new(request), path, codec).await?.into_inner()])
+        }
+        (false, true) => {
+            let request = first.next().expect("parse_requests yields exactly one request for server-streaming methods");
+            collect(grpc.server_streaming(Request::new(request), path, codec).await?.into_inner()).await
+        }
+        (true, false) => {
+            let stream = tokio_stream::iter(first);
+            Ok(vec![grpc.client_streaming(Request::new(stream), path, codec).await?.into_inner()])
+        }
+        (true, true) => {
+            let stream = tokio_stream::iter(first);
+            collect(grpc.streaming(Request::new(stream), path, codec).await?.into_inner()).await
+        }
+    }
+}
+
+async fn collect(mut stream: tonic::Streaming<DynamicMessage>) -> Result<Vec<DynamicMessage>, CallError> {
+    let mut responses = Vec::new();
+    while let Some(message) = stream.next().await {
+        responses.push(message?);
+    }
+    Ok(responses)
+}
+
+/// A response as proto3 JSON (lowerCamelCase names, defaults omitted, 64-bit integers as strings).
+pub fn to_json(message: &DynamicMessage) -> Result<String, CallError> {
+    let mut out = Vec::new();
+    let mut serializer = serde_json::Serializer::pretty(&mut out);
+    message
+        .serialize_with_options(&mut serializer, &SerializeOptions::new())
+        .map_err(|e| CallError::Output(e.to_string()))?;
+    String::from_utf8(out).map_err(|e| CallError::Output(e.to_string()))
+}
+
+/// Encodes and decodes messages known only by descriptor.
+#[derive(Debug, Clone)]
+struct DynamicCodec {
+    response: MessageDescriptor,
+}
+
+impl Codec for DynamicCodec {
+    type Encode = DynamicMessage;
+    type Decode = DynamicMessage;
+    type Encoder = DynamicEncoder;
+    type Decoder = DynamicDecoder;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        DynamicEncoder
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        DynamicDecoder(self.response.clone())
+    }
+}
+
+#[derive(Debug)]
+struct DynamicEncoder;
+
+impl Encoder for DynamicEncoder {
+    type Item = DynamicMessage;
+    type Error = Status;
+
+    fn encode(&mut self, item: Self::Item, dst: &mut EncodeBuf<'_>) -> Result<(), Self::Error> {
+        item.encode(dst).map_err(|e| Status::internal(format!("encoding the request: {e}")))
+    }
+}
+
+#[derive(Debug)]
+struct DynamicDecoder(MessageDescriptor);
+
+impl Decoder for DynamicDecoder {
+    type Item = DynamicMessage;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Self::Item>, Self::Error> {
+        DynamicMessage::decode(self.0.clone(), src)
+            .map(Some)
+            .map_err(|e| Status::internal(format!("decoding the response: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_method_of_every_service_resolves() {
+        let mut count = 0;
+        for service in descriptors().services().filter(|s| s.package_name() == kforge_proto::PACKAGE) {
+            for method in service.methods() {
+                let found = resolve(&format!("{}/{}", service.name(), method.name())).expect("resolves");
+                assert_eq!(found.full_name(), method.full_name());
+                count += 1;
+            }
+        }
+        assert_eq!(count, 3 + 3 + 5 + 4 + 8, "Evaluator, Profiler, Reward, Gateway, Orchestrator");
+    }
+
+    #[test]
+    fn bad_targets_name_the_problem() {
+        assert!(matches!(resolve("Reward"), Err(CallError::Syntax(_))));
+        let err = resolve("Rewards/ScoreKernels").expect_err("unknown service").to_string();
+        assert!(err.contains("Rewards") && err.contains("Reward,"), "{err}");
+        let err = resolve("Reward/Score").expect_err("unknown method").to_string();
+        assert!(err.contains("`Score`") && err.contains("ScoreKernels"), "{err}");
+        assert_eq!(resolve("kforge.v1.Reward/Diagnose").expect("full name").name(), "Diagnose");
+    }
+
+    #[test]
+    fn json_errors_name_the_field_and_counts_are_checked() {
+        let method = resolve("Reward/ComputeReturns").expect("resolves");
+        let err = parse_requests(&method, r#"{"gamma": "high"}"#).expect_err("wrong type").to_string();
+        assert!(err.contains("gamma"), "{err}");
+        let err = parse_requests(&method, r#"{"gama": 1}"#).expect_err("unknown field").to_string();
+        assert!(err.contains("gama"), "{err}");
+        let err = parse_requests(&method, r#"{"gamma": 1"#).expect_err("malformed").to_string();
+        assert!(err.contains("malformed json"), "{err}");
+        let err = parse_requests(&method, "{} {}").expect_err("two requests").to_string();
+        assert!(err.contains("exactly one"), "{err}");
+        assert_eq!(parse_requests(&method, "").expect("empty is one empty request").len(), 1);
+        let stream = resolve("Evaluator/EvaluateStream").expect("resolves");
+        assert_eq!(parse_requests(&stream, "{} {} {}").expect("stream").len(), 3);
+    }
+
+    #[test]
+    fn code_names_match_the_grpc_spelling() {
+        assert_eq!(code_name(tonic::Code::InvalidArgument), "INVALID_ARGUMENT");
+        assert_eq!(code_name(tonic::Code::Unimplemented), "UNIMPLEMENTED");
+        assert_eq!(code_name(tonic::Code::Ok), "OK");
+    }
+}

@@ -1,0 +1,7 @@
+//! The library behind the `kforge` command, also used by the cross-service tests.
+//!
+//! - [`mesh`]: start any set of the five services in this process, on their configured or ephemeral ports.
+//! - [`call`]: call any RPC of the contract with proto3 JSON in and out, through reflection-free descriptors.
+
+pub mod call;
+pub mod mesh;

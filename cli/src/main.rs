@@ -1,0 +1,301 @@
+//! `kforge`: run one service, the whole mesh, the main job or an evaluation, or call any RPC.
+
+use std::io::Read as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kforge::call::{self, CallError};
+use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge_proto::v1 as pb;
+use kforge_server::client::{self, ClientConfig};
+use kforge_server::config::AuthConfig;
+
+#[derive(Debug, Parser)]
+#[command(name = "kforge", version, about = "The environment side of RL for LLM-written GPU kernels.", long_about = None)]
+struct Cli {
+    /// Config file with a table per service ([evaluator], [profiler], [reward], [gateway], [orchestrator]).
+    /// Any key can be overridden as KFORGE__<TABLE>__<KEY>, e.g. KFORGE__REWARD__SERVER__LISTEN=0.0.0.0:50053.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run one service until SIGTERM or Ctrl-C, then drain.
+    Serve {
+        /// The service to run.
+        #[arg(value_enum)]
+        service: Service,
+    },
+    /// Run all five services in this process on their configured loopback ports and print their addresses.
+    Up,
+    /// Call an RPC: read the request as proto3 JSON on stdin, print the response as proto3 JSON.
+    ///
+    /// Without --addr the service runs inside this command (like grpcurl without a server). Client-streaming
+    /// methods read any number of JSON objects; streaming responses print one object each.
+    #[command(
+        after_help = "Example:\n  echo '{\"method\":\"RETURN_METHOD_SUM\",\"gamma\":0.4,\"trajectories\":[{\"values\":[0.3,0,1.3]}]}' \\\n    | kforge call Reward/ComputeReturns"
+    )]
+    Call {
+        /// The RPC as Service/Method, e.g. Reward/ComputeAdvantages or kforge.v1.Evaluator/GetCapabilities.
+        target: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Run the main job: every service in-process, a job over a task set, progress, and a report.
+    Run(RunArgs),
+    /// Evaluate one candidate kernel against one task and print the verdict.
+    Eval(EvalArgs),
+}
+
+/// Where a command's RPCs go.
+#[derive(Debug, Args)]
+struct Remote {
+    /// Address of a running service (http://host:port or https://...); without it the service runs in-process.
+    #[arg(long, value_name = "URL")]
+    addr: Option<String>,
+    /// File holding the bearer token to present (the same token as the server's auth.token_file).
+    #[arg(long, value_name = "FILE", env = "KFORGE_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// CA certificate that signs the server's certificate, for https addresses.
+    #[arg(long, value_name = "FILE")]
+    ca_file: Option<PathBuf>,
+}
+
+impl Remote {
+    fn client_config(&self) -> ClientConfig {
+        ClientConfig {
+            tls_ca_file: self.ca_file.clone(),
+            tls_domain: None,
+            auth: AuthConfig { token_file: self.token_file.clone(), token_env: None },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum BackendArg {
+    Cpu,
+    Cuda,
+    Triton,
+}
+
+impl BackendArg {
+    fn proto(backend: Option<Self>) -> pb::Backend {
+        match backend {
+            None => pb::Backend::Unspecified,
+            Some(Self::Cpu) => pb::Backend::Cpu,
+            Some(Self::Cuda) => pb::Backend::Cuda,
+            Some(Self::Triton) => pb::Backend::Triton,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Recipe: kevin, drkernel, cudaforge or single-turn.
+    #[arg(long, default_value = "kevin")]
+    recipe: String,
+    /// Task set: `examples` (built in), a KernelBench directory, or a JSONL file.
+    #[arg(long, default_value = "examples")]
+    tasks: String,
+    /// Model name as routed by the gateway; the embedded default replays recorded responses.
+    #[arg(long, default_value = "replay")]
+    model: String,
+    /// Parallel trajectories per task (m).
+    #[arg(long, default_value_t = 4)]
+    trajectories: u32,
+    /// Refinement turns per trajectory (n).
+    #[arg(long, default_value_t = 4)]
+    turns: u32,
+    /// Evaluation backend; by default cuda when a GPU is present, cpu otherwise.
+    #[arg(long, value_enum)]
+    backend: Option<BackendArg>,
+    /// Take at most this many tasks (0: all).
+    #[arg(long, default_value_t = 0)]
+    max_tasks: u32,
+    #[command(flatten)]
+    remote: Remote,
+}
+
+#[derive(Debug, Args)]
+struct EvalArgs {
+    /// The task: a KernelBench-format Python file (Model, get_inputs, get_init_inputs).
+    #[arg(long, value_name = "FILE")]
+    task: PathBuf,
+    /// The candidate: a Python file defining ModelNew.
+    #[arg(long, value_name = "FILE")]
+    candidate: PathBuf,
+    /// Backend; by default cuda when a GPU is present, cpu otherwise.
+    #[arg(long, value_enum)]
+    backend: Option<BackendArg>,
+    /// Static policy, e.g. kevin-strict or permissive; the evaluator's default when unset.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Print the response as proto3 JSON instead of a summary.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    remote: Remote,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("kforge: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kforge: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let config = MeshConfig::load(cli.config.as_deref())?;
+    // Servers log at info; commands whose stdout is the product stay quiet unless RUST_LOG says otherwise.
+    let quiet = matches!(cli.command, Command::Call { .. } | Command::Eval(_));
+    let _telemetry = kforge_telemetry::init("kforge", if quiet { "warn" } else { "info" })?;
+    match cli.command {
+        Command::Serve { service } => {
+            Mesh::start(&[service], &config, false).await?.run_until(kforge_server::shutdown_signal()).await?;
+        }
+        Command::Up => {
+            let mesh = Mesh::start(&Service::ALL, &config, false).await?;
+            for (service, address) in mesh.addresses() {
+                println!("{:<13} {address}", service.name());
+            }
+            mesh.run_until(kforge_server::shutdown_signal()).await?;
+        }
+        Command::Call { target, remote } => call_command(&config, &target, &remote).await?,
+        Command::Run(args) => run_command(&config, args).await?,
+        Command::Eval(args) => eval_command(&config, args).await?,
+    }
+    Ok(())
+}
+
+/// Connects to `service`: at `remote.addr`, or to an instance started in this process (returned to be drained).
+async fn connect(
+    config: &MeshConfig,
+    services: &[Service],
+    target: Service,
+    remote: &Remote,
+) -> anyhow::Result<(client::Channel, Option<Mesh>)> {
+    let client_config = remote.client_config();
+    if let Some(addr) = &remote.addr {
+        return Ok((client::connect(addr, &client_config).await?, None));
+    }
+    let mesh = Mesh::start(services, config, true).await?;
+    let address = mesh.address(target).context("the in-process mesh runs the target service")?.to_owned();
+    Ok((client::connect(&address, &client_config).await?, Some(mesh)))
+}
+
+async fn drain(mesh: Option<Mesh>) -> anyhow::Result<()> {
+    if let Some(mesh) = mesh {
+        mesh.shutdown().await?;
+    }
+    Ok(())
+}
+
+async fn call_command(config: &MeshConfig, target: &str, remote: &Remote) -> anyhow::Result<()> {
+    let method = call::resolve(target)?;
+    let mut input = String::new();
+    std::io::stdin().read_to_string(&mut input).context("reading the request from stdin")?;
+    let requests = call::parse_requests(&method, &input)?;
+    let service = Service::from_proto_name(method.parent_service().full_name())
+        .context("every kforge.v1 service is served by the mesh")?;
+    let (channel, mesh) = connect(config, &[service], service, remote).await?;
+    let result = call::invoke(channel, &method, requests).await;
+    drain(mesh).await?;
+    for response in result? {
+        println!("{}", call::to_json(&response)?);
+    }
+    Ok(())
+}
+
+async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Evaluation.into(),
+        recipe: args.recipe,
+        task_set: args.tasks,
+        model: args.model,
+        trajectories_per_task: args.trajectories,
+        turns: args.turns,
+        backend: BackendArg::proto(args.backend).into(),
+        prompt_dir: String::new(),
+        max_tasks: args.max_tasks,
+    };
+    let (channel, mesh) = connect(config, &Service::ALL, Service::Orchestrator, &args.remote).await?;
+    if let Some(mesh) = &mesh {
+        for (service, address) in mesh.addresses() {
+            eprintln!("{:<13} {address}", service.name());
+        }
+    }
+    let mut orchestrator = pb::orchestrator_client::OrchestratorClient::new(channel);
+    let submitted =
+        orchestrator.submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() }).await;
+    drain(mesh).await?;
+    let job = submitted.map_err(CallError::from).context("submitting the job")?.into_inner();
+    println!("job {} submitted ({} episodes)", job.job_id, job.episodes_total);
+    Ok(())
+}
+
+async fn eval_command(config: &MeshConfig, args: EvalArgs) -> anyhow::Result<()> {
+    let read = |path: &PathBuf, what: &str| {
+        std::fs::read_to_string(path).with_context(|| format!("cannot read the {what} file {}", path.display()))
+    };
+    let task_source = read(&args.task, "task")?;
+    let candidate_source = read(&args.candidate, "candidate")?;
+    if candidate_source.trim().is_empty() {
+        bail!("the candidate file {} is empty", args.candidate.display());
+    }
+    let task_id = args.task.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let request = pb::EvaluateRequest {
+        request_id: String::new(),
+        task: Some(pb::Task { task_id, source: task_source }),
+        candidate_source,
+        backend: BackendArg::proto(args.backend).into(),
+        policy: args.policy.unwrap_or_default(),
+        correctness_trials: 0,
+        measure_performance: true,
+        census: true,
+        idempotency_key: String::new(),
+        priority: 0,
+        job_id: String::new(),
+    };
+    let (channel, mesh) = connect(config, &[Service::Evaluator], Service::Evaluator, &args.remote).await?;
+    let result = pb::evaluator_client::EvaluatorClient::new(channel).evaluate(request).await;
+    drain(mesh).await?;
+    let response = result.map_err(CallError::from).context("evaluating")?.into_inner();
+    if args.json {
+        let method = call::resolve("Evaluator/Evaluate")?;
+        let message = prost_reflect::DynamicMessage::decode(
+            method.output(),
+            prost::Message::encode_to_vec(&response).as_slice(),
+        )?;
+        println!("{}", call::to_json(&message)?);
+    } else {
+        let verdict = pb::Verdict::try_from(response.verdict).map_or("unknown", |v| v.as_str_name());
+        println!("verdict   {verdict}");
+        if response.speedup_eager > 0.0 {
+            println!("speedup   {:.3}x eager, {:.3}x torch.compile", response.speedup_eager, response.speedup_compile);
+        }
+        for finding in &response.findings {
+            println!("finding   {} (line {}): {}", finding.code, finding.line, finding.message);
+        }
+        if !response.error.is_empty() {
+            println!("error     {}", response.error);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,242 @@
+//! [`Host`]: the gRPC server every kforge service runs inside.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::service::interceptor::InterceptedService;
+use tonic::service::{Routes, RoutesBuilder};
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::auth::{AuthError, RequireBearer, Token};
+use crate::config::{ServerConfig, TlsConfig};
+use crate::metrics::{Metrics, MetricsLayer, render};
+
+/// Why a server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error("tls file {path}: {source}")]
+    TlsFile { path: std::path::PathBuf, source: std::io::Error },
+    #[error("reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("listener: {0}")]
+    Listener(#[from] std::io::Error),
+    #[error("server task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// A service could not be built from its configuration.
+    #[error("{service}: {message}")]
+    Setup { service: &'static str, message: String },
+}
+
+/// One gRPC server: register services with [`Host::add_service`], then [`Host::serve`].
+///
+/// What every host provides, in the order a request meets it:
+/// 1. the TLS handshake, when configured;
+/// 2. the request span (`trace_fn`), continuing the caller's W3C trace;
+/// 3. [`MetricsLayer`], so that rejected calls are counted too;
+/// 4. deadline: the caller's `grpc-timeout`, capped by `request_timeout_secs` (tonic's built-in timeout layer);
+/// 5. per-connection concurrency limit;
+/// 6. routing: `/metrics` (plain HTTP), grpc.health.v1 (no auth: kubelet probes carry no credentials), and the
+///    services plus reflection behind the bearer-token interceptor;
+/// 7. each service's message size limit, set by the service on its generated server.
+#[derive(Debug)]
+pub struct Host {
+    service: &'static str,
+    config: ServerConfig,
+    routes: RoutesBuilder,
+    names: Vec<&'static str>,
+    registry: Registry,
+    auth: RequireBearer,
+    health: HealthReporter,
+    health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+}
+
+impl Host {
+    /// A host for `service` (the name on its logs, spans and metrics), configured by `config`.
+    pub fn new(service: &'static str, config: &ServerConfig) -> Result<Self, ServeError> {
+        let token = Token::resolve(&config.auth)?;
+        if token.is_none() && !config.listen.ip().is_loopback() {
+            tracing::warn!(service, listen = %config.listen, "auth is off on a non-loopback address");
+        }
+        let health = HealthReporter::new();
+        let health_service = tonic_health::pb::health_server::HealthServer::new(
+            tonic_health::server::HealthService::from_health_reporter(health.clone()),
+        );
+        let registry = Registry::with_labels([("service".into(), service.into())].into_iter());
+        Ok(Self {
+            service,
+            config: config.clone(),
+            routes: RoutesBuilder::default(),
+            names: Vec::new(),
+            registry,
+            auth: RequireBearer::new(token),
+            health,
+            health_service,
+        })
+    }
+
+    /// Adds a generated service behind the bearer-token check; its health entry is NOT_SERVING until serving.
+    pub fn add_service<S>(&mut self, service: S) -> &mut Self
+    where
+        S: tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.names.push(S::NAME);
+        self.routes.add_service(InterceptedService::new(service, self.auth.clone()));
+        self
+    }
+
+    /// The registry served at `/metrics`, for the service's own metrics.
+    pub fn registry(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
+    /// The health reporter, for services whose readiness can change while serving (a quarantined device).
+    pub fn health(&self) -> HealthReporter {
+        self.health.clone()
+    }
+
+    /// The largest message a service should accept (apply with `max_decoding_message_size`).
+    pub fn max_message_bytes(&self) -> usize {
+        self.config.max_message_bytes
+    }
+
+    /// Serves on `listener` until `shutdown` completes, then drains: health goes NOT_SERVING, the listener stops
+    /// accepting, and in-flight calls get `drain_timeout_secs` to finish before they are dropped.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServeError> {
+        let Host { service, config, mut routes, names, mut registry, auth, health, health_service } = self;
+        set_status(&health, &names, ServingStatus::NotServing).await;
+
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kforge_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+        routes.add_service(InterceptedService::new(reflection.build_v1()?, auth.clone()));
+        let reflection_alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kforge_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+        routes.add_service(InterceptedService::new(reflection_alpha.build_v1alpha()?, auth));
+        routes.add_service(health_service);
+
+        let metrics = Arc::new(Metrics::register(&mut registry));
+        let registry = Arc::new(registry);
+        let router = routes.routes().into_axum_router().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let registry = registry.clone();
+                async move { render(&registry) }
+            }),
+        );
+
+        let mut builder = Server::builder()
+            // HTTP/1.1 for `/metrics` scrapes; gRPC itself is HTTP/2.
+            .accept_http1(true)
+            .timeout(Duration::from_secs(config.request_timeout_secs))
+            .concurrency_limit_per_connection(config.concurrency_per_connection)
+            .trace_fn(move |request| kforge_telemetry::server_span(service, request));
+        if let Some(tls) = &config.tls {
+            builder = builder.tls_config(server_tls(tls)?)?;
+        }
+        let router = builder.layer(MetricsLayer(metrics)).add_routes(Routes::from(router));
+
+        let local = listener.local_addr()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tokio::spawn(router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            let _ = stopped.await;
+        }));
+        set_status(&health, &names, ServingStatus::Serving).await;
+        tracing::info!(service, addr = %local, "serving");
+
+        tokio::select! {
+            result = &mut server => return Ok(result??),
+            () = shutdown => {}
+        }
+        tracing::info!(service, "draining");
+        set_status(&health, &names, ServingStatus::NotServing).await;
+        let _ = stop.send(());
+        match tokio::time::timeout(Duration::from_secs(config.drain_timeout_secs), &mut server).await {
+            Ok(result) => result??,
+            Err(_) => {
+                tracing::warn!(service, "drain timed out; dropping in-flight calls");
+                server.abort();
+            }
+        }
+        tracing::info!(service, "stopped");
+        Ok(())
+    }
+}
+
+async fn set_status(health: &HealthReporter, names: &[&'static str], status: ServingStatus) {
+    health.set_service_status("", status).await;
+    for name in names {
+        health.set_service_status(*name, status).await;
+    }
+}
+
+fn server_tls(tls: &TlsConfig) -> Result<ServerTlsConfig, ServeError> {
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).map_err(|source| ServeError::TlsFile { path: path.to_owned(), source })
+    };
+    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(read(&tls.cert_file)?, read(&tls.key_file)?));
+    if let Some(ca) = &tls.client_ca_file {
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(config)
+}
+
+/// Binds `config.server().listen` and runs `serve` until SIGTERM or SIGINT, then drains. What `kforge serve` and
+/// each service's own binary run.
+pub async fn run_service<C, F, Fut>(config: C, serve: F) -> Result<(), ServeError>
+where
+    C: crate::ServiceConfig,
+    F: FnOnce(C, TcpListener, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
+    Fut: Future<Output = Result<(), ServeError>>,
+{
+    let listen = config.server().listen;
+    let listener = TcpListener::bind(listen).await.map_err(|source| ServeError::Bind { addr: listen, source })?;
+    serve(config, listener, Box::pin(shutdown_signal())).await
+}
+
+/// Completes on the first SIGTERM or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGTERM; only SIGINT stops the server");
+                let _ = interrupt.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}

@@ -1,0 +1,22 @@
+//! The plumbing every kforge service shares, so that a service crate holds only its own behaviour.
+//!
+//! - [`config`]: typed configuration from a TOML file plus `KFORGE__...` environment overrides, unknown keys rejected.
+//! - [`Host`]: one gRPC server with grpc.health.v1, reflection, optional TLS and bearer-token auth, request size
+//!   limits, deadlines, per-method Prometheus metrics at `/metrics`, and graceful drain.
+//! - [`client`]: channels for calling other services with the same auth, TLS and trace propagation.
+
+pub mod auth;
+pub mod binary;
+pub mod client;
+pub mod config;
+mod host;
+mod metrics;
+
+pub use config::{ConfigError, ServerConfig, ServiceConfig, TlsConfig, load_section};
+pub use host::{Host, ServeError, run_service, shutdown_signal};
+pub use metrics::Metrics;
+
+/// The answer of an RPC whose behaviour has not landed yet: UNIMPLEMENTED, saying which capability brings it.
+pub fn not_yet_implemented(rpc: &str, capability: &str) -> tonic::Status {
+    tonic::Status::unimplemented(format!("{rpc} is not implemented yet; it arrives with {capability}"))
+}
