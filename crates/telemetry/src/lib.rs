@@ -84,7 +84,9 @@ pub fn init(service_name: &str, default_filter: &str) -> Result<TelemetryGuard, 
         Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(spec)?,
         _ => EnvFilter::try_new(default_filter)?,
     };
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false);
+    // Colour only on a terminal: log collectors store escape codes verbatim.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(ansi);
 
     if !otlp_requested() {
         tracing_subscriber::registry().with(filter).with(fmt).try_init()?;

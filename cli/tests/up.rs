@@ -1,0 +1,196 @@
+//! `kforge up` as a user runs it: the real binary, all five services, checked with real gRPC clients.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use tokio_stream::StreamExt;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::{HealthCheckRequest, health_check_response};
+use tonic_reflection::pb::v1::ServerReflectionRequest;
+use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+const SECTIONS: [(&str, &str); 5] = [
+    ("evaluator", "kforge.v1.Evaluator"),
+    ("profiler", "kforge.v1.Profiler"),
+    ("reward", "kforge.v1.Reward"),
+    ("gateway", "kforge.v1.Gateway"),
+    ("orchestrator", "kforge.v1.Orchestrator"),
+];
+
+/// Kills the child if the test fails before it stops it.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+    }
+}
+
+fn start_up() -> (Guard, Vec<(String, String)>) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
+    command.env("NO_COLOR", "1");
+    command.arg("up").stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (section, _) in SECTIONS {
+        command.env(format!("KFORGE__{}__SERVER__LISTEN", section.to_uppercase()), "127.0.0.1:0");
+    }
+    let mut child = command.spawn().expect("kforge binary runs");
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let mut lines = BufReader::new(stdout).lines();
+    let mut addresses = Vec::new();
+    for _ in SECTIONS {
+        let line = lines.next().expect("kforge up prints an address per service").expect("utf-8 line");
+        let (name, url) = line.split_once(char::is_whitespace).expect("`name url` line");
+        addresses.push((name.to_owned(), url.trim().to_owned()));
+    }
+    (Guard(child), addresses)
+}
+
+async fn channel(url: &str) -> kforge_server::client::Channel {
+    kforge_server::client::connect(url, &Default::default()).await.expect("connects")
+}
+
+/// Waits, through the health Watch stream, until `service` reports SERVING; returns every status seen.
+async fn wait_serving(url: &str, service: &str) -> Vec<i32> {
+    let mut health = HealthClient::new(channel(url).await);
+    let mut stream = health.watch(HealthCheckRequest { service: service.into() }).await.expect("watch").into_inner();
+    let mut seen = Vec::new();
+    while let Some(update) = stream.next().await {
+        let status = update.expect("health update").status;
+        seen.push(status);
+        if status == health_check_response::ServingStatus::Serving as i32 {
+            return seen;
+        }
+    }
+    panic!("health stream of {service} ended before SERVING: {seen:?}");
+}
+
+async fn reflected_services(url: &str) -> Vec<String> {
+    let mut reflection = ServerReflectionClient::new(channel(url).await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses =
+        reflection.server_reflection_info(tokio_stream::iter([request])).await.expect("reflection").into_inner();
+    let response = responses.next().await.expect("one response").expect("ok response");
+    match response.message_response {
+        Some(MessageResponse::ListServicesResponse(list)) => list.service.into_iter().map(|s| s.name).collect(),
+        other => panic!("unexpected reflection response {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn up_serves_health_and_reflection_on_all_five_then_drains_on_sigterm() {
+    let (mut child, addresses) = start_up();
+    let names: Vec<&str> = addresses.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, SECTIONS.map(|(s, _)| s));
+
+    for ((_, url), (_, proto_service)) in addresses.iter().zip(SECTIONS) {
+        wait_serving(url, "").await;
+        wait_serving(url, proto_service).await;
+        let services = reflected_services(url).await;
+        for expected in [proto_service, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"] {
+            assert!(services.iter().any(|s| s == expected), "{url} lacks {expected}: {services:?}");
+        }
+        let mut health = HealthClient::new(channel(url).await);
+        let status = health.check(HealthCheckRequest { service: String::new() }).await.expect("check").into_inner();
+        assert_eq!(status.status, ServingStatus::Serving as i32);
+    }
+
+    // Wait off the runtime: the clients' connections must keep running so that they can close when the server
+    // sends GOAWAY, or the drain would wait for them until its timeout.
+    let status = tokio::task::spawn_blocking(move || {
+        let pid = child.0.id().to_string();
+        let killed = Command::new("kill").args(["-TERM", &pid]).status().expect("kill runs");
+        assert!(killed.success());
+        let status = child.0.wait().expect("kforge exits");
+        let mut log = String::new();
+        std::io::Read::read_to_string(&mut child.0.stderr.take().expect("stderr piped"), &mut log).expect("log");
+        (status, log)
+    })
+    .await
+    .expect("waiter thread");
+    let (status, log) = status;
+    assert!(status.success(), "kforge up should drain and exit 0 on SIGTERM, got {status}: {log}");
+    for service in SECTIONS.map(|(s, _)| s) {
+        assert!(log.contains(&format!("draining service=\"{service}\"")), "{service} did not drain: {log}");
+    }
+    assert!(!log.contains("drain timed out"), "a drain gave up instead of finishing: {log}");
+}
+
+#[test]
+fn call_reports_bad_input_in_one_line_with_a_non_zero_exit() {
+    let cases: [(&[&str], &str, &str); 5] = [
+        (&["call", "Nope/Method"], "{}", "unknown service `Nope`"),
+        (&["call", "Reward/Nope"], "{}", "unknown method `Nope`"),
+        (&["call", "Reward/ComputeReturns"], "{\"gamma\": ", "malformed json"),
+        (&["call", "Reward/ComputeReturns"], "{\"gamma\": \"high\"}", "gamma"),
+        (
+            &["call", "Reward/ComputeReturns"],
+            "{\"method\": \"RETURN_METHOD_SUM\"}",
+            "INVALID_ARGUMENT: gamma: required",
+        ),
+    ];
+    for (args, stdin, expected) in cases {
+        let output = run_kforge(args, stdin);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn call_reaches_every_rpc_in_process() {
+    let ok = run_kforge(
+        &["call", "Reward/ComputeAdvantages"],
+        r#"{"estimator":"ADVANTAGE_ESTIMATOR_TRLOO","groups":[{"trajectories":[{"values":[1,4]},{"values":[2]},{"values":[6]}]}]}"#,
+    );
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&ok.stdout).expect("proto3 json on stdout");
+    assert_eq!(json["groups"][0]["trajectories"][0]["values"], serde_json::json!([-3.0, 4.0]));
+
+    let unimplemented = [
+        "Evaluator/Evaluate",
+        "Evaluator/EvaluateStream",
+        "Evaluator/GetCapabilities",
+        "Profiler/Profile",
+        "Profiler/SelectMetrics",
+        "Profiler/GetDeviceSpec",
+        "Gateway/Generate",
+        "Gateway/GenerateStream",
+        "Gateway/ListModels",
+        "Gateway/ControlBackends",
+        "Orchestrator/SubmitJob",
+        "Orchestrator/GetJob",
+        "Orchestrator/WatchJob",
+        "Orchestrator/CancelJob",
+        "Orchestrator/ListTrajectories",
+        "Orchestrator/ExportSamples",
+        "Orchestrator/StartEpisode",
+        "Orchestrator/Step",
+    ];
+    for target in unimplemented {
+        let output = run_kforge(&["call", target], "{}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(stderr.contains(&format!("UNIMPLEMENTED: {target} is not implemented yet")), "{target}: {stderr}");
+    }
+}
+
+fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kforge"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kforge runs");
+    child.stdin.take().expect("stdin piped").write_all(stdin.as_bytes()).expect("stdin written");
+    child.wait_with_output().expect("kforge exits")
+}

@@ -1,0 +1,40 @@
+//! Helpers for kforge's cross-service tests: start services in this process on ephemeral ports and wait until
+//! they are ready through grpc.health.v1, never by sleeping.
+
+use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge_server::client::{self, Channel, ClientConfig};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// Starts `services` with `config` on ephemeral loopback ports and waits until each reports SERVING.
+pub async fn start(services: &[Service], config: &MeshConfig) -> Mesh {
+    let mesh = Mesh::start(services, config, true).await.expect("services start");
+    for &service in services {
+        let channel = connect(&mesh, service, &ClientConfig::default()).await;
+        wait_for(channel, service.proto_name(), ServingStatus::Serving).await;
+    }
+    mesh
+}
+
+/// A channel to `service` in `mesh`.
+pub async fn connect(mesh: &Mesh, service: Service, config: &ClientConfig) -> Channel {
+    let address = mesh.address(service).expect("service runs in this mesh");
+    client::connect(address, config).await.expect("connects")
+}
+
+/// Follows the health Watch stream of `name` until it reports `status`; returns every status seen on the way.
+pub async fn wait_for(channel: Channel, name: &str, status: ServingStatus) -> Vec<ServingStatus> {
+    let mut health = HealthClient::new(channel);
+    let mut stream = health.watch(HealthCheckRequest { service: name.into() }).await.expect("watch").into_inner();
+    let mut seen = Vec::new();
+    // `message()` fails or ends when the server goes away; either way no further status will come.
+    while let Some(response) = stream.message().await.ok().flatten() {
+        let current = ServingStatus::try_from(response.status).expect("a known serving status");
+        seen.push(current);
+        if current == status {
+            return seen;
+        }
+    }
+    panic!("health of {name} ended before {status:?}: {seen:?}");
+}
