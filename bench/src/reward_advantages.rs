@@ -23,9 +23,7 @@ fn batch() -> Vec<Vec<Vec<f64>>> {
         state ^= state << 17;
         (state >> 11) as f64 / (1u64 << 53) as f64 * 4.0
     };
-    (0..GROUPS)
-        .map(|_| (0..TRAJECTORIES).map(|t| (0..TURNS - t % 3).map(|_| next()).collect()).collect())
-        .collect()
+    (0..GROUPS).map(|_| (0..TRAJECTORIES).map(|t| (0..TURNS - t % 3).map(|_| next()).collect()).collect()).collect()
 }
 
 fn median(mut samples: Vec<Duration>) -> Duration {
@@ -48,7 +46,9 @@ fn time<T>(mut f: impl FnMut() -> T) -> (Duration, Duration) {
 fn main() {
     let groups = batch();
     let samples: usize = groups.iter().flatten().map(Vec::len).sum();
-    println!("batch: {GROUPS} groups x {TRAJECTORIES} trajectories, ragged up to {TURNS} turns = {samples} turn-samples");
+    println!(
+        "batch: {GROUPS} groups x {TRAJECTORIES} trajectories, ragged up to {TURNS} turns = {samples} turn-samples"
+    );
     println!("runs per figure: {RUNS}; figures are median (min)");
 
     let estimators = [

@@ -93,8 +93,7 @@ pub fn resolve(target: &str) -> Result<MethodDescriptor, CallError> {
 pub fn parse_requests(method: &MethodDescriptor, input: &str) -> Result<Vec<DynamicMessage>, CallError> {
     let descriptor = method.input();
     let mut requests = Vec::new();
-    let mut stream = serde_json::Deserializer::from_str(input).into_iter::<serde_json::Value>();
-    while let Some(value) = stream.next() {
+    for value in serde_json::Deserializer::from_str(input).into_iter::<serde_json::Value>() {
         let index = requests.len();
         let value = value.map_err(|e| CallError::Json { index, message: format!("malformed json: {e}") })?;
         let mut track = serde_path_to_error::Track::new();

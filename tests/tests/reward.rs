@@ -131,8 +131,16 @@ async fn rejection_sampling_by_profiling_ratio_and_by_mismatch() {
     let mrs = pb::RejectionSampleRequest {
         method: Some(pb::rejection_sample_request::Method::Mrs(pb::MrsParams::default())),
         trajectories: vec![
-            pb::TokenLogprobs { trajectory_id: "same".into(), rollout_logprobs: vec![-0.5, -1.0], train_logprobs: vec![-0.5, -1.0] },
-            pb::TokenLogprobs { trajectory_id: "drift".into(), rollout_logprobs: vec![-0.5, -1.0], train_logprobs: vec![-0.4, -0.9] },
+            pb::TokenLogprobs {
+                trajectory_id: "same".into(),
+                rollout_logprobs: vec![-0.5, -1.0],
+                train_logprobs: vec![-0.5, -1.0],
+            },
+            pb::TokenLogprobs {
+                trajectory_id: "drift".into(),
+                rollout_logprobs: vec![-0.5, -1.0],
+                train_logprobs: vec![-0.4, -0.9],
+            },
         ],
         ..Default::default()
     };
@@ -162,11 +170,15 @@ async fn diagnose_flags_junk_not_okay_and_hacks() {
             outcome: None,
         },
     ];
-    let response = reward.diagnose(pb::DiagnoseRequest { params: None, responses }).await.expect("diagnose").into_inner();
+    let response =
+        reward.diagnose(pb::DiagnoseRequest { params: None, responses }).await.expect("diagnose").into_inner();
     let flags: Vec<(bool, bool, bool, bool)> =
         response.flags.iter().map(|f| (f.junk, f.truncated, f.degenerate, f.not_okay)).collect();
     assert_eq!(flags, vec![(false, false, false, false), (true, true, true, true)]);
-    assert_eq!((response.junk_ratio, response.not_okay_ratio, response.hack_ratio, response.evaluated), (0.5, 0.5, 0.0, 1));
+    assert_eq!(
+        (response.junk_ratio, response.not_okay_ratio, response.hack_ratio, response.evaluated),
+        (0.5, 0.5, 0.0, 1)
+    );
     mesh.shutdown().await.expect("drains");
 }
 
@@ -186,8 +198,14 @@ async fn bad_input_is_invalid_argument_naming_the_field() {
         reward.compute_advantages(advantages(pb::AdvantageEstimator::Grpo.into(), groups)).await,
         "groups[3].trajectories[1].values[0]",
     );
-    assert_invalid(reward.compute_advantages(advantages(99, vec![group(vec![values("x", &[1.0])])])).await, "estimator");
-    assert_invalid(reward.compute_advantages(advantages(pb::AdvantageEstimator::Rloo.into(), vec![group(vec![])])).await, "groups[0].trajectories");
+    assert_invalid(
+        reward.compute_advantages(advantages(99, vec![group(vec![values("x", &[1.0])])])).await,
+        "estimator",
+    );
+    assert_invalid(
+        reward.compute_advantages(advantages(pb::AdvantageEstimator::Rloo.into(), vec![group(vec![])])).await,
+        "groups[0].trajectories",
+    );
 
     let score = |outcomes| pb::ScoreKernelsRequest {
         formula: Some(pb::score_kernels_request::Formula::Kevin(pb::KevinScore::default())),
@@ -196,7 +214,10 @@ async fn bad_input_is_invalid_argument_naming_the_field() {
     };
     let unspecified = pb::KernelOutcome { verdict: pb::Verdict::Unspecified.into(), ..Default::default() };
     assert_invalid(reward.score_kernels(score(vec![correct("a", 1.0, 0.5), unspecified])).await, "outcomes[1].verdict");
-    assert_invalid(reward.score_kernels(score(vec![correct("a", f64::INFINITY, 0.5)])).await, "outcomes[0].speedup_eager");
+    assert_invalid(
+        reward.score_kernels(score(vec![correct("a", f64::INFINITY, 0.5)])).await,
+        "outcomes[0].speedup_eager",
+    );
     let negative_time = pb::KernelOutcome { candidate_median_ms: Some(-3.0), ..correct("a", 1.0, 0.5) };
     assert_invalid(reward.score_kernels(score(vec![negative_time])).await, "outcomes[0].candidate_median_ms");
     assert_invalid(reward.score_kernels(score(vec![correct("a", 1.0, 1.2)])).await, "outcomes[0].profiling_ratio");
@@ -204,12 +225,22 @@ async fn bad_input_is_invalid_argument_naming_the_field() {
 
     let ragged = pb::RejectionSampleRequest {
         method: Some(pb::rejection_sample_request::Method::Mrs(pb::MrsParams::default())),
-        trajectories: vec![pb::TokenLogprobs { trajectory_id: "t".into(), rollout_logprobs: vec![-1.0, -2.0], train_logprobs: vec![-1.0] }],
+        trajectories: vec![pb::TokenLogprobs {
+            trajectory_id: "t".into(),
+            rollout_logprobs: vec![-1.0, -2.0],
+            train_logprobs: vec![-1.0],
+        }],
         ..Default::default()
     };
     assert_invalid(reward.rejection_sample(ragged).await, "trajectories[0].train_logprobs");
     assert_invalid(
-        reward.compute_returns(pb::ComputeReturnsRequest { method: pb::ReturnMethod::Max.into(), gamma: None, trajectories: vec![] }).await,
+        reward
+            .compute_returns(pb::ComputeReturnsRequest {
+                method: pb::ReturnMethod::Max.into(),
+                gamma: None,
+                trajectories: vec![],
+            })
+            .await,
         "gamma",
     );
     assert_invalid(reward.diagnose(pb::DiagnoseRequest { params: None, responses: vec![] }).await, "responses");

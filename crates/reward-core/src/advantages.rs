@@ -24,10 +24,10 @@ impl Estimator {
 
 /// Advantages with the same shape as `groups` (group -> trajectory -> turn).
 pub fn compute_advantages(estimator: Estimator, groups: &[Vec<Vec<f64>>]) -> Result<Vec<Vec<Vec<f64>>>, InvalidInput> {
-    if let Estimator::Grpo { epsilon, .. } = estimator {
-        if !(epsilon.is_finite() && epsilon >= 0.0) {
-            return Err(InvalidInput::new("epsilon", format!("must be finite and >= 0, got {epsilon}")));
-        }
+    if let Estimator::Grpo { epsilon, .. } = estimator
+        && !(epsilon.is_finite() && epsilon >= 0.0)
+    {
+        return Err(InvalidInput::new("epsilon", format!("must be finite and >= 0, got {epsilon}")));
     }
     validate(groups)?;
     Ok(groups

@@ -190,7 +190,7 @@ mod tests {
         };
         let eager = ScoreParams { baseline: Baseline::Eager, ..params(Formula::KEVIN) };
         let compile = ScoreParams { baseline: Baseline::Compile, ..params(Formula::KEVIN) };
-        assert_eq!(score_kernels(&eager, &[outcome.clone()]).expect("valid")[0].speedup, 1.5);
+        assert_eq!(score_kernels(&eager, std::slice::from_ref(&outcome)).expect("valid")[0].speedup, 1.5);
         assert_eq!(score_kernels(&compile, &[outcome]).expect("valid")[0].speedup, 0.5);
     }
 

@@ -29,15 +29,12 @@ pub enum ConfigError {
     /// A top-level table that is not a service.
     #[error("unknown config section `{section}` (expected one of: {})", SECTIONS.join(", "))]
     UnknownSection { section: String },
-    /// A key is unknown, has the wrong type, or a value does not parse; figment names the key and its source.
+    /// The sources themselves could not be read (a file that is not TOML).
     #[error("{0}")]
-    Invalid(Box<figment::Error>),
-}
-
-impl From<figment::Error> for ConfigError {
-    fn from(error: figment::Error) -> Self {
-        Self::Invalid(Box::new(error))
-    }
+    Source(Box<figment::Error>),
+    /// A key is unknown, has the wrong type, or a value does not parse; figment names the key and its source.
+    #[error("[{section}] {error}")]
+    Invalid { section: &'static str, error: Box<figment::Error> },
 }
 
 /// A service's configuration: the table it reads and its server settings.
@@ -58,12 +55,16 @@ pub fn load_section<T: ServiceConfig>(file: Option<&Path>) -> Result<T, ConfigEr
         sources = sources.merge(Toml::file_exact(path));
     }
     sources = sources.merge(Env::prefixed(ENV_PREFIX).split("__"));
-    for section in sources.data()?.values().flat_map(|dict| dict.keys()) {
+    let data = sources.data().map_err(|e| ConfigError::Source(Box::new(e)))?;
+    for section in data.values().flat_map(|dict| dict.keys()) {
         if !SECTIONS.contains(&section.as_str()) {
             return Err(ConfigError::UnknownSection { section: section.clone() });
         }
     }
-    Ok(Figment::from(Serialized::default(T::SECTION, T::default())).merge(sources).extract_inner(T::SECTION)?)
+    Figment::from(Serialized::defaults(T::default()))
+        .merge(sources.focus(T::SECTION))
+        .extract()
+        .map_err(|error| ConfigError::Invalid { section: T::SECTION, error: Box::new(error) })
 }
 
 /// Settings every gRPC server has.
@@ -131,6 +132,8 @@ pub struct AuthConfig {
 }
 
 #[cfg(test)]
+// `Jail::expect_with` fixes the closures' error type to figment's own, large, error.
+#[allow(clippy::result_large_err)]
 mod tests {
     use figment::Jail;
 

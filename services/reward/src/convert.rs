@@ -123,18 +123,23 @@ pub(crate) fn compute_advantages(
         }
         Err(_) => return Err(InvalidInput::new("estimator", format!("unknown value {estimator}"))),
     };
-    let (group_ids, shapes): (Vec<String>, Vec<(Vec<String>, Vec<Vec<f64>>)>) = groups
-        .into_iter()
-        .map(|pb::AdvantageGroup { group_id, trajectories }| (group_id, values(trajectories)))
-        .unzip();
-    let (trajectory_ids, returns): (Vec<Vec<String>>, Vec<Vec<Vec<f64>>>) = shapes.into_iter().unzip();
+    // Ids stay here while the math sees only numbers; they are reattached in order.
+    let mut ids = Vec::with_capacity(groups.len());
+    let mut returns = Vec::with_capacity(groups.len());
+    for pb::AdvantageGroup { group_id, trajectories } in groups {
+        let (trajectory_ids, values) = values(trajectories);
+        ids.push((group_id, trajectory_ids));
+        returns.push(values);
+    }
     let advantages = core::compute_advantages(estimator, &returns)?;
     Ok(pb::ComputeAdvantagesResponse {
-        groups: group_ids
+        groups: ids
             .into_iter()
-            .zip(trajectory_ids)
             .zip(advantages)
-            .map(|((group_id, ids), values)| pb::AdvantageGroup { group_id, trajectories: with_ids(ids, values) })
+            .map(|((group_id, trajectory_ids), values)| pb::AdvantageGroup {
+                group_id,
+                trajectories: with_ids(trajectory_ids, values),
+            })
             .collect(),
     })
 }
