@@ -154,6 +154,40 @@ fn call_reaches_every_rpc_in_process() {
     let json: serde_json::Value = serde_json::from_slice(&ok.stdout).expect("proto3 json on stdout");
     assert_eq!(json["groups"][0]["trajectories"][0]["values"], serde_json::json!([-3.0, 4.0]));
 
+    let reward_calls = [
+        (
+            "Reward/ScoreKernels",
+            r#"{"kevin":{},"outcomes":[{"verdict":"VERDICT_CORRECT","speedupEager":2}]}"#,
+            "/scores/0/score",
+            2.3,
+        ),
+        (
+            "Reward/ComputeReturns",
+            r#"{"method":"RETURN_METHOD_MAX","gamma":0.5,"trajectories":[{"values":[1,4,0]}]}"#,
+            "/trajectories/0/values/0",
+            2.0,
+        ),
+        (
+            "Reward/ComputeAdvantages",
+            r#"{"estimator":"ADVANTAGE_ESTIMATOR_RLOO","groups":[{"trajectories":[{"values":[1,3]}]}]}"#,
+            "/groups/0/trajectories/0/values/0",
+            -2.0,
+        ),
+        (
+            "Reward/RejectionSample",
+            r#"{"prs":{},"outcomes":[{"verdict":"VERDICT_CORRECT","profilingRatio":0.9}]}"#,
+            "/decisions/0/keepProbability",
+            1.0,
+        ),
+        ("Reward/Diagnose", r#"{"responses":[{"text":"no kernel here","finishReason":"length"}]}"#, "/junkRatio", 1.0),
+    ];
+    for (target, request, pointer, expected) in reward_calls {
+        let output = run_kforge(&["call", target], request);
+        assert!(output.status.success(), "{target}: {}", String::from_utf8_lossy(&output.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("proto3 json on stdout");
+        assert_eq!(json.pointer(pointer).and_then(serde_json::Value::as_f64), Some(expected), "{target}: {json}");
+    }
+
     let unimplemented = [
         "Evaluator/Evaluate",
         "Evaluator/EvaluateStream",
