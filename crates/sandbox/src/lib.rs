@@ -1,0 +1,483 @@
+//! Runs untrusted programs (candidate kernels and the harness around them) so that one crashed, hung or hostile
+//! candidate costs one verdict and never the service.
+//!
+//! Every job gets: its own process group (killed as a whole on timeout, cancellation or drop), a scrubbed
+//! environment (only what the caller passes), a scratch directory as working directory and `TMPDIR`, resource
+//! limits (CPU seconds, file size, open files, no core dumps, optionally address space), a wall-clock limit, capped
+//! stdout/stderr, death with the parent (`PR_SET_PDEATHSIG`), and, where the kernel allows, no network (a fresh
+//! network namespace) and a read-only view of the filesystem except the directories the job may write (Landlock).
+//!
+//! [`Sandbox::detect`] probes which of the optional protections work on this host, once; the evaluator reports
+//! them through `GetCapabilities`. A protection that cannot be enforced is reported, never silently assumed.
+//!
+//! Restrictions are applied between `fork` and `exec` using only raw system calls (no allocation), because the
+//! parent is multi-threaded: the Landlock ruleset is built in the parent and only its file descriptor crosses.
+
+use std::ffi::OsString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, path_beneath_rules};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio_util::sync::CancellationToken;
+
+/// Why a job could not be run (as opposed to a job that ran and failed, which is a [`Finished`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("cannot start {program}: {source}")]
+    Spawn { program: PathBuf, source: std::io::Error },
+    #[error("cannot wait for the job: {0}")]
+    Wait(std::io::Error),
+    #[error("landlock ruleset: {0}")]
+    Landlock(String),
+}
+
+/// One protection and whether it is enforced on this host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Protection {
+    pub name: &'static str,
+    pub active: bool,
+    pub detail: String,
+}
+
+/// Resource limits of one job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Wall-clock time before the whole process group is killed.
+    pub wall: Duration,
+    /// CPU seconds (RLIMIT_CPU), summed over the job's threads.
+    pub cpu_seconds: u64,
+    /// Largest file the job may write (RLIMIT_FSIZE).
+    pub file_bytes: u64,
+    /// Open file descriptors (RLIMIT_NOFILE).
+    pub open_files: u64,
+    /// Virtual address space (RLIMIT_AS); `None` for GPU jobs, whose drivers map far more than they use.
+    pub address_space_bytes: Option<u64>,
+    /// Bytes of stdout and of stderr kept; the rest is read and dropped so the job never blocks on a full pipe.
+    pub output_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            wall: Duration::from_secs(120),
+            cpu_seconds: 600,
+            file_bytes: 2 << 30,
+            open_files: 4096,
+            address_space_bytes: None,
+            output_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// A program to run in the sandbox.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub program: PathBuf,
+    pub args: Vec<OsString>,
+    /// The whole environment of the job; nothing is inherited.
+    pub env: Vec<(OsString, OsString)>,
+    /// Working directory and `TMPDIR`; always writable.
+    pub scratch: PathBuf,
+    /// Further directories the job may write (e.g. the compile cache during a compile).
+    pub writable: Vec<PathBuf>,
+    pub limits: Limits,
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Exited with this code.
+    Code(i32),
+    /// Killed by this signal (its own fault: a segfault, an abort, RLIMIT_CPU's SIGXCPU...).
+    Signal(i32),
+    /// Ran past its wall-clock limit; the sandbox killed the group.
+    TimedOut,
+    /// The caller cancelled it; the sandbox killed the group.
+    Cancelled,
+}
+
+/// A finished job.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub exit: Exit,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// Whether stdout or stderr went over `output_bytes` and was cut.
+    pub output_truncated: bool,
+    pub wall: Duration,
+}
+
+impl Finished {
+    pub fn success(&self) -> bool {
+        self.exit == Exit::Code(0)
+    }
+
+    /// The end of stderr as text, for error messages.
+    pub fn stderr_tail(&self, bytes: usize) -> String {
+        let start = self.stderr.len().saturating_sub(bytes);
+        String::from_utf8_lossy(&self.stderr[start..]).into_owned()
+    }
+}
+
+/// The sandbox of this host: which optional protections work, probed once.
+#[derive(Debug, Clone)]
+pub struct Sandbox {
+    network_namespace: bool,
+    landlock: Option<ABI>,
+    protections: Vec<Protection>,
+}
+
+impl Sandbox {
+    /// Probes the optional protections by running `/bin/true` under each.
+    pub async fn detect() -> Self {
+        let mut sandbox = Self { network_namespace: false, landlock: None, protections: Vec::new() };
+        let scratch = std::env::temp_dir();
+        let probe = |sandbox: &Sandbox| {
+            let sandbox = sandbox.clone();
+            let scratch = scratch.clone();
+            async move {
+                let job = Job {
+                    program: "/bin/true".into(),
+                    args: vec![],
+                    env: vec![],
+                    scratch,
+                    writable: vec![],
+                    limits: Limits { wall: Duration::from_secs(10), ..Limits::default() },
+                };
+                sandbox.run(job, CancellationToken::new()).await
+            }
+        };
+
+        sandbox.network_namespace = true;
+        let network = probe(&sandbox).await;
+        sandbox.network_namespace = matches!(&network, Ok(f) if f.success());
+        let network_detail = match &network {
+            Ok(f) if f.success() => "fresh network namespace per job (loopback only, down)".to_owned(),
+            Ok(f) => format!("unshare(CLONE_NEWNET) failed in the probe ({:?}); jobs keep the host network", f.exit),
+            Err(e) => format!("probe failed: {e}"),
+        };
+
+        let abi = ABI::V5;
+        sandbox.landlock = Some(abi);
+        let landlock = probe(&sandbox).await;
+        let landlock_ok = matches!(&landlock, Ok(f) if f.success());
+        if !landlock_ok {
+            sandbox.landlock = None;
+        }
+        let landlock_detail = match &landlock {
+            Ok(f) if f.success() => {
+                "read-only filesystem except scratch and named directories (abi 5 rules)".to_owned()
+            }
+            Ok(f) => format!("landlock unavailable ({:?}); the filesystem is protected only by permissions", f.exit),
+            Err(e) => format!("landlock unavailable: {e}"),
+        };
+
+        sandbox.protections = vec![
+            Protection { name: "process_group", active: true, detail: "own process group, killed as a whole".into() },
+            Protection { name: "scrubbed_env", active: true, detail: "only the variables the evaluator passes".into() },
+            Protection {
+                name: "scratch_dir",
+                active: true,
+                detail: "fresh working directory and TMPDIR per job".into(),
+            },
+            Protection { name: "rlimits", active: true, detail: "cpu, file size, open files, no core dumps".into() },
+            Protection {
+                name: "wall_clock_kill",
+                active: true,
+                detail: "group SIGKILL at the wall-clock limit".into(),
+            },
+            Protection { name: "output_caps", active: true, detail: "stdout and stderr capped".into() },
+            Protection {
+                name: "parent_death",
+                active: true,
+                detail: "PR_SET_PDEATHSIG: jobs die with the evaluator".into(),
+            },
+            Protection { name: "network_namespace", active: sandbox.network_namespace, detail: network_detail },
+            Protection { name: "landlock", active: landlock_ok, detail: landlock_detail },
+        ];
+        for p in sandbox.protections.iter().filter(|p| !p.active) {
+            tracing::warn!(protection = p.name, detail = %p.detail, "sandbox protection unavailable");
+        }
+        sandbox
+    }
+
+    /// A sandbox with only the always-available protections (for hosts where probing is not wanted).
+    pub fn basic() -> Self {
+        Self { network_namespace: false, landlock: None, protections: Vec::new() }
+    }
+
+    /// Which protections are enforced.
+    pub fn protections(&self) -> &[Protection] {
+        &self.protections
+    }
+
+    /// Runs `job` to completion, timeout or cancellation. The process group is killed in every case before this
+    /// returns, so nothing the job started outlives it (short of leaving the group with `setsid`).
+    pub async fn run(&self, job: Job, cancel: CancellationToken) -> Result<Finished, SandboxError> {
+        let ruleset = match self.landlock {
+            Some(abi) => Some(landlock_ruleset(abi, &job)?),
+            None => None,
+        };
+        let mut command = tokio::process::Command::new(&job.program);
+        command
+            .args(&job.args)
+            .env_clear()
+            .envs(job.env.iter().map(|(k, v)| (k, v)))
+            .env("TMPDIR", &job.scratch)
+            .current_dir(&job.scratch)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let setup = ChildSetup {
+            limits: job.limits.clone(),
+            network_namespace: self.network_namespace,
+            landlock_fd: ruleset.as_ref().map(AsRawFd::as_raw_fd),
+        };
+        // SAFETY: `ChildSetup::apply` makes only async-signal-safe system calls on plain integers it owns; it
+        // allocates nothing and touches no lock, as required between fork and exec in a multi-threaded parent.
+        #[allow(unsafe_code)]
+        unsafe {
+            command.pre_exec(move || setup.apply());
+        }
+
+        let started = Instant::now();
+        let mut child =
+            command.spawn().map_err(|source| SandboxError::Spawn { program: job.program.clone(), source })?;
+        drop(ruleset);
+        let group = GroupKiller(child.id().map(|pid| pid as libc::pid_t));
+        let stdout = tokio::spawn(read_capped(child.stdout.take(), job.limits.output_bytes));
+        let stderr = tokio::spawn(read_capped(child.stderr.take(), job.limits.output_bytes));
+
+        let exit = tokio::select! {
+            status = child.wait() => {
+                let status = status.map_err(SandboxError::Wait)?;
+                use std::os::unix::process::ExitStatusExt;
+                match (status.code(), status.signal()) {
+                    (Some(code), _) => Exit::Code(code),
+                    (None, Some(signal)) => Exit::Signal(signal),
+                    (None, None) => Exit::Signal(0),
+                }
+            }
+            () = tokio::time::sleep(job.limits.wall) => Exit::TimedOut,
+            () = cancel.cancelled() => Exit::Cancelled,
+        };
+        // Kill whatever is left of the group (the job itself on timeout, background children otherwise), so the
+        // pipes close and the readers finish.
+        drop(group);
+        let _ = child.wait().await;
+        let (stdout, stdout_cut) = stdout.await.unwrap_or_default();
+        let (stderr, stderr_cut) = stderr.await.unwrap_or_default();
+        Ok(Finished { exit, stdout, stderr, output_truncated: stdout_cut || stderr_cut, wall: started.elapsed() })
+    }
+}
+
+/// SIGKILLs the process group when dropped.
+struct GroupKiller(Option<libc::pid_t>);
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0 {
+            // SAFETY: killpg takes plain integers; an already-empty group returns ESRCH, which is fine.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::killpg(pgid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Reads up to `cap` bytes, then keeps draining so the writer never blocks; returns the bytes and whether it cut.
+async fn read_capped(stream: Option<impl AsyncRead + Unpin>, cap: usize) -> (Vec<u8>, bool) {
+    let Some(mut stream) = stream else { return (Vec::new(), false) };
+    let mut kept = Vec::new();
+    let mut buffer = [0u8; 16 * 1024];
+    let mut cut = false;
+    loop {
+        match stream.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let room = cap.saturating_sub(kept.len());
+                kept.extend_from_slice(&buffer[..n.min(room)]);
+                cut |= n > room;
+            }
+        }
+    }
+    (kept, cut)
+}
+
+fn landlock_ruleset(abi: ABI, job: &Job) -> Result<OwnedFd, SandboxError> {
+    let error = |e: landlock::RulesetError| SandboxError::Landlock(e.to_string());
+    let mut writable: Vec<&Path> = vec![&job.scratch, Path::new("/dev")];
+    writable.extend(job.writable.iter().map(PathBuf::as_path));
+    let ruleset = Ruleset::default()
+        .handle_access(AccessFs::from_all(abi))
+        .map_err(error)?
+        .create()
+        .map_err(error)?
+        .add_rules(path_beneath_rules(["/"], AccessFs::from_read(abi)))
+        .map_err(error)?
+        .add_rules(path_beneath_rules(writable, AccessFs::from_all(abi)))
+        .map_err(error)?;
+    let fd: Option<OwnedFd> = ruleset.into();
+    fd.ok_or_else(|| SandboxError::Landlock("the kernel does not support landlock".into()))
+}
+
+/// What the child does to itself between fork and exec. Plain data only.
+#[derive(Debug, Clone)]
+struct ChildSetup {
+    limits: Limits,
+    network_namespace: bool,
+    landlock_fd: Option<i32>,
+}
+
+impl ChildSetup {
+    #[allow(unsafe_code)]
+    fn apply(&self) -> std::io::Result<()> {
+        let check = |result: libc::c_int| if result == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
+        let limit = |resource, value: u64| {
+            let rlimit = libc::rlimit { rlim_cur: value, rlim_max: value };
+            // SAFETY: setrlimit reads the struct we pass and nothing else.
+            check(unsafe { libc::setrlimit(resource, &rlimit) })
+        };
+        // SAFETY (all calls below): raw system calls on integers; no allocation, no locks.
+        unsafe {
+            check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0))?;
+        }
+        limit(libc::RLIMIT_CPU, self.limits.cpu_seconds)?;
+        limit(libc::RLIMIT_FSIZE, self.limits.file_bytes)?;
+        limit(libc::RLIMIT_NOFILE, self.limits.open_files)?;
+        limit(libc::RLIMIT_CORE, 0)?;
+        if let Some(bytes) = self.limits.address_space_bytes {
+            limit(libc::RLIMIT_AS, bytes)?;
+        }
+        if self.network_namespace {
+            unsafe { check(libc::unshare(libc::CLONE_NEWNET))? };
+        }
+        if let Some(fd) = self.landlock_fd {
+            unsafe {
+                check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
+                let result = libc::syscall(libc::SYS_landlock_restrict_self, fd, 0u32);
+                if result != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kforge-sandbox-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch");
+        dir
+    }
+
+    fn shell(script: &str, name: &str, limits: Limits) -> Job {
+        Job {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            scratch: scratch(name),
+            writable: vec![],
+            limits,
+        }
+    }
+
+    async fn run(sandbox: &Sandbox, job: Job) -> Finished {
+        sandbox.run(job, CancellationToken::new()).await.expect("job runs")
+    }
+
+    #[tokio::test]
+    async fn environment_is_scrubbed_and_scratch_is_the_working_directory() {
+        let sandbox = Sandbox::basic();
+        let finished = run(&sandbox, shell("env; pwd", "env", Limits::default())).await;
+        let out = String::from_utf8_lossy(&finished.stdout);
+        assert!(finished.success());
+        assert!(!out.contains("CARGO"), "inherited variables leaked: {out}");
+        assert!(out.contains(&format!("TMPDIR={}", scratch("env").display())), "{out}");
+        assert!(out.trim_end().ends_with(&scratch("env").display().to_string()), "{out}");
+    }
+
+    #[tokio::test]
+    async fn wall_clock_kills_the_whole_group() {
+        let sandbox = Sandbox::basic();
+        let pid_file = scratch("hang").join("child.pid");
+        let script = format!("sleep 60 & echo $! > {}; sleep 60", pid_file.display());
+        let limits = Limits { wall: Duration::from_millis(500), ..Limits::default() };
+        let finished = run(&sandbox, shell(&script, "hang", limits)).await;
+        assert_eq!(finished.exit, Exit::TimedOut);
+        let pid = std::fs::read_to_string(&pid_file).expect("the job recorded its child").trim().to_owned();
+        // SIGKILL is delivered before `run` returns; the child is then gone or a zombie awaiting its reaper.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let alive = state.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+        assert!(!alive, "a child of the timed-out job survived: {state}");
+    }
+
+    #[tokio::test]
+    async fn output_is_capped_without_blocking_the_job() {
+        let sandbox = Sandbox::basic();
+        let limits = Limits { output_bytes: 1000, ..Limits::default() };
+        let finished = run(&sandbox, shell("head -c 5000000 /dev/zero; echo done >&2", "output", limits)).await;
+        assert!(finished.success());
+        assert_eq!(finished.stdout.len(), 1000);
+        assert!(finished.output_truncated);
+        assert_eq!(finished.stderr_tail(100).trim(), "done");
+    }
+
+    #[tokio::test]
+    async fn signals_and_exit_codes_are_reported() {
+        let sandbox = Sandbox::basic();
+        assert_eq!(run(&sandbox, shell("exit 7", "code", Limits::default())).await.exit, Exit::Code(7));
+        assert_eq!(
+            run(&sandbox, shell("kill -SEGV $$", "signal", Limits::default())).await.exit,
+            Exit::Signal(libc::SIGSEGV)
+        );
+    }
+
+    #[tokio::test]
+    async fn cancellation_kills_the_job() {
+        let sandbox = Sandbox::basic();
+        let cancel = CancellationToken::new();
+        let job = shell("sleep 30", "cancel", Limits::default());
+        let handle = tokio::spawn({
+            let cancel = cancel.clone();
+            let sandbox = sandbox.clone();
+            async move { sandbox.run(job, cancel).await }
+        });
+        cancel.cancel();
+        assert_eq!(handle.await.expect("task").expect("runs").exit, Exit::Cancelled);
+    }
+
+    #[tokio::test]
+    async fn detected_protections_are_enforced() {
+        let sandbox = Sandbox::detect().await;
+        let active = |name: &str| sandbox.protections().iter().any(|p| p.name == name && p.active);
+        if active("network_namespace") {
+            // Only a down loopback exists in the job's namespace.
+            let finished = run(&sandbox, shell("cat /proc/net/dev", "net", Limits::default())).await;
+            let interfaces = String::from_utf8_lossy(&finished.stdout);
+            assert!(!interfaces.lines().skip(2).any(|l| !l.trim_start().starts_with("lo:")), "{interfaces}");
+        }
+        if active("landlock") {
+            let outside = std::env::temp_dir().join(format!("kforge-sandbox-outside-{}", std::process::id()));
+            let script = format!("touch {} 2>/dev/null; touch inside", outside.display());
+            let finished = run(&sandbox, shell(&script, "landlock", Limits::default())).await;
+            assert!(finished.success(), "{}", finished.stderr_tail(500));
+            assert!(!outside.exists(), "a write outside scratch got through");
+            assert!(scratch("landlock").join("inside").exists(), "scratch must stay writable");
+        }
+        // Which protections exist depends on the host; the report must say, one way or the other.
+        for name in ["network_namespace", "landlock", "process_group", "rlimits"] {
+            assert!(sandbox.protections().iter().any(|p| p.name == name), "{name} not reported");
+        }
+    }
+}
