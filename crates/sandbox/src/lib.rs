@@ -23,6 +23,10 @@ use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio_util::sync::CancellationToken;
 
+/// System locations every job may read (and execute from): libraries, compilers, device nodes, `/proc`.
+pub const SYSTEM_READABLE: &[&str] =
+    &["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/proc", "/sys", "/dev", "/run"];
+
 /// Why a job could not be run (as opposed to a job that ran and failed, which is a [`Finished`]).
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -81,6 +85,10 @@ pub struct Job {
     pub env: Vec<(OsString, OsString)>,
     /// Working directory and `TMPDIR`; always writable.
     pub scratch: PathBuf,
+    /// Further paths the job may read (the interpreter's installation, its input files). With Landlock active,
+    /// nothing else is readable but [`SYSTEM_READABLE`], the scratch directory and `writable`; the evaluator's
+    /// caches stay out of a candidate's view.
+    pub readable: Vec<PathBuf>,
     /// Further directories the job may write (e.g. the compile cache during a compile).
     pub writable: Vec<PathBuf>,
     pub limits: Limits,
@@ -144,6 +152,7 @@ impl Sandbox {
                     args: vec![],
                     env: vec![],
                     scratch,
+                    readable: vec![],
                     writable: vec![],
                     limits: Limits { wall: Duration::from_secs(10), ..Limits::default() },
                 };
@@ -312,14 +321,19 @@ async fn read_capped(stream: Option<impl AsyncRead + Unpin>, cap: usize) -> (Vec
 
 fn landlock_ruleset(abi: ABI, job: &Job) -> Result<OwnedFd, SandboxError> {
     let error = |e: landlock::RulesetError| SandboxError::Landlock(e.to_string());
+    // Rules are opened by path; a path that does not exist on this host is simply not granted.
     let mut writable: Vec<&Path> = vec![&job.scratch, Path::new("/dev")];
     writable.extend(job.writable.iter().map(PathBuf::as_path));
+    let mut readable: Vec<&Path> = SYSTEM_READABLE.iter().map(Path::new).collect();
+    readable.extend(job.readable.iter().map(PathBuf::as_path));
+    readable.retain(|p| p.exists());
+    writable.retain(|p| p.exists());
     let ruleset = Ruleset::default()
         .handle_access(AccessFs::from_all(abi))
         .map_err(error)?
         .create()
         .map_err(error)?
-        .add_rules(path_beneath_rules(["/"], AccessFs::from_read(abi)))
+        .add_rules(path_beneath_rules(readable, AccessFs::from_read(abi)))
         .map_err(error)?
         .add_rules(path_beneath_rules(writable, AccessFs::from_all(abi)))
         .map_err(error)?;
@@ -387,6 +401,7 @@ mod tests {
             args: vec!["-c".into(), script.into()],
             env: vec![("PATH".into(), "/usr/bin:/bin".into())],
             scratch: scratch(name),
+            readable: vec![],
             writable: vec![],
             limits,
         }
@@ -469,10 +484,14 @@ mod tests {
         }
         if active("landlock") {
             let outside = std::env::temp_dir().join(format!("kforge-sandbox-outside-{}", std::process::id()));
-            let script = format!("touch {} 2>/dev/null; touch inside", outside.display());
+            let secret = scratch("secret").join("reference.pt");
+            std::fs::write(&secret, "expected outputs").expect("secret file");
+            let script =
+                format!("touch {} 2>/dev/null; cat {} 2>/dev/null; touch inside", outside.display(), secret.display());
             let finished = run(&sandbox, shell(&script, "landlock", Limits::default())).await;
             assert!(finished.success(), "{}", finished.stderr_tail(500));
             assert!(!outside.exists(), "a write outside scratch got through");
+            assert!(finished.stdout.is_empty(), "a file outside the readable paths was read");
             assert!(scratch("landlock").join("inside").exists(), "scratch must stay writable");
         }
         // Which protections exist depends on the host; the report must say, one way or the other.

@@ -2,6 +2,8 @@
 //! of candidate kernels (docs/ARCHITECTURE.md). This crate serves the `kforge.v1.Evaluator` contract; the evaluation
 //! pipeline itself arrives with the evaluator core, and until then every RPC answers UNIMPLEMENTED.
 
+pub mod statics;
+
 use std::future::Future;
 
 use kforge_proto::v1 as pb;

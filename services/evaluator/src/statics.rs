@@ -1,0 +1,751 @@
+//! Static checks of candidate and task sources over a real Python parse (tree-sitter), never regular expressions.
+//!
+//! A candidate is checked against a named, versioned policy; each problem is a [`Finding`] with a stable code, a
+//! message and a line. Findings of category hack or policy reject the candidate (`VERDICT_REJECTED`); notices do
+//! not. What cannot be seen in the source (work escaping the timer, memoisation, ...) is the run-time checks' job.
+//!
+//! Policies:
+//! - `permissive@1`: the candidate must define `ModelNew`; anything that attacks the harness is a hack
+//!   (process, thread, socket, ctypes, gc/inspect imports; patching torch or timers; `setattr` on torch; side
+//!   streams; `exec`/`eval`; precision switches); `ModelNew` that only inherits the reference is a hack.
+//! - `kevin-strict@1`: permissive, plus no `try`/`except`, no inheriting the reference at all, imports only
+//!   from an allowlist, no files, no fast-math flags, and no torch compute in `ModelNew.forward` (torch ops,
+//!   `torch.nn.functional`, tensor compute methods, `@`, calls of torch layers built in `__init__`).
+
+use tree_sitter::{Node, Parser};
+
+/// What kind of problem a finding is (the wire's `FindingCategory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Category {
+    Hack,
+    Policy,
+    Notice,
+}
+
+/// One problem in a source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    pub code: &'static str,
+    pub message: String,
+    pub line: u32,
+    pub category: Category,
+}
+
+/// A named, versioned static policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    pub name: &'static str,
+    pub version: u32,
+    strict: bool,
+}
+
+impl Policy {
+    pub const PERMISSIVE: Policy = Policy { name: "permissive", version: 1, strict: false };
+    pub const KEVIN_STRICT: Policy = Policy { name: "kevin-strict", version: 1, strict: true };
+    pub const ALL: [Policy; 2] = [Self::PERMISSIVE, Self::KEVIN_STRICT];
+
+    /// `name@version`.
+    pub fn id(&self) -> String {
+        format!("{}@{}", self.name, self.version)
+    }
+
+    /// Resolves `name` or `name@version`.
+    pub fn resolve(requested: &str) -> Option<Policy> {
+        let (name, version) = match requested.split_once('@') {
+            Some((name, version)) => (name, Some(version.parse::<u32>().ok()?)),
+            None => (requested, None),
+        };
+        Self::ALL.into_iter().find(|p| p.name == name && version.is_none_or(|v| v == p.version))
+    }
+}
+
+/// The static verdict on a candidate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CandidateReport {
+    /// The source does not parse; the finding says where.
+    pub syntax_error: bool,
+    pub findings: Vec<Finding>,
+}
+
+impl CandidateReport {
+    /// Whether any finding rejects the candidate.
+    pub fn rejected(&self) -> bool {
+        self.findings.iter().any(|f| f.category != Category::Notice)
+    }
+}
+
+/// Modules whose import is an attack on the harness under every policy.
+const HOSTILE_MODULES: &[&str] = &[
+    "ctypes",
+    "subprocess",
+    "socket",
+    "threading",
+    "multiprocessing",
+    "concurrent",
+    "asyncio",
+    "signal",
+    "gc",
+    "inspect",
+    "importlib",
+    "builtins",
+    "marshal",
+    "pickle",
+    "shutil",
+    "pty",
+    "http",
+    "urllib",
+    "requests",
+    "cffi",
+    "mmap",
+    "resource",
+    "faulthandler",
+    "sys",
+    "_thread",
+];
+
+/// Modules a strict candidate may import (and their submodules).
+const STRICT_ALLOWED_MODULES: &[&str] = &[
+    "torch",
+    "triton",
+    "math",
+    "numpy",
+    "typing",
+    "functools",
+    "itertools",
+    "collections",
+    "dataclasses",
+    "operator",
+    "numbers",
+    "enum",
+    "abc",
+    "__future__",
+];
+
+/// `torch.<name>(...)` calls that allocate or describe tensors rather than compute on them.
+const ALLOCATION_OPS: &[&str] = &[
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "zeros",
+    "zeros_like",
+    "ones",
+    "ones_like",
+    "full",
+    "full_like",
+    "arange",
+    "tensor",
+    "as_tensor",
+    "device",
+    "Size",
+    "finfo",
+    "iinfo",
+    "is_tensor",
+    "numel",
+    "get_default_dtype",
+    "manual_seed",
+];
+
+/// Tensor methods that compute (rather than reshape, allocate or move) — forbidden in a strict `forward`.
+const COMPUTE_METHODS: &[&str] = &[
+    "matmul",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "einsum",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "relu",
+    "relu_",
+    "gelu",
+    "sigmoid",
+    "tanh",
+    "softmax",
+    "log_softmax",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "pow",
+    "sum",
+    "mean",
+    "var",
+    "std",
+    "max",
+    "min",
+    "amax",
+    "amin",
+    "argmax",
+    "argmin",
+    "cumsum",
+    "cumprod",
+    "prod",
+    "norm",
+    "add",
+    "add_",
+    "sub",
+    "mul",
+    "mul_",
+    "div",
+    "div_",
+    "abs",
+    "clamp",
+    "clamp_",
+    "clip",
+    "where",
+    "masked_fill",
+    "sort",
+    "topk",
+    "logsumexp",
+    "softplus",
+    "sin",
+    "cos",
+    "erf",
+    "neg",
+    "reciprocal",
+    "square",
+    "maximum",
+    "minimum",
+    "matrix_power",
+    "tril",
+    "triu",
+    "diag",
+    "outer",
+    "dot",
+    "mv",
+    "lerp",
+    "addcmul",
+    "addcdiv",
+    "scatter",
+    "gather",
+    "index_select",
+];
+
+struct Source<'a> {
+    text: &'a [u8],
+}
+
+impl<'a> Source<'a> {
+    fn text(&self, node: Node<'_>) -> &'a str {
+        node.utf8_text(self.text).unwrap_or("")
+    }
+}
+
+fn line(node: Node<'_>) -> u32 {
+    node.start_position().row as u32 + 1
+}
+
+fn parse(source: &str) -> Option<tree_sitter::Tree> {
+    let mut parser = Parser::new();
+    parser.set_language(&tree_sitter_python::LANGUAGE.into()).ok()?;
+    parser.parse(source, None)
+}
+
+/// The first syntax error: (line, what).
+fn syntax_error(root: Node<'_>) -> Option<(u32, String)> {
+    if !root.has_error() {
+        return None;
+    }
+    let mut found = None;
+    walk(root, &mut |node| {
+        if found.is_none() && (node.is_error() || node.is_missing()) {
+            let what =
+                if node.is_missing() { format!("missing `{}`", node.kind()) } else { "invalid syntax".to_owned() };
+            found = Some((line(node), what));
+        }
+    });
+    Some(found.unwrap_or((1, "invalid syntax".to_owned())))
+}
+
+fn walk<'t>(node: Node<'t>, visit: &mut impl FnMut(Node<'t>)) {
+    visit(node);
+    let mut cursor = node.walk();
+    for child in node.children(&mut cursor) {
+        walk(child, visit);
+    }
+}
+
+/// Checks a task in KernelBench format: it parses and defines `Model`, `get_inputs` and `get_init_inputs`.
+/// The error names what is missing, for INVALID_ARGUMENT.
+pub fn check_task(source: &str) -> Result<(), String> {
+    let tree = parse(source).ok_or("could not be parsed")?;
+    let root = tree.root_node();
+    if let Some((line, what)) = syntax_error(root) {
+        return Err(format!("syntax error at line {line}: {what}"));
+    }
+    let src = Source { text: source.as_bytes() };
+    let mut cursor = root.walk();
+    let top: Vec<(String, String)> = root
+        .children(&mut cursor)
+        .map(|n| if n.kind() == "decorated_definition" { n.child_by_field_name("definition").unwrap_or(n) } else { n })
+        .filter_map(|n| Some((n.kind().to_owned(), src.text(n.child_by_field_name("name")?).to_owned())))
+        .collect();
+    let defines = |kind: &str, name: &str| top.iter().any(|(k, n)| k == kind && n == name);
+    if !defines("class_definition", "Model") {
+        return Err("defines no class Model".into());
+    }
+    for function in ["get_inputs", "get_init_inputs"] {
+        if !defines("function_definition", function) {
+            return Err(format!("defines no {function}()"));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a candidate against `policy`.
+pub fn check_candidate(source: &str, policy: Policy) -> CandidateReport {
+    let Some(tree) = parse(source) else {
+        return CandidateReport {
+            syntax_error: true,
+            findings: vec![finding(
+                "static.syntax_error",
+                "the source could not be parsed".into(),
+                1,
+                Category::Policy,
+            )],
+        };
+    };
+    let root = tree.root_node();
+    if let Some((line, what)) = syntax_error(root) {
+        let message = format!("syntax error at line {line}: {what}");
+        return CandidateReport {
+            syntax_error: true,
+            findings: vec![finding("static.syntax_error", message, line, Category::Policy)],
+        };
+    }
+    let mut checker =
+        Checker { src: Source { text: source.as_bytes() }, policy, findings: Vec::new(), extensions: Vec::new() };
+    checker.check(root);
+    CandidateReport { syntax_error: false, findings: checker.findings }
+}
+
+fn finding(code: &'static str, message: String, line: u32, category: Category) -> Finding {
+    Finding { code, message, line, category }
+}
+
+struct Checker<'a> {
+    src: Source<'a>,
+    policy: Policy,
+    findings: Vec<Finding>,
+    /// Names bound to the candidate's compiled extensions (`x = load_inline(...)`): calls on them are its kernels.
+    extensions: Vec<String>,
+}
+
+impl Checker<'_> {
+    fn add(&mut self, code: &'static str, message: String, node: Node<'_>, category: Category) {
+        self.findings.push(finding(code, message, line(node), category));
+    }
+
+    fn check(&mut self, root: Node<'_>) {
+        let mut model_new = None;
+        walk(root, &mut |node| match node.kind() {
+            "class_definition" => {
+                if node.child_by_field_name("name").is_some_and(|n| self.src.text(n) == "ModelNew") {
+                    model_new = Some(node);
+                }
+            }
+            "try_statement" if self.policy.strict => self.add(
+                "static.try_except",
+                "try/except is not allowed: a fallback can hide a failing kernel".into(),
+                node,
+                Category::Hack,
+            ),
+            "import_statement" | "import_from_statement" => self.check_import(node),
+            "call" => self.check_call(node),
+            "assignment" | "augmented_assignment" => {
+                self.check_assignment(node);
+                self.note_extension(node);
+            }
+            "string" if self.src.text(node).contains("use_fast_math") => self.add(
+                "static.fast_math",
+                "fast-math compilation trades accuracy for speed on an exact task".into(),
+                node,
+                if self.policy.strict { Category::Policy } else { Category::Notice },
+            ),
+            _ => {}
+        });
+        match model_new {
+            None => self.findings.push(finding(
+                "static.no_model_new",
+                "the candidate defines no class ModelNew".into(),
+                1,
+                Category::Policy,
+            )),
+            Some(class) => self.check_model_new(class),
+        }
+    }
+
+    fn check_import(&mut self, node: Node<'_>) {
+        let mut modules = Vec::new();
+        if node.kind() == "import_from_statement" {
+            if let Some(module) = node.child_by_field_name("module_name") {
+                modules.push(self.src.text(module).to_owned());
+            }
+        } else {
+            let mut cursor = node.walk();
+            for name in node.children_by_field_name("name", &mut cursor) {
+                let name = if name.kind() == "aliased_import" {
+                    name.child_by_field_name("name").unwrap_or(name)
+                } else {
+                    name
+                };
+                modules.push(self.src.text(name).to_owned());
+            }
+        }
+        for module in modules {
+            let root = module.trim_start_matches('.').split('.').next().unwrap_or("").to_owned();
+            if HOSTILE_MODULES.contains(&root.as_str()) || (root == "os" && self.policy.strict) {
+                self.add(
+                    "static.forbidden_import",
+                    format!("import of `{module}` is not allowed in a kernel"),
+                    node,
+                    Category::Hack,
+                );
+            } else if self.policy.strict && !STRICT_ALLOWED_MODULES.contains(&root.as_str()) && root != "os" {
+                self.add(
+                    "static.import_not_allowed",
+                    format!("`{module}` is outside the import allowlist"),
+                    node,
+                    Category::Policy,
+                );
+            }
+        }
+    }
+
+    fn check_call(&mut self, node: Node<'_>) {
+        let Some(function) = node.child_by_field_name("function") else { return };
+        let callee = self.src.text(function).replace(char::is_whitespace, "");
+        let first_argument =
+            node.child_by_field_name("arguments").and_then(|a| a.named_child(0)).map(|a| self.src.text(a).to_owned());
+        match callee.as_str() {
+            "exec" | "eval" | "compile" | "__import__" | "globals" | "vars" => {
+                self.add("static.dynamic_code", format!("`{callee}()` hides code from review"), node, Category::Hack)
+            }
+            "setattr" | "delattr"
+                if first_argument.as_deref().is_some_and(|a| a.starts_with("torch") || a.starts_with("time")) =>
+            {
+                self.add(
+                    "static.patch_torch",
+                    format!("`{callee}` on torch or time changes the harness"),
+                    node,
+                    Category::Hack,
+                )
+            }
+            "open" if self.policy.strict => {
+                self.add("static.file_access", "kernels do not open files".into(), node, Category::Policy)
+            }
+            "torch.set_float32_matmul_precision" => self.add(
+                "static.precision_downgrade",
+                "changing float32 matmul precision downgrades an exact task".into(),
+                node,
+                Category::Hack,
+            ),
+            _ if callee.starts_with("torch.cuda.Stream")
+                || callee.starts_with("torch.cuda.stream")
+                || callee.starts_with("torch.cuda.set_stream")
+                || callee.starts_with("torch.cuda.ExternalStream") =>
+            {
+                self.add("static.side_stream", "work on another stream escapes the timer".into(), node, Category::Hack)
+            }
+            _ if callee.starts_with("os.system")
+                || callee.starts_with("os.popen")
+                || callee.starts_with("os.exec")
+                || callee.starts_with("os.fork")
+                || callee.starts_with("os.spawn") =>
+            {
+                self.add("static.forbidden_call", format!("`{callee}` starts processes"), node, Category::Hack)
+            }
+            _ => {}
+        }
+    }
+
+    fn check_assignment(&mut self, node: Node<'_>) {
+        let Some(left) = node.child_by_field_name("left") else { return };
+        let target = self.src.text(left).replace(char::is_whitespace, "");
+        let patched = ["torch.", "time.", "triton.", "F.", "nn."].iter().any(|p| target.starts_with(p));
+        if left.kind() == "attribute" && patched {
+            let (code, message) =
+                if target.contains("allow_tf32") || target.contains("allow_fp16") || target.contains("allow_bf16") {
+                    ("static.precision_downgrade", format!("`{target}` lowers precision on an exact task"))
+                } else {
+                    ("static.patch_torch", format!("assigning `{target}` patches the library the harness relies on"))
+                };
+            self.add(code, message, node, Category::Hack);
+        }
+    }
+
+    fn note_extension(&mut self, node: Node<'_>) {
+        let (Some(left), Some(right)) = (node.child_by_field_name("left"), node.child_by_field_name("right")) else {
+            return;
+        };
+        let loads = right.kind() == "call"
+            && right.child_by_field_name("function").is_some_and(|f| {
+                let callee = self.src.text(f);
+                callee == "load_inline"
+                    || callee == "load"
+                    || callee.ends_with(".load_inline")
+                    || callee.ends_with("cpp_extension.load")
+            });
+        if loads && left.kind() == "identifier" {
+            self.extensions.push(self.src.text(left).to_owned());
+        }
+    }
+
+    fn check_model_new(&mut self, class: Node<'_>) {
+        let bases: Vec<String> = class
+            .child_by_field_name("superclasses")
+            .map(|list| {
+                let mut cursor = list.walk();
+                list.named_children(&mut cursor).map(|b| self.src.text(b).to_owned()).collect()
+            })
+            .unwrap_or_default();
+        let inherits_reference = bases.iter().any(|b| b == "Model" || b.ends_with(".Model"));
+        let body = class.child_by_field_name("body");
+        let methods: Vec<Node<'_>> = body
+            .map(|body| {
+                let mut cursor = body.walk();
+                body.named_children(&mut cursor)
+                    .map(|n| {
+                        if n.kind() == "decorated_definition" {
+                            n.child_by_field_name("definition").unwrap_or(n)
+                        } else {
+                            n
+                        }
+                    })
+                    .filter(|n| n.kind() == "function_definition")
+                    .collect()
+            })
+            .unwrap_or_default();
+        let src = Source { text: self.src.text };
+        let method = |name: &str| {
+            methods.iter().copied().find(|m| m.child_by_field_name("name").is_some_and(|n| src.text(n) == name))
+        };
+        let forward = method("forward");
+        let init = method("__init__");
+        if inherits_reference && (self.policy.strict || forward.is_none()) {
+            let message = if forward.is_none() {
+                "ModelNew only inherits the reference Model: it would run the reference".to_owned()
+            } else {
+                "ModelNew inherits the reference Model".to_owned()
+            };
+            self.add("static.inherits_reference", message, class, Category::Hack);
+        }
+        if forward.is_none() && !inherits_reference {
+            self.add("static.no_forward", "ModelNew defines no forward()".into(), class, Category::Policy);
+        }
+        if let (true, Some(forward)) = (self.policy.strict, forward) {
+            let layers = init.map(|init| self.torch_layers(init)).unwrap_or_default();
+            self.check_strict_forward(forward, &layers);
+        }
+    }
+
+    /// Attributes `self.X = nn.Layer(...)` / `torch.nn.Layer(...)` built in `__init__`.
+    fn torch_layers(&self, init: Node<'_>) -> Vec<String> {
+        let mut layers = Vec::new();
+        walk(init, &mut |node| {
+            if node.kind() != "assignment" {
+                return;
+            }
+            let (Some(left), Some(right)) = (node.child_by_field_name("left"), node.child_by_field_name("right"))
+            else {
+                return;
+            };
+            let target = self.src.text(left);
+            if right.kind() == "call"
+                && let Some(function) = right.child_by_field_name("function")
+            {
+                let callee = self.src.text(function);
+                let is_layer = (callee.starts_with("nn.") || callee.starts_with("torch.nn."))
+                    && !callee.ends_with("Parameter")
+                    && !callee.ends_with("ParameterList")
+                    && !callee.ends_with("Buffer");
+                if is_layer && let Some(attribute) = target.strip_prefix("self.") {
+                    layers.push(attribute.to_owned());
+                }
+            }
+        });
+        layers
+    }
+
+    fn check_strict_forward(&mut self, forward: Node<'_>, layers: &[String]) {
+        let mut found = Vec::new();
+        walk(forward, &mut |node| match node.kind() {
+            "call" => {
+                let Some(function) = node.child_by_field_name("function") else { return };
+                let callee = self.src.text(function).replace(char::is_whitespace, "");
+                if let Some(op) = callee.strip_prefix("torch.") {
+                    let functional = op.starts_with("nn.functional.") || op.starts_with("nn.");
+                    if functional || (!op.contains('.') && !ALLOCATION_OPS.contains(&op)) {
+                        found.push((node, format!("torch op `{callee}` does the work in forward")));
+                    }
+                } else if callee.starts_with("F.") || callee.starts_with("nn.functional.") {
+                    found.push((node, format!("`{callee}` does the work in forward")));
+                } else if let Some(attribute) = callee.strip_prefix("self.")
+                    && layers.iter().any(|l| l == attribute)
+                {
+                    found.push((node, format!("torch layer `{callee}` does the work in forward")));
+                } else if function.kind() == "attribute"
+                    && let Some(method) = function.child_by_field_name("attribute")
+                    && COMPUTE_METHODS.contains(&self.src.text(method))
+                    && !callee.starts_with("self.")
+                    && !function
+                        .child_by_field_name("object")
+                        .is_some_and(|o| self.extensions.iter().any(|e| e == self.src.text(o)))
+                {
+                    found
+                        .push((node, format!("tensor method `.{}()` does the work in forward", self.src.text(method))));
+                }
+            }
+            "binary_operator" if node.child_by_field_name("operator").is_some_and(|o| self.src.text(o) == "@") => {
+                found.push((node, "`@` (torch matmul) does the work in forward".to_owned()));
+            }
+            _ => {}
+        });
+        for (node, message) in found {
+            self.add("static.torch_compute_in_forward", message, node, Category::Policy);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+import torch
+from torch.utils.cpp_extension import load_inline
+
+source = "torch::Tensor relu(torch::Tensor x) { return x; }"
+module = load_inline(name="relu", cpp_sources=source, functions=["relu"])
+
+class ModelNew(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        return module.relu(x.contiguous())
+"#;
+
+    fn codes(source: &str, policy: Policy) -> Vec<&'static str> {
+        check_candidate(source, policy).findings.iter().map(|f| f.code).collect()
+    }
+
+    #[test]
+    fn a_clean_candidate_passes_both_policies() {
+        for policy in Policy::ALL {
+            let report = check_candidate(GOOD, policy);
+            assert!(!report.rejected(), "{policy:?}: {:?}", report.findings);
+        }
+    }
+
+    #[test]
+    fn syntax_errors_carry_their_line() {
+        let report = check_candidate("import torch\nclass ModelNew(:\n    pass\n", Policy::PERMISSIVE);
+        assert!(report.syntax_error);
+        assert_eq!(report.findings[0].code, "static.syntax_error");
+        assert_eq!(report.findings[0].line, 2);
+    }
+
+    #[test]
+    fn missing_model_new_is_rejected() {
+        assert_eq!(
+            codes("import torch\nclass Other(torch.nn.Module):\n    pass\n", Policy::PERMISSIVE),
+            vec!["static.no_model_new"]
+        );
+    }
+
+    #[test]
+    fn inheriting_the_reference() {
+        let only = "class ModelNew(Model):\n    pass\n";
+        assert_eq!(codes(only, Policy::PERMISSIVE), vec!["static.inherits_reference"]);
+        let overriding = "class ModelNew(Model):\n    def forward(self, x):\n        return x\n";
+        assert!(codes(overriding, Policy::PERMISSIVE).is_empty());
+        assert_eq!(codes(overriding, Policy::KEVIN_STRICT), vec!["static.inherits_reference"]);
+    }
+
+    #[test]
+    fn strict_rejects_try_except_and_torch_compute_in_forward() {
+        let source = r#"
+import torch
+import torch.nn.functional as F
+class ModelNew(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3)
+        self.weight = torch.nn.Parameter(torch.ones(3))
+    def forward(self, x, y):
+        try:
+            z = torch.matmul(x, y)
+        except Exception:
+            z = x @ y
+        z = F.relu(z) + x.sum() + self.conv(x)
+        return torch.empty_like(z), z.view(-1), self.weight
+"#;
+        let report = check_candidate(source, Policy::KEVIN_STRICT);
+        let lines: Vec<(&str, u32)> = report.findings.iter().map(|f| (f.code, f.line)).collect();
+        assert!(lines.contains(&("static.try_except", 10)), "{lines:?}");
+        for line in [11, 13, 14] {
+            assert!(lines.contains(&("static.torch_compute_in_forward", line)), "line {line}: {lines:?}");
+        }
+        assert_eq!(lines.iter().filter(|(_, l)| *l == 14).count(), 3, "F.relu, .sum() and self.conv: {lines:?}");
+        assert!(!lines.iter().any(|(_, l)| *l == 15), "allocation and views are fine: {lines:?}");
+        assert!(codes(source, Policy::PERMISSIVE).is_empty(), "permissive allows all of this");
+    }
+
+    #[test]
+    fn harness_attacks_are_hacks_under_every_policy() {
+        let attacks = [
+            ("import ctypes\n", "static.forbidden_import"),
+            ("import threading\n", "static.forbidden_import"),
+            ("from subprocess import run\n", "static.forbidden_import"),
+            ("import gc\n", "static.forbidden_import"),
+            ("torch.cuda.synchronize = lambda *a: None\n", "static.patch_torch"),
+            ("torch.cuda.Event.elapsed_time = lambda *a: 0.001\n", "static.patch_torch"),
+            ("setattr(torch, 'allclose', lambda *a, **k: True)\n", "static.patch_torch"),
+            ("torch.backends.cuda.matmul.allow_tf32 = True\n", "static.precision_downgrade"),
+            ("torch.set_float32_matmul_precision('medium')\n", "static.precision_downgrade"),
+            ("s = torch.cuda.Stream()\n", "static.side_stream"),
+            ("exec('print(1)')\n", "static.dynamic_code"),
+        ];
+        for (line, code) in attacks {
+            let source = format!(
+                "import torch\n{line}class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
+            );
+            for policy in Policy::ALL {
+                let report = check_candidate(&source, policy);
+                let found = report.findings.iter().find(|f| f.code == code);
+                assert!(
+                    found.is_some_and(|f| f.category == Category::Hack && f.line == 2),
+                    "{policy:?} {line}: {:?}",
+                    report.findings
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn strict_import_allowlist() {
+        let source = "import torch\nimport scipy\nimport os\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x\n";
+        assert_eq!(codes(source, Policy::KEVIN_STRICT), vec!["static.import_not_allowed", "static.forbidden_import"]);
+        assert!(codes(source, Policy::PERMISSIVE).is_empty());
+    }
+
+    #[test]
+    fn policies_resolve_by_name_and_version() {
+        assert_eq!(Policy::resolve("kevin-strict"), Some(Policy::KEVIN_STRICT));
+        assert_eq!(Policy::resolve("kevin-strict@1"), Some(Policy::KEVIN_STRICT));
+        assert_eq!(Policy::resolve("kevin-strict@2"), None);
+        assert_eq!(Policy::resolve("lenient"), None);
+    }
+
+    #[test]
+    fn tasks_must_define_the_kernelbench_interface() {
+        let task = "import torch\nclass Model(torch.nn.Module):\n    pass\ndef get_inputs():\n    return []\ndef get_init_inputs():\n    return []\n";
+        assert_eq!(check_task(task), Ok(()));
+        let no_inputs = task.replace("def get_inputs", "def make_inputs");
+        assert_eq!(check_task(&no_inputs), Err("defines no get_inputs()".into()));
+        assert!(check_task("class Model(:\n").expect_err("syntax").starts_with("syntax error at line 1"));
+    }
+}
