@@ -43,18 +43,7 @@ impl From<Status> for CallError {
     }
 }
 
-/// `INVALID_ARGUMENT`-style name of a gRPC code.
-pub fn code_name(code: tonic::Code) -> String {
-    let debug = format!("{code:?}");
-    let mut name = String::with_capacity(debug.len() + 4);
-    for (i, c) in debug.chars().enumerate() {
-        if c.is_uppercase() && i > 0 {
-            name.push('_');
-        }
-        name.push(c.to_ascii_uppercase());
-    }
-    name
-}
+pub use kforge_server::code_name;
 
 /// The contract's descriptors (kforge.v1 and its imports).
 pub fn descriptors() -> &'static DescriptorPool {

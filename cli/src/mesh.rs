@@ -54,7 +54,7 @@ impl Service {
 }
 
 /// Every service's configuration, read from one file.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct MeshConfig {
     pub evaluator: kforge_evaluator::EvaluatorConfig,
     pub profiler: kforge_profiler::ProfilerConfig,

@@ -20,3 +20,16 @@ pub use metrics::Metrics;
 pub fn not_yet_implemented(rpc: &str, capability: &str) -> tonic::Status {
     tonic::Status::unimplemented(format!("{rpc} is not implemented yet; it arrives with {capability}"))
 }
+
+/// The gRPC spelling of a status code, e.g. `INVALID_ARGUMENT`.
+pub fn code_name(code: tonic::Code) -> String {
+    let debug = format!("{code:?}");
+    let mut name = String::with_capacity(debug.len() + 4);
+    for (i, c) in debug.chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            name.push('_');
+        }
+        name.push(c.to_ascii_uppercase());
+    }
+    name
+}

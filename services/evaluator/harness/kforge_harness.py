@@ -7,9 +7,10 @@ The evaluator (Rust) starts this file in a fresh sandboxed process per stage:
 and reads the JSON result the mode writes to `spec["result_path"]`. Modes:
 
 - compile:   import the candidate module (building its load_inline extensions into TORCH_EXTENSIONS_DIR).
-- reference: run the task's reference Model on the trial inputs; save its outputs. Clean process, no candidate.
+- reference: run the task's reference Model on the trial inputs; save its outputs; then, when given a candidate's
+             saved outputs, compare them. Clean process, no candidate code.
 - candidate: run ModelNew on the same inputs; save its outputs; optionally time it (raw samples only).
-- check:     compare saved candidate outputs with saved reference outputs. Clean process, no candidate code.
+- check:     compare a candidate's saved outputs with cached reference outputs. Clean process, no candidate code.
 - baseline:  time the reference eagerly and under torch.compile. Clean process.
 
 Statistics are computed by the evaluator from raw samples; this file only measures. It works with PyTorch 2.11
@@ -191,8 +192,11 @@ def mode_reference(spec):
         with torch.no_grad():
             output = model(*inputs)
         synchronize(device)
-        torch.save(to_cpu_outputs(output), os.path.join(spec["out_dir"], f"reference-{trial}.pt"))
-    write_result(spec, {"ok": True})
+        torch.save(to_cpu_outputs(output), os.path.join(spec["reference_dir"], f"reference-{trial}.pt"))
+    result = {"ok": True}
+    if spec.get("candidate_dir"):
+        result["mismatch"] = compare_trials(spec)
+    write_result(spec, result)
 
 
 def mode_candidate(spec):
@@ -200,7 +204,11 @@ def mode_candidate(spec):
 
     device = device_of(spec)
     task = load_module(spec["task_path"], "kforge_task")
-    candidate = load_module(spec["candidate_path"], "kforge_candidate")
+    try:
+        candidate = load_module(spec["candidate_path"], "kforge_candidate")
+    except BaseException as error:
+        error.kforge_phase = "import"
+        raise
     model = make_model(candidate.ModelNew, task, spec["init_seed"], device)
     result = {"ok": True, "mutated_inputs": []}
     for trial, seed in enumerate(spec["seeds"]):
@@ -211,7 +219,7 @@ def mode_candidate(spec):
         synchronize(device)
         if tensor_digest(inputs) != before:
             result["mutated_inputs"].append(trial)
-        torch.save(to_cpu_outputs(output), os.path.join(spec["out_dir"], f"candidate-{trial}.pt"))
+        torch.save(to_cpu_outputs(output), os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"))
     if spec.get("timing"):
         input_sets = [make_inputs(task, seed, device) for seed in spec["timing_seeds"]]
         result["samples_ms"] = measure(lambda inputs: model(*inputs), input_sets, device, spec["timing"])
@@ -229,22 +237,24 @@ def tolerance(dtype, spec):
 
 
 def mode_check(spec):
+    write_result(spec, {"ok": True, "mismatch": compare_trials(spec)})
+
+
+def compare_trials(spec):
+    """The first mismatch between reference and candidate outputs over every trial, or None."""
     import torch
 
-    result = {"ok": True, "mismatch": None}
     for trial in range(len(spec["seeds"])):
-        expected = torch.load(os.path.join(spec["out_dir"], f"reference-{trial}.pt"), weights_only=True)
+        expected = torch.load(os.path.join(spec["reference_dir"], f"reference-{trial}.pt"), weights_only=True)
         try:
-            got = torch.load(os.path.join(spec["out_dir"], f"candidate-{trial}.pt"), weights_only=True)
+            got = torch.load(os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"), weights_only=True)
         except Exception as error:  # a missing or malformed file is the candidate's output, not ours
-            result["mismatch"] = {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {error}"}
-            break
+            return {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}
         mismatch = compare_outputs(expected, got, spec)
         if mismatch is not None:
             mismatch["trial"] = trial
-            result["mismatch"] = mismatch
-            break
-    write_result(spec, result)
+            return mismatch
+    return None
 
 
 def compare_outputs(expected, got, spec):
@@ -341,7 +351,12 @@ def main():
     try:
         MODES[mode](spec)
     except BaseException as error:  # report every failure as data; the evaluator classifies it
-        write_result(spec, {"ok": False, "error_type": type(error).__name__, "error": traceback.format_exc()[-8000:]})
+        write_result(spec, {
+            "ok": False,
+            "error_type": type(error).__name__,
+            "phase": getattr(error, "kforge_phase", "run"),
+            "error": traceback.format_exc()[-8000:],
+        })
         sys.exit(3)
 
 

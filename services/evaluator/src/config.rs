@@ -1,0 +1,129 @@
+//! The evaluator's configuration (`[evaluator]`), with defaults that work on one machine.
+
+use std::path::{Path, PathBuf};
+
+use kforge_server::{ServerConfig, ServiceConfig};
+use serde::{Deserialize, Serialize};
+
+/// Configuration of the Evaluator service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvaluatorConfig {
+    pub server: ServerConfig,
+    /// Python interpreter with PyTorch. Default: `.venv/bin/python` when it exists (what `scripts/setup.sh`
+    /// creates), otherwise `python3` from PATH.
+    pub python: PathBuf,
+    /// Caches (compiled artifacts, reference outputs, baselines) and per-evaluation scratch space.
+    pub work_dir: PathBuf,
+    /// Concurrent compiles; 0 means one per CPU core.
+    pub compile_workers: usize,
+    /// Evaluations admitted at once (queued or running); more get RESOURCE_EXHAUSTED with a retry hint.
+    pub queue_capacity: usize,
+    /// Static policy when a request names none.
+    pub default_policy: String,
+    /// Correctness trials when a request asks for 0.
+    pub default_trials: u32,
+    /// Largest candidate or task source accepted, in bytes.
+    pub max_source_bytes: usize,
+    /// Wall-clock limit of a compile, in seconds.
+    pub compile_timeout_secs: u64,
+    /// Wall-clock limit of each run stage (candidate, reference, check, baseline), in seconds.
+    pub run_timeout_secs: u64,
+    /// Output comparison tolerances by dtype: `|got - expected| <= atol + rtol * |expected|`.
+    pub tolerances: Tolerances,
+    /// How long and how precisely to time.
+    pub timing: TimingBudget,
+    /// Whether baselines include torch.compile (it needs a C compiler and minutes per task on first use).
+    pub baseline_torch_compile: bool,
+}
+
+impl Default for EvaluatorConfig {
+    fn default() -> Self {
+        Self {
+            server: ServerConfig::listening_on(([127, 0, 0, 1], 50051).into()),
+            python: default_python(),
+            work_dir: PathBuf::from(".kforge/evaluator"),
+            compile_workers: 0,
+            queue_capacity: 64,
+            default_policy: "permissive".into(),
+            default_trials: 5,
+            max_source_bytes: 256 * 1024,
+            compile_timeout_secs: 600,
+            run_timeout_secs: 300,
+            tolerances: Tolerances::default(),
+            timing: TimingBudget::default(),
+            baseline_torch_compile: true,
+        }
+    }
+}
+
+impl ServiceConfig for EvaluatorConfig {
+    const SECTION: &'static str = "evaluator";
+    fn server(&self) -> &ServerConfig {
+        &self.server
+    }
+}
+
+fn default_python() -> PathBuf {
+    let venv = Path::new(".venv/bin/python");
+    if venv.exists() {
+        // Absolute, so that children started in scratch directories find it.
+        std::path::absolute(venv).unwrap_or_else(|_| venv.to_owned())
+    } else {
+        PathBuf::from("python3")
+    }
+}
+
+/// Absolute and relative tolerance of one dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tolerance {
+    pub atol: f64,
+    pub rtol: f64,
+}
+
+/// Tolerances by floating dtype; integer and boolean outputs compare exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tolerances {
+    pub float16: Tolerance,
+    pub bfloat16: Tolerance,
+    /// Tight: a TF32 or fp16 shortcut on an fp32 task (relative error ~1e-3) fails it.
+    pub float32: Tolerance,
+    pub float64: Tolerance,
+}
+
+impl Default for Tolerances {
+    fn default() -> Self {
+        Self {
+            float16: Tolerance { atol: 1e-2, rtol: 1e-2 },
+            bfloat16: Tolerance { atol: 2e-2, rtol: 2e-2 },
+            float32: Tolerance { atol: 1e-4, rtol: 1e-4 },
+            float64: Tolerance { atol: 1e-8, rtol: 1e-8 },
+        }
+    }
+}
+
+/// The adaptive timing loop's budget, shared by candidates and baselines.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimingBudget {
+    /// Untimed runs first; they run exactly the code path of measured runs.
+    pub warmup_runs: u32,
+    /// Fewest measured runs.
+    pub min_runs: u32,
+    /// Most measured runs.
+    pub max_runs: u32,
+    /// Measurement stops once this much time has passed, in seconds.
+    pub max_seconds: f64,
+    /// Measurement stops once the standard error of the mean is this fraction of the mean.
+    pub target_rel_error: f64,
+    /// Input sets rotated through (fresh inputs from different seeds).
+    pub input_sets: u32,
+}
+
+impl Default for TimingBudget {
+    fn default() -> Self {
+        Self { warmup_runs: 5, min_runs: 10, max_runs: 200, max_seconds: 5.0, target_rel_error: 0.01, input_sets: 3 }
+    }
+}

@@ -1,0 +1,867 @@
+//! One evaluation, stage by stage, on separate resources:
+//!
+//! 1. static checks (in this process, over a parse; no candidate code runs here);
+//! 2. compile, on a bounded CPU pool, in a sandboxed child, into a content-addressed artifact cache;
+//! 3. on an exclusive device lane: the candidate in a fresh sandboxed child (before any reference work), then the
+//!    reference in a separate clean child (cached per task, seeds, device and versions) that also compares the
+//!    candidate's saved outputs, or a clean checker child when the reference is cached;
+//! 4. timing statistics from the candidate's raw samples, and baselines (eager, torch.compile) timed in a clean
+//!    child and cached per task, device and versions.
+//!
+//! The service process never runs candidate code. Every accepted request ends in exactly one response; a failure
+//! of the evaluator itself is `VERDICT_INFRA_ERROR`, never blamed on the candidate.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kforge_proto::v1 as pb;
+use kforge_sandbox::{Exit, Sandbox};
+use serde_json::json;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::{self, Cache, Entry};
+use crate::config::EvaluatorConfig;
+use crate::metrics::EvaluatorMetrics;
+use crate::python::{self, PythonEnv, Stage, StageOutcome};
+use crate::statics::{self, Category, Policy};
+use crate::stats::timing_stats;
+
+/// Why a request was refused before evaluation (a verdict is never an error).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("{field}: {reason}")]
+    Invalid { field: String, reason: String },
+    #[error("evaluation queue is full ({capacity} admitted); retry in about {retry_after_secs} s")]
+    QueueFull { capacity: usize, retry_after_secs: u64 },
+    #[error("no backend can run evaluations: {0}")]
+    Unavailable(String),
+}
+
+fn invalid(field: &str, reason: impl Into<String>) -> RequestError {
+    RequestError::Invalid { field: field.into(), reason: reason.into() }
+}
+
+/// A backend resolved against this evaluator's devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Cpu,
+    Cuda,
+    Triton,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Triton => "triton",
+        }
+    }
+}
+
+/// Exclusive device lanes: lane 0 is the CPU, lane 1 + i is GPU i.
+#[derive(Debug)]
+struct Lanes {
+    lanes: Vec<Arc<Semaphore>>,
+}
+
+impl Lanes {
+    fn new(gpus: usize) -> Self {
+        Self { lanes: (0..=gpus).map(|_| Arc::new(Semaphore::new(1))).collect() }
+    }
+
+    /// The CPU lane, or the first free GPU lane (waiting on GPU 0 when all are busy).
+    async fn acquire(&self, backend: Backend) -> (Option<usize>, OwnedSemaphorePermit) {
+        let closed = "device lanes are never closed";
+        if backend == Backend::Cpu {
+            return (None, self.lanes[0].clone().acquire_owned().await.expect(closed));
+        }
+        for (gpu, lane) in self.lanes.iter().enumerate().skip(1) {
+            if let Ok(permit) = lane.clone().try_acquire_owned() {
+                return (Some(gpu - 1), permit);
+            }
+        }
+        (Some(0), self.lanes[1].clone().acquire_owned().await.expect(closed))
+    }
+}
+
+/// A validated request.
+#[derive(Debug)]
+struct Job {
+    request_id: String,
+    task_id: String,
+    task: String,
+    candidate: String,
+    backend: Backend,
+    policy: Policy,
+    trials: u32,
+    measure: bool,
+}
+
+struct Inner {
+    config: EvaluatorConfig,
+    sandbox: Sandbox,
+    python: Result<PythonEnv, String>,
+    harness: PathBuf,
+    artifacts: Cache,
+    references: Cache,
+    baselines: Cache,
+    scratch_root: PathBuf,
+    compile_slots: Semaphore,
+    lanes: Lanes,
+    admission: Arc<Semaphore>,
+    secret: u64,
+    next_id: std::sync::atomic::AtomicU64,
+    metrics: EvaluatorMetrics,
+}
+
+/// The evaluator: cheap to clone, shared by every request.
+#[derive(Clone)]
+pub struct Evaluator {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Evaluator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Evaluator")
+            .field("python", &self.inner.python.as_ref().map(|p| &p.python))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Evaluator {
+    /// Prepares the work directory, probes the sandbox and the Python environment. An environment without
+    /// PyTorch is not fatal: the evaluator serves and says why it cannot evaluate.
+    pub async fn new(config: EvaluatorConfig, metrics: EvaluatorMetrics) -> std::io::Result<Self> {
+        let work = std::path::absolute(&config.work_dir)?;
+        let harness_dir = work.join("harness");
+        std::fs::create_dir_all(&harness_dir)?;
+        let harness = harness_dir.join("kforge_harness.py");
+        std::fs::write(&harness, python::HARNESS)?;
+        let scratch_root = work.join("scratch");
+        std::fs::create_dir_all(&scratch_root)?;
+        let sandbox = Sandbox::detect().await;
+        let python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
+        match &python {
+            Ok(env) => {
+                tracing::info!(python = %env.python.display(), versions = ?env.versions, gpus = env.gpus.len(), "evaluator ready")
+            }
+            Err(error) => tracing::warn!(%error, "evaluator cannot evaluate until python with torch is configured"),
+        }
+        let gpus = python.as_ref().map(|p| p.gpus.len()).unwrap_or(0);
+        let compile_workers = match config.compile_workers {
+            0 => std::thread::available_parallelism().map(usize::from).unwrap_or(2),
+            n => n,
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                artifacts: Cache::new(work.join("artifacts"))?,
+                references: Cache::new(work.join("references"))?,
+                baselines: Cache::new(work.join("baselines"))?,
+                admission: Arc::new(Semaphore::new(config.queue_capacity)),
+                compile_slots: Semaphore::new(compile_workers),
+                lanes: Lanes::new(gpus),
+                secret: std::collections::hash_map::RandomState::new().hash_one("kforge-evaluator-seeds"),
+                next_id: 0.into(),
+                config,
+                sandbox,
+                python,
+                harness,
+                scratch_root,
+                metrics,
+            }),
+        })
+    }
+
+    /// What this evaluator can do.
+    pub fn capabilities(&self) -> pb::GetCapabilitiesResponse {
+        let inner = &self.inner;
+        let (backends, devices, versions) = match &inner.python {
+            Ok(env) => {
+                let mut backends = vec![pb::Backend::Cpu as i32];
+                if !env.gpus.is_empty() {
+                    backends.push(pb::Backend::Cuda as i32);
+                    if env.versions.contains_key("triton") {
+                        backends.push(pb::Backend::Triton as i32);
+                    }
+                }
+                let mut devices = vec!["cpu".to_owned()];
+                devices.extend(
+                    env.gpus.iter().enumerate().map(|(i, g)| format!("cuda:{i} {} (sm {})", g.name, g.capability)),
+                );
+                (backends, devices, env.versions.clone().into_iter().collect())
+            }
+            Err(_) => (vec![], vec![], HashMap::new()),
+        };
+        pb::GetCapabilitiesResponse {
+            backends,
+            devices,
+            policies: Policy::ALL.iter().map(Policy::id).collect(),
+            sandbox: inner
+                .sandbox
+                .protections()
+                .iter()
+                .map(|p| pb::SandboxProtection { name: p.name.into(), active: p.active, detail: p.detail.clone() })
+                .collect(),
+            versions,
+            queue_capacity: inner.config.queue_capacity as u32,
+        }
+    }
+
+    /// Evaluates one request. Dropping the returned future cancels the evaluation and kills its children.
+    pub async fn evaluate(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, RequestError> {
+        let job = self.validate(request)?;
+        let permit = self.inner.admission.clone().try_acquire_owned().map_err(|_| RequestError::QueueFull {
+            capacity: self.inner.config.queue_capacity,
+            retry_after_secs: 30,
+        })?;
+        let _admitted = self.inner.metrics.admitted();
+        let id = self.inner.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scratch = self.inner.scratch_root.join(format!("{}-{id}", std::process::id()));
+        // Removed however the evaluation ends (including cancellation): candidate outputs can be large.
+        let _cleanup = RemoveOnDrop(scratch.clone());
+        let cancel = CancellationToken::new();
+        let _cancel_on_drop = cancel.clone().drop_guard();
+        let mut response = pb::EvaluateResponse { request_id: job.request_id.clone(), ..Default::default() };
+        let verdict = self.run(&job, &scratch, &cancel, &mut response).await;
+        response.verdict = verdict as i32;
+        response.retryable = verdict == pb::Verdict::InfraError && response.retryable;
+        self.inner.metrics.verdict(verdict, &response.findings);
+        drop(permit);
+        Ok(response)
+    }
+
+    fn validate(&self, request: pb::EvaluateRequest) -> Result<Job, RequestError> {
+        let config = &self.inner.config;
+        let python = self.inner.python.as_ref().map_err(|e| RequestError::Unavailable(e.clone()))?;
+        let pb::EvaluateRequest {
+            request_id,
+            task,
+            candidate_source,
+            backend,
+            policy,
+            correctness_trials,
+            measure_performance,
+            census: _,
+            idempotency_key: _,
+            priority: _,
+            job_id: _,
+        } = request;
+        let task = task.ok_or_else(|| invalid("task", "required"))?;
+        if task.source.trim().is_empty() {
+            return Err(invalid("task.source", "required"));
+        }
+        if task.source.len() > config.max_source_bytes {
+            return Err(invalid(
+                "task.source",
+                format!("{} bytes, over the {}-byte limit", task.source.len(), config.max_source_bytes),
+            ));
+        }
+        statics::check_task(&task.source).map_err(|reason| invalid("task.source", reason))?;
+        if candidate_source.trim().is_empty() {
+            return Err(invalid("candidate_source", "required"));
+        }
+        if candidate_source.len() > config.max_source_bytes {
+            return Err(invalid(
+                "candidate_source",
+                format!("{} bytes, over the {}-byte limit", candidate_source.len(), config.max_source_bytes),
+            ));
+        }
+        let has_gpu = !python.gpus.is_empty();
+        let backend = match pb::Backend::try_from(backend) {
+            Ok(pb::Backend::Unspecified) if has_gpu => Backend::Cuda,
+            Ok(pb::Backend::Unspecified | pb::Backend::Cpu) => Backend::Cpu,
+            Ok(pb::Backend::Cuda) if has_gpu => Backend::Cuda,
+            Ok(pb::Backend::Triton) if has_gpu && python.versions.contains_key("triton") => Backend::Triton,
+            Ok(requested @ (pb::Backend::Cuda | pb::Backend::Triton)) => {
+                return Err(invalid(
+                    "backend",
+                    format!("{} needs a GPU with its toolchain; this evaluator has only cpu", requested.as_str_name()),
+                ));
+            }
+            Err(_) => return Err(invalid("backend", format!("unknown value {backend}"))),
+        };
+        let policy_name = if policy.is_empty() { config.default_policy.as_str() } else { policy.as_str() };
+        let policy = Policy::resolve(policy_name).ok_or_else(|| {
+            let known: Vec<String> = Policy::ALL.iter().map(Policy::id).collect();
+            invalid("policy", format!("unknown policy `{policy_name}` (known: {})", known.join(", ")))
+        })?;
+        let trials = if correctness_trials == 0 { config.default_trials } else { correctness_trials };
+        if trials > 100 {
+            return Err(invalid("correctness_trials", format!("{trials} is over the limit of 100")));
+        }
+        let task_id = if task.task_id.is_empty() { "task".to_owned() } else { task.task_id };
+        Ok(Job {
+            request_id,
+            task_id,
+            task: task.source,
+            candidate: candidate_source,
+            backend,
+            policy,
+            trials,
+            measure: measure_performance,
+        })
+    }
+
+    /// Runs every stage, filling `response`; returns the verdict.
+    async fn run(
+        &self,
+        job: &Job,
+        scratch: &Path,
+        cancel: &CancellationToken,
+        response: &mut pb::EvaluateResponse,
+    ) -> pb::Verdict {
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+
+        let started = Instant::now();
+        let report = statics::check_candidate(&job.candidate, job.policy);
+        response.findings.extend(report.findings.iter().map(finding_proto));
+        response.stage_ms.insert("static".into(), ms(started.elapsed()));
+        if report.syntax_error {
+            return pb::Verdict::CompileError;
+        }
+        if report.rejected() {
+            return pb::Verdict::Rejected;
+        }
+
+        let stage_dirs = ["compile", "candidate", "check", "baseline"].map(|stage| scratch.join(stage));
+        for dir in &stage_dirs {
+            if let Err(error) = std::fs::create_dir_all(dir) {
+                return infra(response, format!("scratch directory {}: {error}", dir.display()), true);
+            }
+        }
+        let [compile_dir, candidate_dir, check_dir, baseline_dir] = stage_dirs;
+        let versions: String = python.versions.iter().map(|(k, v)| format!("{k}={v};")).collect();
+        let task_key = cache::key(&[job.task.as_bytes()]);
+
+        // Compile: only candidates that build extensions; the rest are imported where they run.
+        let artifact_key = cache::key(&[
+            job.candidate.as_bytes(),
+            job.backend.name().as_bytes(),
+            versions.as_bytes(),
+            gpu_arch(python).as_bytes(),
+        ]);
+        let artifact_dir = inner.artifacts.dir(&artifact_key);
+        if builds_extension(&job.candidate) {
+            let started = Instant::now();
+            let compiled = self.compile(job, &artifact_key, &compile_dir, cancel, response).await;
+            response.stage_ms.insert("compile".into(), ms(started.elapsed()));
+            if let Some(verdict) = compiled {
+                return verdict;
+            }
+        }
+
+        let started = Instant::now();
+        let (gpu, _lane) = inner.lanes.acquire(job.backend).await;
+        response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
+        let device = if gpu.is_some() { "cuda" } else { "cpu" };
+        response.device = match gpu {
+            Some(index) => python.gpus.get(index).map(|g| g.name.clone()).unwrap_or_else(|| "cuda".into()),
+            None => "cpu".into(),
+        };
+        let seeds = self.seeds(&task_key, "trial", job.trials as usize);
+        let timing_seeds = self.seeds(&task_key, "timing", inner.config.timing.input_sets.max(1) as usize);
+        let init_seed = self.seeds(&task_key, "init", 1)[0];
+        for (name, source) in [("task.py", &job.task), ("candidate.py", &job.candidate)] {
+            if let Err(error) = std::fs::write(candidate_dir.join(name), source) {
+                return infra(response, format!("writing {name}: {error}"), true);
+            }
+        }
+        if let Err(error) = std::fs::write(check_dir.join("task.py"), &job.task) {
+            return infra(response, format!("writing task.py: {error}"), true);
+        }
+
+        // The candidate first: nothing of the reference has run on this device for this evaluation.
+        let started = Instant::now();
+        let timing = inner.config.timing;
+        let mut env = python.env(&candidate_dir, gpu);
+        env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
+        env.push(("TRITON_CACHE_DIR".into(), candidate_dir.join("triton").into()));
+        let candidate = self
+            .stage(
+                Stage {
+                    mode: "candidate",
+                    spec: json!({
+                        "task_path": candidate_dir.join("task.py"),
+                        "candidate_path": candidate_dir.join("candidate.py"),
+                        "device": device,
+                        "init_seed": init_seed,
+                        "seeds": seeds,
+                        "candidate_dir": candidate_dir,
+                        "timing": if job.measure { Some(timing_spec(&timing)) } else { None },
+                        "timing_seeds": timing_seeds,
+                    }),
+                    scratch: candidate_dir.clone(),
+                    readable: vec![],
+                    // The extension build directory takes a lock file even when nothing needs building.
+                    writable: vec![artifact_dir.clone()],
+                    env,
+                    wall: Duration::from_secs(inner.config.run_timeout_secs),
+                    address_space_bytes: None,
+                },
+                cancel,
+            )
+            .await;
+        response.stage_ms.insert("run".into(), ms(started.elapsed()));
+        let candidate = match candidate {
+            Ok(outcome) => outcome,
+            Err(error) => return infra(response, format!("candidate stage: {error}"), true),
+        };
+        if let Some(verdict) = candidate_failure(&candidate, response) {
+            return verdict;
+        }
+        let result = candidate.result.as_ref().expect("a successful candidate stage wrote its result");
+        if let Some(trials) = result.get("mutated_inputs").and_then(|m| m.as_array()).filter(|m| !m.is_empty()) {
+            response.findings.push(pb::Finding {
+                code: "runtime.input_mutation".into(),
+                message: format!("the candidate modified its inputs (trials {trials:?})"),
+                line: 0,
+                category: pb::FindingCategory::Hack as i32,
+            });
+            return pb::Verdict::Hack;
+        }
+
+        // Correctness, in clean processes.
+        let started = Instant::now();
+        let checked = self.check(job, device, gpu, &seeds, init_seed, &check_dir, &candidate_dir, cancel).await;
+        response.stage_ms.insert("check".into(), ms(started.elapsed()));
+        match checked {
+            Ok(None) => {}
+            Ok(Some(mismatch)) => {
+                response.mismatch = Some(mismatch);
+                return pb::Verdict::Incorrect;
+            }
+            Err(error) => return infra(response, error, true),
+        }
+
+        if job.measure {
+            let started = Instant::now();
+            let samples: Vec<f64> =
+                result.get("samples_ms").and_then(|s| serde_json::from_value(s.clone()).ok()).unwrap_or_default();
+            response.candidate_timing = timing_stats(samples);
+            match self.baseline(job, device, gpu, init_seed, &timing_seeds, &baseline_dir, cancel).await {
+                Ok((eager, compiled)) => {
+                    response.eager_timing = timing_stats(eager);
+                    response.compile_timing = compiled.and_then(timing_stats);
+                }
+                Err(error) => return infra(response, error, true),
+            }
+            let speedup = |baseline: &Option<pb::TimingStats>| match (baseline, &response.candidate_timing) {
+                (Some(b), Some(c)) if c.median_ms > 0.0 => b.median_ms / c.median_ms,
+                _ => 0.0,
+            };
+            response.speedup_eager = speedup(&response.eager_timing);
+            response.speedup_compile = speedup(&response.compile_timing);
+            response.stage_ms.insert("timing".into(), ms(started.elapsed()));
+        }
+        pb::Verdict::Correct
+    }
+
+    /// Builds the candidate's extensions into the artifact cache; `Some(verdict)` when the evaluation ends here.
+    async fn compile(
+        &self,
+        job: &Job,
+        key: &str,
+        scratch: &Path,
+        cancel: &CancellationToken,
+        response: &mut pb::EvaluateResponse,
+    ) -> Option<pb::Verdict> {
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+        if let Some(entry) = inner.artifacts.get(key) {
+            inner.metrics.cache("artifact", true);
+            response.compile_cache_hit = true;
+            return cached_compile(entry, response);
+        }
+        let _slot = inner.compile_slots.acquire().await.expect("the compile pool is never closed");
+        let lock = match inner.artifacts.lock(key).await {
+            Ok(lock) => lock,
+            Err(error) => return Some(infra(response, format!("artifact lock: {error}"), true)),
+        };
+        // Another evaluation may have built it while this one waited.
+        if let Some(entry) = inner.artifacts.get(key) {
+            inner.metrics.cache("artifact", true);
+            response.compile_cache_hit = true;
+            return cached_compile(entry, response);
+        }
+        inner.metrics.cache("artifact", false);
+        let artifact_dir = inner.artifacts.dir(key);
+        if let Err(error) = std::fs::create_dir_all(artifact_dir.join("ext"))
+            .and_then(|()| std::fs::write(scratch.join("candidate.py"), &job.candidate))
+        {
+            return Some(infra(response, format!("preparing the compile: {error}"), true));
+        }
+        let gpu = (job.backend != Backend::Cpu).then_some(0);
+        let mut env = python.env(scratch, gpu);
+        env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
+        if job.backend == Backend::Cpu {
+            // A CPU build must not pick up a GPU toolchain by accident.
+            env.push(("CUDA_VISIBLE_DEVICES".into(), "".into()));
+        }
+        let stage = Stage {
+            mode: "compile",
+            spec: json!({ "candidate_path": scratch.join("candidate.py") }),
+            scratch: scratch.to_owned(),
+            readable: vec![],
+            writable: vec![artifact_dir.clone()],
+            env,
+            wall: Duration::from_secs(inner.config.compile_timeout_secs),
+            address_space_bytes: None,
+        };
+        let outcome = match self.stage(stage, cancel).await {
+            Ok(outcome) => outcome,
+            Err(error) => return Some(infra(response, format!("compile stage: {error}"), true)),
+        };
+        let log = outcome.error_text();
+        match outcome.finished.exit {
+            _ if outcome.ok() => {
+                if let Err(error) = inner.artifacts.complete(key, &Entry::Ready(String::new()), &lock) {
+                    return Some(infra(response, format!("artifact cache: {error}"), true));
+                }
+                None
+            }
+            Exit::TimedOut => {
+                inner.artifacts.discard(key, &lock);
+                response.error = format!("compilation exceeded {} s", inner.config.compile_timeout_secs);
+                Some(pb::Verdict::Timeout)
+            }
+            Exit::Cancelled => {
+                inner.artifacts.discard(key, &lock);
+                Some(infra(response, "cancelled".into(), true))
+            }
+            // The harness reported the failure: the same source fails the same way, so remember it.
+            Exit::Code(_) if outcome.result.is_some() => {
+                let log = cap(&log, 16 * 1024);
+                if let Err(error) = inner.artifacts.complete(key, &Entry::Failed(log.clone()), &lock) {
+                    tracing::warn!(%error, "could not cache a compile failure");
+                }
+                response.compile_log = log;
+                Some(pb::Verdict::CompileError)
+            }
+            // Killed or vanished without a report (a crashing compiler, memory): not cached, maybe transient.
+            Exit::Code(_) | Exit::Signal(_) => {
+                inner.artifacts.discard(key, &lock);
+                response.compile_log = cap(&log, 16 * 1024);
+                Some(pb::Verdict::CompileError)
+            }
+        }
+    }
+
+    /// Compares the candidate's outputs with the reference's; `Ok(Some(mismatch))` when they differ.
+    #[allow(clippy::too_many_arguments)]
+    async fn check(
+        &self,
+        job: &Job,
+        device: &str,
+        gpu: Option<usize>,
+        seeds: &[u64],
+        init_seed: u64,
+        scratch: &Path,
+        candidate_dir: &Path,
+        cancel: &CancellationToken,
+    ) -> Result<Option<pb::Mismatch>, String> {
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+        let versions: String = python.versions.iter().map(|(k, v)| format!("{k}={v};")).collect();
+        let seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
+        let device_name = gpu.and_then(|i| python.gpus.get(i)).map(|g| g.name.as_str()).unwrap_or("cpu");
+        let key = cache::key(&[
+            job.task.as_bytes(),
+            seed_text.as_bytes(),
+            init_seed.to_string().as_bytes(),
+            device_name.as_bytes(),
+            versions.as_bytes(),
+        ]);
+        let reference_dir = inner.references.dir(&key);
+        let spec = json!({
+            "task_path": scratch.join("task.py"),
+            "device": device,
+            "init_seed": init_seed,
+            "seeds": seeds,
+            "reference_dir": reference_dir,
+            "candidate_dir": candidate_dir,
+            "tolerances": inner.config.tolerances,
+        });
+        // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
+        let lock = match inner.references.get(&key) {
+            Some(_) => None,
+            None => {
+                let lock = inner.references.lock(&key).await.map_err(|e| format!("reference lock: {e}"))?;
+                if inner.references.get(&key).is_some() {
+                    None
+                } else {
+                    std::fs::create_dir_all(&reference_dir).map_err(|e| format!("reference dir: {e}"))?;
+                    Some(lock)
+                }
+            }
+        };
+        inner.metrics.cache("reference", lock.is_none());
+        let mode = if lock.is_some() { "reference" } else { "check" };
+        let stage = Stage {
+            mode,
+            spec,
+            scratch: scratch.to_owned(),
+            readable: vec![candidate_dir.to_owned(), reference_dir.clone()],
+            writable: if mode == "reference" { vec![reference_dir.clone()] } else { vec![] },
+            env: python.env(scratch, gpu),
+            wall: Duration::from_secs(inner.config.run_timeout_secs),
+            address_space_bytes: None,
+        };
+        let outcome = self.stage(stage, cancel).await.map_err(|e| format!("{mode} stage: {e}"))?;
+        if !outcome.ok() {
+            let what = if mode == "reference" { "the reference failed" } else { "the checker failed" };
+            return Err(format!("{what}: {}", cap(&outcome.error_text(), 4000)));
+        }
+        if let Some(lock) = &lock {
+            inner
+                .references
+                .complete(&key, &Entry::Ready(String::new()), lock)
+                .map_err(|e| format!("reference cache: {e}"))?;
+        }
+        let mismatch = outcome.result.as_ref().and_then(|r| r.get("mismatch")).filter(|m| !m.is_null());
+        Ok(mismatch.map(mismatch_proto))
+    }
+
+    /// Eager and torch.compile samples of the reference, from the cache or a clean child.
+    #[allow(clippy::too_many_arguments)]
+    async fn baseline(
+        &self,
+        job: &Job,
+        device: &str,
+        gpu: Option<usize>,
+        init_seed: u64,
+        timing_seeds: &[u64],
+        scratch: &Path,
+        cancel: &CancellationToken,
+    ) -> Result<(Vec<f64>, Option<Vec<f64>>), String> {
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+        let versions: String = python.versions.iter().map(|(k, v)| format!("{k}={v};")).collect();
+        let device_name = gpu.and_then(|i| python.gpus.get(i)).map(|g| g.name.as_str()).unwrap_or("cpu");
+        let timing = serde_json::to_string(&inner.config.timing).unwrap_or_default();
+        let with_compile = inner.config.baseline_torch_compile;
+        let key = cache::key(&[
+            job.task.as_bytes(),
+            device_name.as_bytes(),
+            versions.as_bytes(),
+            timing.as_bytes(),
+            &[u8::from(with_compile)],
+        ]);
+        let parse = |text: &str| -> Result<(Vec<f64>, Option<Vec<f64>>), String> {
+            let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("baseline cache: {e}"))?;
+            let eager =
+                serde_json::from_value(value["eager_ms"].clone()).map_err(|e| format!("baseline samples: {e}"))?;
+            let compiled = serde_json::from_value(value["compile_ms"].clone()).ok();
+            Ok((eager, compiled))
+        };
+        if let Some(Entry::Ready(text)) = inner.baselines.get(&key) {
+            inner.metrics.cache("baseline", true);
+            return parse(&text);
+        }
+        let lock = inner.baselines.lock(&key).await.map_err(|e| format!("baseline lock: {e}"))?;
+        if let Some(Entry::Ready(text)) = inner.baselines.get(&key) {
+            inner.metrics.cache("baseline", true);
+            return parse(&text);
+        }
+        inner.metrics.cache("baseline", false);
+        std::fs::write(scratch.join("task.py"), &job.task).map_err(|e| format!("writing task.py: {e}"))?;
+        let mut env = python.env(scratch, gpu);
+        env.push(("TORCHINDUCTOR_CACHE_DIR".into(), scratch.join("inductor").into()));
+        env.push(("TRITON_CACHE_DIR".into(), scratch.join("triton").into()));
+        let stage = Stage {
+            mode: "baseline",
+            spec: json!({
+                "task_path": scratch.join("task.py"),
+                "device": device,
+                "init_seed": init_seed,
+                "timing": timing_spec(&inner.config.timing),
+                "timing_seeds": timing_seeds,
+                "compile": with_compile,
+            }),
+            scratch: scratch.to_owned(),
+            readable: vec![],
+            writable: vec![],
+            env,
+            wall: Duration::from_secs(inner.config.run_timeout_secs),
+            address_space_bytes: None,
+        };
+        let outcome = self.stage(stage, cancel).await.map_err(|e| format!("baseline stage: {e}"))?;
+        if !outcome.ok() {
+            return Err(format!("the baseline failed: {}", cap(&outcome.error_text(), 4000)));
+        }
+        let result = outcome.result.unwrap_or_default();
+        if let Some(error) = result.get("compile_error").and_then(|e| e.as_str()) {
+            tracing::warn!(task = %job.task_id, %error, "torch.compile baseline unavailable");
+        }
+        let text = json!({ "eager_ms": result["eager_ms"], "compile_ms": result.get("compile_ms") }).to_string();
+        inner
+            .baselines
+            .complete(&key, &Entry::Ready(text.clone()), &lock)
+            .map_err(|e| format!("baseline cache: {e}"))?;
+        parse(&text)
+    }
+
+    async fn stage(
+        &self,
+        stage: Stage,
+        cancel: &CancellationToken,
+    ) -> Result<StageOutcome, kforge_sandbox::SandboxError> {
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+        let name = stage.mode;
+        let _running = inner.metrics.stage(name);
+        let started = Instant::now();
+        let outcome = python::run_stage(&inner.sandbox, python, &inner.harness, stage, cancel.child_token()).await;
+        inner.metrics.stage_seconds(name, started.elapsed());
+        outcome
+    }
+
+    /// Seeds the candidate cannot know in advance: derived from a secret drawn when this evaluator started, so
+    /// they repeat per task (and the reference cache hits) but differ between evaluator instances.
+    fn seeds(&self, task_key: &str, purpose: &str, count: usize) -> Vec<u64> {
+        let hasher = std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default();
+        (0..count).map(|i| hasher.hash_one((self.inner.secret, task_key, purpose, i)) % (1 << 31)).collect()
+    }
+}
+
+fn timing_spec(timing: &crate::config::TimingBudget) -> serde_json::Value {
+    json!({
+        "warmup_runs": timing.warmup_runs,
+        "min_runs": timing.min_runs.max(2),
+        "max_runs": timing.max_runs.max(timing.min_runs.max(2)),
+        "max_seconds": timing.max_seconds,
+        "target_rel_error": timing.target_rel_error,
+    })
+}
+
+/// Whether the source builds a C++/CUDA extension (and so needs the compile stage).
+fn builds_extension(source: &str) -> bool {
+    source.contains("load_inline") || source.contains("cpp_extension")
+}
+
+fn gpu_arch(python: &PythonEnv) -> String {
+    python.gpus.iter().map(|g| g.capability.as_str()).collect::<Vec<_>>().join(",")
+}
+
+fn cached_compile(entry: Entry, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
+    match entry {
+        Entry::Ready(_) => None,
+        Entry::Failed(log) => {
+            response.compile_log = log;
+            Some(pb::Verdict::CompileError)
+        }
+    }
+}
+
+/// The verdict of a candidate stage that did not finish cleanly; `None` when it did.
+fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
+    if outcome.ok() {
+        return None;
+    }
+    let error = cap(&outcome.error_text(), 8000);
+    let verdict = match outcome.finished.exit {
+        Exit::TimedOut => {
+            response.error = "the candidate exceeded its time limit and was killed".into();
+            return Some(pb::Verdict::Timeout);
+        }
+        Exit::Cancelled => return Some(infra(response, "cancelled".into(), true)),
+        Exit::Signal(signal) => {
+            response.error = format!("the candidate was killed by signal {signal} ({})\n{error}", signal_name(signal));
+            pb::Verdict::RuntimeError
+        }
+        Exit::Code(_) if outcome.result.is_none() => {
+            response.error =
+                format!("the candidate exited ({:?}) without reporting a result\n{error}", outcome.finished.exit);
+            pb::Verdict::RuntimeError
+        }
+        Exit::Code(_) => {
+            let compile = outcome.result.as_ref().and_then(|r| r.get("phase")).and_then(|p| p.as_str())
+                == Some("import")
+                && (error.contains("Error building extension") || outcome.error_type() == Some("CompilationError"));
+            response.error = error;
+            if compile { pb::Verdict::CompileError } else { pb::Verdict::RuntimeError }
+        }
+    };
+    Some(verdict)
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        24 => "SIGXCPU",
+        25 => "SIGXFSZ",
+        _ => "signal",
+    }
+}
+
+fn infra(response: &mut pb::EvaluateResponse, error: String, retryable: bool) -> pb::Verdict {
+    tracing::error!(%error, "evaluation infrastructure error");
+    response.error = error;
+    response.retryable = retryable;
+    pb::Verdict::InfraError
+}
+
+fn finding_proto(finding: &statics::Finding) -> pb::Finding {
+    let category = match finding.category {
+        Category::Hack => pb::FindingCategory::Hack,
+        Category::Policy => pb::FindingCategory::Policy,
+        Category::Notice => pb::FindingCategory::Notice,
+    };
+    pb::Finding {
+        code: finding.code.into(),
+        message: finding.message.clone(),
+        line: finding.line,
+        category: category as i32,
+    }
+}
+
+fn mismatch_proto(value: &serde_json::Value) -> pb::Mismatch {
+    let number = |key: &str| value.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0);
+    pb::Mismatch {
+        trial: value.get("trial").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+        output_index: value.get("output_index").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+        element_index: value
+            .get("element_index")
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .unwrap_or_default(),
+        expected: number("expected"),
+        got: number("got"),
+        max_abs_error: number("max_abs_error"),
+        max_rel_error: number("max_rel_error"),
+        detail: value.get("detail").and_then(|v| v.as_str()).unwrap_or("").to_owned(),
+    }
+}
+
+fn ms(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e3
+}
+
+/// At most `limit` bytes of `text`, cut at a character boundary, keeping the end (where errors are).
+fn cap(text: &str, limit: usize) -> String {
+    if text.len() <= limit {
+        return text.to_owned();
+    }
+    let mut start = text.len() - limit;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("[...]{}", &text[start..])
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,240 @@
+//! The Python side: probing the interpreter (versions, devices, paths), and running harness stages in the sandbox.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kforge_sandbox::{Finished, Job, Limits, Sandbox, SandboxError};
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+/// The harness, embedded so that the binary is self-contained; written to the work directory at start.
+pub const HARNESS: &str = include_str!("../harness/kforge_harness.py");
+
+/// What the interpreter reported about itself.
+#[derive(Debug, Clone, Deserialize)]
+struct Probe {
+    python: String,
+    prefixes: Vec<PathBuf>,
+    paths: Vec<PathBuf>,
+    torch: Option<String>,
+    torch_error: Option<String>,
+    #[serde(default)]
+    cuda: String,
+    #[serde(default)]
+    cuda_home: String,
+    #[serde(default)]
+    devices: Vec<Gpu>,
+    triton: Option<String>,
+}
+
+/// A GPU the interpreter's PyTorch sees.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Gpu {
+    pub name: String,
+    pub capability: String,
+}
+
+/// A usable interpreter with PyTorch.
+#[derive(Debug, Clone)]
+pub struct PythonEnv {
+    pub python: PathBuf,
+    /// python, torch, cuda, triton versions: part of every cache key.
+    pub versions: BTreeMap<String, String>,
+    pub gpus: Vec<Gpu>,
+    /// Where the interpreter and its packages live: readable by every stage.
+    pub readable: Vec<PathBuf>,
+    cuda_home: Option<PathBuf>,
+}
+
+const PROBE: &str = r#"
+import json, platform, sys
+info = {"python": platform.python_version(), "prefixes": sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}),
+        "paths": [p for p in sys.path if p]}
+try:
+    import torch
+    info["torch"] = torch.__version__
+    info["cuda"] = torch.version.cuda or ""
+    info["devices"] = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            info["devices"].append({"name": p.name, "capability": f"{p.major}.{p.minor}"})
+    from torch.utils.cpp_extension import CUDA_HOME
+    info["cuda_home"] = CUDA_HOME or ""
+except Exception as error:
+    info["torch_error"] = repr(error)
+try:
+    import triton
+    info["triton"] = triton.__version__
+except Exception:
+    pass
+print(json.dumps(info))
+"#;
+
+impl PythonEnv {
+    /// Asks `python` about itself, in a basic sandbox (no Landlock: its paths are what we are learning).
+    pub async fn probe(python: &Path, scratch: &Path) -> Result<Self, String> {
+        std::fs::create_dir_all(scratch).map_err(|e| format!("scratch {}: {e}", scratch.display()))?;
+        let job = Job {
+            program: python.to_owned(),
+            args: vec!["-c".into(), PROBE.into()],
+            env: vec![("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())],
+            scratch: scratch.to_owned(),
+            readable: vec![],
+            writable: vec![],
+            limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
+        };
+        let finished = Sandbox::basic()
+            .run(job, CancellationToken::new())
+            .await
+            .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+        if !finished.success() {
+            return Err(format!("{} failed: {}", python.display(), finished.stderr_tail(2000)));
+        }
+        let probe: Probe = serde_json::from_slice(&finished.stdout)
+            .map_err(|e| format!("{} gave an unreadable probe: {e}", python.display()))?;
+        let Some(torch) = probe.torch.clone() else {
+            return Err(format!(
+                "{} (python {}) cannot import torch: {}",
+                python.display(),
+                probe.python,
+                probe.torch_error.unwrap_or_default()
+            ));
+        };
+        let mut versions = BTreeMap::from([("python".to_owned(), probe.python.clone()), ("torch".to_owned(), torch)]);
+        if !probe.cuda.is_empty() {
+            versions.insert("cuda".into(), probe.cuda.clone());
+        }
+        if let Some(triton) = &probe.triton {
+            versions.insert("triton".into(), triton.clone());
+        }
+        let cuda_home = (!probe.cuda_home.is_empty()).then(|| PathBuf::from(&probe.cuda_home));
+        let mut readable: Vec<PathBuf> = probe.prefixes.iter().chain(&probe.paths).cloned().collect();
+        readable.extend(cuda_home.clone());
+        if let Ok(real) = std::fs::canonicalize(python)
+            && let Some(dir) = real.parent()
+        {
+            readable.push(dir.to_owned());
+        }
+        let python = std::path::absolute(python).unwrap_or_else(|_| python.to_owned());
+        if let Some(dir) = python.parent() {
+            readable.push(dir.to_owned());
+        }
+        readable.sort();
+        readable.dedup();
+        Ok(Self { python, versions, gpus: probe.devices, readable, cuda_home })
+    }
+
+    /// `PATH` for stages: the interpreter's own bin directory first (ninja lives there in a venv), CUDA's, then the system's.
+    fn path(&self) -> OsString {
+        let mut dirs: Vec<PathBuf> = self.python.parent().map(Path::to_owned).into_iter().collect();
+        dirs.extend(self.cuda_home.as_ref().map(|home| home.join("bin")));
+        dirs.extend(["/usr/local/bin", "/usr/bin", "/bin"].map(PathBuf::from));
+        std::env::join_paths(dirs).unwrap_or_default()
+    }
+
+    /// A stage's base environment; `scratch` is its home.
+    pub fn env(&self, scratch: &Path, gpu: Option<usize>) -> Vec<(OsString, OsString)> {
+        let mut env: Vec<(OsString, OsString)> = vec![
+            ("PATH".into(), self.path()),
+            ("HOME".into(), scratch.into()),
+            ("PYTHONDONTWRITEBYTECODE".into(), "1".into()),
+            ("PYTHONUNBUFFERED".into(), "1".into()),
+            ("LANG".into(), "C.UTF-8".into()),
+        ];
+        if let Some(home) = &self.cuda_home {
+            env.push(("CUDA_HOME".into(), home.into()));
+        }
+        match gpu {
+            Some(index) => {
+                env.push(("CUDA_VISIBLE_DEVICES".into(), index.to_string().into()));
+                if let Some(capability) = self.gpus.get(index).map(|g| g.capability.clone()) {
+                    // Build for this device only: every extra architecture multiplies nvcc's device passes.
+                    env.push(("TORCH_CUDA_ARCH_LIST".into(), capability.into()));
+                }
+            }
+            None => env.push(("CUDA_VISIBLE_DEVICES".into(), "".into())),
+        }
+        env
+    }
+}
+
+/// One harness stage to run.
+#[derive(Debug)]
+pub struct Stage {
+    pub mode: &'static str,
+    pub spec: serde_json::Value,
+    pub scratch: PathBuf,
+    pub readable: Vec<PathBuf>,
+    pub writable: Vec<PathBuf>,
+    pub env: Vec<(OsString, OsString)>,
+    pub wall: Duration,
+    /// Cap on virtual memory (CPU stages only).
+    pub address_space_bytes: Option<u64>,
+}
+
+/// A stage that ran: how it ended and the result it wrote, if any.
+#[derive(Debug)]
+pub struct StageOutcome {
+    pub finished: Finished,
+    pub result: Option<serde_json::Value>,
+}
+
+impl StageOutcome {
+    /// The result's `ok` flag; false when there is no result.
+    pub fn ok(&self) -> bool {
+        self.finished.success()
+            && self.result.as_ref().and_then(|r| r.get("ok")).and_then(|v| v.as_bool()) == Some(true)
+    }
+
+    /// The error text the harness reported, or the end of stderr.
+    pub fn error_text(&self) -> String {
+        self.result
+            .as_ref()
+            .and_then(|r| r.get("error"))
+            .and_then(|e| e.as_str())
+            .map(str::to_owned)
+            .unwrap_or_else(|| self.finished.stderr_tail(4000))
+    }
+
+    /// The harness's exception type name, when it reported one.
+    pub fn error_type(&self) -> Option<&str> {
+        self.result.as_ref()?.get("error_type")?.as_str()
+    }
+}
+
+/// Runs `stage` with the harness at `harness`.
+pub async fn run_stage(
+    sandbox: &Sandbox,
+    python: &PythonEnv,
+    harness: &Path,
+    mut stage: Stage,
+    cancel: CancellationToken,
+) -> Result<StageOutcome, SandboxError> {
+    let result_path = stage.scratch.join("result.json");
+    let spec_path = stage.scratch.join("spec.json");
+    if let Some(object) = stage.spec.as_object_mut() {
+        object.insert("result_path".into(), result_path.display().to_string().into());
+    }
+    let spec = serde_json::to_vec(&stage.spec).expect("a JSON value always serialises");
+    if let Err(error) = std::fs::write(&spec_path, spec) {
+        return Err(SandboxError::Spawn { program: spec_path, source: error });
+    }
+    let mut readable = stage.readable;
+    readable.extend(python.readable.iter().cloned());
+    readable.extend(harness.parent().map(Path::to_owned));
+    let job = Job {
+        program: python.python.clone(),
+        args: vec![harness.into(), stage.mode.into(), spec_path.into()],
+        env: stage.env,
+        scratch: stage.scratch,
+        readable,
+        writable: stage.writable,
+        limits: Limits { wall: stage.wall, address_space_bytes: stage.address_space_bytes, ..Limits::default() },
+    };
+    let finished = sandbox.run(job, cancel).await?;
+    let result = std::fs::read(&result_path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
+    Ok(StageOutcome { finished, result })
+}
