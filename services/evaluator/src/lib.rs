@@ -70,12 +70,18 @@ const IDEMPOTENCY_ENTRIES: usize = 4096;
 
 type Shared = Arc<OnceCell<Result<pb::EvaluateResponse, Status>>>;
 
+/// Recent idempotency keys: key -> (request fingerprint, the first call's result), oldest first in `order`.
+#[derive(Debug, Default)]
+struct Remembered {
+    entries: HashMap<String, (String, Shared)>,
+    order: VecDeque<String>,
+}
+
 /// The `kforge.v1.Evaluator` implementation.
 #[derive(Debug, Clone)]
 pub struct EvaluatorService {
     evaluator: Evaluator,
-    /// idempotency key -> (request fingerprint, the first call's result), oldest first in `order`.
-    idempotent: Arc<Mutex<(HashMap<String, (String, Shared)>, VecDeque<String>)>>,
+    idempotent: Arc<Mutex<Remembered>>,
 }
 
 impl EvaluatorService {
@@ -96,7 +102,7 @@ impl EvaluatorService {
         };
         let shared = {
             let mut guard = self.idempotent.lock().expect("idempotency map lock is never poisoned");
-            let (entries, order) = &mut *guard;
+            let Remembered { entries, order } = &mut *guard;
             match entries.get(&request.idempotency_key) {
                 Some((seen, _)) if *seen != fingerprint => {
                     return Err(Status::invalid_argument("idempotency_key: already used for a different request"));

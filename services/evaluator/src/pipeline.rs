@@ -115,7 +115,6 @@ struct Inner {
     lanes: Lanes,
     admission: Arc<Semaphore>,
     secret: u64,
-    next_id: std::sync::atomic::AtomicU64,
     metrics: EvaluatorMetrics,
 }
 
@@ -166,7 +165,6 @@ impl Evaluator {
                 compile_slots: Semaphore::new(compile_workers),
                 lanes: Lanes::new(gpus),
                 secret: std::collections::hash_map::RandomState::new().hash_one("kforge-evaluator-seeds"),
-                next_id: 0.into(),
                 config,
                 sandbox,
                 python,
@@ -220,7 +218,9 @@ impl Evaluator {
             retry_after_secs: 30,
         })?;
         let _admitted = self.inner.metrics.admitted();
-        let id = self.inner.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Unique across every evaluator of this process and every process sharing the work directory.
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let scratch = self.inner.scratch_root.join(format!("{}-{id}", std::process::id()));
         // Removed however the evaluation ends (including cancellation): candidate outputs can be large.
         let _cleanup = RemoveOnDrop(scratch.clone());
@@ -826,7 +826,17 @@ fn finding_proto(finding: &statics::Finding) -> pb::Finding {
 }
 
 fn mismatch_proto(value: &serde_json::Value) -> pb::Mismatch {
-    let number = |key: &str| value.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0);
+    // Non-finite numbers arrive as proto3 JSON spells them.
+    let number = |key: &str| match value.get(key) {
+        Some(serde_json::Value::String(text)) => match text.as_str() {
+            "NaN" => f64::NAN,
+            "Infinity" => f64::INFINITY,
+            "-Infinity" => f64::NEG_INFINITY,
+            _ => 0.0,
+        },
+        Some(v) => v.as_f64().unwrap_or(0.0),
+        None => 0.0,
+    };
     pb::Mismatch {
         trial: value.get("trial").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
         output_index: value.get("output_index").and_then(|v| v.as_u64()).unwrap_or(0) as u32,

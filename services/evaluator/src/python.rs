@@ -189,14 +189,19 @@ impl StageOutcome {
             && self.result.as_ref().and_then(|r| r.get("ok")).and_then(|v| v.as_bool()) == Some(true)
     }
 
-    /// The error text the harness reported, or the end of stderr.
+    /// The error text the harness reported, or the end of stderr, or what is known of how the stage ended.
     pub fn error_text(&self) -> String {
-        self.result
-            .as_ref()
-            .and_then(|r| r.get("error"))
-            .and_then(|e| e.as_str())
-            .map(str::to_owned)
-            .unwrap_or_else(|| self.finished.stderr_tail(4000))
+        if let Some(error) = self.result.as_ref().and_then(|r| r.get("error")).and_then(|e| e.as_str()) {
+            return error.to_owned();
+        }
+        let stderr = self.finished.stderr_tail(4000);
+        if !stderr.trim().is_empty() {
+            return stderr;
+        }
+        match &self.result {
+            None => format!("ended ({:?}) without a readable result", self.finished.exit),
+            Some(_) => format!("ended ({:?}) and reported failure without an error", self.finished.exit),
+        }
     }
 
     /// The harness's exception type name, when it reported one.

@@ -340,10 +340,8 @@ impl Checker<'_> {
     fn check(&mut self, root: Node<'_>) {
         let mut model_new = None;
         walk(root, &mut |node| match node.kind() {
-            "class_definition" => {
-                if node.child_by_field_name("name").is_some_and(|n| self.src.text(n) == "ModelNew") {
-                    model_new = Some(node);
-                }
+            "class_definition" if node.child_by_field_name("name").is_some_and(|n| self.src.text(n) == "ModelNew") => {
+                model_new = Some(node);
             }
             "try_statement" if self.policy.strict => self.add(
                 "static.try_except",

@@ -1,0 +1,200 @@
+//! The evaluator on the CPU backend with a real PyTorch: every verdict from real candidate code.
+//!
+//! Needs the Python environment that `scripts/setup.sh --test` creates (`.venv` with torch). Compiled artifacts
+//! are cached under cargo's target directory, so the one C++ build is shared by every test and test process.
+
+use std::path::PathBuf;
+
+use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics, RequestError};
+use kforge_proto::v1 as pb;
+
+const TASK: &str = include_str!("../../../examples/tasks/relu/task.py");
+const CPU_LOOP: &str = include_str!("../../../examples/tasks/relu/candidates/cpu_loop.py");
+
+fn fixture(name: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()))
+}
+
+fn config() -> EvaluatorConfig {
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    EvaluatorConfig {
+        python,
+        work_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("evaluator-cache"),
+        // torch.compile on a CPU needs minutes per task; the eager baseline is what these tests check.
+        baseline_torch_compile: false,
+        ..EvaluatorConfig::default()
+    }
+}
+
+async fn evaluator(config: EvaluatorConfig) -> Evaluator {
+    let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());
+    Evaluator::new(config, metrics).await.expect("evaluator starts")
+}
+
+fn request(candidate: &str) -> pb::EvaluateRequest {
+    pb::EvaluateRequest {
+        request_id: "r".into(),
+        task: Some(pb::Task { task_id: "examples/relu".into(), source: TASK.into() }),
+        candidate_source: candidate.into(),
+        backend: pb::Backend::Cpu.into(),
+        correctness_trials: 3,
+        ..Default::default()
+    }
+}
+
+fn verdict(response: &pb::EvaluateResponse) -> pb::Verdict {
+    pb::Verdict::try_from(response.verdict).expect("a known verdict")
+}
+
+#[tokio::test]
+async fn a_compiled_kernel_is_correct_timed_and_cached() {
+    let evaluator = evaluator(config()).await;
+    let first = evaluator
+        .evaluate(pb::EvaluateRequest { measure_performance: true, ..request(CPU_LOOP) })
+        .await
+        .expect("evaluates");
+    assert_eq!(verdict(&first), pb::Verdict::Correct, "{first:#?}");
+    let timing = first.candidate_timing.as_ref().expect("candidate timed");
+    assert!(!timing.samples_ms.is_empty() && timing.median_ms > 0.0, "{timing:?}");
+    let eager = first.eager_timing.as_ref().expect("eager baseline timed");
+    assert!((first.speedup_eager - eager.median_ms / timing.median_ms).abs() < 1e-9);
+    assert_eq!(first.device, "cpu");
+
+    let again = evaluator.evaluate(request(CPU_LOOP)).await.expect("evaluates");
+    assert_eq!(verdict(&again), pb::Verdict::Correct);
+    assert!(again.compile_cache_hit, "an identical candidate reuses its compiled artifact");
+}
+
+#[tokio::test]
+async fn a_compile_error_comes_with_the_compiler_log() {
+    let evaluator = evaluator(config()).await;
+    let response = evaluator.evaluate(request(&fixture("compile_error.py"))).await.expect("evaluates");
+    assert_eq!(verdict(&response), pb::Verdict::CompileError, "{response:#?}");
+    assert!(response.compile_log.contains("error"), "{}", response.compile_log);
+    // Failures are deterministic for the same source and are remembered.
+    let again = evaluator.evaluate(request(&fixture("compile_error.py"))).await.expect("evaluates");
+    assert_eq!(verdict(&again), pb::Verdict::CompileError);
+    assert!(again.compile_cache_hit);
+}
+
+#[tokio::test]
+async fn each_failure_gets_its_verdict_and_the_evaluator_keeps_serving() {
+    let evaluator = evaluator(config()).await;
+    let cases: [(&str, pb::Verdict, &str); 9] = [
+        ("raises.py", pb::Verdict::RuntimeError, "kernel launch configuration is invalid"),
+        ("aborts.py", pb::Verdict::RuntimeError, "SIGABRT"),
+        ("exits_early.py", pb::Verdict::RuntimeError, "without reporting a result"),
+        ("wrong_result.py", pb::Verdict::Incorrect, ""),
+        ("nan_output.py", pb::Verdict::Incorrect, ""),
+        ("wrong_shape.py", pb::Verdict::Incorrect, ""),
+        ("mutates_input.py", pb::Verdict::Hack, ""),
+        ("prints_megabytes.py", pb::Verdict::Correct, ""),
+        ("torch_relu.py", pb::Verdict::Correct, ""),
+    ];
+    for (name, expected, error) in cases {
+        let response = evaluator.evaluate(request(&fixture(name))).await.expect("evaluates");
+        assert_eq!(verdict(&response), expected, "{name}: {response:#?}");
+        assert!(response.error.contains(error), "{name}: {}", response.error);
+        match name {
+            "wrong_result.py" => {
+                let mismatch = response.mismatch.as_ref().expect("mismatch reported");
+                assert_eq!(mismatch.element_index.len(), 2, "{mismatch:?}");
+                assert_eq!(mismatch.expected, 0.0, "relu of a negative input: {mismatch:?}");
+                assert!(mismatch.got < 0.0 && mismatch.max_abs_error > 0.0, "{mismatch:?}");
+            }
+            "nan_output.py" => {
+                let mismatch = response.mismatch.as_ref().expect("mismatch reported");
+                assert_eq!(mismatch.element_index, vec![0, 0], "NaN never passes: {mismatch:?}");
+            }
+            "wrong_shape.py" => {
+                let detail = &response.mismatch.as_ref().expect("mismatch reported").detail;
+                assert!(detail.contains("shape"), "{detail}");
+            }
+            "mutates_input.py" => {
+                assert!(
+                    response.findings.iter().any(|f| f.code == "runtime.input_mutation"),
+                    "{:?}",
+                    response.findings
+                );
+            }
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_hanging_candidate_times_out() {
+    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 20, ..config() }).await;
+    let response = evaluator.evaluate(request(&fixture("hangs.py"))).await.expect("evaluates");
+    assert_eq!(verdict(&response), pb::Verdict::Timeout, "{response:#?}");
+}
+
+#[tokio::test]
+async fn static_rejections_run_nothing() {
+    let evaluator = evaluator(config()).await;
+    let strict = pb::EvaluateRequest { policy: "kevin-strict".into(), ..request(&fixture("try_except.py")) };
+    let response = evaluator.evaluate(strict).await.expect("evaluates");
+    assert_eq!(verdict(&response), pb::Verdict::Rejected);
+    let finding = response.findings.iter().find(|f| f.code == "static.try_except").expect("try/except finding");
+    assert_eq!((finding.line, finding.category), (6, pb::FindingCategory::Hack as i32));
+    assert!(!response.stage_ms.contains_key("run"), "nothing ran: {:?}", response.stage_ms);
+
+    let syntax = evaluator.evaluate(request("import torch\nclass ModelNew(:\n")).await.expect("evaluates");
+    assert_eq!(verdict(&syntax), pb::Verdict::CompileError);
+    assert_eq!(syntax.findings[0].code, "static.syntax_error");
+}
+
+#[tokio::test]
+async fn bad_requests_name_the_field() {
+    let evaluator = evaluator(config()).await;
+    let field = |result: Result<pb::EvaluateResponse, RequestError>| match result {
+        Err(RequestError::Invalid { field, .. }) => field,
+        other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+    };
+    let no_inputs = TASK.replace("def get_inputs", "def make_inputs");
+    let mut bad = request(CPU_LOOP);
+    bad.task = Some(pb::Task { task_id: "t".into(), source: no_inputs });
+    assert_eq!(field(evaluator.evaluate(bad).await), "task.source");
+    assert_eq!(field(evaluator.evaluate(request("  ")).await), "candidate_source");
+    assert_eq!(field(evaluator.evaluate(request(&"#".repeat(300 * 1024))).await), "candidate_source");
+    assert_eq!(
+        field(evaluator.evaluate(pb::EvaluateRequest { policy: "lenient".into(), ..request(CPU_LOOP) }).await),
+        "policy"
+    );
+    assert_eq!(field(evaluator.evaluate(pb::EvaluateRequest { backend: 42, ..request(CPU_LOOP) }).await), "backend");
+    assert_eq!(field(evaluator.evaluate(pb::EvaluateRequest { task: None, ..request(CPU_LOOP) }).await), "task");
+    let capabilities = evaluator.capabilities();
+    if !capabilities.backends.contains(&(pb::Backend::Cuda as i32)) {
+        assert_eq!(
+            field(
+                evaluator
+                    .evaluate(pb::EvaluateRequest { backend: pb::Backend::Cuda.into(), ..request(CPU_LOOP) })
+                    .await
+            ),
+            "backend"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_full_queue_answers_resource_exhausted() {
+    let evaluator = evaluator(EvaluatorConfig { queue_capacity: 0, ..config() }).await;
+    match evaluator.evaluate(request(CPU_LOOP)).await {
+        Err(RequestError::QueueFull { retry_after_secs, .. }) => assert!(retry_after_secs > 0),
+        other => panic!("expected a full queue, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn capabilities_report_backends_versions_and_the_sandbox() {
+    let evaluator = evaluator(config()).await;
+    let capabilities = evaluator.capabilities();
+    assert!(capabilities.backends.contains(&(pb::Backend::Cpu as i32)));
+    assert!(capabilities.versions.contains_key("torch"), "{:?}", capabilities.versions);
+    assert_eq!(capabilities.policies, vec!["permissive@1", "kevin-strict@1"]);
+    for protection in ["process_group", "rlimits", "network_namespace", "landlock"] {
+        assert!(capabilities.sandbox.iter().any(|p| p.name == protection), "{protection} not reported");
+    }
+}
