@@ -1,0 +1,185 @@
+//! Evaluates kforge's own candidates for KernelBench tasks through the evaluator library, all submitted at once
+//! (the compile pool and the device lane schedule them), and writes one JSON line per result.
+//!
+//! ```text
+//! evaluator-kernelbench --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out FILE]
+//!                       [--no-torch-compile] [--trials N] [--only SUBSTRING]
+//! ```
+//! `--candidates` is what `bench/kernelbench/make_candidates.py` writes (candidates and manifest.json).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics};
+use kforge_proto::v1 as pb;
+use serde_json::json;
+
+struct Args {
+    kernelbench: PathBuf,
+    candidates: PathBuf,
+    python: PathBuf,
+    work: PathBuf,
+    out: Option<PathBuf>,
+    torch_compile: bool,
+    trials: u32,
+    only: Option<String>,
+}
+
+fn args() -> Result<Args, String> {
+    let mut args = Args {
+        kernelbench: PathBuf::new(),
+        candidates: PathBuf::new(),
+        python: PathBuf::from("python3"),
+        work: PathBuf::from(".kforge/bench-evaluator"),
+        out: None,
+        torch_compile: true,
+        trials: 5,
+        only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--kernelbench" => args.kernelbench = value()?.into(),
+            "--candidates" => args.candidates = value()?.into(),
+            "--python" => args.python = value()?.into(),
+            "--work" => args.work = value()?.into(),
+            "--out" => args.out = Some(value()?.into()),
+            "--trials" => args.trials = value()?.parse().map_err(|e| format!("--trials: {e}"))?,
+            "--only" => args.only = Some(value()?),
+            "--no-torch-compile" => args.torch_compile = false,
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    if args.kernelbench.as_os_str().is_empty() || args.candidates.as_os_str().is_empty() {
+        return Err("--kernelbench and --candidates are required".into());
+    }
+    Ok(args)
+}
+
+fn main() -> std::process::ExitCode {
+    let args = match args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("evaluator-kernelbench: {message}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> std::process::ExitCode {
+    let manifest: Vec<serde_json::Value> = match std::fs::read(args.candidates.join("manifest.json"))
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()))
+    {
+        Ok(manifest) => manifest,
+        Err(error) => {
+            eprintln!("evaluator-kernelbench: manifest: {error}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let config = EvaluatorConfig {
+        python: args.python.clone(),
+        work_dir: args.work.clone(),
+        baseline_torch_compile: args.torch_compile,
+        queue_capacity: 1024,
+        ..EvaluatorConfig::default()
+    };
+    let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());
+    let evaluator = Evaluator::new(config, metrics).await.expect("evaluator starts");
+    let capabilities = evaluator.capabilities();
+    println!("# devices {:?} versions {:?}", capabilities.devices, capabilities.versions);
+    println!("# sandbox {:?}", capabilities.sandbox.iter().map(|p| (p.name.as_str(), p.active)).collect::<Vec<_>>());
+
+    let started = Instant::now();
+    let mut running = tokio::task::JoinSet::new();
+    for entry in manifest {
+        let task = entry["task"].as_str().unwrap_or_default().to_owned();
+        if args.only.as_ref().is_some_and(|only| !task.contains(only.as_str())) {
+            continue;
+        }
+        let backend = match entry["backend"].as_str() {
+            Some("triton") => pb::Backend::Triton,
+            Some("cpu") => pb::Backend::Cpu,
+            _ => pb::Backend::Cuda,
+        };
+        let task_source = std::fs::read_to_string(args.kernelbench.join(&task));
+        let candidate_source =
+            std::fs::read_to_string(args.candidates.join(entry["candidate"].as_str().unwrap_or_default()));
+        let (Ok(task_source), Ok(candidate_source)) = (task_source, candidate_source) else {
+            eprintln!("skipping {task}: unreadable task or candidate");
+            continue;
+        };
+        let evaluator = evaluator.clone();
+        let trials = args.trials;
+        running.spawn(async move {
+            let request = pb::EvaluateRequest {
+                request_id: format!("{task}:{}", backend.as_str_name()),
+                task: Some(pb::Task { task_id: task.clone(), source: task_source }),
+                candidate_source,
+                backend: backend.into(),
+                correctness_trials: trials,
+                measure_performance: true,
+                ..Default::default()
+            };
+            let began = Instant::now();
+            let result = evaluator.evaluate(request).await;
+            (task, backend, result, began.elapsed())
+        });
+    }
+    let mut lines = Vec::new();
+    while let Some(joined) = running.join_next().await {
+        let Ok((task, backend, result, elapsed)) = joined else { continue };
+        let line = match result {
+            Ok(r) => {
+                let verdict = pb::Verdict::try_from(r.verdict).map_or("?", |v| v.as_str_name());
+                let median = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.median_ms);
+                let iqr = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.iqr_ms);
+                let samples = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.samples_ms.len());
+                println!(
+                    "{task:<55} {:<14} {verdict:<22} eager x{:<7.3} compile x{:<7.3} cand {:>9.4} ms eager {:>9.4} ms compile {:>9.4} ms  wall {:>6.1} s",
+                    backend.as_str_name(),
+                    r.speedup_eager,
+                    r.speedup_compile,
+                    median(&r.candidate_timing).unwrap_or(0.0),
+                    median(&r.eager_timing).unwrap_or(0.0),
+                    median(&r.compile_timing).unwrap_or(0.0),
+                    elapsed.as_secs_f64()
+                );
+                if !r.error.is_empty() || !r.compile_log.is_empty() {
+                    let text = if r.error.is_empty() { &r.compile_log } else { &r.error };
+                    let tail: String = text.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
+                    println!("    {}", tail.replace('\n', "\n    "));
+                }
+                json!({
+                    "task": task, "backend": backend.as_str_name(), "verdict": verdict,
+                    "speedup_eager": r.speedup_eager, "speedup_compile": r.speedup_compile,
+                    "candidate_median_ms": median(&r.candidate_timing), "candidate_iqr_ms": iqr(&r.candidate_timing),
+                    "candidate_samples": samples(&r.candidate_timing),
+                    "eager_median_ms": median(&r.eager_timing), "eager_iqr_ms": iqr(&r.eager_timing),
+                    "eager_samples": samples(&r.eager_timing),
+                    "compile_median_ms": median(&r.compile_timing),
+                    "stage_ms": r.stage_ms, "compile_cache_hit": r.compile_cache_hit, "device": r.device,
+                    "mismatch": r.mismatch.map(|m| json!({"trial": m.trial, "index": m.element_index, "expected": m.expected, "got": m.got, "max_abs": m.max_abs_error, "detail": m.detail})),
+                    "error": r.error.chars().take(2000).collect::<String>(),
+                    "compile_log": r.compile_log.chars().rev().take(2000).collect::<String>().chars().rev().collect::<String>(),
+                    "wall_s": elapsed.as_secs_f64(),
+                })
+            }
+            Err(error) => {
+                println!("{task:<55} {:<14} REFUSED {error}", backend.as_str_name());
+                json!({"task": task, "backend": backend.as_str_name(), "refused": error.to_string()})
+            }
+        };
+        lines.push(line.to_string());
+    }
+    println!("# {} evaluations in {:.1} s", lines.len(), started.elapsed().as_secs_f64());
+    if let Some(out) = args.out
+        && let Err(error) = std::fs::write(&out, lines.join("\n") + "\n")
+    {
+        eprintln!("evaluator-kernelbench: writing {}: {error}", out.display());
+    }
+    std::process::ExitCode::SUCCESS
+}
