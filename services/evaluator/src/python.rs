@@ -74,9 +74,12 @@ print(json.dumps(info))
 "#;
 
 impl PythonEnv {
-    /// Asks `python` about itself, in a basic sandbox (no Landlock: its paths are what we are learning).
+    /// Asks `python` about itself, in a basic sandbox (no Landlock: its paths are what we are learning). A bare
+    /// name such as `python3` is looked up on this process's PATH first: stages run with a scrubbed environment,
+    /// where it would find a different interpreter.
     pub async fn probe(python: &Path, scratch: &Path) -> Result<Self, String> {
         std::fs::create_dir_all(scratch).map_err(|e| format!("scratch {}: {e}", scratch.display()))?;
+        let python = &resolve_on_path(python).ok_or_else(|| format!("{} is not on PATH", python.display()))?;
         let job = Job {
             program: python.to_owned(),
             args: vec!["-c".into(), PROBE.into()],
@@ -159,6 +162,18 @@ impl PythonEnv {
         }
         env
     }
+}
+
+/// `program` itself when it names a path, otherwise the first executable of that name on PATH.
+fn resolve_on_path(program: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    if program.components().count() > 1 {
+        return Some(program.to_owned());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|dir| dir.join(program)).find(|candidate| {
+        std::fs::metadata(candidate).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
 }
 
 /// One harness stage to run.
