@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! evaluator-kernelbench --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out FILE]
-//!                       [--no-torch-compile] [--trials N] [--only SUBSTRING]
+//!                       [--no-torch-compile] [--trials N] [--only SUBSTRING] [--no-landlock] [--no-network-namespace]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py` writes (candidates and manifest.json).
 
@@ -23,6 +23,8 @@ struct Args {
     torch_compile: bool,
     trials: u32,
     only: Option<String>,
+    landlock: bool,
+    network_namespace: bool,
 }
 
 fn args() -> Result<Args, String> {
@@ -35,6 +37,8 @@ fn args() -> Result<Args, String> {
         torch_compile: true,
         trials: 5,
         only: None,
+        landlock: true,
+        network_namespace: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -48,6 +52,8 @@ fn args() -> Result<Args, String> {
             "--trials" => args.trials = value()?.parse().map_err(|e| format!("--trials: {e}"))?,
             "--only" => args.only = Some(value()?),
             "--no-torch-compile" => args.torch_compile = false,
+            "--no-landlock" => args.landlock = false,
+            "--no-network-namespace" => args.network_namespace = false,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -85,6 +91,7 @@ async fn run(args: Args) -> std::process::ExitCode {
         work_dir: args.work.clone(),
         baseline_torch_compile: args.torch_compile,
         queue_capacity: 1024,
+        sandbox: kforge_evaluator::config::SandboxSettings { landlock: args.landlock, network_namespace: args.network_namespace },
         ..EvaluatorConfig::default()
     };
     let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());

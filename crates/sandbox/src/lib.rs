@@ -138,9 +138,27 @@ pub struct Sandbox {
     protections: Vec<Protection>,
 }
 
+/// Which optional protections to try; one an operator switches off is reported as disabled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SandboxOptions {
+    pub network_namespace: bool,
+    pub landlock: bool,
+}
+
+impl Default for SandboxOptions {
+    fn default() -> Self {
+        Self { network_namespace: true, landlock: true }
+    }
+}
+
 impl Sandbox {
     /// Probes the optional protections by running `/bin/true` under each.
     pub async fn detect() -> Self {
+        Self::detect_with(SandboxOptions::default()).await
+    }
+
+    /// Probes the optional protections that `options` allows.
+    pub async fn detect_with(options: SandboxOptions) -> Self {
         let mut sandbox = Self { network_namespace: false, landlock: None, protections: Vec::new() };
         let scratch = std::env::temp_dir();
         let probe = |sandbox: &Sandbox| {

@@ -35,6 +35,24 @@ pub struct EvaluatorConfig {
     pub timing: TimingBudget,
     /// Whether baselines include torch.compile (it needs a C compiler and minutes per task on first use).
     pub baseline_torch_compile: bool,
+    /// Optional sandbox protections (each on by default, used where the kernel allows; see GetCapabilities).
+    pub sandbox: SandboxSettings,
+}
+
+/// Switches for the sandbox's optional protections, for hosts where one breaks the GPU driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxSettings {
+    /// A fresh network namespace per child (no network).
+    pub network_namespace: bool,
+    /// Landlock: children read only system paths, the interpreter and their inputs, and write only their scratch.
+    pub landlock: bool,
+}
+
+impl Default for SandboxSettings {
+    fn default() -> Self {
+        Self { network_namespace: true, landlock: true }
+    }
 }
 
 impl Default for EvaluatorConfig {
@@ -53,6 +71,7 @@ impl Default for EvaluatorConfig {
             tolerances: Tolerances::default(),
             timing: TimingBudget::default(),
             baseline_torch_compile: true,
+            sandbox: SandboxSettings::default(),
         }
     }
 }
