@@ -178,29 +178,42 @@ impl Sandbox {
             }
         };
 
-        sandbox.network_namespace = true;
-        let network = probe(&sandbox).await;
-        sandbox.network_namespace = matches!(&network, Ok(f) if f.success());
-        let network_detail = match &network {
-            Ok(f) if f.success() => "fresh network namespace per job (loopback only, down)".to_owned(),
-            Ok(f) => format!("unshare(CLONE_NEWNET) failed in the probe ({:?}); jobs keep the host network", f.exit),
-            Err(e) => format!("probe failed: {e}"),
+        let disabled = || "disabled by configuration".to_owned();
+        let network_detail = if options.network_namespace {
+            sandbox.network_namespace = true;
+            let network = probe(&sandbox).await;
+            sandbox.network_namespace = matches!(&network, Ok(f) if f.success());
+            match &network {
+                Ok(f) if f.success() => "fresh network namespace per job (loopback only, down)".to_owned(),
+                Ok(f) => {
+                    format!("unshare(CLONE_NEWNET) failed in the probe ({:?}); jobs keep the host network", f.exit)
+                }
+                Err(e) => format!("probe failed: {e}"),
+            }
+        } else {
+            disabled()
         };
 
-        let abi = ABI::V5;
-        sandbox.landlock = Some(abi);
-        let landlock = probe(&sandbox).await;
-        let landlock_ok = matches!(&landlock, Ok(f) if f.success());
-        if !landlock_ok {
-            sandbox.landlock = None;
-        }
-        let landlock_detail = match &landlock {
-            Ok(f) if f.success() => {
-                "read-only filesystem except scratch and named directories (abi 5 rules)".to_owned()
+        let landlock_detail = if options.landlock {
+            sandbox.landlock = Some(ABI::V5);
+            let landlock = probe(&sandbox).await;
+            if !matches!(&landlock, Ok(f) if f.success()) {
+                sandbox.landlock = None;
             }
-            Ok(f) => format!("landlock unavailable ({:?}); the filesystem is protected only by permissions", f.exit),
-            Err(e) => format!("landlock unavailable: {e}"),
+            match &landlock {
+                Ok(f) if f.success() => {
+                    "reads limited to system and named paths, writes to scratch and named directories (abi 5)"
+                        .to_owned()
+                }
+                Ok(f) => {
+                    format!("landlock unavailable ({:?}); the filesystem is protected only by permissions", f.exit)
+                }
+                Err(e) => format!("landlock unavailable: {e}"),
+            }
+        } else {
+            disabled()
         };
+        let landlock_ok = sandbox.landlock.is_some();
 
         sandbox.protections = vec![
             Protection { name: "process_group", active: true, detail: "own process group, killed as a whole".into() },
