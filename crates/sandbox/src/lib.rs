@@ -254,6 +254,23 @@ impl Sandbox {
         &self.protections
     }
 
+    /// Whether Landlock restricts jobs.
+    pub fn landlock_active(&self) -> bool {
+        self.landlock.is_some()
+    }
+
+    /// This sandbox without Landlock, reporting `reason` (for hosts where a job's own needs, such as a GPU
+    /// driver, conflict with it).
+    pub fn without_landlock(&self, reason: String) -> Self {
+        let mut sandbox = self.clone();
+        sandbox.landlock = None;
+        for protection in sandbox.protections.iter_mut().filter(|p| p.name == "landlock") {
+            protection.active = false;
+            protection.detail = reason.clone();
+        }
+        sandbox
+    }
+
     /// Runs `job` to completion, timeout or cancellation. The process group is killed in every case before this
     /// returns, so nothing the job started outlives it (short of leaving the group with `setsid`).
     pub async fn run(&self, job: Job, cancel: CancellationToken) -> Result<Finished, SandboxError> {

@@ -149,6 +149,22 @@ impl Evaluator {
         })
         .await;
         let python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
+        let sandbox = match &python {
+            // The GPU driver must work inside the sandbox; on some hosts it fails under Landlock. Detect, report,
+            // and run without it there rather than fail every evaluation.
+            Ok(env) if !env.gpus.is_empty() && sandbox.landlock_active() => {
+                match python::gpu_probe(&sandbox, env, &scratch_root.join("gpu-probe")).await {
+                    Ok(()) => sandbox,
+                    Err(reason) => {
+                        tracing::warn!(%reason, "the GPU driver fails under landlock here; running without it");
+                        sandbox.without_landlock(format!(
+                            "disabled: the GPU driver fails under it on this host ({reason})"
+                        ))
+                    }
+                }
+            }
+            _ => sandbox,
+        };
         match &python {
             Ok(env) => {
                 tracing::info!(python = %env.python.display(), versions = ?env.versions, gpus = env.gpus.len(), "evaluator ready")

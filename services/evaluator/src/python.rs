@@ -164,6 +164,26 @@ impl PythonEnv {
     }
 }
 
+/// Initialises CUDA and allocates on GPU 0 inside `sandbox`; the error says what the driver reported.
+pub async fn gpu_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(scratch).map_err(|e| format!("scratch {}: {e}", scratch.display()))?;
+    let job = Job {
+        program: python.python.clone(),
+        args: vec!["-c".into(), "import torch; torch.zeros(1, device='cuda'); print('ok')".into()],
+        env: python.env(scratch, Some(0)),
+        scratch: scratch.to_owned(),
+        readable: python.readable.clone(),
+        writable: vec![],
+        limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
+    };
+    let finished = sandbox.run(job, CancellationToken::new()).await.map_err(|e| e.to_string())?;
+    if finished.success() {
+        return Ok(());
+    }
+    let stderr = finished.stderr_tail(2000);
+    Err(stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no error text").trim().to_owned())
+}
+
 /// `program` itself when it names a path, otherwise the first executable of that name on PATH.
 fn resolve_on_path(program: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
