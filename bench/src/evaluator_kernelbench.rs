@@ -139,7 +139,9 @@ async fn run(args: Args) -> std::process::ExitCode {
             (task, backend, result, began.elapsed())
         });
     }
-    let mut lines = Vec::new();
+    // Each line is appended as it finishes, so a run cut short keeps what it measured.
+    let mut out = args.out.as_ref().map(|path| std::fs::File::create(path).map(std::io::BufWriter::new));
+    let mut lines = 0usize;
     while let Some(joined) = running.join_next().await {
         let Ok((task, backend, result, elapsed)) = joined else { continue };
         let line = match result {
@@ -183,13 +185,20 @@ async fn run(args: Args) -> std::process::ExitCode {
                 json!({"task": task, "backend": backend.as_str_name(), "refused": error.to_string()})
             }
         };
-        lines.push(line.to_string());
+        lines += 1;
+        if let Some(Ok(writer)) = out.as_mut() {
+            use std::io::Write;
+            if let Err(error) = writeln!(writer, "{line}").and_then(|()| writer.flush()) {
+                eprintln!("evaluator-kernelbench: writing results: {error}");
+            }
+        }
     }
-    println!("# {} evaluations in {:.1} s", lines.len(), started.elapsed().as_secs_f64());
-    if let Some(out) = args.out
-        && let Err(error) = std::fs::write(&out, lines.join("\n") + "\n")
-    {
-        eprintln!("evaluator-kernelbench: writing {}: {error}", out.display());
+    println!("# {lines} evaluations in {:.1} s", started.elapsed().as_secs_f64());
+    match out {
+        Some(Err(error)) => {
+            eprintln!("evaluator-kernelbench: cannot create the results file: {error}");
+            std::process::ExitCode::FAILURE
+        }
+        _ => std::process::ExitCode::SUCCESS,
     }
-    std::process::ExitCode::SUCCESS
 }
