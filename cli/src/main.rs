@@ -290,8 +290,29 @@ async fn eval_command(config: &MeshConfig, args: EvalArgs) -> anyhow::Result<()>
         if response.speedup_eager > 0.0 {
             println!("speedup   {:.3}x eager, {:.3}x torch.compile", response.speedup_eager, response.speedup_compile);
         }
+        if let Some(m) = &response.mismatch {
+            println!(
+                "mismatch  trial {} output {} at {:?}: expected {}, got {} (max abs error {:.3e}, max rel error {:.3e}) {}",
+                m.trial, m.output_index, m.element_index, m.expected, m.got, m.max_abs_error, m.max_rel_error, m.detail
+            );
+        }
         for finding in &response.findings {
             println!("finding   {} (line {}): {}", finding.code, finding.line, finding.message);
+        }
+        if !response.compile_log.is_empty() {
+            println!(
+                "compile   {}",
+                response
+                    .compile_log
+                    .lines()
+                    .rev()
+                    .take(20)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n          ")
+            );
         }
         if !response.error.is_empty() {
             println!("error     {}", response.error);

@@ -188,10 +188,14 @@ fn call_reaches_every_rpc_in_process() {
         assert_eq!(json.pointer(pointer).and_then(serde_json::Value::as_f64), Some(expected), "{target}: {json}");
     }
 
+    let capabilities = run_kforge(&["call", "Evaluator/GetCapabilities"], "{}");
+    assert!(capabilities.status.success(), "{}", String::from_utf8_lossy(&capabilities.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&capabilities.stdout).expect("proto3 json on stdout");
+    assert_eq!(json["policies"], serde_json::json!(["permissive@1", "kevin-strict@1"]));
+    let refused = run_kforge(&["call", "Evaluator/Evaluate"], "{}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("INVALID_ARGUMENT: task: required"));
+
     let unimplemented = [
-        "Evaluator/Evaluate",
-        "Evaluator/EvaluateStream",
-        "Evaluator/GetCapabilities",
         "Profiler/Profile",
         "Profiler/SelectMetrics",
         "Profiler/GetDeviceSpec",
@@ -227,4 +231,43 @@ fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
         .expect("kforge runs");
     child.stdin.take().expect("stdin piped").write_all(stdin.as_bytes()).expect("stdin written");
     child.wait_with_output().expect("kforge exits")
+}
+
+/// The evaluator in-process through the `kforge eval` command, on the CPU backend with the repository's venv.
+#[test]
+fn eval_prints_a_summary_and_proto3_json() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join(".venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let candidate = std::env::temp_dir().join(format!("kforge-eval-test-{}.py", std::process::id()));
+    std::fs::write(
+        &candidate,
+        "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n",
+    )
+    .expect("candidate written");
+    let task = root.join("examples/tasks/relu/task.py");
+    let run = |json: bool| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
+        command
+            .args(["eval", "--backend", "cpu", "--task"])
+            .arg(&task)
+            .arg("--candidate")
+            .arg(&candidate)
+            .env("KFORGE__EVALUATOR__PYTHON", &python)
+            .env("KFORGE__EVALUATOR__WORK_DIR", std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("eval-cli"));
+        if json {
+            command.arg("--json");
+        }
+        command.output().expect("kforge runs")
+    };
+    let summary = run(false);
+    let text = String::from_utf8_lossy(&summary.stdout);
+    assert!(summary.status.success(), "{}", String::from_utf8_lossy(&summary.stderr));
+    assert!(text.starts_with("verdict   VERDICT_INCORRECT"), "{text}");
+    assert!(text.contains("mismatch  trial"), "{text}");
+    let json = run(true);
+    let value: serde_json::Value = serde_json::from_slice(&json.stdout).expect("proto3 json");
+    assert_eq!(value["verdict"], "VERDICT_INCORRECT");
+    assert!(value["mismatch"]["maxAbsError"].as_f64().is_some_and(|e| e > 0.0), "{value}");
+    let _ = std::fs::remove_file(candidate);
 }

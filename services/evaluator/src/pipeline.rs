@@ -257,7 +257,6 @@ impl Evaluator {
 
     fn validate(&self, request: pb::EvaluateRequest) -> Result<Job, RequestError> {
         let config = &self.inner.config;
-        let python = self.inner.python.as_ref().map_err(|e| RequestError::Unavailable(e.clone()))?;
         let pb::EvaluateRequest {
             request_id,
             task,
@@ -291,6 +290,8 @@ impl Evaluator {
                 format!("{} bytes, over the {}-byte limit", candidate_source.len(), config.max_source_bytes),
             ));
         }
+        // The request is checked before the environment: a caller's mistake is worth knowing first.
+        let python = self.inner.python.as_ref().map_err(|e| RequestError::Unavailable(e.clone()))?;
         let has_gpu = !python.gpus.is_empty();
         let backend = match pb::Backend::try_from(backend) {
             Ok(pb::Backend::Unspecified) if has_gpu => Backend::Cuda,
