@@ -198,3 +198,35 @@ async fn capabilities_report_backends_versions_and_the_sandbox() {
         assert!(capabilities.sandbox.iter().any(|p| p.name == protection), "{protection} not reported");
     }
 }
+
+/// Every example task (the embedded default's task set) passes with every candidate shipped beside it: the
+/// examples are real evaluations, and a false positive in the checker shows up here first.
+#[tokio::test]
+async fn every_example_task_passes_with_its_candidates() {
+    let evaluator = evaluator(config()).await;
+    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/tasks");
+    let mut tasks: Vec<PathBuf> =
+        std::fs::read_dir(&examples).expect("examples").map(|e| e.expect("entry").path()).collect();
+    tasks.sort();
+    assert!(tasks.len() >= 12, "a dozen example tasks: {tasks:?}");
+    for task_dir in tasks {
+        let name = task_dir.file_name().expect("named").to_string_lossy().into_owned();
+        let task = std::fs::read_to_string(task_dir.join("task.py")).expect("task.py");
+        let mut candidates: Vec<PathBuf> = std::fs::read_dir(task_dir.join("candidates"))
+            .expect("candidates")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        candidates.sort();
+        assert!(!candidates.is_empty(), "{name} has no candidate");
+        for candidate in candidates {
+            let request = pb::EvaluateRequest {
+                task: Some(pb::Task { task_id: format!("examples/{name}"), source: task.clone() }),
+                candidate_source: std::fs::read_to_string(&candidate).expect("candidate"),
+                correctness_trials: 2,
+                ..request("")
+            };
+            let response = evaluator.evaluate(request).await.expect("evaluates");
+            assert_eq!(verdict(&response), pb::Verdict::Correct, "{}: {response:#?}", candidate.display());
+        }
+    }
+}
