@@ -31,7 +31,7 @@ impl Drop for Guard {
 
 fn start_up() -> (Guard, Vec<(String, String)>) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
-    command.env("NO_COLOR", "1");
+    command.env("NO_COLOR", "1").env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir());
     command.arg("up").stdout(Stdio::piped()).stderr(Stdio::piped());
     for (section, _) in SECTIONS {
         command.env(format!("KFORGE__{}__SERVER__LISTEN", section.to_uppercase()), "127.0.0.1:0");
@@ -224,6 +224,7 @@ fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_kforge"))
         .args(args)
+        .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -270,4 +271,9 @@ fn eval_prints_a_summary_and_proto3_json() {
     assert_eq!(value["verdict"], "VERDICT_INCORRECT");
     assert!(value["mismatch"]["maxAbsError"].as_f64().is_some_and(|e| e > 0.0), "{value}");
     let _ = std::fs::remove_file(candidate);
+}
+
+/// The evaluator's caches and scratch for these tests, under cargo's target directory (never the source tree).
+fn evaluator_work_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-evaluator")
 }
