@@ -357,7 +357,7 @@ impl Evaluator {
             }
         }
         let [compile_dir, candidate_dir, check_dir, baseline_dir] = stage_dirs;
-        let versions: String = python.versions.iter().map(|(k, v)| format!("{k}={v};")).collect();
+        let versions = python.versions_key();
         let task_key = cache::key(&[job.task.as_bytes()]);
 
         // Compile: only candidates that build extensions; the rest are imported where they run.
@@ -381,10 +381,7 @@ impl Evaluator {
         let (gpu, _lane) = inner.lanes.acquire(job.backend).await;
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         let device = if gpu.is_some() { "cuda" } else { "cpu" };
-        response.device = match gpu {
-            Some(index) => python.gpus.get(index).map(|g| g.name.clone()).unwrap_or_else(|| "cuda".into()),
-            None => "cpu".into(),
-        };
+        response.device = python.device_name(gpu).to_owned();
         let seeds = self.seeds(&task_key, "trial", job.trials as usize);
         let timing_seeds = self.seeds(&task_key, "timing", inner.config.timing.input_sets.max(1) as usize);
         let init_seed = self.seeds(&task_key, "init", 1)[0];
@@ -588,9 +585,9 @@ impl Evaluator {
     ) -> Result<Option<pb::Mismatch>, String> {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
-        let versions: String = python.versions.iter().map(|(k, v)| format!("{k}={v};")).collect();
+        let versions = python.versions_key();
         let seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
-        let device_name = gpu.and_then(|i| python.gpus.get(i)).map(|g| g.name.as_str()).unwrap_or("cpu");
+        let device_name = python.device_name(gpu);
         let key = cache::key(&[
             job.task.as_bytes(),
             seed_text.as_bytes(),
@@ -662,8 +659,8 @@ impl Evaluator {
     ) -> Result<(Vec<f64>, Option<Vec<f64>>), String> {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
-        let versions: String = python.versions.iter().map(|(k, v)| format!("{k}={v};")).collect();
-        let device_name = gpu.and_then(|i| python.gpus.get(i)).map(|g| g.name.as_str()).unwrap_or("cpu");
+        let versions = python.versions_key();
+        let device_name = python.device_name(gpu);
         let timing = serde_json::to_string(&inner.config.timing).unwrap_or_default();
         let with_compile = inner.config.baseline_torch_compile;
         let key = cache::key(&[

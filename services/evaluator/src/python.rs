@@ -130,6 +130,16 @@ impl PythonEnv {
         Ok(Self { python, versions, gpus: probe.devices, readable, cuda_home })
     }
 
+    /// The software versions as one string, for cache keys.
+    pub fn versions_key(&self) -> String {
+        self.versions.iter().map(|(k, v)| format!("{k}={v};")).collect()
+    }
+
+    /// The name of GPU `gpu`, or `cpu`: what cached references and baselines are per.
+    pub fn device_name(&self, gpu: Option<usize>) -> &str {
+        gpu.and_then(|i| self.gpus.get(i)).map_or("cpu", |g| g.name.as_str())
+    }
+
     /// `PATH` for stages: the interpreter's own bin directory first (ninja lives there in a venv), CUDA's, then the system's.
     fn path(&self) -> OsString {
         let mut dirs: Vec<PathBuf> = self.python.parent().map(Path::to_owned).into_iter().collect();
