@@ -12,6 +12,7 @@ pub mod pipeline;
 pub mod python;
 pub mod statics;
 pub mod stats;
+pub mod tasks;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
