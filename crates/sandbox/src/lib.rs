@@ -480,9 +480,11 @@ mod tests {
         assert_eq!(finished.exit, Exit::TimedOut);
         let pid = std::fs::read_to_string(&pid_file).expect("the job recorded its child").trim().to_owned();
         // SIGKILL is delivered before `run` returns; the child is then gone or a zombie awaiting its reaper.
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let alive = state.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z'));
-        assert!(!alive, "a child of the timed-out job survived: {state}");
+        // Gone (already reaped) or a zombie both mean dead.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+        let alive =
+            state.as_deref().and_then(|s| s.rsplit(')').next()).is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+        assert!(!alive, "a child of the timed-out job survived: {state:?}");
     }
 
     #[tokio::test]
