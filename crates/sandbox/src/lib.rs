@@ -3,7 +3,7 @@
 //!
 //! Every job gets: its own process group (killed as a whole on timeout, cancellation or drop), a scrubbed
 //! environment (only what the caller passes), a scratch directory as working directory and `TMPDIR`, resource
-//! limits (CPU seconds, file size, open files, no core dumps, optionally address space), a wall-clock limit, capped
+//! limits (CPU seconds, file size, open files, no core dumps), a wall-clock limit, capped
 //! stdout/stderr, death with the parent (`PR_SET_PDEATHSIG`), and, where the kernel allows, no network (a fresh
 //! network namespace) and a read-only view of the filesystem except the directories the job may write (Landlock).
 //!
@@ -57,8 +57,6 @@ pub struct Limits {
     pub file_bytes: u64,
     /// Open file descriptors (RLIMIT_NOFILE).
     pub open_files: u64,
-    /// Virtual address space (RLIMIT_AS); `None` for GPU jobs, whose drivers map far more than they use.
-    pub address_space_bytes: Option<u64>,
     /// Bytes of stdout and of stderr kept; the rest is read and dropped so the job never blocks on a full pipe.
     pub output_bytes: usize,
 }
@@ -70,7 +68,6 @@ impl Default for Limits {
             cpu_seconds: 600,
             file_bytes: 2 << 30,
             open_files: 4096,
-            address_space_bytes: None,
             output_bytes: 64 * 1024,
         }
     }
@@ -414,9 +411,6 @@ impl ChildSetup {
         limit(libc::RLIMIT_FSIZE, self.limits.file_bytes)?;
         limit(libc::RLIMIT_NOFILE, self.limits.open_files)?;
         limit(libc::RLIMIT_CORE, 0)?;
-        if let Some(bytes) = self.limits.address_space_bytes {
-            limit(libc::RLIMIT_AS, bytes)?;
-        }
         if self.network_namespace {
             unsafe { check(libc::unshare(libc::CLONE_NEWNET))? };
         }

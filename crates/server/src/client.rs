@@ -66,9 +66,3 @@ pub async fn connect(url: &str, config: &ClientConfig) -> Result<Channel, Client
         .map_err(|source| ClientError::Connect { url: url.to_owned(), source })?;
     Ok(InterceptedService::new(channel, outbound))
 }
-
-/// Connects on first use and reconnects as needed; for long-lived clients of peers that may start later.
-pub fn connect_lazy(url: &str, config: &ClientConfig) -> Result<Channel, ClientError> {
-    let outbound = Outbound::new(Token::resolve(&config.auth)?);
-    Ok(InterceptedService::new(endpoint(url, config)?.connect_lazy(), outbound))
-}

@@ -6,7 +6,7 @@
 //! modified again.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use sha2::{Digest, Sha256};
 
@@ -90,10 +90,6 @@ impl Cache {
     /// Removes an unfinished entry's directory (after a build that failed for a reason worth retrying).
     pub fn discard(&self, key: &str, _lock: &EntryLock) {
         let _ = std::fs::remove_dir_all(self.dir(key));
-    }
-
-    pub fn root(&self) -> &Path {
-        &self.root
     }
 }
 

@@ -420,7 +420,6 @@ impl Evaluator {
                     writable: vec![artifact_dir.clone()],
                     env,
                     wall: Duration::from_secs(inner.config.run_timeout_secs),
-                    address_space_bytes: None,
                 },
                 cancel,
             )
@@ -529,7 +528,6 @@ impl Evaluator {
             writable: vec![artifact_dir.clone()],
             env,
             wall: Duration::from_secs(inner.config.compile_timeout_secs),
-            address_space_bytes: None,
         };
         let outcome = match self.stage(stage, cancel).await {
             Ok(outcome) => outcome,
@@ -628,7 +626,6 @@ impl Evaluator {
             writable: if mode == "reference" { vec![reference_dir.clone()] } else { vec![] },
             env: python.env(scratch, gpu),
             wall: Duration::from_secs(inner.config.run_timeout_secs),
-            address_space_bytes: None,
         };
         let outcome = self.stage(stage, cancel).await.map_err(|e| format!("{mode} stage: {e}"))?;
         if !outcome.ok() {
@@ -706,7 +703,6 @@ impl Evaluator {
             writable: vec![],
             env,
             wall: Duration::from_secs(inner.config.run_timeout_secs),
-            address_space_bytes: None,
         };
         let outcome = self.stage(stage, cancel).await.map_err(|e| format!("baseline stage: {e}"))?;
         if !outcome.ok() {

@@ -216,8 +216,6 @@ pub struct Stage {
     pub writable: Vec<PathBuf>,
     pub env: Vec<(OsString, OsString)>,
     pub wall: Duration,
-    /// Cap on virtual memory (CPU stages only).
-    pub address_space_bytes: Option<u64>,
 }
 
 /// A stage that ran: how it ended and the result it wrote, if any.
@@ -282,7 +280,7 @@ pub async fn run_stage(
         scratch: stage.scratch,
         readable,
         writable: stage.writable,
-        limits: Limits { wall: stage.wall, address_space_bytes: stage.address_space_bytes, ..Limits::default() },
+        limits: Limits { wall: stage.wall, ..Limits::default() },
     };
     let finished = sandbox.run(job, cancel).await?;
     let result = std::fs::read(&result_path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
