@@ -135,10 +135,14 @@ pub struct Sandbox {
     protections: Vec<Protection>,
 }
 
-/// Which optional protections to try; one an operator switches off is reported as disabled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which optional protections to try; one an operator switches off is reported as disabled. Deserialisable, so
+/// services take it straight from their configuration (e.g. `[evaluator.sandbox]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct SandboxOptions {
+    /// A fresh network namespace per job (no network).
     pub network_namespace: bool,
+    /// Landlock: jobs read only system paths and the paths they are given, and write only their scratch.
     pub landlock: bool,
 }
 

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use kforge_sandbox::SandboxOptions;
 use kforge_server::{ServerConfig, ServiceConfig};
 use serde::{Deserialize, Serialize};
 
@@ -36,23 +37,7 @@ pub struct EvaluatorConfig {
     /// Whether baselines include torch.compile (it needs a C compiler and minutes per task on first use).
     pub baseline_torch_compile: bool,
     /// Optional sandbox protections (each on by default, used where the kernel allows; see GetCapabilities).
-    pub sandbox: SandboxSettings,
-}
-
-/// Switches for the sandbox's optional protections, for hosts where one breaks the GPU driver.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SandboxSettings {
-    /// A fresh network namespace per child (no network).
-    pub network_namespace: bool,
-    /// Landlock: children read only system paths, the interpreter and their inputs, and write only their scratch.
-    pub landlock: bool,
-}
-
-impl Default for SandboxSettings {
-    fn default() -> Self {
-        Self { network_namespace: true, landlock: true }
-    }
+    pub sandbox: SandboxOptions,
 }
 
 impl Default for EvaluatorConfig {
@@ -71,7 +56,7 @@ impl Default for EvaluatorConfig {
             tolerances: Tolerances::default(),
             timing: TimingBudget::default(),
             baseline_torch_compile: true,
-            sandbox: SandboxSettings::default(),
+            sandbox: SandboxOptions::default(),
         }
     }
 }

@@ -143,11 +143,7 @@ impl Evaluator {
         std::fs::write(&harness, python::HARNESS)?;
         let scratch_root = work.join("scratch");
         std::fs::create_dir_all(&scratch_root)?;
-        let sandbox = Sandbox::detect_with(kforge_sandbox::SandboxOptions {
-            network_namespace: config.sandbox.network_namespace,
-            landlock: config.sandbox.landlock,
-        })
-        .await;
+        let sandbox = Sandbox::detect_with(config.sandbox).await;
         let python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
         let sandbox = match &python {
             // The GPU driver must work inside the sandbox; on some hosts it fails under Landlock. Detect, report,
