@@ -2,6 +2,7 @@
 //! they are ready through grpc.health.v1, never by sleeping.
 
 use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge_proto::v1::reward_client::RewardClient;
 use kforge_server::client::{self, Channel, ClientConfig};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -15,6 +16,13 @@ pub async fn start(services: &[Service], config: &MeshConfig) -> Mesh {
         wait_for(channel, service.proto_name(), ServingStatus::Serving).await;
     }
     mesh
+}
+
+/// The Reward service alone, started with `config` and ready, with a client to it.
+pub async fn reward(config: &MeshConfig) -> (Mesh, RewardClient<Channel>) {
+    let mesh = start(&[Service::Reward], config).await;
+    let channel = connect(&mesh, Service::Reward, &ClientConfig::default()).await;
+    (mesh, RewardClient::new(channel))
 }
 
 /// A channel to `service` in `mesh`.

@@ -1,14 +1,12 @@
 //! The Reward service through its generated client, as the orchestrator and trainers call it.
 
-use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge::mesh::{Mesh, MeshConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::reward_client::RewardClient;
 use kforge_server::client::Channel;
 
 async fn reward() -> (Mesh, RewardClient<Channel>) {
-    let mesh = kforge_tests::start(&[Service::Reward], &MeshConfig::default()).await;
-    let channel = kforge_tests::connect(&mesh, Service::Reward, &Default::default()).await;
-    (mesh, RewardClient::new(channel))
+    kforge_tests::reward(&MeshConfig::default()).await
 }
 
 fn correct(id: &str, speedup: f64, pr: f64) -> pb::KernelOutcome {
