@@ -129,6 +129,7 @@ async fn run(args: Args) -> std::process::ExitCode {
                 backend: backend.into(),
                 correctness_trials: trials,
                 measure_performance: true,
+                census: true,
                 ..Default::default()
             };
             let began = Instant::now();
@@ -148,8 +149,9 @@ async fn run(args: Args) -> std::process::ExitCode {
                 let iqr = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.iqr_ms);
                 let samples = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.samples_ms.len());
                 println!(
-                    "{task:<55} {:<14} {verdict:<22} eager x{:<7.3} compile x{:<7.3} cand {:>9.4} ms eager {:>9.4} ms compile {:>9.4} ms  wall {:>6.1} s",
+                    "{task:<55} {:<14} {verdict:<22} PR {:.3} eager x{:<7.3} compile x{:<7.3} cand {:>9.4} ms eager {:>9.4} ms compile {:>9.4} ms  wall {:>6.1} s",
                     backend.as_str_name(),
+                    r.profiling_ratio,
                     r.speedup_eager,
                     r.speedup_compile,
                     median(&r.candidate_timing).unwrap_or(0.0),
@@ -157,6 +159,9 @@ async fn run(args: Args) -> std::process::ExitCode {
                     median(&r.compile_timing).unwrap_or(0.0),
                     elapsed.as_secs_f64()
                 );
+                for finding in &r.findings {
+                    println!("    finding {}: {}", finding.code, finding.message);
+                }
                 if !r.error.is_empty() || !r.compile_log.is_empty() {
                     let text = if r.error.is_empty() { &r.compile_log } else { &r.error };
                     let tail: String = text.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
@@ -170,6 +175,9 @@ async fn run(args: Args) -> std::process::ExitCode {
                     "eager_median_ms": median(&r.eager_timing), "eager_iqr_ms": iqr(&r.eager_timing),
                     "eager_samples": samples(&r.eager_timing),
                     "compile_median_ms": median(&r.compile_timing),
+                    "profiling_ratio": r.profiling_ratio,
+                    "findings": r.findings.iter().map(|f| json!({"code": f.code, "message": f.message})).collect::<Vec<_>>(),
+                    "kernels": r.kernels.iter().filter(|k| k.mode == "train/no_grad").map(|k| json!({"name": k.name, "own": k.own, "launches": k.launches, "total_ms": k.total_ms})).collect::<Vec<_>>(),
                     "stage_ms": r.stage_ms, "compile_cache_hit": r.compile_cache_hit, "device": r.device,
                     "mismatch": r.mismatch.map(|m| json!({"trial": m.trial, "index": m.element_index, "expected": m.expected, "got": m.got, "max_abs": m.max_abs_error, "detail": m.detail})),
                     "error": r.error.chars().take(2000).collect::<String>(),

@@ -24,6 +24,11 @@ pub struct EvaluatorConfig {
     pub default_policy: String,
     /// Correctness trials when a request asks for 0.
     pub default_trials: u32,
+    /// Extra correctness trials run after timing and the census, on fresh inputs: behaviour that changes once
+    /// the first check is over is caught.
+    pub recheck_trials: u32,
+    /// Forward calls profiled per mode in the kernel census.
+    pub census_calls: u32,
     /// Largest candidate or task source accepted, in bytes.
     pub max_source_bytes: usize,
     /// Wall-clock limit of a compile, in seconds.
@@ -50,6 +55,8 @@ impl Default for EvaluatorConfig {
             queue_capacity: 64,
             default_policy: "permissive".into(),
             default_trials: 5,
+            recheck_trials: 2,
+            census_calls: 2,
             max_source_bytes: 256 * 1024,
             compile_timeout_secs: 600,
             run_timeout_secs: 300,

@@ -6,6 +6,7 @@
 //! its child processes.
 
 pub mod cache;
+pub mod census;
 pub mod config;
 pub mod metrics;
 pub mod pipeline;

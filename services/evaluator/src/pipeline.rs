@@ -24,6 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::{self, Cache, Entry};
+use crate::census;
 use crate::config::EvaluatorConfig;
 use crate::metrics::EvaluatorMetrics;
 use crate::python::{self, PythonEnv, Stage, StageOutcome};
@@ -100,6 +101,7 @@ struct Job {
     policy: Policy,
     trials: u32,
     measure: bool,
+    census: bool,
 }
 
 struct Inner {
@@ -261,7 +263,7 @@ impl Evaluator {
             policy,
             correctness_trials,
             measure_performance,
-            census: _,
+            census,
             idempotency_key: _,
             priority: _,
             job_id: _,
@@ -321,6 +323,7 @@ impl Evaluator {
             policy,
             trials,
             measure: measure_performance,
+            census: census || measure_performance,
         })
     }
 
@@ -336,7 +339,8 @@ impl Evaluator {
         let python = inner.python.as_ref().expect("validate checked the environment");
 
         let started = Instant::now();
-        let report = statics::check_candidate(&job.candidate, job.policy);
+        let mut report = statics::check_candidate(&job.candidate, job.policy);
+        report.findings.extend(statics::precision_downgrade(&job.candidate, &job.task));
         response.findings.extend(report.findings.iter().map(finding_proto));
         response.stage_ms.insert("static".into(), ms(started.elapsed()));
         if report.syntax_error {
@@ -345,6 +349,7 @@ impl Evaluator {
         if report.rejected() {
             return pb::Verdict::Rejected;
         }
+        let own_kernels = statics::own_kernel_names(&job.candidate);
 
         let stage_dirs = ["compile", "candidate", "check", "baseline"].map(|stage| scratch.join(stage));
         for dir in &stage_dirs {
@@ -378,7 +383,9 @@ impl Evaluator {
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         let device = if gpu.is_some() { "cuda" } else { "cpu" };
         response.device = python.device_name(gpu).to_owned();
-        let seeds = self.seeds(&task_key, "trial", job.trials as usize);
+        // The last `recheck_trials` trials run after timing and the census.
+        let seeds = self.seeds(&task_key, "trial", (job.trials + inner.config.recheck_trials) as usize);
+        let recheck_from = job.trials as usize;
         let timing_seeds = self.seeds(&task_key, "timing", inner.config.timing.input_sets.max(1) as usize);
         let init_seed = self.seeds(&task_key, "init", 1)[0];
         for (name, source) in [("task.py", &job.task), ("candidate.py", &job.candidate)] {
@@ -406,9 +413,11 @@ impl Evaluator {
                         "device": device,
                         "init_seed": init_seed,
                         "seeds": seeds,
+                        "recheck_from": recheck_from,
                         "candidate_dir": candidate_dir,
                         "timing": if job.measure { Some(timing_spec(&timing)) } else { None },
                         "timing_seeds": timing_seeds,
+                        "census_calls": if job.census { inner.config.census_calls } else { 0 },
                     }),
                     scratch: candidate_dir.clone(),
                     readable: vec![],
@@ -429,25 +438,70 @@ impl Evaluator {
             return verdict;
         }
         let result = candidate.result.as_ref().expect("a successful candidate stage wrote its result");
+        // What the harness saw at run time: each is a hack.
+        let mut runtime_findings: Vec<pb::Finding> = result
+            .get("findings")
+            .and_then(|f| f.as_array())
+            .into_iter()
+            .flatten()
+            .map(|f| pb::Finding {
+                code: f.get("code").and_then(|c| c.as_str()).unwrap_or("runtime.unknown").into(),
+                message: f.get("message").and_then(|c| c.as_str()).unwrap_or("").into(),
+                line: 0,
+                category: pb::FindingCategory::Hack as i32,
+            })
+            .collect();
         if let Some(trials) = result.get("mutated_inputs").and_then(|m| m.as_array()).filter(|m| !m.is_empty()) {
-            response.findings.push(pb::Finding {
+            runtime_findings.push(pb::Finding {
                 code: "runtime.input_mutation".into(),
                 message: format!("the candidate modified its inputs (trials {trials:?})"),
                 line: 0,
                 category: pb::FindingCategory::Hack as i32,
             });
+        }
+        if !runtime_findings.is_empty() {
+            response.findings.extend(runtime_findings);
             return pb::Verdict::Hack;
         }
 
         // Correctness, in clean processes.
         let started = Instant::now();
-        let checked = self.check(job, device, gpu, &seeds, init_seed, &check_dir, &candidate_dir, cancel).await;
+        let trials = Trials {
+            seeds: &seeds,
+            init_seed,
+            timing_seeds: &timing_seeds,
+            // The output of the last timed call is checked too, on its rebuilt inputs.
+            timed_call: result.get("last_call").and_then(|c| c.as_i64()).filter(|_| job.measure),
+        };
+        let checked = self.check(job, device, gpu, &trials, &check_dir, &candidate_dir, cancel).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         match checked {
             Ok(None) => {}
-            Ok(Some(mismatch)) => {
+            Ok(Some((trial, mismatch))) => {
                 response.mismatch = Some(mismatch);
-                return pb::Verdict::Incorrect;
+                let changed = match trial {
+                    Trial::Timed => Some((
+                        "runtime.timed_output_mismatch",
+                        "the output of a timed call is wrong although the correctness trials passed: the work \
+                         done under measurement differs from the work that was checked"
+                            .to_owned(),
+                    )),
+                    Trial::Index(index) if index >= recheck_from => Some((
+                        "runtime.changed_after_check",
+                        format!(
+                            "trial {index}, run after timing and the census, is wrong although the first trials passed"
+                        ),
+                    )),
+                    Trial::Index(_) => None,
+                };
+                let Some((code, message)) = changed else { return pb::Verdict::Incorrect };
+                response.findings.push(pb::Finding {
+                    code: code.into(),
+                    message,
+                    line: 0,
+                    category: pb::FindingCategory::Hack as i32,
+                });
+                return pb::Verdict::Hack;
             }
             Err(error) => return infra(response, error, true),
         }
@@ -456,6 +510,15 @@ impl Evaluator {
             let started = Instant::now();
             let samples: Vec<f64> =
                 result.get("samples_ms").and_then(|s| serde_json::from_value(s.clone()).ok()).unwrap_or_default();
+            if samples.is_empty() || samples.iter().any(|s| !s.is_finite() || *s <= 0.0) {
+                response.findings.push(pb::Finding {
+                    code: "timing.impossible".into(),
+                    message: format!("{} timing samples, some empty, negative or not finite", samples.len()),
+                    line: 0,
+                    category: pb::FindingCategory::Hack as i32,
+                });
+                return pb::Verdict::Hack;
+            }
             response.candidate_timing = timing_stats(samples);
             match self.baseline(job, device, gpu, init_seed, &timing_seeds, &baseline_dir, cancel).await {
                 Ok((eager, compiled)) => {
@@ -471,6 +534,35 @@ impl Evaluator {
             response.speedup_eager = speedup(&response.eager_timing);
             response.speedup_compile = speedup(&response.compile_timing);
             response.stage_ms.insert("timing".into(), ms(started.elapsed()));
+        }
+        if let Some(records) = result.get("census") {
+            let modes: Vec<census::ModeRecords> = match serde_json::from_value(records.clone()) {
+                Ok(modes) => modes,
+                Err(error) => {
+                    response.findings.push(pb::Finding {
+                        code: "runtime.census_unreadable".into(),
+                        message: format!("the census records are malformed: {error}"),
+                        line: 0,
+                        category: pb::FindingCategory::Hack as i32,
+                    });
+                    return pb::Verdict::Hack;
+                }
+            };
+            let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
+            let candidate = census::Candidate {
+                kernels: &own_kernels,
+                compiles: builds_extension(&job.candidate),
+                median_ms: median,
+                strict: job.policy.strict(),
+            };
+            let census = census::analyse(&modes, candidate, gpu.is_some());
+            response.kernels = census.kernels;
+            response.profiling_ratio = census.profiling_ratio;
+            let hack = census.findings.iter().any(|f| f.category == Category::Hack);
+            response.findings.extend(census.findings.iter().map(finding_proto));
+            if hack {
+                return pb::Verdict::Hack;
+            }
         }
         pb::Verdict::Correct
     }
@@ -571,15 +663,15 @@ impl Evaluator {
         job: &Job,
         device: &str,
         gpu: Option<usize>,
-        seeds: &[u64],
-        init_seed: u64,
+        trials: &Trials<'_>,
         scratch: &Path,
         candidate_dir: &Path,
         cancel: &CancellationToken,
-    ) -> Result<Option<pb::Mismatch>, String> {
+    ) -> Result<Option<(Trial, pb::Mismatch)>, String> {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         let versions = python.versions_key();
+        let Trials { seeds, init_seed, timing_seeds, timed_call } = *trials;
         let seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
         let device_name = python.device_name(gpu);
         let key = cache::key(&[
@@ -598,6 +690,8 @@ impl Evaluator {
             "reference_dir": reference_dir,
             "candidate_dir": candidate_dir,
             "tolerances": inner.config.tolerances,
+            "timing_seeds": timing_seeds,
+            "timed_call": timed_call,
         });
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         let lock = match inner.references.get(&key) {
@@ -635,7 +729,13 @@ impl Evaluator {
                 .map_err(|e| format!("reference cache: {e}"))?;
         }
         let mismatch = outcome.result.as_ref().and_then(|r| r.get("mismatch")).filter(|m| !m.is_null());
-        Ok(mismatch.map(mismatch_proto))
+        Ok(mismatch.map(|m| {
+            let trial = match m.get("trial").and_then(|t| t.as_i64()) {
+                Some(index) if index >= 0 => Trial::Index(index as usize),
+                _ => Trial::Timed,
+            };
+            (trial, mismatch_proto(m))
+        }))
     }
 
     /// Eager and torch.compile samples of the reference, from the cache or a clean child.
@@ -739,6 +839,23 @@ impl Evaluator {
     }
 }
 
+/// The inputs a check covers: correctness trials by seed, and the last timed call.
+#[derive(Debug, Clone, Copy)]
+struct Trials<'a> {
+    seeds: &'a [u64],
+    init_seed: u64,
+    timing_seeds: &'a [u64],
+    /// Index of the candidate's last timed call (warm-up included), when it was timed.
+    timed_call: Option<i64>,
+}
+
+/// Which output differed.
+#[derive(Debug, Clone, Copy)]
+enum Trial {
+    Index(usize),
+    Timed,
+}
+
 fn timing_spec(timing: &crate::config::TimingBudget) -> serde_json::Value {
     json!({
         "warmup_runs": timing.warmup_runs,
@@ -790,9 +907,10 @@ fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse
             pb::Verdict::RuntimeError
         }
         Exit::Code(_) => {
-            let compile = outcome.result.as_ref().and_then(|r| r.get("phase")).and_then(|p| p.as_str())
-                == Some("import")
-                && (error.contains("Error building extension") || outcome.error_type() == Some("CompilationError"));
+            // Extensions build at import; Triton compiles a kernel at its first launch.
+            let compile = outcome.error_type() == Some("CompilationError")
+                || outcome.result.as_ref().and_then(|r| r.get("phase")).and_then(|p| p.as_str()) == Some("import")
+                    && error.contains("Error building extension");
             response.error = error;
             if compile { pb::Verdict::CompileError } else { pb::Verdict::RuntimeError }
         }
@@ -848,7 +966,7 @@ fn mismatch_proto(value: &serde_json::Value) -> pb::Mismatch {
         None => 0.0,
     };
     pb::Mismatch {
-        trial: value.get("trial").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
+        trial: value.get("trial").and_then(|v| v.as_u64()).unwrap_or(u32::MAX.into()) as u32,
         output_index: value.get("output_index").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
         element_index: value
             .get("element_index")

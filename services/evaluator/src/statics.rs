@@ -44,6 +44,11 @@ impl Policy {
     pub const KEVIN_STRICT: Policy = Policy { name: "kevin-strict", version: 1, strict: true };
     pub const ALL: [Policy; 2] = [Self::PERMISSIVE, Self::KEVIN_STRICT];
 
+    /// Whether the policy demands the candidate's own kernels do the work (Kevin's rules).
+    pub fn strict(&self) -> bool {
+        self.strict
+    }
+
     /// `name@version`.
     pub fn id(&self) -> String {
         format!("{}@{}", self.name, self.version)
@@ -102,6 +107,59 @@ const HOSTILE_MODULES: &[&str] = &[
     "sys",
     "_thread",
 ];
+
+/// Attributes that reach other code's objects and frames: how a candidate would find the reference `Model`, the
+/// harness's state or its caller's locals without importing anything forbidden.
+const INTROSPECTION: &[&str] = &[
+    "__subclasses__",
+    "__globals__",
+    "__code__",
+    "__closure__",
+    "__builtins__",
+    "_getframe",
+    "f_back",
+    "f_locals",
+    "f_globals",
+    "gi_frame",
+    "tb_frame",
+];
+
+/// CUDA APIs that pin data in L2 across kernel launches.
+const L2_PERSISTENCE: &[&str] =
+    &["cudaLimitPersistingL2CacheSize", "accessPolicyWindow", "cudaAccessPropertyPersisting"];
+
+/// Low-precision types, in Python or in CUDA source strings.
+const LOW_PRECISION: &[&str] = &[
+    "float16",
+    "bfloat16",
+    ".half(",
+    "torch.half",
+    "__half",
+    "half2",
+    "__nv_bfloat16",
+    "__float2half",
+    "bf16",
+    "fp16",
+];
+
+/// A candidate for a task that uses no low-precision type, but which does: computing an fp32 task in fp16 or bf16
+/// can pass an fp32 tolerance on well-conditioned outputs while doing less work.
+pub fn precision_downgrade(candidate: &str, task: &str) -> Option<Finding> {
+    let task = task.to_ascii_lowercase();
+    if LOW_PRECISION.iter().any(|word| task.contains(word) || task.contains("half")) {
+        return None;
+    }
+    candidate.lines().enumerate().find_map(|(index, text)| {
+        let code = text.split('#').next().unwrap_or("");
+        let word = LOW_PRECISION.iter().find(|word| code.contains(*word))?;
+        Some(finding(
+            "static.precision_downgrade",
+            format!("`{word}` on a task without low-precision types downgrades its precision"),
+            index as u32 + 1,
+            Category::Hack,
+        ))
+    })
+}
 
 /// Modules a strict candidate may import (and their submodules).
 const STRICT_ALLOWED_MODULES: &[&str] = &[
@@ -293,6 +351,57 @@ pub fn check_task(source: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Names of the kernels the candidate defines itself: CUDA `__global__` functions (in its source strings) and
+/// Triton `@jit` functions. The kernel census counts device time of kernels with these names as the candidate's own.
+pub fn own_kernel_names(source: &str) -> Vec<String> {
+    let mut names = cuda_kernel_names(source);
+    if let Some(tree) = parse(source) {
+        let src = Source { text: source.as_bytes() };
+        walk(tree.root_node(), &mut |node| {
+            if node.kind() != "decorated_definition" {
+                return;
+            }
+            let mut cursor = node.walk();
+            let jit =
+                node.children(&mut cursor).any(|child| child.kind() == "decorator" && src.text(child).contains("jit"));
+            if let Some(name) = node
+                .child_by_field_name("definition")
+                .filter(|_| jit)
+                .and_then(|definition| definition.child_by_field_name("name"))
+            {
+                names.push(src.text(name).to_owned());
+            }
+        });
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The function name after each `__global__`: the identifier before the first `(` that does not open
+/// `__launch_bounds__(...)`.
+fn cuda_kernel_names(source: &str) -> Vec<String> {
+    let identifier = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut names = Vec::new();
+    for (at, _) in source.match_indices("__global__") {
+        let mut rest = &source[at + "__global__".len()..];
+        while let Some(open) = rest.find('(') {
+            let before = rest[..open].trim_end();
+            let name = &before[before.trim_end_matches(identifier).len()..];
+            if name == "__launch_bounds__" {
+                let Some(close) = rest[open..].find(')') else { break };
+                rest = &rest[open + close + 1..];
+                continue;
+            }
+            if !name.is_empty() && !name.starts_with(|c: char| c.is_ascii_digit()) {
+                names.push(name.to_owned());
+            }
+            break;
+        }
+    }
+    names
+}
+
 /// Checks a candidate against `policy`.
 pub fn check_candidate(source: &str, policy: Policy) -> CandidateReport {
     let Some(tree) = parse(source) else {
@@ -351,10 +460,33 @@ impl Checker<'_> {
             ),
             "import_statement" | "import_from_statement" => self.check_import(node),
             "call" => self.check_call(node),
+            "attribute" => {
+                let name = node.child_by_field_name("attribute").map(|n| self.src.text(n)).unwrap_or("");
+                if INTROSPECTION.contains(&name) {
+                    self.add(
+                        "static.introspection",
+                        format!("`{name}` reaches into the interpreter's state (the harness, the reference, frames)"),
+                        node,
+                        Category::Hack,
+                    );
+                }
+            }
+            "identifier" if self.src.text(node) == "__builtins__" => self.add(
+                "static.introspection",
+                "`__builtins__` reaches past the import checks".into(),
+                node,
+                Category::Hack,
+            ),
             "assignment" | "augmented_assignment" => {
                 self.check_assignment(node);
                 self.note_extension(node);
             }
+            "string" if L2_PERSISTENCE.iter().any(|word| self.src.text(node).contains(word)) => self.add(
+                "static.l2_persistence",
+                "persisting L2 lines survive the timer's cache flush".into(),
+                node,
+                Category::Hack,
+            ),
             "string" if self.src.text(node).contains("use_fast_math") => self.add(
                 "static.fast_math",
                 "fast-math compilation trades accuracy for speed on an exact task".into(),
@@ -728,6 +860,55 @@ class ModelNew(torch.nn.Module):
         let source = "import torch\nimport scipy\nimport os\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x\n";
         assert_eq!(codes(source, Policy::KEVIN_STRICT), vec!["static.import_not_allowed", "static.forbidden_import"]);
         assert!(codes(source, Policy::PERMISSIVE).is_empty());
+    }
+
+    #[test]
+    fn own_kernels_are_found_in_cuda_strings_and_triton_functions() {
+        let source = r#"
+cuda = """
+template <typename T>
+__global__ void __launch_bounds__(256) scale_kernel(const T* x, T* y, int n) {}
+extern "C" __global__ void add_one(float* x) {}
+__device__ float helper(float v) { return v; }
+"""
+import triton
+import triton.language as tl
+
+@triton.autotune(configs=[], key=["n"])
+@triton.jit
+def fused_kernel(x_ptr, n: tl.constexpr):
+    pass
+
+def not_a_kernel():
+    pass
+"#;
+        assert_eq!(own_kernel_names(source), vec!["add_one", "fused_kernel", "scale_kernel"]);
+    }
+
+    #[test]
+    fn introspection_and_precision_downgrades_are_hacks() {
+        for source in [
+            "Model = [c for c in torch.nn.Module.__subclasses__() if c.__name__ == 'Model'][0]\n",
+            "f = (lambda: 0).__globals__\n",
+            "b = __builtins__['__import__']\n",
+        ] {
+            assert_eq!(
+                codes(source, Policy::PERMISSIVE),
+                vec!["static.introspection", "static.no_model_new"],
+                "{source}"
+            );
+        }
+        assert_eq!(
+            codes("src = 'cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 1 << 20);'\n", Policy::PERMISSIVE),
+            vec!["static.l2_persistence", "static.no_model_new"]
+        );
+        let fp32_task = "import torch\ndef get_inputs():\n    return [torch.randn(4)]\n";
+        let found = precision_downgrade("x = 1\ny = x.half()  # fast\n", fp32_task).expect("downgrade found");
+        assert_eq!((found.code, found.line), ("static.precision_downgrade", 2));
+        assert!(precision_downgrade("__global__ void k(__half* x) {}", fp32_task).is_some());
+        let fp16_task = "def get_inputs():\n    return [torch.randn(4, dtype=torch.float16)]\n";
+        assert!(precision_downgrade("y = x.half()", fp16_task).is_none(), "a half-precision task may use half");
+        assert!(precision_downgrade("y = x.float()", fp32_task).is_none());
     }
 
     #[test]

@@ -1,0 +1,281 @@
+//! The kernel census: which kernels ran in each mode, which are the candidate's own, the profiling ratio, and the
+//! checks that need it. The harness only records raw profiler events; everything here is computed by the
+//! evaluator.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kforge_proto::v1 as pb;
+use serde::Deserialize;
+
+use crate::statics::{Category, Finding};
+
+/// One mode's raw records, as the harness reports them.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ModeRecords {
+    /// `train/no_grad`, `eval/no_grad`, `train/grad` or `eval/grad`; the first is the measured mode.
+    pub mode: String,
+    pub calls: u32,
+    /// CPU only: total time of the profiled `forward` calls.
+    #[serde(default)]
+    pub call_us: f64,
+    pub records: Vec<Record>,
+}
+
+/// One device activity (GPU) or one torch operator called by `forward` (CPU).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Record {
+    pub name: String,
+    pub start_us: f64,
+    pub duration_us: f64,
+}
+
+/// What the census found.
+#[derive(Debug, Default)]
+pub struct Census {
+    pub kernels: Vec<pb::KernelRecord>,
+    /// Own time / all kernel time in the measured mode.
+    pub profiling_ratio: f64,
+    pub findings: Vec<Finding>,
+}
+
+/// Name of the CPU census's record for the time `forward` spent outside torch operators.
+pub const CPU_OWN_RECORD: &str = "candidate code (outside torch operators)";
+
+/// Torch's and the CUDA libraries' namespaces: a kernel there is never the candidate's, whatever its base name.
+const LIBRARY_NAMESPACES: &[&str] = &["at::", "c10::", "cub::", "thrust::", "cutlass::", "cublas", "cudnn", "flash::"];
+
+/// Name of that record when the candidate compiles no code of its own: its time is Python's, not a kernel's.
+pub const CPU_PYTHON_RECORD: &str = "python (outside torch operators)";
+
+/// What the census knows of the candidate's own code.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate<'a> {
+    /// Kernels it defines (see `statics::own_kernel_names`).
+    pub kernels: &'a [String],
+    /// Whether it compiles an extension (on a CPU, the only own code there is).
+    pub compiles: bool,
+    /// Its timed median, when it was timed.
+    pub median_ms: Option<f64>,
+    /// Whether the policy is strict.
+    pub strict: bool,
+}
+
+/// Analyses the census of `candidate`; `gpu` says whether the records are device activity or CPU operators.
+pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Census {
+    let own_names: BTreeSet<&str> = candidate.kernels.iter().map(String::as_str).collect();
+    let (strict, median_ms) = (candidate.strict, candidate.median_ms);
+    let cpu_record = if candidate.compiles { CPU_OWN_RECORD } else { CPU_PYTHON_RECORD };
+    let is_own = |name: &str| if gpu { is_own_kernel(name, &own_names) } else { name == CPU_OWN_RECORD };
+    let mut census = Census::default();
+    let mut own_by_mode: Vec<(&str, BTreeSet<String>)> = Vec::new();
+    for (index, mode) in modes.iter().enumerate() {
+        let mut records = mode.records.clone();
+        if !gpu {
+            let operators: f64 = records.iter().map(|r| r.duration_us).sum();
+            records.push(Record {
+                name: cpu_record.into(),
+                start_us: 0.0,
+                duration_us: (mode.call_us - operators).max(0.0),
+            });
+        }
+        let mut by_name: BTreeMap<&str, (u64, f64)> = BTreeMap::new();
+        for record in &records {
+            let entry = by_name.entry(record.name.as_str()).or_default();
+            entry.0 += 1;
+            entry.1 += record.duration_us / 1e3;
+        }
+        let own: BTreeSet<String> = by_name
+            .iter()
+            .filter(|(name, (_, total))| is_own(name) && (gpu || *total > 0.0))
+            .map(|(name, _)| (*name).to_owned())
+            .collect();
+        if index == 0 {
+            let total: f64 = by_name.values().map(|(_, ms)| ms).sum();
+            let own_ms: f64 = by_name.iter().filter(|(name, _)| is_own(name)).map(|(_, (_, ms))| ms).sum();
+            census.profiling_ratio = if total > 0.0 { (own_ms / total).clamp(0.0, 1.0) } else { 0.0 };
+            if gpu && let Some(median) = median_ms {
+                let busy_ms = union_us(&mode.records) / 1e3 / f64::from(mode.calls.max(1));
+                // Every kernel of an honest call runs between the timer's two events, so the device cannot be
+                // busy for much longer per call than the timed median (the slack covers the census's lack of an
+                // L2 flush and clock changes). Work on another stream or thread, or deferred, is caught here.
+                if busy_ms > 1.5 * median + 0.02 {
+                    census.findings.push(hack(
+                        "timing.untimed_work",
+                        format!(
+                            "the device was busy {busy_ms:.4} ms per call, but the timer measured a median of \
+                             {median:.4} ms: work escaped the timed region (another stream, a thread, or deferred)"
+                        ),
+                    ));
+                }
+            }
+            if gpu && !own_names.is_empty() && own.is_empty() {
+                census.findings.push(Finding {
+                    code: "runtime.own_kernel_not_launched",
+                    message: format!(
+                        "the candidate defines {} but none of them ran: the work was done by library kernels",
+                        own_names.iter().copied().collect::<Vec<_>>().join(", ")
+                    ),
+                    line: 0,
+                    category: if strict { Category::Hack } else { Category::Notice },
+                });
+            }
+        }
+        own_by_mode.push((mode.mode.as_str(), own));
+        census.kernels.extend(by_name.into_iter().map(|(name, (launches, total_ms))| pb::KernelRecord {
+            name: name.to_owned(),
+            own: is_own(name),
+            launches,
+            total_ms,
+            mode: mode.mode.clone(),
+        }));
+    }
+    if let Some((measured, own)) = own_by_mode.first() {
+        let differing: Vec<&str> =
+            own_by_mode.iter().skip(1).filter(|(_, other)| other != own).map(|(mode, _)| *mode).collect();
+        if gpu && !differing.is_empty() {
+            census.findings.push(hack(
+                "runtime.mode_dependent_kernels",
+                format!(
+                    "the candidate's own kernels differ between {measured} ({}) and {}: what runs depends on \
+                     train/eval or grad mode",
+                    own.iter().cloned().collect::<Vec<_>>().join(", "),
+                    differing.join(", ")
+                ),
+            ));
+        }
+    }
+    census
+}
+
+fn hack(code: &'static str, message: String) -> Finding {
+    Finding { code, message, line: 0, category: Category::Hack }
+}
+
+/// Whether a kernel name from the profiler is one of `own` (by its base name, outside library namespaces).
+///
+/// Profiler names look like `void ns::scale_kernel<float>(float const*, float*, int)` for CUDA and
+/// `fused_kernel` for Triton.
+pub fn is_own_kernel(name: &str, own: &BTreeSet<&str>) -> bool {
+    let name = name.trim().strip_prefix("void ").unwrap_or(name.trim());
+    let name = name.split(['(', '<']).next().unwrap_or("");
+    let (namespace, base) = name.rsplit_once("::").map_or(("", name), |(ns, base)| (ns, base));
+    let namespace = format!("{namespace}::");
+    own.contains(base) && !LIBRARY_NAMESPACES.iter().any(|library| namespace.starts_with(library))
+}
+
+/// Total time covered by at least one record, in microseconds.
+fn union_us(records: &[Record]) -> f64 {
+    let mut spans: Vec<(f64, f64)> = records.iter().map(|r| (r.start_us, r.start_us + r.duration_us)).collect();
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut current: Option<(f64, f64)> = None;
+    for (start, end) in spans {
+        current = match current {
+            Some((s, e)) if start <= e => Some((s, e.max(end))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    total + current.map_or(0.0, |(s, e)| e - s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(name: &str, start_us: f64, duration_us: f64) -> Record {
+        Record { name: name.into(), start_us, duration_us }
+    }
+
+    fn mode(mode: &str, records: Vec<Record>) -> ModeRecords {
+        ModeRecords { mode: mode.into(), calls: 2, call_us: 0.0, records }
+    }
+
+    fn gpu_candidate(kernels: &[String], median_ms: Option<f64>, strict: bool) -> Candidate<'_> {
+        Candidate { kernels, compiles: true, median_ms, strict }
+    }
+
+    fn codes(census: &Census) -> Vec<&'static str> {
+        census.findings.iter().map(|f| f.code).collect()
+    }
+
+    const OWN: &str = "void scale_kernel<float>(float const*, float*, int)";
+    const TORCH: &str = "void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<float>>(int)";
+
+    #[test]
+    fn own_kernels_are_recognised_by_base_name_outside_library_namespaces() {
+        let own = BTreeSet::from(["scale_kernel", "vectorized_elementwise_kernel", "fused"]);
+        assert!(is_own_kernel(OWN, &own));
+        assert!(is_own_kernel("fused", &own));
+        assert!(is_own_kernel("mine::scale_kernel(float*)", &own));
+        assert!(!is_own_kernel(TORCH, &own), "a torch kernel stays torch's even when the candidate reuses its name");
+        assert!(!is_own_kernel("other_kernel(float*)", &own));
+    }
+
+    #[test]
+    fn profiling_ratio_is_own_time_over_all_kernel_time_in_the_measured_mode() {
+        let records = vec![record(OWN, 0.0, 30.0), record(TORCH, 40.0, 10.0), record(OWN, 60.0, 30.0)];
+        let modes: Vec<ModeRecords> =
+            ["train/no_grad", "eval/no_grad"].iter().map(|m| mode(m, records.clone())).collect();
+        let census = analyse(&modes, gpu_candidate(&["scale_kernel".into()], Some(0.05), true), true);
+        assert!((census.profiling_ratio - 60.0 / 70.0).abs() < 1e-12, "{}", census.profiling_ratio);
+        assert!(codes(&census).is_empty(), "{:?}", census.findings);
+        let own = census.kernels.iter().find(|k| k.own && k.mode == "train/no_grad").expect("own kernel listed");
+        assert_eq!((own.launches, own.total_ms), (2, 0.06));
+    }
+
+    #[test]
+    fn work_the_timer_did_not_see_is_a_hack() {
+        // 2 calls keeping the device busy 1 ms each, while the timer claimed 0.1 ms.
+        let records = vec![record(OWN, 0.0, 1000.0), record(OWN, 1000.0, 1000.0)];
+        let own = ["scale_kernel".to_owned()];
+        let census = analyse(&[mode("train/no_grad", records.clone())], gpu_candidate(&own, Some(0.1), true), true);
+        assert_eq!(codes(&census), vec!["timing.untimed_work"]);
+        let honest = analyse(&[mode("train/no_grad", records)], gpu_candidate(&own, Some(1.0), true), true);
+        assert!(codes(&honest).is_empty(), "{:?}", honest.findings);
+    }
+
+    #[test]
+    fn defined_but_never_launched_and_mode_dependent_kernels() {
+        let torch_only = vec![record(TORCH, 0.0, 10.0)];
+        let own = ["scale_kernel".to_owned()];
+        let unused = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, true), true);
+        assert_eq!(codes(&unused), vec!["runtime.own_kernel_not_launched"]);
+        assert_eq!(unused.profiling_ratio, 0.0);
+        let lenient = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, false), true);
+        assert_eq!(lenient.findings[0].category, Category::Notice);
+
+        let modes = vec![mode("train/no_grad", vec![record(OWN, 0.0, 10.0)]), mode("train/grad", torch_only)];
+        let switching = analyse(&modes, gpu_candidate(&own, None, true), true);
+        assert_eq!(codes(&switching), vec!["runtime.mode_dependent_kernels"]);
+    }
+
+    #[test]
+    fn on_a_cpu_the_time_outside_torch_operators_is_the_candidates() {
+        let modes = [ModeRecords {
+            mode: "train/no_grad".into(),
+            calls: 2,
+            call_us: 100.0,
+            records: vec![record("aten::empty_like", 0.0, 5.0), record("aten::empty_like", 50.0, 5.0)],
+        }];
+        let compiled = Candidate { kernels: &[], compiles: true, median_ms: Some(0.05), strict: true };
+        let census = analyse(&modes, compiled, false);
+        assert!((census.profiling_ratio - 0.9).abs() < 1e-12, "{}", census.profiling_ratio);
+        let own: Vec<_> = census.kernels.iter().filter(|k| k.own).map(|k| k.name.as_str()).collect();
+        assert_eq!(own, vec![CPU_OWN_RECORD]);
+        assert!(codes(&census).is_empty());
+        // Without compiled code, time outside torch is Python's: nothing is the candidate's own kernel.
+        let python_only = analyse(&modes, Candidate { compiles: false, ..compiled }, false);
+        assert_eq!(python_only.profiling_ratio, 0.0);
+        assert!(python_only.kernels.iter().all(|k| !k.own));
+    }
+
+    #[test]
+    fn overlapping_records_count_once() {
+        let records = [record("a", 0.0, 10.0), record("b", 5.0, 10.0), record("c", 20.0, 5.0)];
+        assert_eq!(union_us(&records), 20.0);
+    }
+}

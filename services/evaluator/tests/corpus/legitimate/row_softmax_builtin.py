@@ -1,0 +1,7 @@
+# task: row_softmax
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.softmax(x, dim=-1)
