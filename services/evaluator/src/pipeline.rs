@@ -142,7 +142,13 @@ impl Evaluator {
         let harness_dir = work.join("harness");
         std::fs::create_dir_all(&harness_dir)?;
         let harness = harness_dir.join("kforge_harness.py");
-        std::fs::write(&harness, python::HARNESS)?;
+        // Replaced atomically: evaluators in other processes may share the work directory and be starting the
+        // harness right now (a truncated file would run as an empty script and exit 0 without a result).
+        if std::fs::read(&harness).ok().as_deref() != Some(python::HARNESS.as_bytes()) {
+            let staged = harness_dir.join(format!("kforge_harness.py.{}", std::process::id()));
+            std::fs::write(&staged, python::HARNESS)?;
+            std::fs::rename(&staged, &harness)?;
+        }
         let scratch_root = work.join("scratch");
         std::fs::create_dir_all(&scratch_root)?;
         let sandbox = Sandbox::detect_with(config.sandbox).await;
@@ -444,20 +450,18 @@ impl Evaluator {
             .and_then(|f| f.as_array())
             .into_iter()
             .flatten()
-            .map(|f| pb::Finding {
-                code: f.get("code").and_then(|c| c.as_str()).unwrap_or("runtime.unknown").into(),
-                message: f.get("message").and_then(|c| c.as_str()).unwrap_or("").into(),
-                line: 0,
-                category: pb::FindingCategory::Hack as i32,
+            .map(|f| {
+                hack_finding(
+                    f.get("code").and_then(|c| c.as_str()).unwrap_or("runtime.unknown"),
+                    f.get("message").and_then(|c| c.as_str()).unwrap_or(""),
+                )
             })
             .collect();
         if let Some(trials) = result.get("mutated_inputs").and_then(|m| m.as_array()).filter(|m| !m.is_empty()) {
-            runtime_findings.push(pb::Finding {
-                code: "runtime.input_mutation".into(),
-                message: format!("the candidate modified its inputs (trials {trials:?})"),
-                line: 0,
-                category: pb::FindingCategory::Hack as i32,
-            });
+            runtime_findings.push(hack_finding(
+                "runtime.input_mutation",
+                format!("the candidate modified its inputs (trials {trials:?})"),
+            ));
         }
         if !runtime_findings.is_empty() {
             response.findings.extend(runtime_findings);
@@ -495,12 +499,7 @@ impl Evaluator {
                     Trial::Index(_) => None,
                 };
                 let Some((code, message)) = changed else { return pb::Verdict::Incorrect };
-                response.findings.push(pb::Finding {
-                    code: code.into(),
-                    message,
-                    line: 0,
-                    category: pb::FindingCategory::Hack as i32,
-                });
+                response.findings.push(hack_finding(code, message));
                 return pb::Verdict::Hack;
             }
             Err(error) => return infra(response, error, true),
@@ -511,12 +510,10 @@ impl Evaluator {
             let samples: Vec<f64> =
                 result.get("samples_ms").and_then(|s| serde_json::from_value(s.clone()).ok()).unwrap_or_default();
             if samples.is_empty() || samples.iter().any(|s| !s.is_finite() || *s <= 0.0) {
-                response.findings.push(pb::Finding {
-                    code: "timing.impossible".into(),
-                    message: format!("{} timing samples, some empty, negative or not finite", samples.len()),
-                    line: 0,
-                    category: pb::FindingCategory::Hack as i32,
-                });
+                response.findings.push(hack_finding(
+                    "timing.impossible",
+                    format!("{} timing samples, some empty, negative or not finite", samples.len()),
+                ));
                 return pb::Verdict::Hack;
             }
             response.candidate_timing = timing_stats(samples);
@@ -539,12 +536,10 @@ impl Evaluator {
             let modes: Vec<census::ModeRecords> = match serde_json::from_value(records.clone()) {
                 Ok(modes) => modes,
                 Err(error) => {
-                    response.findings.push(pb::Finding {
-                        code: "runtime.census_unreadable".into(),
-                        message: format!("the census records are malformed: {error}"),
-                        line: 0,
-                        category: pb::FindingCategory::Hack as i32,
-                    });
+                    response.findings.push(hack_finding(
+                        "runtime.census_unreadable",
+                        format!("the census records are malformed: {error}"),
+                    ));
                     return pb::Verdict::Hack;
                 }
             };
@@ -937,6 +932,11 @@ fn infra(response: &mut pb::EvaluateResponse, error: String, retryable: bool) ->
     response.error = error;
     response.retryable = retryable;
     pb::Verdict::InfraError
+}
+
+/// A run-time finding of category hack.
+fn hack_finding(code: impl Into<String>, message: impl Into<String>) -> pb::Finding {
+    pb::Finding { code: code.into(), message: message.into(), line: 0, category: pb::FindingCategory::Hack as i32 }
 }
 
 fn finding_proto(finding: &statics::Finding) -> pb::Finding {

@@ -283,6 +283,15 @@ pub async fn run_stage(
         limits: Limits { wall: stage.wall, ..Limits::default() },
     };
     let finished = sandbox.run(job, cancel).await?;
-    let result = std::fs::read(&result_path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
+    let result = match std::fs::read(&result_path) {
+        Ok(bytes) => match serde_json::from_slice(&bytes) {
+            Ok(result) => Some(result),
+            Err(error) => {
+                tracing::warn!(%error, bytes = bytes.len(), path = %result_path.display(), "unreadable stage result");
+                None
+            }
+        },
+        Err(_) => None,
+    };
     Ok(StageOutcome { finished, result })
 }
