@@ -94,7 +94,8 @@ fn python_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// The corpus parts: `exploits`, `legitimate`, `examples` (every example candidate), and on a GPU `cuda`.
+/// The corpus parts: `exploits`, `legitimate`, `examples` (every example candidate), and on a GPU `cuda` and
+/// `failures` (the CPU suite's failure fixtures).
 /// `KFORGE_CORPUS_ONLY=cuda,exploits` selects some (a GPU run is split to fit its command time).
 fn corpus(cuda: bool) -> Vec<Entry> {
     let only = std::env::var("KFORGE_CORPUS_ONLY").ok();
@@ -104,6 +105,26 @@ fn corpus(cuda: bool) -> Vec<Entry> {
     for part in ["exploits", "legitimate"].into_iter().chain(cuda.then_some("cuda")) {
         if wanted(part) {
             entries.extend(python_files(&corpus.join(part)).iter().map(|f| entry(f, None)));
+        }
+    }
+    if cuda && wanted("failures") {
+        // The CPU suite's failure fixtures (exceptions, aborts, early exits, megabytes of output, hangs), on the GPU.
+        let expected = [
+            ("raises.py", "VERDICT_RUNTIME_ERROR"),
+            ("aborts.py", "VERDICT_RUNTIME_ERROR"),
+            ("exits_early.py", "VERDICT_RUNTIME_ERROR"),
+            ("prints_megabytes.py", "VERDICT_CORRECT"),
+            ("torch_relu.py", "VERDICT_CORRECT"),
+            ("hangs.py", "VERDICT_TIMEOUT"),
+            ("wrong_result.py", "VERDICT_INCORRECT"),
+            ("nan_output.py", "VERDICT_INCORRECT"),
+            ("wrong_shape.py", "VERDICT_INCORRECT"),
+        ];
+        for (file, verdicts) in expected {
+            let mut fixture = entry(&root().join("tests/fixtures").join(file), Some("relu"));
+            fixture.class = format!("failure fixture {file}");
+            fixture.verdicts = verdicts.split('|').filter_map(pb::Verdict::from_str_name).collect();
+            entries.push(fixture);
         }
     }
     if wanted("examples") {
