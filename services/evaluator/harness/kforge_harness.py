@@ -412,8 +412,10 @@ def census(model, inputs, device, calls):
             call_us = 0.0
             for event in prof.events():
                 if device.type == "cuda":
-                    # Device activity only: kernels, copies, sets (not the GPU-side span of our own annotation).
-                    if event.device_type == DeviceType.CUDA and event.name != "kforge.call":
+                    # Device activity only: kernels, copies, sets. A record_function range (ours, or one the
+                    # candidate opens) also shows on the GPU timeline as a span; it is not work.
+                    annotation = getattr(event, "is_user_annotation", False) or event.name == "kforge.call"
+                    if event.device_type == DeviceType.CUDA and not annotation:
                         records.append({"name": event.name, "start_us": event.time_range.start,
                                         "duration_us": event.time_range.elapsed_us()})
                 elif event.name == "kforge.call":

@@ -375,7 +375,8 @@ impl Evaluator {
             gpu_arch(python).as_bytes(),
         ]);
         let artifact_dir = inner.artifacts.dir(&artifact_key);
-        if builds_extension(&job.candidate) {
+        let compiles = builds_extension(&job.candidate);
+        if compiles {
             let started = Instant::now();
             let compiled = self.compile(job, &artifact_key, &compile_dir, cancel, response).await;
             response.stage_ms.insert("compile".into(), ms(started.elapsed()));
@@ -544,12 +545,8 @@ impl Evaluator {
                 }
             };
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
-            let candidate = census::Candidate {
-                kernels: &own_kernels,
-                compiles: builds_extension(&job.candidate),
-                median_ms: median,
-                strict: job.policy.strict(),
-            };
+            let candidate =
+                census::Candidate { kernels: &own_kernels, compiles, median_ms: median, strict: job.policy.strict() };
             let census = census::analyse(&modes, candidate, gpu.is_some());
             response.kernels = census.kernels;
             response.profiling_ratio = census.profiling_ratio;

@@ -146,7 +146,8 @@ const LOW_PRECISION: &[&str] = &[
 /// can pass an fp32 tolerance on well-conditioned outputs while doing less work.
 pub fn precision_downgrade(candidate: &str, task: &str) -> Option<Finding> {
     let task = task.to_ascii_lowercase();
-    if LOW_PRECISION.iter().any(|word| task.contains(word) || task.contains("half")) {
+    // `half` covers `.half(`, `torch.half` and `__half`; the rest name bf16 and fp16 types.
+    if task.contains("half") || LOW_PRECISION.iter().any(|word| task.contains(word)) {
         return None;
     }
     candidate.lines().enumerate().find_map(|(index, text)| {
