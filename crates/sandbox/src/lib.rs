@@ -420,6 +420,7 @@ impl ChildSetup {
         }
         if let Some(fd) = self.landlock_fd {
             unsafe {
+                allow_own_proc_dir(fd);
                 check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
                 let result = libc::syscall(libc::SYS_landlock_restrict_self, fd, 0u32);
                 if result != 0 {
@@ -428,6 +429,49 @@ impl ChildSetup {
             }
         }
         Ok(())
+    }
+}
+
+/// `struct landlock_path_beneath_attr` of the kernel's uapi (packed).
+#[repr(C, packed)]
+struct PathBeneathAttr {
+    allowed_access: u64,
+    parent_fd: i32,
+}
+
+/// Lets the job read and write its own `/proc/<pid>`: a thread naming another thread writes
+/// `/proc/self/task/<tid>/comm`, and the CUDA driver fails to start without it (error 304 at
+/// `cudaGetDeviceCount`, seen on the H200 hosts). The rule must be added in the child: in the parent,
+/// `/proc/self` is the parent. Best effort: without it the job runs as before, and a GPU job may fail to start.
+#[allow(unsafe_code)]
+unsafe fn allow_own_proc_dir(ruleset_fd: i32) {
+    const WRITE_FILE: u64 = 1 << 1;
+    const READ_FILE: u64 = 1 << 2;
+    const READ_DIR: u64 = 1 << 3;
+    const TRUNCATE: u64 = 1 << 14;
+    const LANDLOCK_RULE_PATH_BENEATH: libc::c_int = 1;
+    // SAFETY: open with a static C string, landlock_add_rule with a struct that lives across the call, close of
+    // the descriptor opened here: raw system calls, no allocation.
+    unsafe {
+        let dir = libc::open(c"/proc/self".as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
+        if dir < 0 {
+            return;
+        }
+        // Truncation is a right of its own from Landlock ABI 3; an older kernel refuses the bit, so retry without.
+        for allowed_access in [WRITE_FILE | READ_FILE | READ_DIR | TRUNCATE, WRITE_FILE | READ_FILE | READ_DIR] {
+            let rule = PathBeneathAttr { allowed_access, parent_fd: dir };
+            let added = libc::syscall(
+                libc::SYS_landlock_add_rule,
+                ruleset_fd,
+                LANDLOCK_RULE_PATH_BENEATH,
+                &rule as *const PathBeneathAttr,
+                0u32,
+            );
+            if added == 0 {
+                break;
+            }
+        }
+        libc::close(dir);
     }
 }
 
@@ -541,6 +585,15 @@ mod tests {
             assert!(!outside.exists(), "a write outside scratch got through");
             assert!(finished.stdout.is_empty(), "a file outside the readable paths was read");
             assert!(scratch("landlock").join("inside").exists(), "scratch must stay writable");
+            // Its own /proc entry stays writable (thread names; the GPU driver needs it), its parent's does not.
+            let script = "echo kforge-job > /proc/self/comm && read name < /proc/self/comm && echo $name; echo x 2>/dev/null > /proc/$PPID/comm || echo denied";
+            let finished = run(&sandbox, shell(script, "proc", Limits::default())).await;
+            assert_eq!(
+                String::from_utf8_lossy(&finished.stdout),
+                "kforge-job\ndenied\n",
+                "{}",
+                finished.stderr_tail(500)
+            );
         }
         // Which protections exist depends on the host; the report must say, one way or the other.
         for name in ["network_namespace", "landlock", "process_group", "rlimits"] {
