@@ -1,5 +1,5 @@
 //! What every kforge server does, checked on a real service over real connections: bearer-token auth, TLS,
-//! `/metrics`, message size limits, deadlines, and health going NOT_SERVING when it drains.
+//! `/metrics`, message size limits, deadlines, and health going NOT_SERVING when it drains or is not ready.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -176,4 +176,45 @@ async fn health_goes_not_serving_when_draining() {
     // The watcher leaves, as a load balancer does once it sees NOT_SERVING; the drain then completes.
     drop(watch);
     drained.await.expect("drain task").expect("drains cleanly");
+}
+
+#[tokio::test]
+async fn health_follows_readiness_while_serving() {
+    use kforge_proto::v1::reward_server::RewardServer;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let config = kforge_server::ServerConfig::listening_on(([127, 0, 0, 1], 0).into());
+    let mut host = kforge_server::Host::new("reward", &config).expect("host");
+    let (ready, readiness) = tokio::sync::watch::channel(true);
+    host.follow_readiness(readiness);
+    host.add_service(RewardServer::new(kforge_reward::RewardService));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("listener");
+    let address = listener.local_addr().expect("address");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(host.serve(listener, async {
+        let _ = stopped.await;
+    }));
+    let channel =
+        kforge_server::client::connect(&format!("http://{address}"), &ClientConfig::default()).await.expect("connects");
+    let request = HealthCheckRequest { service: "kforge.v1.Reward".into() };
+    let mut watch = HealthClient::new(channel).watch(request).await.expect("watch").into_inner();
+    let mut next = async || {
+        let message = tokio::time::timeout(Duration::from_secs(10), watch.message()).await;
+        message.expect("a status change within 10 s").expect("status").expect("a status").status
+    };
+    let mut status = next().await;
+    if status != ServingStatus::Serving as i32 {
+        status = next().await;
+    }
+    assert_eq!(status, ServingStatus::Serving as i32);
+
+    // A device quarantined: not ready; and back.
+    ready.send_replace(false);
+    assert_eq!(next().await, ServingStatus::NotServing as i32);
+    ready.send_replace(true);
+    assert_eq!(next().await, ServingStatus::Serving as i32);
+    drop(watch);
+    let _ = stop.send(());
+    served.await.expect("serve task").expect("serves and drains");
 }

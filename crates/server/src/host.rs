@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::body::Body;
 use tonic::server::NamedService;
@@ -63,6 +64,7 @@ pub struct Host {
     auth: RequireBearer,
     health: HealthReporter,
     health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+    readiness: Option<watch::Receiver<bool>>,
 }
 
 impl Host {
@@ -86,6 +88,7 @@ impl Host {
             auth: RequireBearer::new(token),
             health,
             health_service,
+            readiness: None,
         })
     }
 
@@ -110,9 +113,10 @@ impl Host {
         &mut self.registry
     }
 
-    /// The health reporter, for services whose readiness can change while serving (a quarantined device).
-    pub fn health(&self) -> HealthReporter {
-        self.health.clone()
+    /// Makes readiness follow `ready` while serving: NOT_SERVING whenever it is false (a quarantined device).
+    pub fn follow_readiness(&mut self, ready: watch::Receiver<bool>) -> &mut Self {
+        self.readiness = Some(ready);
+        self
     }
 
     /// The largest message a service should accept (apply with `max_decoding_message_size`).
@@ -127,7 +131,7 @@ impl Host {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), ServeError> {
-        let Host { service, config, mut routes, names, mut registry, auth, health, health_service } = self;
+        let Host { service, config, mut routes, names, mut registry, auth, health, health_service, readiness } = self;
         set_status(&health, &names, ServingStatus::NotServing).await;
 
         let reflection = tonic_reflection::server::Builder::configure()
@@ -166,12 +170,12 @@ impl Host {
         let mut server = tokio::spawn(router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
             let _ = stopped.await;
         }));
-        set_status(&health, &names, ServingStatus::Serving).await;
         tracing::info!(service, addr = %local, "serving");
 
         tokio::select! {
             result = &mut server => return Ok(result??),
             () = shutdown => {}
+            () = follow(&health, &names, readiness) => {}
         }
         tracing::info!(service, "draining");
         set_status(&health, &names, ServingStatus::NotServing).await;
@@ -185,6 +189,24 @@ impl Host {
         }
         tracing::info!(service, "stopped");
         Ok(())
+    }
+}
+
+/// Serving while `readiness` (if any) is true; never returns.
+async fn follow(health: &HealthReporter, names: &[&'static str], readiness: Option<watch::Receiver<bool>>) {
+    let Some(mut ready) = readiness else {
+        set_status(health, names, ServingStatus::Serving).await;
+        return std::future::pending().await;
+    };
+    loop {
+        let status = if *ready.borrow_and_update() { ServingStatus::Serving } else { ServingStatus::NotServing };
+        if status == ServingStatus::NotServing {
+            tracing::warn!("not ready: health is NOT_SERVING");
+        }
+        set_status(health, names, status).await;
+        if ready.changed().await.is_err() {
+            return std::future::pending().await;
+        }
     }
 }
 

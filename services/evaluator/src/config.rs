@@ -6,6 +6,8 @@ use kforge_sandbox::SandboxOptions;
 use kforge_server::{ServerConfig, ServiceConfig};
 use serde::{Deserialize, Serialize};
 
+use crate::devices::DeviceProbeConfig;
+
 /// Configuration of the Evaluator service.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -43,6 +45,8 @@ pub struct EvaluatorConfig {
     pub baseline_torch_compile: bool,
     /// Optional sandbox protections (each on by default, used where the kernel allows; see GetCapabilities).
     pub sandbox: SandboxOptions,
+    /// The GPU health probe run after a device fault, and while a device is quarantined.
+    pub device_probe: DeviceProbeConfig,
 }
 
 impl Default for EvaluatorConfig {
@@ -64,6 +68,7 @@ impl Default for EvaluatorConfig {
             timing: TimingBudget::default(),
             baseline_torch_compile: true,
             sandbox: SandboxOptions::default(),
+            device_probe: DeviceProbeConfig::default(),
         }
     }
 }

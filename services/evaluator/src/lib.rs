@@ -8,6 +8,7 @@
 pub mod cache;
 pub mod census;
 pub mod config;
+pub mod devices;
 pub mod metrics;
 pub mod pipeline;
 pub mod python;
@@ -58,6 +59,7 @@ pub async fn serve(
     let evaluator = Evaluator::new(config, metrics)
         .await
         .map_err(|e| ServeError::Setup { service: "evaluator", message: format!("work directory: {e}") })?;
+    host.follow_readiness(evaluator.readiness());
     let limit = host.max_message_bytes();
     host.add_service(
         EvaluatorServer::new(EvaluatorService::new(evaluator))

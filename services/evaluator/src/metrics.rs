@@ -1,5 +1,5 @@
 //! Evaluator metrics at `/metrics`: admitted evaluations (queue depth), stages in flight and their latency,
-//! verdicts, findings by code (for the hack ratio) and cache hits.
+//! verdicts, findings by code (for the hack ratio), cache hits, device probes and quarantined devices.
 
 use std::time::Duration;
 
@@ -28,6 +28,11 @@ struct FindingLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProbeLabel {
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabel {
     cache: String,
     outcome: String,
@@ -42,6 +47,8 @@ pub struct EvaluatorMetrics {
     verdicts: Family<VerdictLabel, Counter>,
     findings: Family<FindingLabel, Counter>,
     cache: Family<CacheLabel, Counter>,
+    device_probes: Family<ProbeLabel, Counter>,
+    devices_quarantined: Gauge,
 }
 
 /// Decrements its gauge when dropped.
@@ -65,6 +72,8 @@ impl EvaluatorMetrics {
             verdicts: Family::default(),
             findings: Family::default(),
             cache: Family::default(),
+            device_probes: Family::default(),
+            devices_quarantined: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("kforge_evaluator");
         r.register("admitted", "evaluations admitted: queued or running (queue depth)", metrics.admitted.clone());
@@ -73,6 +82,12 @@ impl EvaluatorMetrics {
         r.register("verdicts", "evaluations by verdict", metrics.verdicts.clone());
         r.register("findings", "findings by code and category (hack ratio numerator)", metrics.findings.clone());
         r.register("cache_lookups", "cache lookups by cache and outcome", metrics.cache.clone());
+        r.register("device_probes", "device health probes by result (pass, fail)", metrics.device_probes.clone());
+        r.register(
+            "devices_quarantined",
+            "GPUs out of service after a failed probe",
+            metrics.devices_quarantined.clone(),
+        );
         metrics
     }
 
@@ -102,5 +117,14 @@ impl EvaluatorMetrics {
     pub(crate) fn cache(&self, cache: &str, hit: bool) {
         let outcome = if hit { "hit" } else { "miss" };
         self.cache.get_or_create(&CacheLabel { cache: cache.into(), outcome: outcome.into() }).inc();
+    }
+
+    pub(crate) fn device_probe(&self, passed: bool) {
+        let result = if passed { "pass" } else { "fail" };
+        self.device_probes.get_or_create(&ProbeLabel { result: result.into() }).inc();
+    }
+
+    pub(crate) fn devices_quarantined(&self, count: usize) {
+        self.devices_quarantined.set(count as i64);
     }
 }

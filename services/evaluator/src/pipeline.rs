@@ -20,12 +20,13 @@ use std::time::{Duration, Instant};
 use kforge_proto::v1 as pb;
 use kforge_sandbox::{Exit, Sandbox};
 use serde_json::json;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::{self, Cache, Entry};
 use crate::census;
 use crate::config::EvaluatorConfig;
+use crate::devices::{self, Lane, Lanes};
 use crate::metrics::EvaluatorMetrics;
 use crate::python::{self, PythonEnv, Stage, StageOutcome};
 use crate::statics::{self, Category, Policy};
@@ -64,32 +65,6 @@ impl Backend {
     }
 }
 
-/// Exclusive device lanes: lane 0 is the CPU, lane 1 + i is GPU i.
-#[derive(Debug)]
-struct Lanes {
-    lanes: Vec<Arc<Semaphore>>,
-}
-
-impl Lanes {
-    fn new(gpus: usize) -> Self {
-        Self { lanes: (0..=gpus).map(|_| Arc::new(Semaphore::new(1))).collect() }
-    }
-
-    /// The CPU lane, or the first free GPU lane (waiting on GPU 0 when all are busy).
-    async fn acquire(&self, backend: Backend) -> (Option<usize>, OwnedSemaphorePermit) {
-        let closed = "device lanes are never closed";
-        if backend == Backend::Cpu {
-            return (None, self.lanes[0].clone().acquire_owned().await.expect(closed));
-        }
-        for (gpu, lane) in self.lanes.iter().enumerate().skip(1) {
-            if let Ok(permit) = lane.clone().try_acquire_owned() {
-                return (Some(gpu - 1), permit);
-            }
-        }
-        (Some(0), self.lanes[1].clone().acquire_owned().await.expect(closed))
-    }
-}
-
 /// A validated request.
 #[derive(Debug)]
 struct Job {
@@ -114,7 +89,7 @@ struct Inner {
     baselines: Cache,
     scratch_root: PathBuf,
     compile_slots: Semaphore,
-    lanes: Lanes,
+    lanes: Arc<Lanes>,
     admission: Arc<Semaphore>,
     secret: u64,
     metrics: EvaluatorMetrics,
@@ -187,7 +162,7 @@ impl Evaluator {
                 baselines: Cache::new(work.join("baselines"))?,
                 admission: Arc::new(Semaphore::new(config.queue_capacity)),
                 compile_slots: Semaphore::new(compile_workers),
-                lanes: Lanes::new(gpus),
+                lanes: Lanes::new(gpus, config.device_probe.clone(), metrics.clone()),
                 secret: std::collections::hash_map::RandomState::new().hash_one("kforge-evaluator-seeds"),
                 config,
                 sandbox,
@@ -212,26 +187,52 @@ impl Evaluator {
                     }
                 }
                 let mut devices = vec!["cpu".to_owned()];
-                devices.extend(
-                    env.gpus.iter().enumerate().map(|(i, g)| format!("cuda:{i} {} (sm {})", g.name, g.capability)),
-                );
+                devices.extend(env.gpus.iter().enumerate().map(|(i, g)| {
+                    let device = format!("cuda:{i} {} (sm {})", g.name, g.capability);
+                    match inner.lanes.quarantine_reason(i) {
+                        Some(reason) => format!("{device} quarantined: {reason}"),
+                        None => device,
+                    }
+                }));
                 (backends, devices, env.versions.clone().into_iter().collect())
             }
             Err(_) => (vec![], vec![], HashMap::new()),
         };
+        let mut sandbox: Vec<pb::SandboxProtection> = inner
+            .sandbox
+            .protections()
+            .iter()
+            .map(|p| pb::SandboxProtection { name: p.name.into(), active: p.active, detail: p.detail.clone() })
+            .collect();
+        let has_gpu = inner.python.as_ref().is_ok_and(|env| !env.gpus.is_empty());
+        sandbox.push(match (has_gpu, inner.lanes.probe_program()) {
+            (false, _) => pb::SandboxProtection {
+                name: "device_health_probe".into(),
+                active: false,
+                detail: "no GPU to probe".into(),
+            },
+            (true, Ok(program)) => pb::SandboxProtection {
+                name: "device_health_probe".into(),
+                active: true,
+                detail: format!("{} after each device fault; a failing GPU is quarantined", program.display()),
+            },
+            (true, Err(reason)) => {
+                pb::SandboxProtection { name: "device_health_probe".into(), active: false, detail: reason.into() }
+            }
+        });
         pb::GetCapabilitiesResponse {
             backends,
             devices,
             policies: Policy::ALL.iter().map(Policy::id).collect(),
-            sandbox: inner
-                .sandbox
-                .protections()
-                .iter()
-                .map(|p| pb::SandboxProtection { name: p.name.into(), active: p.active, detail: p.detail.clone() })
-                .collect(),
+            sandbox,
             versions,
             queue_capacity: inner.config.queue_capacity as u32,
         }
+    }
+
+    /// False while every GPU is quarantined: the service's readiness.
+    pub fn readiness(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.inner.lanes.readiness()
     }
 
     /// Evaluates one request. Dropping the returned future cancels the evaluation and kills its children.
@@ -386,7 +387,11 @@ impl Evaluator {
         }
 
         let started = Instant::now();
-        let (gpu, _lane) = inner.lanes.acquire(job.backend).await;
+        let lane = match inner.lanes.acquire(job.backend != Backend::Cpu).await {
+            Ok(lane) => lane,
+            Err(unavailable) => return infra(response, unavailable, true),
+        };
+        let gpu = lane.gpu();
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         let device = if gpu.is_some() { "cuda" } else { "cpu" };
         response.device = python.device_name(gpu).to_owned();
@@ -433,6 +438,7 @@ impl Evaluator {
                     env,
                     wall: Duration::from_secs(inner.config.run_timeout_secs),
                 },
+                Some(&lane),
                 cancel,
             )
             .await;
@@ -442,6 +448,9 @@ impl Evaluator {
             Err(error) => return infra(response, format!("candidate stage: {error}"), true),
         };
         if let Some(verdict) = candidate_failure(&candidate, response) {
+            if let Some(reason) = gpu.and_then(|gpu| inner.lanes.quarantine_reason(gpu)) {
+                response.error.push_str(&format!("\n[the device was quarantined after this: {reason}]"));
+            }
             return verdict;
         }
         let result = candidate.result.as_ref().expect("a successful candidate stage wrote its result");
@@ -478,7 +487,7 @@ impl Evaluator {
             // The output of the last timed call is checked too, on its rebuilt inputs.
             timed_call: result.get("last_call").and_then(|c| c.as_i64()).filter(|_| job.measure),
         };
-        let checked = self.check(job, device, gpu, &trials, &check_dir, &candidate_dir, cancel).await;
+        let checked = self.check(job, device, &lane, &trials, &check_dir, &candidate_dir, cancel).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         match checked {
             Ok(None) => {}
@@ -518,7 +527,7 @@ impl Evaluator {
                 return pb::Verdict::Hack;
             }
             response.candidate_timing = timing_stats(samples);
-            match self.baseline(job, device, gpu, init_seed, &timing_seeds, &baseline_dir, cancel).await {
+            match self.baseline(job, device, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await {
                 Ok((eager, compiled)) => {
                     response.eager_timing = timing_stats(eager);
                     response.compile_timing = compiled.and_then(timing_stats);
@@ -609,7 +618,7 @@ impl Evaluator {
             env,
             wall: Duration::from_secs(inner.config.compile_timeout_secs),
         };
-        let outcome = match self.stage(stage, cancel).await {
+        let outcome = match self.stage(stage, None, cancel).await {
             Ok(outcome) => outcome,
             Err(error) => return Some(infra(response, format!("compile stage: {error}"), true)),
         };
@@ -654,12 +663,13 @@ impl Evaluator {
         &self,
         job: &Job,
         device: &str,
-        gpu: Option<usize>,
+        lane: &Lane,
         trials: &Trials<'_>,
         scratch: &Path,
         candidate_dir: &Path,
         cancel: &CancellationToken,
     ) -> Result<Option<(Trial, pb::Mismatch)>, String> {
+        let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         let versions = python.versions_key();
@@ -709,7 +719,7 @@ impl Evaluator {
             env: python.env(scratch, gpu),
             wall: Duration::from_secs(inner.config.run_timeout_secs),
         };
-        let outcome = self.stage(stage, cancel).await.map_err(|e| format!("{mode} stage: {e}"))?;
+        let outcome = self.stage(stage, Some(lane), cancel).await.map_err(|e| format!("{mode} stage: {e}"))?;
         if !outcome.ok() {
             let what = if mode == "reference" { "the reference failed" } else { "the checker failed" };
             return Err(format!("{what}: {}", cap(&outcome.error_text(), 4000)));
@@ -736,12 +746,13 @@ impl Evaluator {
         &self,
         job: &Job,
         device: &str,
-        gpu: Option<usize>,
+        lane: &Lane,
         init_seed: u64,
         timing_seeds: &[u64],
         scratch: &Path,
         cancel: &CancellationToken,
     ) -> Result<(Vec<f64>, Option<Vec<f64>>), String> {
+        let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         let versions = python.versions_key();
@@ -792,7 +803,7 @@ impl Evaluator {
             env,
             wall: Duration::from_secs(inner.config.run_timeout_secs),
         };
-        let outcome = self.stage(stage, cancel).await.map_err(|e| format!("baseline stage: {e}"))?;
+        let outcome = self.stage(stage, Some(lane), cancel).await.map_err(|e| format!("baseline stage: {e}"))?;
         if !outcome.ok() {
             return Err(format!("the baseline failed: {}", cap(&outcome.error_text(), 4000)));
         }
@@ -808,9 +819,12 @@ impl Evaluator {
         parse(&text)
     }
 
+    /// Runs one harness stage; one on a GPU `lane` that ends in a device fault has the device probed before the
+    /// lane is used again.
     async fn stage(
         &self,
         stage: Stage,
+        lane: Option<&Lane>,
         cancel: &CancellationToken,
     ) -> Result<StageOutcome, kforge_sandbox::SandboxError> {
         let inner = &self.inner;
@@ -820,6 +834,12 @@ impl Evaluator {
         let started = Instant::now();
         let outcome = python::run_stage(&inner.sandbox, python, &inner.harness, stage, cancel.child_token()).await;
         inner.metrics.stage_seconds(name, started.elapsed());
+        if let (Ok(finished), Some(lane)) = (&outcome, lane)
+            && lane.gpu().is_some()
+            && let Some(fault) = devices::fault(finished.finished.exit, &finished.error_text())
+        {
+            inner.lanes.after_fault(lane, &fault).await;
+        }
         outcome
     }
 
