@@ -41,6 +41,9 @@ pub struct EvaluatorConfig {
     pub tolerances: Tolerances,
     /// How long and how precisely to time.
     pub timing: TimingBudget,
+    /// A candidate faster than eager by more than this factor is timed again in a fresh process and the slower
+    /// measurement counts; 0 turns the re-measurement off.
+    pub plausible_speedup: f64,
     /// Whether baselines include torch.compile (it needs a C compiler and minutes per task on first use).
     pub baseline_torch_compile: bool,
     /// Optional sandbox protections (each on by default, used where the kernel allows; see GetCapabilities).
@@ -66,6 +69,7 @@ impl Default for EvaluatorConfig {
             run_timeout_secs: 300,
             tolerances: Tolerances::default(),
             timing: TimingBudget::default(),
+            plausible_speedup: 10.0,
             baseline_torch_compile: true,
             sandbox: SandboxOptions::default(),
             device_probe: DeviceProbeConfig::default(),

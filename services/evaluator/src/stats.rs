@@ -22,6 +22,27 @@ pub fn timing_stats(samples: Vec<f64>) -> Option<TimingStats> {
     })
 }
 
+/// Per-call wall-clock time the timer's events did not account for, beyond what the clean baseline shows, in ms.
+///
+/// Each timed step is measured twice: by the events (or the clock on a CPU) around the call, and by the host clock
+/// around the whole step (cache flush, call, synchronisation). Their difference is the step's overhead, the same
+/// for the candidate and the reference on one task and device; a candidate whose difference is larger did work
+/// (or waited) where the events could not see it. `None` when a series is missing or the lengths differ.
+pub fn unaccounted_host_ms(candidate: (&[f64], &[f64]), baseline: (&[f64], &[f64])) -> Option<f64> {
+    let gap = |(events, host): (&[f64], &[f64])| -> Option<f64> {
+        if events.is_empty() || events.len() != host.len() {
+            return None;
+        }
+        let mut gaps: Vec<f64> = host.iter().zip(events).map(|(h, e)| h - e).collect();
+        if gaps.iter().any(|g| !g.is_finite()) {
+            return None;
+        }
+        gaps.sort_by(f64::total_cmp);
+        Some(quantile(&gaps, 0.5))
+    };
+    Some(gap(candidate)? - gap(baseline)?.max(0.0))
+}
+
 /// Linear interpolation between closest ranks (the common "type 7" definition).
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     let position = q * (sorted.len() - 1) as f64;
@@ -41,6 +62,20 @@ mod tests {
         assert_eq!(stats.mean_ms, 3.0);
         assert!((stats.stderr_ms - (2.5f64 / 5.0).sqrt()).abs() < 1e-12);
         assert_eq!(stats.samples_ms, vec![4.0, 1.0, 3.0, 2.0, 5.0], "raw samples keep their order");
+    }
+
+    #[test]
+    fn unaccounted_host_time_is_the_candidates_extra_gap() {
+        let baseline_events = [1.0, 1.1, 0.9];
+        let baseline_host = [1.1, 1.2, 1.0];
+        // Honest: the same 0.1 ms of overhead per step.
+        let honest = unaccounted_host_ms((&[0.5, 0.5, 0.6], &[0.6, 0.6, 0.7]), (&baseline_events, &baseline_host));
+        assert!(honest.expect("both series").abs() < 1e-9);
+        // Events that report 0.1 ms for steps that take 2 ms of wall-clock time.
+        let hidden = unaccounted_host_ms((&[0.1, 0.1, 0.1], &[2.0, 2.1, 1.9]), (&baseline_events, &baseline_host));
+        assert!((hidden.expect("both series") - 1.8).abs() < 1e-9);
+        assert_eq!(unaccounted_host_ms((&[0.1], &[]), (&baseline_events, &baseline_host)), None);
+        assert_eq!(unaccounted_host_ms((&[0.1], &[0.2]), (&[], &[])), None);
     }
 
     #[test]
