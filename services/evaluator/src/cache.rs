@@ -4,9 +4,16 @@
 //! Entries are built under an exclusive file lock, so concurrent evaluations (and processes sharing the
 //! directory, such as test binaries) build each entry once; a completed entry carries a marker file and is never
 //! modified again.
+//!
+//! A cache may have a size bound: [`Cache::evict`] removes the least recently used completed entries (by the
+//! marker's modification time, refreshed on every hit) until the cache fits. An entry in use is pinned with a
+//! shared lock ([`Cache::pin`]) and an entry being built holds its exclusive lock; eviction skips both. Lock files
+//! are never removed (a removed lock file could let two holders lock different files of the same name); they are
+//! empty.
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
 
@@ -24,6 +31,8 @@ pub fn key(parts: &[&[u8]]) -> String {
 #[derive(Debug, Clone)]
 pub struct Cache {
     root: PathBuf,
+    /// Evict down to this many bytes; `None`: unbounded.
+    max_bytes: Option<u64>,
 }
 
 /// What a completed entry holds.
@@ -35,16 +44,17 @@ pub enum Entry {
     Failed(String),
 }
 
-/// An exclusive lock on one entry, released on drop.
+/// A lock on one entry (exclusive while building, shared while in use), released on drop.
 #[derive(Debug)]
 pub struct EntryLock {
     _file: File,
 }
 
 impl Cache {
-    pub fn new(root: PathBuf) -> std::io::Result<Self> {
+    /// A cache in `root`, bounded to `max_bytes` (0: unbounded).
+    pub fn new(root: PathBuf, max_bytes: u64) -> std::io::Result<Self> {
         std::fs::create_dir_all(&root)?;
-        Ok(Self { root })
+        Ok(Self { root, max_bytes: (max_bytes > 0).then_some(max_bytes) })
     }
 
     /// The entry's directory (created on demand by the builder).
@@ -52,25 +62,87 @@ impl Cache {
         self.root.join(key)
     }
 
-    /// The completed entry, if any.
+    /// The completed entry, if any; a hit counts as a use for eviction.
     pub fn get(&self, key: &str) -> Option<Entry> {
         let dir = self.dir(key);
-        if let Ok(text) = std::fs::read_to_string(dir.join("ready")) {
-            return Some(Entry::Ready(text));
+        for (name, kind) in [("ready", Entry::Ready as fn(String) -> Entry), ("failed", Entry::Failed)] {
+            if let Ok(text) = std::fs::read_to_string(dir.join(name)) {
+                if self.max_bytes.is_some()
+                    && let Ok(marker) = File::options().append(true).open(dir.join(name))
+                {
+                    let _ = marker.set_modified(SystemTime::now());
+                }
+                return Some(kind(text));
+            }
         }
-        std::fs::read_to_string(dir.join("failed")).ok().map(Entry::Failed)
+        None
     }
 
-    /// Waits for the entry's lock (blocking I/O, so on the blocking pool).
+    /// Waits for the entry's exclusive lock, to build it (blocking I/O, so on the blocking pool).
     pub async fn lock(&self, key: &str) -> std::io::Result<EntryLock> {
-        let path = self.root.join(format!("{key}.lock"));
+        self.lock_as(key, false).await
+    }
+
+    /// Waits for a shared lock on the entry: eviction leaves it alone while the lock is held.
+    pub async fn pin(&self, key: &str) -> std::io::Result<EntryLock> {
+        self.lock_as(key, true).await
+    }
+
+    async fn lock_as(&self, key: &str, shared: bool) -> std::io::Result<EntryLock> {
+        let path = self.lock_path(key);
         tokio::task::spawn_blocking(move || {
             let file = File::options().create(true).truncate(false).write(true).open(&path)?;
-            file.lock()?;
+            if shared {
+                file.lock_shared()?
+            } else {
+                file.lock()?
+            }
             Ok(EntryLock { _file: file })
         })
         .await
         .map_err(std::io::Error::other)?
+    }
+
+    fn lock_path(&self, key: &str) -> PathBuf {
+        self.root.join(format!("{key}.lock"))
+    }
+
+    /// Removes least recently used completed entries until the cache fits its bound; entries that are pinned or
+    /// being built stay. Returns how many were removed. Blocking I/O.
+    pub fn evict(&self) -> usize {
+        let Some(max_bytes) = self.max_bytes else { return 0 };
+        let Ok(listing) = std::fs::read_dir(&self.root) else { return 0 };
+        let mut entries: Vec<(SystemTime, u64, String)> = listing
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|e| {
+                let key = e.file_name().into_string().ok()?;
+                let used = ["ready", "failed"]
+                    .iter()
+                    .find_map(|marker| std::fs::metadata(e.path().join(marker)).and_then(|m| m.modified()).ok())
+                    .unwrap_or(SystemTime::UNIX_EPOCH);
+                Some((used, size_of(&e.path()), key))
+            })
+            .collect();
+        let mut total: u64 = entries.iter().map(|(_, size, _)| size).sum();
+        entries.sort();
+        let mut removed = 0;
+        for (_, size, key) in entries {
+            if total <= max_bytes {
+                break;
+            }
+            let Ok(file) = File::options().create(true).truncate(false).write(true).open(self.lock_path(&key)) else {
+                continue;
+            };
+            if file.try_lock().is_err() {
+                continue;
+            }
+            if std::fs::remove_dir_all(self.dir(&key)).is_ok() {
+                total = total.saturating_sub(size);
+                removed += 1;
+            }
+        }
+        removed
     }
 
     /// Marks the entry complete. Hold its lock.
@@ -93,6 +165,19 @@ impl Cache {
     }
 }
 
+/// Bytes of the regular files under `path`.
+fn size_of(path: &Path) -> u64 {
+    let Ok(listing) = std::fs::read_dir(path) else { return 0 };
+    listing
+        .filter_map(|e| e.ok())
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => size_of(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
+            _ => 0,
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,13 +192,51 @@ mod tests {
     #[tokio::test]
     async fn entries_complete_once_and_persist() {
         let root = std::env::temp_dir().join(format!("kforge-cache-test-{}", std::process::id()));
-        let cache = Cache::new(root.clone()).expect("cache dir");
+        let cache = Cache::new(root.clone(), 0).expect("cache dir");
         let k = key(&[b"source"]);
         assert_eq!(cache.get(&k), None);
         let lock = cache.lock(&k).await.expect("lock");
         cache.complete(&k, &Entry::Failed("error: expected ;".into()), &lock).expect("complete");
         drop(lock);
-        assert_eq!(Cache::new(root.clone()).expect("reopen").get(&k), Some(Entry::Failed("error: expected ;".into())));
+        assert_eq!(
+            Cache::new(root.clone(), 0).expect("reopen").get(&k),
+            Some(Entry::Failed("error: expected ;".into()))
+        );
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    async fn filled(cache: &Cache, name: &str, bytes: usize) -> String {
+        let k = key(&[name.as_bytes()]);
+        let lock = cache.lock(&k).await.expect("lock");
+        std::fs::create_dir_all(cache.dir(&k)).expect("entry dir");
+        std::fs::write(cache.dir(&k).join("artifact.so"), vec![0u8; bytes]).expect("artifact");
+        cache.complete(&k, &Entry::Ready(String::new()), &lock).expect("complete");
+        k
+    }
+
+    #[tokio::test]
+    async fn eviction_removes_least_recently_used_entries_but_never_pinned_ones() {
+        let root = std::env::temp_dir().join(format!("kforge-cache-evict-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let cache = Cache::new(root.clone(), 2500).expect("cache dir");
+        let old = filled(&cache, "old", 1000).await;
+        let pinned = filled(&cache, "pinned", 1000).await;
+        let used = filled(&cache, "used", 1000).await;
+        // By last use: `used` oldest, then `pinned`, then `old`; the hit below makes `used` the newest.
+        let past = |secs| SystemTime::now() - std::time::Duration::from_secs(secs);
+        for (k, age) in [(&used, 400), (&pinned, 300), (&old, 200)] {
+            let marker = File::options().append(true).open(cache.dir(k).join("ready")).expect("marker");
+            marker.set_modified(past(age)).expect("mtime");
+        }
+        assert!(cache.get(&used).is_some(), "a hit refreshes `used`");
+        let pin = cache.pin(&pinned).await.expect("pin");
+        assert_eq!(cache.evict(), 1, "3000 bytes over a 2500-byte bound: one entry goes");
+        assert!(cache.get(&pinned).is_some(), "the pinned entry stays although it is the oldest");
+        assert!(cache.get(&old).is_none(), "the least recently used unpinned entry goes");
+        assert!(cache.get(&used).is_some());
+        drop(pin);
+        assert_eq!(cache.evict(), 0, "2000 bytes fit");
+        assert_eq!(Cache::new(root.clone(), 0).expect("unbounded").evict(), 0, "an unbounded cache never evicts");
         let _ = std::fs::remove_dir_all(root);
     }
 }

@@ -50,6 +50,28 @@ pub struct EvaluatorConfig {
     pub sandbox: SandboxOptions,
     /// The GPU health probe run after a device fault, and while a device is quarantined.
     pub device_probe: DeviceProbeConfig,
+    /// Size bounds of the on-disk caches.
+    pub cache_limits: CacheLimits,
+}
+
+/// Size bounds of the caches in `work_dir`, in bytes (0: unbounded). Over its bound, a cache drops its least
+/// recently used entries that no evaluation is using.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheLimits {
+    /// Compiled extensions (tens of MB each).
+    pub artifacts_bytes: u64,
+    /// Reference outputs per task, seeds and device (large tasks hold GBs).
+    pub references_bytes: u64,
+    /// Baseline timing samples (KBs each).
+    pub baselines_bytes: u64,
+}
+
+impl Default for CacheLimits {
+    fn default() -> Self {
+        const GIB: u64 = 1 << 30;
+        Self { artifacts_bytes: 20 * GIB, references_bytes: 50 * GIB, baselines_bytes: GIB }
+    }
 }
 
 impl Default for EvaluatorConfig {
@@ -73,6 +95,7 @@ impl Default for EvaluatorConfig {
             baseline_torch_compile: true,
             sandbox: SandboxOptions::default(),
             device_probe: DeviceProbeConfig::default(),
+            cache_limits: CacheLimits::default(),
         }
     }
 }

@@ -49,6 +49,7 @@ pub struct EvaluatorMetrics {
     cache: Family<CacheLabel, Counter>,
     device_probes: Family<ProbeLabel, Counter>,
     devices_quarantined: Gauge,
+    evictions: Family<CacheLabel, Counter>,
 }
 
 /// Decrements its gauge when dropped.
@@ -74,6 +75,7 @@ impl EvaluatorMetrics {
             cache: Family::default(),
             device_probes: Family::default(),
             devices_quarantined: Gauge::default(),
+            evictions: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kforge_evaluator");
         r.register("admitted", "evaluations admitted: queued or running (queue depth)", metrics.admitted.clone());
@@ -88,6 +90,7 @@ impl EvaluatorMetrics {
             "GPUs out of service after a failed probe",
             metrics.devices_quarantined.clone(),
         );
+        r.register("cache_evictions", "cache entries evicted to stay within the size bound", metrics.evictions.clone());
         metrics
     }
 
@@ -126,5 +129,10 @@ impl EvaluatorMetrics {
 
     pub(crate) fn devices_quarantined(&self, count: usize) {
         self.devices_quarantined.set(count as i64);
+    }
+
+    pub(crate) fn evicted(&self, cache: &str, entries: usize) {
+        let label = CacheLabel { cache: cache.into(), outcome: "evicted".into() };
+        self.evictions.get_or_create(&label).inc_by(entries as u64);
     }
 }

@@ -157,9 +157,9 @@ impl Evaluator {
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                artifacts: Cache::new(work.join("artifacts"))?,
-                references: Cache::new(work.join("references"))?,
-                baselines: Cache::new(work.join("baselines"))?,
+                artifacts: Cache::new(work.join("artifacts"), config.cache_limits.artifacts_bytes)?,
+                references: Cache::new(work.join("references"), config.cache_limits.references_bytes)?,
+                baselines: Cache::new(work.join("baselines"), config.cache_limits.baselines_bytes)?,
                 admission: Arc::new(Semaphore::new(config.queue_capacity)),
                 compile_slots: Semaphore::new(compile_workers),
                 lanes: Lanes::new(gpus, config.device_probe.clone(), metrics.clone()),
@@ -377,12 +377,19 @@ impl Evaluator {
         ]);
         let artifact_dir = inner.artifacts.dir(&artifact_key);
         let compiles = builds_extension(&job.candidate);
+        // The built extension is pinned until the evaluation ends, so eviction cannot take it meanwhile.
+        let mut _artifact_pin = None;
         if compiles {
             let started = Instant::now();
             let compiled = self.compile(job, &artifact_key, &compile_dir, cancel, response).await;
             response.stage_ms.insert("compile".into(), ms(started.elapsed()));
             if let Some(verdict) = compiled {
                 return verdict;
+            }
+            match inner.artifacts.pin(&artifact_key).await {
+                Ok(pin) if inner.artifacts.get(&artifact_key).is_some() => _artifact_pin = Some(pin),
+                Ok(_) => return infra(response, "the compiled artifact was evicted before use".into(), true),
+                Err(error) => return infra(response, format!("artifact pin: {error}"), true),
             }
         }
 
@@ -715,6 +722,7 @@ impl Evaluator {
                 if let Err(error) = inner.artifacts.complete(key, &Entry::Ready(String::new()), &lock) {
                     return Some(infra(response, format!("artifact cache: {error}"), true));
                 }
+                self.evict_later("artifact", &inner.artifacts);
                 None
             }
             Exit::TimedOut => {
@@ -783,8 +791,16 @@ impl Evaluator {
             "timed_call": timed_call,
         });
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
+        // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
+        let mut _pinned = None;
         let lock = match inner.references.get(&key) {
-            Some(_) => None,
+            Some(_) => {
+                _pinned = Some(inner.references.pin(&key).await.map_err(|e| format!("reference pin: {e}"))?);
+                if inner.references.get(&key).is_none() {
+                    return Err("the cached reference was evicted before use; retry".into());
+                }
+                None
+            }
             None => {
                 let lock = inner.references.lock(&key).await.map_err(|e| format!("reference lock: {e}"))?;
                 if inner.references.get(&key).is_some() {
@@ -816,6 +832,7 @@ impl Evaluator {
                 .references
                 .complete(&key, &Entry::Ready(String::new()), lock)
                 .map_err(|e| format!("reference cache: {e}"))?;
+            self.evict_later("reference", &inner.references);
         }
         let mismatch = outcome.result.as_ref().and_then(|r| r.get("mismatch")).filter(|m| !m.is_null());
         Ok(mismatch.map(|m| {
@@ -911,6 +928,7 @@ impl Evaluator {
             .baselines
             .complete(&key, &Entry::Ready(text.clone()), &lock)
             .map_err(|e| format!("baseline cache: {e}"))?;
+        self.evict_later("baseline", &inner.baselines);
         parse(&text)
     }
 
@@ -936,6 +954,18 @@ impl Evaluator {
             inner.lanes.after_fault(lane, &fault).await;
         }
         outcome
+    }
+
+    /// Evicts from `cache` in the background if it grew past its bound.
+    fn evict_later(&self, name: &'static str, cache: &Cache) {
+        let (cache, metrics) = (cache.clone(), self.inner.metrics.clone());
+        tokio::task::spawn_blocking(move || {
+            let removed = cache.evict();
+            if removed > 0 {
+                tracing::info!(cache = name, removed, "evicted least recently used cache entries");
+                metrics.evicted(name, removed);
+            }
+        });
     }
 
     /// Seeds the candidate cannot know in advance: derived from a secret drawn when this evaluator started, so
