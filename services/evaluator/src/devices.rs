@@ -1,7 +1,9 @@
 //! Device lanes and device health.
 //!
 //! Every device is an exclusive lane: the CPU, and each GPU. A GPU lane is taken from a pool (any free healthy
-//! GPU), so several GPUs serve one queue.
+//! GPU), so several GPUs serve one queue. Waiting evaluations are served by priority (higher first) and, within a
+//! priority, in turns across jobs (`job_id`): a job that queued a hundred evaluations does not make a job that
+//! queued one wait for all of them.
 //!
 //! After a CUDA-level fault on a GPU (an illegal address, a launch failure, a kernel killed at its time limit, a
 //! crash) the device is probed before anything else runs on it: `kforge-device-probe`, a short-lived process that
@@ -10,6 +12,8 @@
 //! once no healthy GPU is left, readiness goes NOT_SERVING, and the probe runs again every `retry_secs` until it
 //! passes, which puts the lane back.
 
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,7 +21,7 @@ use std::time::Duration;
 
 use kforge_sandbox::Exit;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{oneshot, watch};
 
 use crate::metrics::EvaluatorMetrics;
 
@@ -76,11 +80,8 @@ pub fn fault(exit: Exit, error_text: &str) -> Option<String> {
 /// The device lanes of one evaluator, and the health of its GPUs.
 #[derive(Debug)]
 pub struct Lanes {
-    cpu: Arc<Semaphore>,
-    /// One permit per GPU lane in the pool (quarantined lanes have left it).
-    gpu_slots: Arc<Semaphore>,
-    /// Healthy GPUs not in use; a holder of a `gpu_slots` permit always finds one.
-    free: Mutex<Vec<usize>>,
+    cpu: Mutex<Pool>,
+    gpus: Mutex<Pool>,
     /// Per GPU: why it is quarantined.
     quarantined: Mutex<Vec<Option<String>>>,
     /// Whether any GPU is healthy (always true without GPUs): the service's readiness.
@@ -90,12 +91,49 @@ pub struct Lanes {
     metrics: EvaluatorMetrics,
 }
 
+/// Where a waiter stands: priority (higher first), its job's turn, arrival.
+type Turn = (Reverse<i32>, u64, u64);
+
+/// Lanes of one kind and the evaluations waiting for them.
+#[derive(Debug, Default)]
+struct Pool {
+    /// Lanes in service and not in use.
+    free: Vec<usize>,
+    /// Lanes in service (not quarantined).
+    in_service: usize,
+    waiters: BTreeMap<Turn, oneshot::Sender<usize>>,
+    /// Per job: the turn its next waiter gets.
+    next_turn: HashMap<String, u64>,
+    /// The turn of the waiter served last; a job that starts waiting starts here.
+    serving: u64,
+    arrivals: u64,
+}
+
+impl Pool {
+    fn new(lanes: usize) -> Self {
+        Self { free: (0..lanes).rev().collect(), in_service: lanes, ..Self::default() }
+    }
+
+    /// Hands `lane` to the first waiter still waiting, or puts it back in the free list.
+    fn release(&mut self, lane: usize) {
+        let mut lane = lane;
+        while let Some(((_, turn, _), waiter)) = self.waiters.pop_first() {
+            self.serving = self.serving.max(turn);
+            match waiter.send(lane) {
+                Ok(()) => return,
+                Err(unsent) => lane = unsent,
+            }
+        }
+        self.free.push(lane);
+    }
+}
+
 /// An exclusive hold on one device; released on drop, unless the device was quarantined meanwhile.
 #[derive(Debug)]
 pub struct Lane {
     lanes: Arc<Lanes>,
     gpu: Option<usize>,
-    permit: Option<OwnedSemaphorePermit>,
+    index: usize,
     quarantined: AtomicBool,
 }
 
@@ -108,15 +146,29 @@ impl Lane {
 
 impl Drop for Lane {
     fn drop(&mut self) {
-        let (Some(gpu), Some(permit)) = (self.gpu, self.permit.take()) else { return };
-        if self.quarantined.load(Ordering::SeqCst) {
-            // The lane stays out of the pool until a probe passes (see `Lanes::recover`).
-            permit.forget();
-            return;
+        // A quarantined lane stays out of its pool until a probe passes (see `Lanes::recover`).
+        if !self.quarantined.load(Ordering::SeqCst) {
+            self.lanes.pool(self.gpu.is_some()).release(self.index);
         }
-        // Back in the free list before the permit is released, so the next holder finds it.
-        self.lanes.free.lock().expect("lane lock is never poisoned").push(gpu);
-        drop(permit);
+    }
+}
+
+/// A place in a pool's queue; if dropped (the evaluation was cancelled) after a lane was handed to it but before it
+/// was taken, the lane goes back.
+struct Waiting<'a> {
+    lanes: &'a Lanes,
+    gpu: bool,
+    receiver: Option<oneshot::Receiver<usize>>,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(mut receiver) = self.receiver.take() {
+            receiver.close();
+            if let Ok(lane) = receiver.try_recv() {
+                self.lanes.pool(self.gpu).release(lane);
+            }
+        }
     }
 }
 
@@ -132,15 +184,19 @@ impl Lanes {
             tracing::warn!(%reason, "GPU faults will not be followed by a device health probe");
         }
         Arc::new(Self {
-            cpu: Arc::new(Semaphore::new(1)),
-            gpu_slots: Arc::new(Semaphore::new(gpus)),
-            free: Mutex::new((0..gpus).rev().collect()),
+            cpu: Mutex::new(Pool::new(1)),
+            gpus: Mutex::new(Pool::new(gpus)),
             quarantined: Mutex::new(vec![None; gpus]),
             ready: watch::Sender::new(true),
             probe,
             config,
             metrics,
         })
+    }
+
+    fn pool(&self, gpu: bool) -> std::sync::MutexGuard<'_, Pool> {
+        let pool = if gpu { &self.gpus } else { &self.cpu };
+        pool.lock().expect("lane lock is never poisoned")
     }
 
     /// Readiness: false while every GPU is quarantined.
@@ -158,27 +214,36 @@ impl Lanes {
         self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).cloned().flatten()
     }
 
-    /// The CPU lane, or a free healthy GPU (waiting for one); an error when every GPU is quarantined.
-    pub async fn acquire(self: &Arc<Self>, gpu: bool) -> Result<Lane, String> {
-        let lane = |gpu, permit| Lane { lanes: self.clone(), gpu, permit: Some(permit), quarantined: false.into() };
-        if !gpu {
-            let permit = self.cpu.clone().acquire_owned().await.expect("the CPU lane is never closed");
-            return Ok(lane(None, permit));
-        }
-        let mut ready = self.ready.subscribe();
-        loop {
-            if !*ready.borrow_and_update() {
+    /// The CPU lane, or a free healthy GPU, waiting for one in turn (`priority`, then turns across `job`s); an
+    /// error when every GPU is quarantined (also for those already waiting when the last one goes).
+    pub async fn acquire(self: &Arc<Self>, gpu: bool, priority: i32, job: &str) -> Result<Lane, String> {
+        let lane = |index| Lane { lanes: self.clone(), gpu: gpu.then_some(index), index, quarantined: false.into() };
+        let receiver = {
+            let mut pool = self.pool(gpu);
+            if pool.in_service == 0 {
+                drop(pool);
                 return Err(self.unavailable());
             }
-            tokio::select! {
-                permit = self.gpu_slots.clone().acquire_owned() => {
-                    let permit = permit.expect("GPU lanes are never closed");
-                    let index = self.free.lock().expect("lane lock is never poisoned").pop();
-                    let index = index.expect("a GPU permit always has a free GPU");
-                    return Ok(lane(Some(index), permit));
-                }
-                changed = ready.changed() => changed.expect("the readiness sender lives as long as the lanes"),
+            if pool.waiters.is_empty()
+                && let Some(index) = pool.free.pop()
+            {
+                return Ok(lane(index));
             }
+            let turn = pool.serving.max(pool.next_turn.get(job).copied().unwrap_or(0));
+            pool.next_turn.insert(job.to_owned(), turn + 1);
+            let arrival = pool.arrivals;
+            pool.arrivals += 1;
+            let (sender, receiver) = oneshot::channel();
+            pool.waiters.insert((Reverse(priority), turn, arrival), sender);
+            receiver
+        };
+        let mut waiting = Waiting { lanes: self, gpu, receiver: Some(receiver) };
+        let delivered = waiting.receiver.as_mut().expect("set above").await;
+        waiting.receiver = None;
+        match delivered {
+            Ok(index) => Ok(lane(index)),
+            // The pool dropped its waiters: no lane is left in service.
+            Err(_) => Err(self.unavailable()),
         }
     }
 
@@ -221,19 +286,35 @@ impl Lanes {
                 continue;
             }
             tracing::info!(gpu, "device passed its health probe; back in service");
-            self.free.lock().expect("lane lock is never poisoned").push(gpu);
-            self.gpu_slots.add_permits(1);
             self.set_quarantine(gpu, None);
             return;
         }
     }
 
+    /// Takes GPU `gpu` out of service (`Some(reason)`; its lane is held by the caller and not released) or puts
+    /// it back (`None`).
     fn set_quarantine(&self, gpu: usize, reason: Option<String>) {
-        let mut quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
-        quarantined[gpu] = reason;
-        let count = quarantined.iter().filter(|q| q.is_some()).count();
+        let back = reason.is_none();
+        let count = {
+            let mut quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
+            quarantined[gpu] = reason;
+            quarantined.iter().filter(|q| q.is_some()).count()
+        };
+        let mut pool = self.pool(true);
+        if back {
+            pool.in_service += 1;
+            pool.release(gpu);
+        } else {
+            pool.in_service -= 1;
+            if pool.in_service == 0 {
+                // Nothing will serve them: every waiter gets its error now.
+                pool.waiters.clear();
+            }
+        }
+        let in_service = pool.in_service;
+        drop(pool);
         self.metrics.devices_quarantined(count);
-        self.ready.send_replace(count < quarantined.len());
+        self.ready.send_replace(in_service > 0);
     }
 
     /// Runs the probe on `gpu` in its own process, killed at the timeout.
@@ -329,12 +410,12 @@ mod tests {
     async fn a_healthy_device_stays_in_service() {
         let dir = test_dir("healthy");
         let lanes = lanes(&dir, 1, 60);
-        let lane = lanes.acquire(true).await.expect("a GPU lane");
+        let lane = lanes.acquire(true, 0, "").await.expect("a GPU lane");
         assert!(lanes.after_fault(&lane, "an illegal address").await);
         drop(lane);
         assert_eq!(runs(&dir), 1);
         assert!(*lanes.readiness().borrow());
-        assert_eq!(lanes.acquire(true).await.expect("the lane again").gpu(), Some(0));
+        assert_eq!(lanes.acquire(true, 0, "").await.expect("the lane again").gpu(), Some(0));
     }
 
     #[tokio::test]
@@ -342,11 +423,11 @@ mod tests {
         let dir = test_dir("quarantine");
         std::fs::write(dir.join("broken"), "").expect("marker");
         let lanes = lanes(&dir, 1, 1);
-        let lane = lanes.acquire(true).await.expect("a GPU lane");
+        let lane = lanes.acquire(true, 0, "").await.expect("a GPU lane");
         // Queued behind the faulting evaluation.
         let waiter = tokio::spawn({
             let lanes = lanes.clone();
-            async move { lanes.acquire(true).await.map(|lane| lane.gpu()) }
+            async move { lanes.acquire(true, 0, "").await.map(|lane| lane.gpu()) }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished(), "the lane is held");
@@ -355,8 +436,8 @@ mod tests {
         let error = waiter.await.expect("task").expect_err("no healthy GPU left");
         assert!(error.contains("quarantined") && error.contains("context: unknown error"), "{error}");
         assert!(!*lanes.readiness().borrow(), "readiness follows the quarantine");
-        assert!(lanes.acquire(true).await.is_err(), "new work is refused while quarantined");
-        assert!(lanes.acquire(false).await.is_ok(), "the CPU lane is unaffected");
+        assert!(lanes.acquire(true, 0, "").await.is_err(), "new work is refused while quarantined");
+        assert!(lanes.acquire(false, 0, "").await.is_ok(), "the CPU lane is unaffected");
 
         // The device heals: the next periodic probe passes and the lane returns.
         std::fs::remove_file(dir.join("broken")).expect("marker");
@@ -366,7 +447,7 @@ mod tests {
             .expect("recovered within the retry interval")
             .expect("sender alive");
         assert_eq!(lanes.quarantine_reason(0), None);
-        let lane = lanes.acquire(true).await.expect("the lane is back");
+        let lane = lanes.acquire(true, 0, "").await.expect("the lane is back");
         assert_eq!(lane.gpu(), Some(0));
         assert!(runs(&dir) >= 2, "probed at the fault and again to recover");
     }
@@ -376,13 +457,13 @@ mod tests {
         let dir = test_dir("two");
         std::fs::write(dir.join("broken"), "").expect("marker");
         let lanes = lanes(&dir, 2, 3600);
-        let first = lanes.acquire(true).await.expect("a GPU lane");
+        let first = lanes.acquire(true, 0, "").await.expect("a GPU lane");
         let bad = first.gpu().expect("a GPU");
         assert!(!lanes.after_fault(&first, "a launch failure").await);
         drop(first);
         assert!(*lanes.readiness().borrow(), "one healthy GPU keeps the service ready");
         for _ in 0..3 {
-            let lane = lanes.acquire(true).await.expect("the healthy GPU");
+            let lane = lanes.acquire(true, 0, "").await.expect("the healthy GPU");
             assert_ne!(lane.gpu(), Some(bad), "the quarantined GPU is out of the pool");
         }
     }
@@ -396,9 +477,59 @@ mod tests {
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
         let config = DeviceProbeConfig { command: Some(script), timeout_secs: 1, retry_secs: 3600 };
         let lanes = Lanes::new(1, config, metrics());
-        let lane = lanes.acquire(true).await.expect("a GPU lane");
+        let lane = lanes.acquire(true, 0, "").await.expect("a GPU lane");
         assert!(!lanes.after_fault(&lane, "a kernel that never ended").await);
         let reason = lanes.quarantine_reason(0).expect("quarantined");
         assert!(reason.contains("did not finish within 1 s"), "{reason}");
+    }
+
+    /// Queues labelled waiters one after another (each registered before the next arrives), then frees the lane
+    /// and returns the order in which they got it.
+    async fn service_order(lanes: &Arc<Lanes>, waiters: &[(&'static str, i32, &'static str)]) -> Vec<&'static str> {
+        let held = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for &(label, priority, job) in waiters {
+            let (lanes, order) = (lanes.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                let lane = lanes.acquire(true, priority, job).await.expect("a lane in turn");
+                order.lock().expect("order").push(label);
+                drop(lane);
+            }));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(held);
+        for task in tasks {
+            task.await.expect("waiter");
+        }
+        Arc::try_unwrap(order).expect("all done").into_inner().expect("order")
+    }
+
+    #[tokio::test]
+    async fn waiters_are_served_by_priority_then_in_turns_across_jobs() {
+        let lanes = lanes(&test_dir("fair"), 1, 3600);
+        let order = service_order(
+            &lanes,
+            &[("a1", 0, "a"), ("a2", 0, "a"), ("a3", 0, "a"), ("b1", 0, "b"), ("b2", 0, "b"), ("urgent", 5, "c")],
+        )
+        .await;
+        // Job b queued after all of a's evaluations, yet alternates with them; the higher priority goes first.
+        assert_eq!(order, ["urgent", "a1", "b1", "a2", "b2", "a3"]);
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_waiter_does_not_lose_the_lane() {
+        let lanes = lanes(&test_dir("cancel"), 1, 3600);
+        let held = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let cancelled = tokio::spawn({
+            let lanes = lanes.clone();
+            async move { lanes.acquire(true, 0, "gone").await.map(|lane| lane.gpu()) }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        cancelled.abort();
+        let _ = cancelled.await;
+        drop(held);
+        let lane = tokio::time::timeout(Duration::from_secs(5), lanes.acquire(true, 0, "next")).await;
+        assert_eq!(lane.expect("the lane came back").expect("a lane").gpu(), Some(0));
     }
 }

@@ -77,6 +77,8 @@ struct Job {
     trials: u32,
     measure: bool,
     census: bool,
+    priority: i32,
+    job_id: String,
 }
 
 struct Inner {
@@ -272,8 +274,8 @@ impl Evaluator {
             measure_performance,
             census,
             idempotency_key: _,
-            priority: _,
-            job_id: _,
+            priority,
+            job_id,
         } = request;
         let task = task.ok_or_else(|| invalid("task", "required"))?;
         if task.source.trim().is_empty() {
@@ -331,6 +333,8 @@ impl Evaluator {
             trials,
             measure: measure_performance,
             census: census || measure_performance,
+            priority,
+            job_id,
         })
     }
 
@@ -394,7 +398,7 @@ impl Evaluator {
         }
 
         let started = Instant::now();
-        let lane = match inner.lanes.acquire(job.backend != Backend::Cpu).await {
+        let lane = match inner.lanes.acquire(job.backend != Backend::Cpu, job.priority, &job.job_id).await {
             Ok(lane) => lane,
             Err(unavailable) => return infra(response, unavailable, true),
         };
