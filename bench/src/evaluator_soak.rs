@@ -152,17 +152,12 @@ fn pools(cuda: bool) -> (Vec<Candidate>, Vec<Candidate>) {
         .collect();
     let mut hostile: Vec<Candidate> =
         python_files(&corpus.join("exploits")).iter().filter_map(|f| candidate(f, true, "VERDICT_HACK")).collect();
-    let failures = [
-        ("raises.py", "VERDICT_RUNTIME_ERROR"),
-        ("aborts.py", "VERDICT_RUNTIME_ERROR"),
-        ("exits_early.py", "VERDICT_RUNTIME_ERROR"),
-        ("hangs.py", "VERDICT_TIMEOUT"),
-        ("wrong_result.py", "VERDICT_INCORRECT"),
-        ("nan_output.py", "VERDICT_INCORRECT"),
-        ("wrong_shape.py", "VERDICT_INCORRECT"),
-        ("compile_error.py", "VERDICT_COMPILE_ERROR"),
-    ];
-    hostile.extend(failures.iter().filter_map(|(file, expect)| candidate(&fixtures.join(file), true, expect)));
+    // Failure fixtures (their headers say what they expect); those that end CORRECT are not hostile.
+    let failures =
+        ["raises", "aborts", "exits_early", "hangs", "wrong_result", "nan_output", "wrong_shape", "compile_error"];
+    hostile.extend(
+        failures.iter().filter_map(|name| candidate(&fixtures.join(format!("{name}.py")), true, "VERDICT_HACK")),
+    );
     if cuda {
         for file in python_files(&corpus.join("cuda")) {
             let legit = file.file_name().is_some_and(|n| n.to_string_lossy().starts_with("legit"));
@@ -172,7 +167,7 @@ fn pools(cuda: bool) -> (Vec<Candidate>, Vec<Candidate>) {
         }
     } else {
         // The example tasks' own candidates: C++ extensions built on the CPU backend.
-        for task in python_files_dirs(&repo().join("examples/tasks")) {
+        for task in subdirectories(&repo().join("examples/tasks")) {
             let name = task.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             for file in python_files(&task.join("candidates")) {
                 if let Some(mut c) = candidate(&file, false, "VERDICT_CORRECT") {
@@ -186,7 +181,7 @@ fn pools(cuda: bool) -> (Vec<Candidate>, Vec<Candidate>) {
     (legitimate, hostile)
 }
 
-fn python_files_dirs(dir: &Path) -> Vec<PathBuf> {
+fn subdirectories(dir: &Path) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|entries| entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_dir()).collect())
         .unwrap_or_default();
@@ -285,9 +280,9 @@ async fn evaluate_all(service: &Service, work: &[Candidate], args: &Args) -> Vec
     let semaphore = std::sync::Arc::new(tokio::sync::Semaphore::new(concurrency));
     let mut runs = tokio::task::JoinSet::new();
     for (index, candidate) in work.iter().cloned().enumerate() {
-        let (mut client, semaphore) = (EvaluatorClient::new(channel.clone()), semaphore.clone());
-        let client_limit = 64 << 20;
-        client = client.max_decoding_message_size(client_limit);
+        // Responses carry every timing sample; allow more than tonic's 4 MiB default.
+        let mut client = EvaluatorClient::new(channel.clone()).max_decoding_message_size(64 << 20);
+        let semaphore = semaphore.clone();
         runs.spawn(async move {
             let _permit = semaphore.acquire().await.expect("never closed");
             let started = Instant::now();
@@ -302,15 +297,15 @@ async fn evaluate_all(service: &Service, work: &[Candidate], args: &Args) -> Vec
                 census: measure,
                 ..Default::default()
             };
-            let outcome = match client.evaluate(request).await {
+            let (verdict, error) = match client.evaluate(request).await {
                 Ok(response) => {
                     let response = response.into_inner();
                     let verdict = pb::Verdict::try_from(response.verdict).map_or("UNKNOWN", |v| v.as_str_name());
-                    Outcome { verdict: Ok(verdict.to_owned()), error: response.error, seconds: 0.0 }
+                    (Ok(verdict.to_owned()), response.error)
                 }
-                Err(status) => Outcome { verdict: Err(status.to_string()), error: String::new(), seconds: 0.0 },
+                Err(status) => (Err(status.to_string()), String::new()),
             };
-            (index, Outcome { seconds: started.elapsed().as_secs_f64(), ..outcome })
+            (index, Outcome { verdict, error, seconds: started.elapsed().as_secs_f64() })
         });
     }
     let mut outcomes: Vec<Option<Outcome>> = vec![None; work.len()];

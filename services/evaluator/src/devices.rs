@@ -132,7 +132,9 @@ impl Pool {
 #[derive(Debug)]
 pub struct Lane {
     lanes: Arc<Lanes>,
-    gpu: Option<usize>,
+    /// A GPU lane (else the CPU's).
+    is_gpu: bool,
+    /// The lane's index in its pool: the GPU index for a GPU lane.
     index: usize,
     quarantined: AtomicBool,
 }
@@ -140,7 +142,12 @@ pub struct Lane {
 impl Lane {
     /// The GPU index, or `None` for the CPU lane.
     pub fn gpu(&self) -> Option<usize> {
-        self.gpu
+        self.is_gpu.then_some(self.index)
+    }
+
+    /// The harness's name of this lane's device kind: `cuda` or `cpu`.
+    pub fn device(&self) -> &'static str {
+        if self.is_gpu { "cuda" } else { "cpu" }
     }
 }
 
@@ -148,7 +155,7 @@ impl Drop for Lane {
     fn drop(&mut self) {
         // A quarantined lane stays out of its pool until a probe passes (see `Lanes::recover`).
         if !self.quarantined.load(Ordering::SeqCst) {
-            self.lanes.pool(self.gpu.is_some()).release(self.index);
+            self.lanes.pool(self.is_gpu).release(self.index);
         }
     }
 }
@@ -217,7 +224,7 @@ impl Lanes {
     /// The CPU lane, or a free healthy GPU, waiting for one in turn (`priority`, then turns across `job`s); an
     /// error when every GPU is quarantined (also for those already waiting when the last one goes).
     pub async fn acquire(self: &Arc<Self>, gpu: bool, priority: i32, job: &str) -> Result<Lane, String> {
-        let lane = |index| Lane { lanes: self.clone(), gpu: gpu.then_some(index), index, quarantined: false.into() };
+        let lane = |index| Lane { lanes: self.clone(), is_gpu: gpu, index, quarantined: false.into() };
         let receiver = {
             let mut pool = self.pool(gpu);
             if pool.in_service == 0 {
@@ -260,7 +267,7 @@ impl Lanes {
     /// After `fault` on the GPU `lane` holds: probes it, and quarantines it when the probe fails. Returns whether
     /// the device is healthy. Called with the lane held, so nothing else runs on the device meanwhile.
     pub async fn after_fault(self: &Arc<Self>, lane: &Lane, fault: &str) -> bool {
-        let Some(gpu) = lane.gpu else { return true };
+        let Some(gpu) = lane.gpu() else { return true };
         let Ok(program) = &self.probe else { return true };
         tracing::info!(gpu, fault, "probing the device after a fault");
         match self.probe(program, gpu).await {
@@ -347,13 +354,9 @@ impl Lanes {
 /// `kforge-device-probe` next to the running executable, else on PATH.
 fn find_probe() -> Result<PathBuf, String> {
     let beside = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.join(PROBE_PROGRAM)));
-    if let Some(path) = beside.filter(|p| p.is_file()) {
-        return Ok(path);
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(PROBE_PROGRAM))
-        .find(|p| p.is_file())
+    beside
+        .filter(|p| p.is_file())
+        .or_else(|| crate::python::resolve_on_path(Path::new(PROBE_PROGRAM)))
         .ok_or_else(|| format!("{PROBE_PROGRAM} is neither next to this executable nor on PATH"))
 }
 

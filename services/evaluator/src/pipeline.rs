@@ -404,7 +404,6 @@ impl Evaluator {
         };
         let gpu = lane.gpu();
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
-        let device = if gpu.is_some() { "cuda" } else { "cpu" };
         response.device = python.device_name(gpu).to_owned();
         // The last `recheck_trials` trials run after timing and the census.
         let seeds = self.seeds(&task_key, "trial", (job.trials + inner.config.recheck_trials) as usize);
@@ -442,7 +441,7 @@ impl Evaluator {
             // The output of the last timed call is checked too, on its rebuilt inputs.
             timed_call: result.get("last_call").and_then(|c| c.as_i64()).filter(|_| job.measure),
         };
-        let checked = self.check(job, device, &lane, &trials, &check_dir, &candidate_dir, cancel).await;
+        let checked = self.check(job, &lane, &trials, &check_dir, &candidate_dir, cancel).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         match checked {
             Ok(None) => {}
@@ -479,11 +478,10 @@ impl Evaluator {
                     return pb::Verdict::Hack;
                 }
             };
-            let baseline =
-                match self.baseline(job, device, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await {
-                    Ok(baseline) => baseline,
-                    Err(error) => return infra(response, error, true),
-                };
+            let baseline = match self.baseline(job, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await {
+                Ok(baseline) => baseline,
+                Err(error) => return infra(response, error, true),
+            };
             if let Some(finding) = wall_clock_mismatch(&measured, &baseline) {
                 response.findings.push(finding);
                 return pb::Verdict::Hack;
@@ -583,7 +581,7 @@ impl Evaluator {
         spec["task_path"] = json!(dir.join("task.py"));
         spec["candidate_path"] = json!(dir.join("candidate.py"));
         spec["candidate_dir"] = json!(dir);
-        spec["device"] = json!(if lane.gpu().is_some() { "cuda" } else { "cpu" });
+        spec["device"] = json!(lane.device());
         let mut env = python.env(dir, lane.gpu());
         env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
         env.push(("TRITON_CACHE_DIR".into(), dir.join("triton").into()));
@@ -757,11 +755,9 @@ impl Evaluator {
     }
 
     /// Compares the candidate's outputs with the reference's; `Ok(Some(mismatch))` when they differ.
-    #[allow(clippy::too_many_arguments)]
     async fn check(
         &self,
         job: &Job,
-        device: &str,
         lane: &Lane,
         trials: &Trials<'_>,
         scratch: &Path,
@@ -785,7 +781,7 @@ impl Evaluator {
         let reference_dir = inner.references.dir(&key);
         let spec = json!({
             "task_path": scratch.join("task.py"),
-            "device": device,
+            "device": lane.device(),
             "init_seed": init_seed,
             "seeds": seeds,
             "reference_dir": reference_dir,
@@ -849,11 +845,9 @@ impl Evaluator {
     }
 
     /// Eager and torch.compile samples of the reference, from the cache or a clean child.
-    #[allow(clippy::too_many_arguments)]
     async fn baseline(
         &self,
         job: &Job,
-        device: &str,
         lane: &Lane,
         init_seed: u64,
         timing_seeds: &[u64],
@@ -902,7 +896,7 @@ impl Evaluator {
             mode: "baseline",
             spec: json!({
                 "task_path": scratch.join("task.py"),
-                "device": device,
+                "device": lane.device(),
                 "init_seed": init_seed,
                 "timing": timing_spec(&inner.config.timing),
                 "timing_seeds": timing_seeds,

@@ -195,7 +195,7 @@ pub async fn gpu_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path) ->
 }
 
 /// `program` itself when it names a path, otherwise the first executable of that name on PATH.
-fn resolve_on_path(program: &Path) -> Option<PathBuf> {
+pub(crate) fn resolve_on_path(program: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     if program.components().count() > 1 {
         return Some(program.to_owned());
