@@ -14,13 +14,14 @@
 //! parent is multi-threaded: the Landlock ruleset is built in the parent and only its file descriptor crosses.
 
 use std::ffi::OsString;
+use std::future::Future;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, path_beneath_rules};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 /// System locations every job may read (and execute from): libraries, compilers, device nodes, `/proc`.
@@ -112,6 +113,7 @@ pub struct Finished {
     pub stderr: Vec<u8>,
     /// Whether stdout or stderr went over `output_bytes` and was cut.
     pub output_truncated: bool,
+    /// From the start, or for a job given its input later, from the input's delivery, to the end.
     pub wall: Duration,
 }
 
@@ -275,6 +277,28 @@ impl Sandbox {
     /// Runs `job` to completion, timeout or cancellation. The process group is killed in every case before this
     /// returns, so nothing the job started outlives it (short of leaving the group with `setsid`).
     pub async fn run(&self, job: Job, cancel: CancellationToken) -> Result<Finished, SandboxError> {
+        self.execute(job, None::<std::future::Ready<Option<Vec<u8>>>>, cancel).await
+    }
+
+    /// Runs `job` like [`Sandbox::run`], its stdin a pipe: the job starts at once, and what `input` resolves to
+    /// is written to its stdin, which then closes. The wall-clock limit (and [`Finished::wall`]) counts from that
+    /// moment, so a job can be started before the resource it needs is free and prepare while it waits. `None`
+    /// from `input` cancels the job; a job that exits first is finished as it ended.
+    pub async fn run_with_input(
+        &self,
+        job: Job,
+        input: impl Future<Output = Option<Vec<u8>>>,
+        cancel: CancellationToken,
+    ) -> Result<Finished, SandboxError> {
+        self.execute(job, Some(input), cancel).await
+    }
+
+    async fn execute(
+        &self,
+        job: Job,
+        input: Option<impl Future<Output = Option<Vec<u8>>>>,
+        cancel: CancellationToken,
+    ) -> Result<Finished, SandboxError> {
         let ruleset = match self.landlock {
             Some(abi) => Some(landlock_ruleset(abi, &job)?),
             None => None,
@@ -286,7 +310,7 @@ impl Sandbox {
             .envs(job.env.iter().map(|(k, v)| (k, v)))
             .env("TMPDIR", &job.scratch)
             .current_dir(&job.scratch)
-            .stdin(Stdio::null())
+            .stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -303,7 +327,7 @@ impl Sandbox {
             command.pre_exec(move || setup.apply());
         }
 
-        let started = Instant::now();
+        let mut started = Instant::now();
         let mut child =
             command.spawn().map_err(|source| SandboxError::Spawn { program: job.program.clone(), source })?;
         drop(ruleset);
@@ -311,18 +335,27 @@ impl Sandbox {
         let stdout = tokio::spawn(read_capped(child.stdout.take(), job.limits.output_bytes));
         let stderr = tokio::spawn(read_capped(child.stderr.take(), job.limits.output_bytes));
 
-        let exit = tokio::select! {
-            status = child.wait() => {
-                let status = status.map_err(SandboxError::Wait)?;
-                use std::os::unix::process::ExitStatusExt;
-                match (status.code(), status.signal()) {
-                    (Some(code), _) => Exit::Code(code),
-                    (None, Some(signal)) => Exit::Signal(signal),
-                    (None, None) => Exit::Signal(0),
-                }
+        let exit = 'run: {
+            if let Some(input) = input {
+                // Taken first: waiting on the child closes a stdin it still holds.
+                let pipe = child.stdin.take();
+                let bytes = tokio::select! {
+                    bytes = input => bytes,
+                    status = child.wait() => break 'run exit_of(status.map_err(SandboxError::Wait)?),
+                    () = cancel.cancelled() => None,
+                };
+                let (Some(bytes), Some(mut pipe)) = (bytes, pipe) else { break 'run Exit::Cancelled };
+                // Written aside, so a job that never reads cannot hold this up; closing the pipe is the end.
+                tokio::spawn(async move {
+                    let _ = pipe.write_all(&bytes).await;
+                });
+                started = Instant::now();
             }
-            () = tokio::time::sleep(job.limits.wall) => Exit::TimedOut,
-            () = cancel.cancelled() => Exit::Cancelled,
+            tokio::select! {
+                status = child.wait() => exit_of(status.map_err(SandboxError::Wait)?),
+                () = tokio::time::sleep(job.limits.wall) => Exit::TimedOut,
+                () = cancel.cancelled() => Exit::Cancelled,
+            }
         };
         // Kill whatever is left of the group (the job itself on timeout, background children otherwise), so the
         // pipes close and the readers finish.
@@ -331,6 +364,15 @@ impl Sandbox {
         let (stdout, stdout_cut) = stdout.await.unwrap_or_default();
         let (stderr, stderr_cut) = stderr.await.unwrap_or_default();
         Ok(Finished { exit, stdout, stderr, output_truncated: stdout_cut || stderr_cut, wall: started.elapsed() })
+    }
+}
+
+fn exit_of(status: std::process::ExitStatus) -> Exit {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => Exit::Code(code),
+        (None, Some(signal)) => Exit::Signal(signal),
+        (None, None) => Exit::Signal(0),
     }
 }
 
@@ -510,6 +552,32 @@ mod tests {
         assert!(!out.contains("CARGO"), "inherited variables leaked: {out}");
         assert!(out.contains(&format!("TMPDIR={}", scratch("env").display())), "{out}");
         assert!(out.trim_end().ends_with(&scratch("env").display().to_string()), "{out}");
+    }
+
+    #[tokio::test]
+    async fn input_given_later_starts_the_wall_clock_and_none_cancels() {
+        let sandbox = Sandbox::basic();
+        let limits = Limits { wall: Duration::from_secs(2), ..Limits::default() };
+        // The input arrives after longer than the wall limit: the limit counts from its delivery.
+        let later = async {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            Some(b"hello\n".to_vec())
+        };
+        let job = shell("read x; echo got $x", "input", limits.clone());
+        let finished = sandbox.run_with_input(job, later, CancellationToken::new()).await.expect("job runs");
+        assert_eq!(finished.exit, Exit::Code(0));
+        assert_eq!(String::from_utf8_lossy(&finished.stdout).trim(), "got hello");
+
+        let job = shell("read x; echo got $x", "no-input", limits.clone());
+        let finished = sandbox.run_with_input(job, async { None }, CancellationToken::new()).await.expect("runs");
+        assert_eq!(finished.exit, Exit::Cancelled);
+        assert!(finished.stdout.is_empty());
+
+        // A job that ends before its input is finished as it ended.
+        let job = shell("exit 7", "early-exit", limits);
+        let never = std::future::pending::<Option<Vec<u8>>>();
+        let finished = sandbox.run_with_input(job, never, CancellationToken::new()).await.expect("runs");
+        assert_eq!(finished.exit, Exit::Code(7));
     }
 
     #[tokio::test]

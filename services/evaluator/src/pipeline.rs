@@ -28,7 +28,7 @@ use crate::census;
 use crate::config::EvaluatorConfig;
 use crate::devices::{self, Lane, Lanes};
 use crate::metrics::EvaluatorMetrics;
-use crate::python::{self, PythonEnv, Stage, StageOutcome};
+use crate::python::{self, PythonEnv, Request, Stage, StageOutcome, Started};
 use crate::statics::{self, Category, Policy};
 use crate::stats::timing_stats;
 
@@ -254,7 +254,13 @@ impl Evaluator {
         let cancel = CancellationToken::new();
         let _cancel_on_drop = cancel.clone().drop_guard();
         let mut response = pb::EvaluateResponse { request_id: job.request_id.clone(), ..Default::default() };
-        let verdict = self.run(&job, &scratch, &cancel, &mut response).await;
+        let mut lane_held = None;
+        let verdict = self.run(&job, &scratch, &cancel, &mut response, &mut lane_held).await;
+        // The lane was released when `run` returned: its hold is the device time this evaluation took.
+        if let Some(held) = lane_held {
+            response.stage_ms.insert("device".into(), ms(held.elapsed()));
+            self.inner.metrics.stage_seconds("device_lane", held.elapsed());
+        }
         response.verdict = verdict as i32;
         response.retryable = verdict == pb::Verdict::InfraError && response.retryable;
         self.inner.metrics.verdict(verdict, &response.findings);
@@ -345,6 +351,7 @@ impl Evaluator {
         scratch: &Path,
         cancel: &CancellationToken,
         response: &mut pb::EvaluateResponse,
+        lane_held: &mut Option<Instant>,
     ) -> pb::Verdict {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
@@ -397,11 +404,17 @@ impl Evaluator {
             }
         }
 
+        // Started before the lane: the interpreter and torch load while other evaluations use the device.
+        let candidate_process = match self.start_candidate(job, &candidate_dir, &artifact_dir, cancel) {
+            Ok(started) => started,
+            Err(error) => return infra(response, error, true),
+        };
         let started = Instant::now();
         let lane = match inner.lanes.acquire(job.backend != Backend::Cpu, job.priority, &job.job_id).await {
             Ok(lane) => lane,
             Err(unavailable) => return infra(response, unavailable, true),
         };
+        *lane_held = Some(Instant::now());
         let gpu = lane.gpu();
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         response.device = python.device_name(gpu).to_owned();
@@ -413,6 +426,12 @@ impl Evaluator {
         if let Err(error) = std::fs::write(check_dir.join("task.py"), &job.task) {
             return infra(response, format!("writing task.py: {error}"), true);
         }
+        // The clean process that checks the outputs starts now, while the candidate runs.
+        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds };
+        let check = match self.prepare_check(job, &lane, &trials, &check_dir, &candidate_dir, cancel).await {
+            Ok(check) => check,
+            Err(error) => return infra(response, error, true),
+        };
 
         // The candidate first: nothing of the reference has run on this device for this evaluation.
         let started = Instant::now();
@@ -425,23 +444,19 @@ impl Evaluator {
             "timing_seeds": timing_seeds,
             "census_calls": if job.census { inner.config.census_calls } else { 0 },
         });
-        let candidate = self.candidate_stage(job, &lane, &candidate_dir, &artifact_dir, spec, cancel).await;
+        let candidate = self.candidate_stage(candidate_process, &lane, &candidate_dir, spec).await;
         response.stage_ms.insert("run".into(), ms(started.elapsed()));
         let result = match self.candidate_result(candidate, gpu, response) {
             Ok(result) => result,
             Err(verdict) => return verdict,
         };
+        phases_into(&result, "run", response);
 
-        // Correctness, in clean processes.
+        // Correctness, in a clean process.
         let started = Instant::now();
-        let trials = Trials {
-            seeds: &seeds,
-            init_seed,
-            timing_seeds: &timing_seeds,
-            // The output of the last timed call is checked too, on its rebuilt inputs.
-            timed_call: result.get("last_call").and_then(|c| c.as_i64()).filter(|_| job.measure),
-        };
-        let checked = self.check(job, &lane, &trials, &check_dir, &candidate_dir, cancel).await;
+        // The output of the last timed call is checked too, on its rebuilt inputs.
+        let timed_call = result.get("last_call").and_then(|c| c.as_i64()).filter(|_| job.measure);
+        let checked = self.check(check, &lane, timed_call).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         match checked {
             Ok(None) => {}
@@ -563,31 +578,29 @@ impl Evaluator {
     }
 
     /// Runs the candidate in a fresh sandboxed child in `dir`; `spec` holds the run's seeds and what to measure.
-    async fn candidate_stage(
+    /// Starts the candidate's process in `dir`, before it has a lane: the interpreter starts and imports torch
+    /// meanwhile. Its device comes with the request.
+    fn start_candidate(
         &self,
         job: &Job,
-        lane: &Lane,
         dir: &Path,
         artifact_dir: &Path,
-        mut spec: serde_json::Value,
         cancel: &CancellationToken,
-    ) -> Result<StageOutcome, String> {
+    ) -> Result<Started, String> {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         std::fs::create_dir_all(dir).map_err(|e| format!("scratch directory {}: {e}", dir.display()))?;
         for (name, source) in [("task.py", &job.task), ("candidate.py", &job.candidate)] {
             std::fs::write(dir.join(name), source).map_err(|e| format!("writing {name}: {e}"))?;
         }
-        spec["task_path"] = json!(dir.join("task.py"));
-        spec["candidate_path"] = json!(dir.join("candidate.py"));
-        spec["candidate_dir"] = json!(dir);
-        spec["device"] = json!(lane.device());
-        let mut env = python.env(dir, lane.gpu());
+        let mut env = python.env(dir);
+        if job.backend == Backend::Cpu {
+            // Hidden from the start: a CPU evaluation never sees a GPU.
+            env.extend(python.device_env(None).into_iter().map(|(k, v)| (k.into(), v.into())));
+        }
         env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
         env.push(("TRITON_CACHE_DIR".into(), dir.join("triton").into()));
         let stage = Stage {
-            mode: "candidate",
-            spec,
             scratch: dir.to_owned(),
             readable: vec![],
             // The extension build directory takes a lock file even when nothing needs building.
@@ -595,7 +608,24 @@ impl Evaluator {
             env,
             wall: Duration::from_secs(inner.config.run_timeout_secs),
         };
-        self.stage(stage, Some(lane), cancel).await.map_err(|e| format!("candidate stage: {e}"))
+        Ok(self.start(stage, cancel))
+    }
+
+    /// Runs the candidate's started process on `lane` with `spec`.
+    async fn candidate_stage(
+        &self,
+        started: Started,
+        lane: &Lane,
+        dir: &Path,
+        mut spec: serde_json::Value,
+    ) -> Result<StageOutcome, String> {
+        let python = self.inner.python.as_ref().expect("validate checked the environment");
+        spec["task_path"] = json!(dir.join("task.py"));
+        spec["candidate_path"] = json!(dir.join("candidate.py"));
+        spec["candidate_dir"] = json!(dir);
+        spec["device"] = json!(lane.device());
+        let request = Request { mode: "candidate", spec, env: python.device_env(lane.gpu()) };
+        self.stage(started, request, Some(lane)).await.map_err(|e| format!("candidate stage: {e}"))
     }
 
     /// The result of a candidate stage that finished cleanly with nothing found at run time; otherwise the
@@ -661,7 +691,9 @@ impl Evaluator {
             "timing_seeds": self.seeds(task_key, "remeasure", timing.input_sets.max(1) as usize),
             "census_calls": 0,
         });
-        self.candidate_stage(job, lane, &scratch.join("remeasure"), artifact_dir, spec, cancel).await
+        let dir = scratch.join("remeasure");
+        let started = self.start_candidate(job, &dir, artifact_dir, cancel)?;
+        self.candidate_stage(started, lane, &dir, spec).await
     }
 
     /// Builds the candidate's extensions into the artifact cache; `Some(verdict)` when the evaluation ends here.
@@ -698,23 +730,20 @@ impl Evaluator {
         {
             return Some(infra(response, format!("preparing the compile: {error}"), true));
         }
+        // A CPU build must not pick up a GPU toolchain by accident.
         let gpu = (job.backend != Backend::Cpu).then_some(0);
-        let mut env = python.env(scratch, gpu);
+        let mut env = python.env_on(scratch, gpu);
         env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
-        if job.backend == Backend::Cpu {
-            // A CPU build must not pick up a GPU toolchain by accident.
-            env.push(("CUDA_VISIBLE_DEVICES".into(), "".into()));
-        }
         let stage = Stage {
-            mode: "compile",
-            spec: json!({ "candidate_path": scratch.join("candidate.py") }),
             scratch: scratch.to_owned(),
             readable: vec![],
             writable: vec![artifact_dir.clone()],
             env,
             wall: Duration::from_secs(inner.config.compile_timeout_secs),
         };
-        let outcome = match self.stage(stage, None, cancel).await {
+        let request =
+            Request { mode: "compile", spec: json!({ "candidate_path": scratch.join("candidate.py") }), env: vec![] };
+        let outcome = match self.stage(self.start(stage, cancel), request, None).await {
             Ok(outcome) => outcome,
             Err(error) => return Some(infra(response, format!("compile stage: {error}"), true)),
         };
@@ -754,8 +783,10 @@ impl Evaluator {
         }
     }
 
-    /// Compares the candidate's outputs with the reference's; `Ok(Some(mismatch))` when they differ.
-    async fn check(
+    /// Prepares the comparison of the candidate's outputs with the reference's on `lane`: takes the cached
+    /// reference (pinned) or the right to compute it (locked), and starts the clean process that will do it, so it
+    /// starts while the candidate runs.
+    async fn prepare_check(
         &self,
         job: &Job,
         lane: &Lane,
@@ -763,12 +794,12 @@ impl Evaluator {
         scratch: &Path,
         candidate_dir: &Path,
         cancel: &CancellationToken,
-    ) -> Result<Option<(Trial, pb::Mismatch)>, String> {
+    ) -> Result<PreparedCheck, String> {
         let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         let versions = python.versions_key();
-        let Trials { seeds, init_seed, timing_seeds, timed_call } = *trials;
+        let Trials { seeds, init_seed, timing_seeds } = *trials;
         let seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
         let device_name = python.device_name(gpu);
         let key = cache::key(&[
@@ -788,41 +819,52 @@ impl Evaluator {
             "candidate_dir": candidate_dir,
             "tolerances": inner.config.tolerances,
             "timing_seeds": timing_seeds,
-            "timed_call": timed_call,
         });
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
-        let mut _pinned = None;
-        let lock = match inner.references.get(&key) {
+        let (lock, pin) = match inner.references.get(&key) {
             Some(_) => {
-                _pinned = Some(inner.references.pin(&key).await.map_err(|e| format!("reference pin: {e}"))?);
+                let pin = inner.references.pin(&key).await.map_err(|e| format!("reference pin: {e}"))?;
                 if inner.references.get(&key).is_none() {
                     return Err("the cached reference was evicted before use; retry".into());
                 }
-                None
+                (None, Some(pin))
             }
             None => {
                 let lock = inner.references.lock(&key).await.map_err(|e| format!("reference lock: {e}"))?;
                 if inner.references.get(&key).is_some() {
-                    None
+                    (None, None)
                 } else {
                     std::fs::create_dir_all(&reference_dir).map_err(|e| format!("reference dir: {e}"))?;
-                    Some(lock)
+                    (Some(lock), None)
                 }
             }
         };
         inner.metrics.cache("reference", lock.is_none());
         let mode = if lock.is_some() { "reference" } else { "check" };
         let stage = Stage {
-            mode,
-            spec,
             scratch: scratch.to_owned(),
             readable: vec![candidate_dir.to_owned(), reference_dir.clone()],
-            writable: if mode == "reference" { vec![reference_dir.clone()] } else { vec![] },
-            env: python.env(scratch, gpu),
+            writable: if mode == "reference" { vec![reference_dir] } else { vec![] },
+            env: python.env_on(scratch, gpu),
             wall: Duration::from_secs(inner.config.run_timeout_secs),
         };
-        let outcome = self.stage(stage, Some(lane), cancel).await.map_err(|e| format!("{mode} stage: {e}"))?;
+        Ok(PreparedCheck { started: self.start(stage, cancel), mode, spec, key, lock, _pin: pin })
+    }
+
+    /// Runs a prepared comparison; `timed_call` is the candidate's last timed call, when it was timed (its output
+    /// is checked too, on rebuilt inputs). `Ok(Some(mismatch))` when the outputs differ.
+    async fn check(
+        &self,
+        prepared: PreparedCheck,
+        lane: &Lane,
+        timed_call: Option<i64>,
+    ) -> Result<Option<(Trial, pb::Mismatch)>, String> {
+        let inner = &self.inner;
+        let PreparedCheck { started, mode, mut spec, key, lock, _pin } = prepared;
+        spec["timed_call"] = json!(timed_call);
+        let request = Request { mode, spec, env: vec![] };
+        let outcome = self.stage(started, request, Some(lane)).await.map_err(|e| format!("{mode} stage: {e}"))?;
         if !outcome.ok() {
             let what = if mode == "reference" { "the reference failed" } else { "the checker failed" };
             return Err(format!("{what}: {}", cap(&outcome.error_text(), 4000)));
@@ -889,10 +931,17 @@ impl Evaluator {
         }
         inner.metrics.cache("baseline", false);
         std::fs::write(scratch.join("task.py"), &job.task).map_err(|e| format!("writing task.py: {e}"))?;
-        let mut env = python.env(scratch, gpu);
+        let mut env = python.env_on(scratch, gpu);
         env.push(("TORCHINDUCTOR_CACHE_DIR".into(), scratch.join("inductor").into()));
         env.push(("TRITON_CACHE_DIR".into(), scratch.join("triton").into()));
         let stage = Stage {
+            scratch: scratch.to_owned(),
+            readable: vec![],
+            writable: vec![],
+            env,
+            wall: Duration::from_secs(inner.config.run_timeout_secs),
+        };
+        let request = Request {
             mode: "baseline",
             spec: json!({
                 "task_path": scratch.join("task.py"),
@@ -902,13 +951,12 @@ impl Evaluator {
                 "timing_seeds": timing_seeds,
                 "compile": with_compile,
             }),
-            scratch: scratch.to_owned(),
-            readable: vec![],
-            writable: vec![],
-            env,
-            wall: Duration::from_secs(inner.config.run_timeout_secs),
+            env: vec![],
         };
-        let outcome = self.stage(stage, Some(lane), cancel).await.map_err(|e| format!("baseline stage: {e}"))?;
+        let outcome = self
+            .stage(self.start(stage, cancel), request, Some(lane))
+            .await
+            .map_err(|e| format!("baseline stage: {e}"))?;
         if !outcome.ok() {
             return Err(format!("the baseline failed: {}", cap(&outcome.error_text(), 4000)));
         }
@@ -930,21 +978,27 @@ impl Evaluator {
         parse(&text)
     }
 
-    /// Runs one harness stage; one on a GPU `lane` that ends in a device fault has the device probed before the
-    /// lane is used again.
-    async fn stage(
-        &self,
-        stage: Stage,
-        lane: Option<&Lane>,
-        cancel: &CancellationToken,
-    ) -> Result<StageOutcome, kforge_sandbox::SandboxError> {
+    /// Starts a harness process for `stage` now; it waits for its request (see [`python::start`]).
+    fn start(&self, stage: Stage, cancel: &CancellationToken) -> Started {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
-        let name = stage.mode;
+        python::start(&inner.sandbox, python, &inner.harness, stage, cancel.child_token())
+    }
+
+    /// Runs `request` in a started harness process; one on a GPU `lane` that ends in a device fault has the device
+    /// probed before the lane is used again.
+    async fn stage(
+        &self,
+        started: Started,
+        request: Request,
+        lane: Option<&Lane>,
+    ) -> Result<StageOutcome, kforge_sandbox::SandboxError> {
+        let inner = &self.inner;
+        let name = request.mode;
         let _running = inner.metrics.stage(name);
-        let started = Instant::now();
-        let outcome = python::run_stage(&inner.sandbox, python, &inner.harness, stage, cancel.child_token()).await;
-        inner.metrics.stage_seconds(name, started.elapsed());
+        let started_at = Instant::now();
+        let outcome = started.run(request).await;
+        inner.metrics.stage_seconds(name, started_at.elapsed());
         if let (Ok(finished), Some(lane)) = (&outcome, lane)
             && lane.gpu().is_some()
             && let Some(fault) = devices::fault(finished.finished.exit, &finished.error_text())
@@ -988,6 +1042,17 @@ struct Baseline {
 struct Measured {
     events: Vec<f64>,
     host: Vec<f64>,
+}
+
+/// The harness's time per phase of a stage (`phases_ms`), as `stage_ms` entries `<stage>.<phase>`.
+fn phases_into(result: &serde_json::Value, stage: &str, response: &mut pb::EvaluateResponse) {
+    if let Some(phases) = result.get("phases_ms").and_then(|p| p.as_object()) {
+        for (phase, value) in phases {
+            if let Some(value) = value.as_f64() {
+                response.stage_ms.insert(format!("{stage}.{phase}"), value);
+            }
+        }
+    }
 }
 
 /// The samples of a candidate run, or the finding that they are impossible.
@@ -1045,8 +1110,19 @@ struct Trials<'a> {
     seeds: &'a [u64],
     init_seed: u64,
     timing_seeds: &'a [u64],
-    /// Index of the candidate's last timed call (warm-up included), when it was timed.
-    timed_call: Option<i64>,
+}
+
+/// A comparison ready to run: its started clean process, and its hold on the reference cache entry.
+struct PreparedCheck {
+    started: Started,
+    /// `reference` (computes and caches the reference, then compares) or `check` (compares with the cache).
+    mode: &'static str,
+    spec: serde_json::Value,
+    key: String,
+    /// Held while the reference is computed.
+    lock: Option<cache::EntryLock>,
+    /// Held while a cached reference is read.
+    _pin: Option<cache::EntryLock>,
 }
 
 /// Which output differed.

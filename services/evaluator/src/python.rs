@@ -148,8 +148,8 @@ impl PythonEnv {
         std::env::join_paths(dirs).unwrap_or_default()
     }
 
-    /// A stage's base environment; `scratch` is its home.
-    pub fn env(&self, scratch: &Path, gpu: Option<usize>) -> Vec<(OsString, OsString)> {
+    /// A stage's environment, but for its device; `scratch` is its home.
+    pub fn env(&self, scratch: &Path) -> Vec<(OsString, OsString)> {
         let mut env: Vec<(OsString, OsString)> = vec![
             ("PATH".into(), self.path()),
             ("HOME".into(), scratch.into()),
@@ -160,16 +160,28 @@ impl PythonEnv {
         if let Some(home) = &self.cuda_home {
             env.push(("CUDA_HOME".into(), home.into()));
         }
+        env
+    }
+
+    /// The environment that gives a stage its device: GPU `gpu`, or none (the CPU).
+    pub fn device_env(&self, gpu: Option<usize>) -> Vec<(String, String)> {
         match gpu {
             Some(index) => {
-                env.push(("CUDA_VISIBLE_DEVICES".into(), index.to_string().into()));
-                if let Some(capability) = self.gpus.get(index).map(|g| g.capability.clone()) {
+                let mut env = vec![("CUDA_VISIBLE_DEVICES".to_owned(), index.to_string())];
+                if let Some(gpu) = self.gpus.get(index) {
                     // Build for this device only: every extra architecture multiplies nvcc's device passes.
-                    env.push(("TORCH_CUDA_ARCH_LIST".into(), capability.into()));
+                    env.push(("TORCH_CUDA_ARCH_LIST".to_owned(), gpu.capability.clone()));
                 }
+                env
             }
-            None => env.push(("CUDA_VISIBLE_DEVICES".into(), "".into())),
+            None => vec![("CUDA_VISIBLE_DEVICES".to_owned(), String::new())],
         }
+    }
+
+    /// [`PythonEnv::env`] with the device's environment, for a process whose device is known when it starts.
+    pub fn env_on(&self, scratch: &Path, gpu: Option<usize>) -> Vec<(OsString, OsString)> {
+        let mut env = self.env(scratch);
+        env.extend(self.device_env(gpu).into_iter().map(|(k, v)| (k.into(), v.into())));
         env
     }
 }
@@ -180,7 +192,7 @@ pub async fn gpu_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path) ->
     let job = Job {
         program: python.python.clone(),
         args: vec!["-c".into(), "import torch; torch.zeros(1, device='cuda'); print('ok')".into()],
-        env: python.env(scratch, Some(0)),
+        env: python.env_on(scratch, Some(0)),
         scratch: scratch.to_owned(),
         readable: python.readable.clone(),
         writable: vec![],
@@ -206,16 +218,23 @@ pub(crate) fn resolve_on_path(program: &Path) -> Option<PathBuf> {
     })
 }
 
-/// One harness stage to run.
+/// The process of one harness stage: where it runs and what it may touch, fixed when it starts.
 #[derive(Debug)]
 pub struct Stage {
-    pub mode: &'static str,
-    pub spec: serde_json::Value,
     pub scratch: PathBuf,
     pub readable: Vec<PathBuf>,
     pub writable: Vec<PathBuf>,
     pub env: Vec<(OsString, OsString)>,
     pub wall: Duration,
+}
+
+/// What a started stage is asked to do: the harness mode, its spec, and environment variables known only now
+/// (the device of the lane it was given).
+#[derive(Debug)]
+pub struct Request {
+    pub mode: &'static str,
+    pub spec: serde_json::Value,
+    pub env: Vec<(String, String)>,
 }
 
 /// A stage that ran: how it ended and the result it wrote, if any.
@@ -253,45 +272,79 @@ impl StageOutcome {
     }
 }
 
-/// Runs `stage` with the harness at `harness`.
-pub async fn run_stage(
+/// A harness process started before its request: its interpreter starts and imports torch meanwhile, off the
+/// device's time. Dropped without a request, the process is killed.
+#[derive(Debug)]
+pub struct Started {
+    request: Option<tokio::sync::oneshot::Sender<Vec<u8>>>,
+    finished: tokio::task::JoinHandle<Result<Finished, SandboxError>>,
+    result_path: PathBuf,
+}
+
+/// Starts the harness for `stage`; its wall-clock limit counts from [`Started::run`].
+pub fn start(
     sandbox: &Sandbox,
     python: &PythonEnv,
     harness: &Path,
-    mut stage: Stage,
+    stage: Stage,
     cancel: CancellationToken,
-) -> Result<StageOutcome, SandboxError> {
-    let result_path = stage.scratch.join("result.json");
-    let spec_path = stage.scratch.join("spec.json");
-    if let Some(object) = stage.spec.as_object_mut() {
-        object.insert("result_path".into(), result_path.display().to_string().into());
-    }
-    let spec = serde_json::to_vec(&stage.spec).expect("a JSON value always serialises");
-    if let Err(error) = std::fs::write(&spec_path, spec) {
-        return Err(SandboxError::Spawn { program: spec_path, source: error });
-    }
+) -> Started {
     let mut readable = stage.readable;
     readable.extend(python.readable.iter().cloned());
     readable.extend(harness.parent().map(Path::to_owned));
+    let result_path = stage.scratch.join("result.json");
     let job = Job {
         program: python.python.clone(),
-        args: vec![harness.into(), stage.mode.into(), spec_path.into()],
+        args: vec![harness.into()],
         env: stage.env,
         scratch: stage.scratch,
         readable,
         writable: stage.writable,
         limits: Limits { wall: stage.wall, ..Limits::default() },
     };
-    let finished = sandbox.run(job, cancel).await?;
-    let result = match std::fs::read(&result_path) {
-        Ok(bytes) => match serde_json::from_slice(&bytes) {
-            Ok(result) => Some(result),
-            Err(error) => {
-                tracing::warn!(%error, bytes = bytes.len(), path = %result_path.display(), "unreadable stage result");
-                None
-            }
-        },
-        Err(_) => None,
-    };
-    Ok(StageOutcome { finished, result })
+    let (request, delivered) = tokio::sync::oneshot::channel::<Vec<u8>>();
+    let sandbox = sandbox.clone();
+    let finished =
+        tokio::spawn(async move { sandbox.run_with_input(job, async move { delivered.await.ok() }, cancel).await });
+    Started { request: Some(request), finished, result_path }
+}
+
+impl Started {
+    /// Sends `request` and waits for the stage to end.
+    pub async fn run(mut self, request: Request) -> Result<StageOutcome, SandboxError> {
+        let mut spec = request.spec;
+        if let Some(object) = spec.as_object_mut() {
+            object.insert("result_path".into(), self.result_path.display().to_string().into());
+        }
+        let env: serde_json::Map<String, serde_json::Value> =
+            request.env.into_iter().map(|(k, v)| (k, v.into())).collect();
+        let message = serde_json::json!({ "mode": request.mode, "spec": spec, "env": env });
+        if let Some(sender) = self.request.take() {
+            let _ = sender.send(serde_json::to_vec(&message).expect("a JSON value always serialises"));
+        }
+        // If this future is dropped (the evaluation was cancelled), `self` goes with it and the child is killed.
+        let finished = match (&mut self.finished).await {
+            Ok(result) => result?,
+            Err(join) => return Err(SandboxError::Wait(std::io::Error::other(join.to_string()))),
+        };
+        let result_path = &self.result_path;
+        let result = match std::fs::read(result_path) {
+            Ok(bytes) => match serde_json::from_slice(&bytes) {
+                Ok(result) => Some(result),
+                Err(error) => {
+                    tracing::warn!(%error, bytes = bytes.len(), path = %result_path.display(), "unreadable stage result");
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        Ok(StageOutcome { finished, result })
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        // Kills a process never asked, or abandoned mid-way; a no-op once it finished.
+        self.finished.abort();
+    }
 }

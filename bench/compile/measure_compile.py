@@ -1,0 +1,153 @@
+"""Where a load_inline build of a one-kernel module spends its time, and what cuts it without changing device code.
+
+    python bench/compile/measure_compile.py OUT_DIR [--parallel N]
+
+Builds the same one-kernel module (kforge's fused-epilogue candidate) in fresh build directories, one variant at a
+time, and reports per variant: wall time, the ninja steps' durations (the g++ step for the bindings, the nvcc step
+for the .cu file, the link), nvcc's own phase times (`nvcc --time`), and a digest of the device code (the SASS that
+`cuobjdump -sass` prints for the built library). Variants:
+
+- stock: what torch's load_inline does by default;
+- pch: the bindings' g++ step reads torch/extension.h from a precompiled header that kforge builds once;
+- light: the .cu file includes torch/types.h where it asked for torch/extension.h (all.h and the Python bindings
+  are not parsed three times by nvcc);
+- pch+light: both.
+
+With --parallel N, N distinct modules are then built at once with pch+light (a compile pool's view).
+"""
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernelbench"))
+import make_candidates  # noqa: E402
+
+import torch  # noqa: E402
+import torch.utils.cpp_extension as ext  # noqa: E402
+
+CUDA = make_candidates.EPILOGUE_CUDA.replace("EXPRESSION", "return fmaxf(v, 0.f) / a;")
+CPP = make_candidates.EPILOGUE_CPP
+
+
+def torch_include_flags():
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    return [f"-isystem{include}", f"-isystem{os.path.join(include, 'torch', 'csrc', 'api', 'include')}",
+            f"-isystem{sysconfig.get_path('include')}"]
+
+
+def build_pch(root):
+    """torch/extension.h precompiled with the flags load_inline gives the bindings' g++ step."""
+    header_dir = os.path.join(root, "torch")
+    os.makedirs(header_dir, exist_ok=True)
+    header = os.path.join(header_dir, "extension.h")
+    shutil.copy(os.path.join(os.path.dirname(torch.__file__), "include", "torch", "extension.h"), header)
+    command = ["c++", "-x", "c++-header", header, "-o", header + ".gch", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               *torch_include_flags(), "-fPIC", "-std=c++20"]
+    started = time.monotonic()
+    subprocess.run(command, check=True)
+    return time.monotonic() - started, command
+
+
+def ninja_steps(build_dir):
+    steps = {}
+    with open(os.path.join(build_dir, ".ninja_log")) as f:
+        for line in f:
+            if line.startswith("#"):
+                continue
+            start, end, _, output, _ = line.rstrip("\n").split("\t")
+            steps[output] = (int(end) - int(start)) / 1000.0
+    return steps
+
+
+def nvcc_phases(path):
+    phases = {}
+    if not os.path.exists(path):
+        return phases
+    with open(path) as f:
+        for row in f.read().splitlines()[1:]:
+            cells = [c.strip().strip('"') for c in row.split(",")]
+            if len(cells) >= 4:
+                try:
+                    phases[cells[0]] = phases.get(cells[0], 0.0) + float(cells[-1]) / 1000.0
+                except ValueError:
+                    pass
+    return phases
+
+
+def sass_digest(library):
+    out = subprocess.run(["cuobjdump", "-sass", library], capture_output=True, text=True).stdout
+    # Keep the instructions, drop the file name line.
+    body = "\n".join(line for line in out.splitlines() if "Fatbin" not in line and "code for" not in line
+                     and "arch =" not in line and "host =" not in line and "compile_size" not in line
+                     and "Compiled with" not in line and "identifier" not in line)
+    return hashlib.sha256(body.encode()).hexdigest()[:16], len(out)
+
+
+def build(variant, root, tag, pch_dir, out):
+    """One build of the module in a fresh directory under `root`; nvcc's phase times are copied to `out`."""
+    name = f"kforge_compile_{variant.replace('+', '_')}_{tag}"
+    build_dir = os.path.join(root, name)
+    shutil.rmtree(build_dir, ignore_errors=True)
+    os.makedirs(build_dir)
+    cuda = CUDA
+    if "light" in variant:
+        cuda = cuda.replace("#include <torch/extension.h>", "#include <torch/types.h>")
+    extra_cflags = [f"-I{pch_dir}", "-Winvalid-pch"] if "pch" in variant else []
+    time_csv = os.path.join(build_dir, "nvcc-time.csv")
+    extra_cuda = ["--time", time_csv]
+    if "O0host" in variant:
+        extra_cuda += ["-Xcompiler", "-O0"]
+    started = time.monotonic()
+    ext.load_inline(name=name, cpp_sources=CPP, cuda_sources=cuda, functions=["fused_epilogue"],
+                    build_directory=build_dir, extra_cflags=extra_cflags, extra_cuda_cflags=extra_cuda)
+    wall = time.monotonic() - started
+    library = os.path.join(build_dir, f"{name}.so")
+    digest, size = sass_digest(library)
+    if os.path.exists(time_csv):
+        shutil.copy(time_csv, os.path.join(out, f"nvcc-time-{name}.csv"))
+    return {"variant": variant, "name": name, "wall_s": round(wall, 2), "ninja_steps_s": ninja_steps(build_dir),
+            "nvcc_phases_s": nvcc_phases(time_csv), "sass": digest, "sass_chars": size}
+
+
+def main():
+    out = sys.argv[1]
+    parallel = int(sys.argv[sys.argv.index("--parallel") + 1]) if "--parallel" in sys.argv else 0
+    os.makedirs(out, exist_ok=True)
+    root = os.path.join(out, "builds") if "--keep-builds" in sys.argv else "/tmp/kforge-compile-builds"
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    os.environ.setdefault("MAX_JOBS", "2")
+    print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                      "cores": os.cpu_count()}), flush=True)
+    nvcc = shutil.which("nvcc") or os.path.join(ext.CUDA_HOME or "", "bin", "nvcc")
+    print(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    pch_dir = os.path.join(out, "pch")
+    seconds, command = build_pch(pch_dir)
+    print(json.dumps({"pch_build_s": round(seconds, 2), "command": " ".join(command)}), flush=True)
+    results = []
+    for variant in ["stock", "pch", "light", "pch+light", "pch+light+O0host", "stock"]:
+        result = build(variant, root, f"s{len(results)}", pch_dir, out)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    if parallel:
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            runs = list(pool.map(lambda i: build("pch+light", root, f"p{i}", pch_dir, out), range(parallel)))
+        print(json.dumps({"parallel": parallel, "wall_s": round(time.monotonic() - started, 2),
+                          "each_wall_s": [r["wall_s"] for r in runs], "sass": sorted({r["sass"] for r in runs})}),
+              flush=True)
+    sass = {r["variant"]: r["sass"] for r in results}
+    print(json.dumps({"same_sass_across_variants": len(set(sass.values())) == 1, "sass": sass}))
+
+
+if __name__ == "__main__":
+    main()
