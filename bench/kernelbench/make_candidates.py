@@ -1,6 +1,12 @@
 """Writes kforge's own candidate kernels for a set of KernelBench tasks, and the manifest that lists them.
 
     python bench/kernelbench/make_candidates.py OUT_DIR
+    python bench/kernelbench/make_candidates.py --mixed OUT_DIR
+
+The second form writes the throughput benchmark's mixed set instead: for six level-2 tasks, a group of four
+candidates as a policy samples them (a correct fused epilogue, a correct but slow one launched on a single block, an
+incorrect one, one that does not compile), plus two Triton and two level-1 candidates. Each manifest entry says
+its kind and the verdict it should get.
 
 The candidates are ordinary KernelBench-style solutions: GEMMs stay in torch where the task's work is a GEMM
 plus an epilogue (the epilogue becomes one fused CUDA or Triton kernel on the current stream), and the
@@ -389,7 +395,60 @@ def slug(task):
     return task.replace("/", "_").removesuffix(".py")
 
 
+MIXED_TASKS = [
+    "level2/9_Matmul_Subtract_Multiply_ReLU.py",
+    "level2/12_Gemm_Multiply_LeakyReLU.py",
+    "level2/29_Matmul_Mish_Mish.py",
+    "level2/59_Matmul_Swish_Scaling.py",
+    "level2/63_Gemm_ReLU_Divide.py",
+    "level2/76_Gemm_Add_ReLU.py",
+]
+ONE_BLOCK = ("std::min<int64_t>((n + threads - 1) / threads, 132LL * 32)", "std::min<int64_t>((n + threads - 1) / threads, 1LL)")
+
+
+def mixed(out):
+    """The throughput benchmark's set: (kind, expected verdict) per candidate."""
+    manifest = []
+
+    def write(task, backend, kind, expect, source):
+        name = f"{slug(task)}.{kind}.{backend}.py"
+        with open(os.path.join(out, name), "w") as f:
+            f.write(source)
+        manifest.append({"task": task, "candidate": name, "backend": backend, "kind": kind, "expect": expect})
+
+    for task in MIXED_TASKS:
+        init, body, expression = EPILOGUES[task]
+        variants = [
+            ("fast", "VERDICT_CORRECT", expression, {}),
+            ("slow", "VERDICT_CORRECT", expression, dict([ONE_BLOCK])),
+            ("incorrect", "VERDICT_INCORRECT", "return v;", {}),
+            ("compile_error", "VERDICT_COMPILE_ERROR", "return v * undeclared_scale;", {}),
+        ]
+        for kind, expect, expr, edits in variants:
+            cuda = EPILOGUE_CUDA
+            for old, new in edits.items():
+                assert old in cuda, old
+                cuda = cuda.replace(old, new)
+            module = cuda_module(f"kf_{slug(task)}_{kind}", EPILOGUE_CPP, cuda, ["fused_epilogue"], {"EXPRESSION": expr})
+            write(task, "cuda", kind, expect, f"{HEADER}\n{module}\n\nclass ModelNew(nn.Module):\n{init}\n{body}")
+    for task in ["level1/88_MinGPTNewGelu.py", "level2/63_Gemm_ReLU_Divide.py"]:
+        write(task, "triton", "triton", "VERDICT_CORRECT", TRITON[task])
+    for task in ["level1/1_Square_matrix_multiplication_.py", "level1/17_Matmul_with_transposed_B.py"]:
+        module = cuda_module(f"kf_{slug(task)}", TILED_GEMM_CPP, TILED_GEMM_CUDA, ["gemm"], {})
+        write(task, "cuda", "tiled_gemm", "VERDICT_CORRECT",
+              f"{HEADER}\n{module}\n\nclass ModelNew(nn.Module):\n{GEMMS[task]}")
+    return manifest
+
+
 def main():
+    if sys.argv[1] == "--mixed":
+        out = sys.argv[2]
+        os.makedirs(out, exist_ok=True)
+        manifest = mixed(out)
+        with open(os.path.join(out, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        print(f"{len(manifest)} candidates for {len({m['task'] for m in manifest})} tasks in {out}")
+        return
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
     manifest = []

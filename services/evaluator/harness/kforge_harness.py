@@ -414,8 +414,8 @@ def poison_free_memory(device):
 # torch/extension.h: nvcc parses every header three times (the host front end, the device front end, the host
 # compiler), and torch/extension.h adds the C++ frontend and the Python bindings, which kernels and their launchers
 # do not use. Device code is unchanged (the same SASS: bench/results/evaluator-throughput-*). A source that needs
-# the full header fails its light build and is built again as written. The choice is recorded per extension next
-# to the builds, so the run stage loads exactly what the compile stage built, without building again.
+# the full header fails its light build with errors naming torch's API, and is built again as written. The choice
+# is recorded per extension next to the builds, so the run stage loads exactly what the compile stage built.
 FULL_HEADER = re.compile(r'^([ \t]*#[ \t]*include[ \t]*)[<"]torch/extension\.h[>"]', re.MULTILINE)
 RECIPE_FILE = "kforge-build-recipe.json"
 
@@ -429,6 +429,15 @@ def lighten(cuda_sources):
         return None
     light = [FULL_HEADER.sub(r"\1<torch/types.h>", s) if isinstance(s, str) else s for s in sources]
     return light[0] if isinstance(cuda_sources, str) else light
+
+
+FULL_HEADER_NAMES = ("torch", "at::", "c10", "ATen", "pybind", "py::", '"py"')
+
+
+def names_full_header(log):
+    """Whether a light build's errors name torch, ATen, c10 or the Python bindings: what the full header may
+    declare. Other errors (a typo, an undeclared variable) would fail the build as written too."""
+    return any(name in line for line in log.splitlines() if "error" in line for name in FULL_HEADER_NAMES)
 
 
 def install_build_recipe(building):
@@ -464,8 +473,8 @@ def install_build_recipe(building):
         try:
             module = stock(name, cpp_sources, light, *args, **kwargs)
         except Exception as error:
-            if "cuda.cuda.o" not in str(error):
-                raise  # not the .cu file's failure: built as written, it fails the same way
+            if "cuda.cuda.o" not in str(error) or not names_full_header(str(error)):
+                raise  # not a failure the light header explains: built as written, the source fails the same way
             # Built again as written, under the same name and version, so a later process finds it up to date.
             getattr(getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None), "entries", {}).pop(name, None)
             module = stock(name, cpp_sources, cuda_sources, *args, **kwargs)
