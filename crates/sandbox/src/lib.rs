@@ -92,6 +92,76 @@ pub struct Job {
     pub limits: Limits,
 }
 
+/// The caller's hold on a running job in a conversation (see [`Sandbox::run_with_control`]).
+#[derive(Debug)]
+pub struct Control {
+    /// The job's process group, to stop and continue it.
+    pub group: libc::pid_t,
+    clock: tokio::sync::watch::Sender<Clock>,
+}
+
+/// The job's wall clock: time spent stopped by the caller does not count against its limit.
+#[derive(Debug, Default, Clone, Copy)]
+struct Clock {
+    held_since: Option<Instant>,
+    held: Duration,
+}
+
+impl Control {
+    /// Stops the job's process group (`SIGSTOP`) and its wall clock: it waits for the caller and does no work.
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        self.clock.send_if_modified(|clock| {
+            let starts = clock.held_since.is_none();
+            clock.held_since.get_or_insert_with(Instant::now);
+            starts
+        });
+    }
+
+    /// Restarts the job's wall clock and continues its process group (`SIGCONT`) after [`Control::stop`].
+    pub fn resume(&self) {
+        self.clock.send_if_modified(|clock| match clock.held_since.take() {
+            Some(since) => {
+                clock.held += since.elapsed();
+                true
+            }
+            None => false,
+        });
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        // SAFETY: killpg takes plain integers; a group already gone returns ESRCH, which is fine.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::killpg(self.group, signal);
+        }
+    }
+}
+
+/// Resolves when the job has run `wall` since `started`, not counting the time its clock was held.
+async fn deadline(wall: Duration, started: Instant, mut clock: tokio::sync::watch::Receiver<Clock>) {
+    loop {
+        let now = *clock.borrow_and_update();
+        if now.held_since.is_some() {
+            if clock.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            continue;
+        }
+        tokio::select! {
+            () = tokio::time::sleep_until((started + wall + now.held).into()) => return,
+            changed = clock.changed() => {
+                if changed.is_err() {
+                    // The caller's side is gone: the clock runs on as it stood.
+                    tokio::time::sleep_until((started + wall + now.held).into()).await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
 /// How a job ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
@@ -277,7 +347,7 @@ impl Sandbox {
     /// Runs `job` to completion, timeout or cancellation. The process group is killed in every case before this
     /// returns, so nothing the job started outlives it (short of leaving the group with `setsid`).
     pub async fn run(&self, job: Job, cancel: CancellationToken) -> Result<Finished, SandboxError> {
-        self.execute(job, None::<std::future::Ready<Option<Vec<u8>>>>, cancel).await
+        self.execute(job, None::<std::future::Ready<Option<Vec<u8>>>>, None::<NoConversation>, cancel).await
     }
 
     /// Runs `job` like [`Sandbox::run`], its stdin a pipe: the job starts at once, and what `input` resolves to
@@ -290,15 +360,38 @@ impl Sandbox {
         input: impl Future<Output = Option<Vec<u8>>>,
         cancel: CancellationToken,
     ) -> Result<Finished, SandboxError> {
-        self.execute(job, Some(input), cancel).await
+        self.execute(job, Some(input), None::<NoConversation>, cancel).await
     }
 
-    async fn execute(
+    /// Runs `job` like [`Sandbox::run_with_input`], with a control channel: the job's file descriptor 3 is a
+    /// stream socket whose other end goes to `converse`, with a [`Control`] of the job's process group and wall
+    /// clock, once the input is delivered. `converse` runs until the job ends (it is dropped then) and may hold the
+    /// job's clock while the job waits for it.
+    pub async fn run_with_control<F, Fut>(
+        &self,
+        job: Job,
+        input: impl Future<Output = Option<Vec<u8>>>,
+        converse: F,
+        cancel: CancellationToken,
+    ) -> Result<Finished, SandboxError>
+    where
+        F: FnOnce(Control, tokio::net::UnixStream) -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        self.execute(job, Some(input), Some(converse), cancel).await
+    }
+
+    async fn execute<F, Fut>(
         &self,
         job: Job,
         input: Option<impl Future<Output = Option<Vec<u8>>>>,
+        converse: Option<F>,
         cancel: CancellationToken,
-    ) -> Result<Finished, SandboxError> {
+    ) -> Result<Finished, SandboxError>
+    where
+        F: FnOnce(Control, tokio::net::UnixStream) -> Fut,
+        Fut: Future<Output = ()>,
+    {
         let ruleset = match self.landlock {
             Some(abi) => Some(landlock_ruleset(abi, &job)?),
             None => None,
@@ -315,10 +408,19 @@ impl Sandbox {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
+        // Both ends are close-on-exec; the child's end becomes its descriptor 3 (without the flag) in `apply`.
+        let control = match converse {
+            Some(_) => Some(
+                std::os::unix::net::UnixStream::pair()
+                    .map_err(|source| SandboxError::Spawn { program: job.program.clone(), source })?,
+            ),
+            None => None,
+        };
         let setup = ChildSetup {
             limits: job.limits.clone(),
             network_namespace: self.network_namespace,
             landlock_fd: ruleset.as_ref().map(AsRawFd::as_raw_fd),
+            control_fd: control.as_ref().map(|(_, child)| child.as_raw_fd()),
         };
         // SAFETY: `ChildSetup::apply` makes only async-signal-safe system calls on plain integers it owns; it
         // allocates nothing and touches no lock, as required between fork and exec in a multi-threaded parent.
@@ -331,7 +433,16 @@ impl Sandbox {
         let mut child =
             command.spawn().map_err(|source| SandboxError::Spawn { program: job.program.clone(), source })?;
         drop(ruleset);
-        let group = GroupKiller(child.id().map(|pid| pid as libc::pid_t));
+        let ours = match control {
+            Some((ours, theirs)) => {
+                drop(theirs);
+                ours.set_nonblocking(true).map_err(SandboxError::Wait)?;
+                Some(tokio::net::UnixStream::from_std(ours).map_err(SandboxError::Wait)?)
+            }
+            None => None,
+        };
+        let pid = child.id().map(|pid| pid as libc::pid_t);
+        let group = GroupKiller(pid);
         let stdout = tokio::spawn(read_capped(child.stdout.take(), job.limits.output_bytes));
         let stderr = tokio::spawn(read_capped(child.stderr.take(), job.limits.output_bytes));
 
@@ -351,10 +462,18 @@ impl Sandbox {
                 });
                 started = Instant::now();
             }
+            let (clock, clock_seen) = tokio::sync::watch::channel(Clock::default());
+            let conversation = async move {
+                if let (Some(converse), Some(socket), Some(group)) = (converse, ours, pid) {
+                    converse(Control { group, clock }, socket).await;
+                }
+                std::future::pending::<()>().await
+            };
             tokio::select! {
                 status = child.wait() => exit_of(status.map_err(SandboxError::Wait)?),
-                () = tokio::time::sleep(job.limits.wall) => Exit::TimedOut,
+                () = deadline(job.limits.wall, started, clock_seen) => Exit::TimedOut,
                 () = cancel.cancelled() => Exit::Cancelled,
+                () = conversation => unreachable!("a conversation never ends by itself"),
             }
         };
         // Kill whatever is left of the group (the job itself on timeout, background children otherwise), so the
@@ -375,6 +494,9 @@ fn exit_of(status: std::process::ExitStatus) -> Exit {
         (None, None) => Exit::Signal(0),
     }
 }
+
+/// The conversation of a job that has none.
+type NoConversation = fn(Control, tokio::net::UnixStream) -> std::future::Ready<()>;
 
 /// SIGKILLs the process group when dropped.
 struct GroupKiller(Option<libc::pid_t>);
@@ -438,6 +560,8 @@ struct ChildSetup {
     limits: Limits,
     network_namespace: bool,
     landlock_fd: Option<i32>,
+    /// Becomes the child's descriptor 3.
+    control_fd: Option<i32>,
 }
 
 impl ChildSetup {
@@ -457,6 +581,14 @@ impl ChildSetup {
         limit(libc::RLIMIT_FSIZE, self.limits.file_bytes)?;
         limit(libc::RLIMIT_NOFILE, self.limits.open_files)?;
         limit(libc::RLIMIT_CORE, 0)?;
+        if let Some(fd) = self.control_fd {
+            const CONTROL: libc::c_int = 3;
+            if fd == CONTROL {
+                unsafe { check(libc::fcntl(fd, libc::F_SETFD, 0))? };
+            } else if unsafe { libc::dup2(fd, CONTROL) } != CONTROL {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
         if self.network_namespace {
             unsafe { check(libc::unshare(libc::CLONE_NEWNET))? };
         }
@@ -578,6 +710,48 @@ mod tests {
         let never = std::future::pending::<Option<Vec<u8>>>();
         let finished = sandbox.run_with_input(job, never, CancellationToken::new()).await.expect("runs");
         assert_eq!(finished.exit, Exit::Code(7));
+    }
+
+    #[tokio::test]
+    async fn a_controlled_job_talks_on_descriptor_3_and_waits_off_the_clock() {
+        use tokio::io::{AsyncBufReadExt, BufReader};
+        let sandbox = Sandbox::basic();
+        // One second of wall clock; the job waits 1.5 s for its reply, stopped, then works 0.5 s.
+        let job = shell(
+            "read request; echo \"ready $request\" >&3; read reply <&3; echo \"$reply\"; sleep 0.5",
+            "control",
+            Limits { wall: Duration::from_secs(1), ..Limits::default() },
+        );
+        let (states, seen) = tokio::sync::oneshot::channel();
+        let converse = |control: Control, socket: tokio::net::UnixStream| async move {
+            let (read, mut write) = socket.into_split();
+            let mut lines = BufReader::new(read).lines();
+            let first = lines.next_line().await.expect("read").expect("a line");
+            control.stop();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let state = |pid: libc::pid_t| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+            };
+            let stopped = state(control.group);
+            tokio::time::sleep(Duration::from_millis(1300)).await;
+            control.resume();
+            let resumed = state(control.group);
+            write.write_all(b"go\n").await.expect("reply");
+            let _ = states.send((first, stopped, resumed));
+            std::future::pending::<()>().await
+        };
+        let finished = sandbox
+            .run_with_control(job, async { Some(b"hello\n".to_vec()) }, converse, CancellationToken::new())
+            .await
+            .expect("ran");
+        let (first, stopped, resumed) = seen.await.expect("the conversation happened");
+        assert_eq!(first, "ready hello");
+        assert_eq!(stopped, Some('T'), "stop stopped the job");
+        assert_ne!(resumed, Some('T'), "resume continued it");
+        assert_eq!(finished.exit, Exit::Code(0), "held time did not count: {:?}", finished.wall);
+        assert_eq!(String::from_utf8_lossy(&finished.stdout), "go\n");
+        assert!(finished.wall >= Duration::from_millis(1800), "{:?}", finished.wall);
     }
 
     #[tokio::test]

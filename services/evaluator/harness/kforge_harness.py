@@ -7,7 +7,8 @@ The evaluator (Rust) starts this file in a fresh sandboxed process per stage:
 The process imports torch first, then reads `{"mode", "spec", "env"}` as JSON from stdin until EOF: the evaluator
 may start it before a device is free and write the request once it holds the device, so the interpreter's start
 and torch's import are not spent on the device's time. The seeds and paths of the spec never touch the disk. The
-result is written as JSON to `spec["result_path"]`, with the time of each phase under `phases_ms`. Modes:
+result is written as JSON to `spec["result_path"]`, with the time of each phase under `phases_ms`. Stages on a device
+share it with other evaluations' stages, except timed work, which runs alone (`Gate`). Modes:
 
 - compile:   import the candidate module (building its load_inline extensions into TORCH_EXTENSIONS_DIR).
 - reference: run the task's reference Model on the trial inputs; save its outputs; then, when given a candidate's
@@ -22,6 +23,7 @@ measures. It works with PyTorch 2.11
 and later, on CPU and CUDA.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -169,6 +171,47 @@ def originals():
 
         ORIGINALS = Originals(torch)
     return ORIGINALS
+
+
+class Gate:
+    """The harness's side of the device gate: stages share their device, except timed work, which runs alone.
+
+    With `spec["gate"]`, descriptor 3 is a socket to the evaluator. Before timed work the harness synchronises its
+    device work and asks to run alone; the evaluator stops this process until every other process on the device
+    stands at such a point (and is stopped), then lets it go. After, it synchronises again and asks to share. The
+    socket's methods are bound here, before any candidate code runs, so replacing them later changes nothing."""
+
+    def __init__(self, enabled):
+        self.send = self.recv = None
+        if enabled:
+            import socket
+
+            channel = socket.socket(fileno=3)
+            self.send, self.recv = channel.sendall, channel.recv
+
+    def ask(self, message, device):
+        if self.send is None:
+            return
+        synchronize(device)
+        self.send(message)
+        reply = b""
+        while not reply.endswith(b"\n") and len(reply) < 16:
+            chunk = self.recv(16)
+            if not chunk:
+                raise RuntimeError("the evaluator closed the device gate")
+            reply += chunk
+        if reply != b"go\n":
+            raise RuntimeError(f"unexpected answer from the device gate: {reply!r}")
+
+    @contextlib.contextmanager
+    def alone(self, device):
+        """Runs the block alone on the device. A block that raises ends the stage: no need to share again."""
+        self.ask(b"alone\n", device)
+        yield
+        self.ask(b"share\n", device)
+
+
+GATE = Gate(False)
 
 
 def synchronize(device):
@@ -508,7 +551,9 @@ def census(model, inputs, device, calls):
     names = [f"{'train' if training else 'eval'}/{'grad' if grad else 'no_grad'}" for training, grad in CENSUS_MODES]
     was_training = model.training
     try:
-        with profile(activities=activities) as prof:
+        # The profiler starts and its records are processed while the device is shared; the calls run alone, so
+        # their device time is their own.
+        with profile(activities=activities) as prof, GATE.alone(device):
             for training, grad in CENSUS_MODES:
                 model.train(training)
                 with torch.set_grad_enabled(grad):
@@ -634,8 +679,9 @@ def mode_candidate(spec):
     if spec.get("timing"):
         with phase("timing"):
             input_sets = timing_inputs(task, spec, device)
-            samples, host, last_call, output = measure(lambda inputs: model(*inputs), input_sets,
-                                                       spec["timing_seeds"], device, spec["timing"])
+            with GATE.alone(device):
+                samples, host, last_call, output = measure(lambda inputs: model(*inputs), input_sets,
+                                                           spec["timing_seeds"], device, spec["timing"])
             synchronize(device)
             result["samples_ms"] = samples
             result["host_ms"] = host
@@ -783,13 +829,18 @@ def mode_baseline(spec):
     task, model = reference_model(spec, device)
     input_sets = timing_inputs(task, spec, device)
     seeds = spec["timing_seeds"]
-    eager, eager_host, _, _ = measure(lambda inputs: model(*inputs), input_sets, seeds, device, spec["timing"])
+    with GATE.alone(device):
+        eager, eager_host, _, _ = measure(lambda inputs: model(*inputs), input_sets, seeds, device, spec["timing"])
     result = {"ok": True, "eager_ms": eager, "eager_host_ms": eager_host}
     if spec.get("compile"):
         try:
             compiled = torch.compile(model)
-            result["compile_ms"], _, _, _ = measure(lambda inputs: compiled(*inputs), input_sets, seeds, device,
-                                                    spec["timing"])
+            # Compiled (inductor and Triton work on the CPU) while the device is shared; only the timing runs alone.
+            with torch.no_grad():
+                compiled(*input_sets[0])
+            with GATE.alone(device):
+                result["compile_ms"], _, _, _ = measure(lambda inputs: compiled(*inputs), input_sets, seeds, device,
+                                                        spec["timing"])
         except Exception as error:  # torch.compile is unavailable on some hosts (no C compiler for inductor)
             result["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
     write_result(spec, result)
@@ -814,6 +865,8 @@ def main():
     # The device this stage runs on is known only now; nothing has touched CUDA yet.
     os.environ.update(request.get("env") or {})
     mode, spec = request["mode"], request["spec"]
+    global GATE
+    GATE = Gate(spec.get("gate"))
     try:
         MODES[mode](spec)
     except BaseException as error:  # report every failure as data; the evaluator classifies it

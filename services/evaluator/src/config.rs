@@ -20,6 +20,10 @@ pub struct EvaluatorConfig {
     pub work_dir: PathBuf,
     /// Concurrent compiles; 0 means one per CPU core.
     pub compile_workers: usize,
+    /// Evaluations on one GPU at once. They share it for everything but timed work (timing loops and the census's
+    /// recorded calls), which runs with every other process on the GPU stopped at a synchronised pause point.
+    /// 1 gives each evaluation the GPU to itself from its first stage to its last.
+    pub gpu_slots: usize,
     /// Evaluations admitted at once (queued or running); more get RESOURCE_EXHAUSTED with a retry hint.
     pub queue_capacity: usize,
     /// Static policy when a request names none.
@@ -81,6 +85,7 @@ impl Default for EvaluatorConfig {
             python: default_python(),
             work_dir: PathBuf::from(".kforge/evaluator"),
             compile_workers: 0,
+            gpu_slots: 4,
             queue_capacity: 64,
             default_policy: "permissive".into(),
             default_trials: 5,

@@ -1,9 +1,15 @@
-//! Device lanes and device health.
+//! Device lanes, the gate that lets evaluations share a device without touching each other's timings, and device
+//! health.
 //!
-//! Every device is an exclusive lane: the CPU, and each GPU. A GPU lane is taken from a pool (any free healthy
-//! GPU), so several GPUs serve one queue. Waiting evaluations are served by priority (higher first) and, within a
-//! priority, in turns across jobs (`job_id`): a job that queued a hundred evaluations does not make a job that
-//! queued one wait for all of them.
+//! A lane is a slot on one device: the CPU has one, each GPU `gpu_slots`. Lanes are taken from a pool (any free
+//! slot of a healthy GPU), so several GPUs serve one queue. Waiting evaluations are served by priority (higher
+//! first) and, within a priority, in turns across jobs (`job_id`): a job that queued a hundred evaluations does not
+//! make a job that queued one wait for all of them.
+//!
+//! The evaluations holding slots on one device share it through its [`Gate`]: their processes use the device side
+//! by side, except that timed work (timing loops, the census's recorded calls) runs alone: it starts only once
+//! every other process on the device has reached a synchronised pause point and been stopped (`SIGSTOP`), and no
+//! process joins or resumes until it is over. With one slot, an evaluation has its device to itself, as before.
 //!
 //! After a CUDA-level fault on a GPU (an illegal address, a launch failure, a kernel killed at its time limit, a
 //! crash) the device is probed before anything else runs on it: `kforge-device-probe`, a short-lived process that
@@ -13,7 +19,7 @@
 //! passes, which puts the lane back.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -82,8 +88,13 @@ pub fn fault(exit: Exit, error_text: &str) -> Option<String> {
 pub struct Lanes {
     cpu: Mutex<Pool>,
     gpus: Mutex<Pool>,
-    /// Per GPU: why it is quarantined.
-    quarantined: Mutex<Vec<Option<String>>>,
+    /// Slots per GPU.
+    slots: usize,
+    cpu_gate: Arc<Gate>,
+    gpu_gates: Vec<Arc<Gate>>,
+    /// Per GPU: why it is quarantined, and how many times it was (a slot taken before the last quarantine does
+    /// not go back to the pool).
+    quarantined: Mutex<Vec<(Option<String>, u64)>>,
     /// Whether any GPU is healthy (always true without GPUs): the service's readiness.
     ready: watch::Sender<bool>,
     probe: Result<PathBuf, String>,
@@ -94,12 +105,12 @@ pub struct Lanes {
 /// Where a waiter stands: priority (higher first), its job's turn, arrival.
 type Turn = (Reverse<i32>, u64, u64);
 
-/// Lanes of one kind and the evaluations waiting for them.
+/// Slots of one kind of device and the evaluations waiting for them.
 #[derive(Debug, Default)]
 struct Pool {
-    /// Lanes in service and not in use.
+    /// Free slots of devices in service, by device index (a device appears once per free slot).
     free: Vec<usize>,
-    /// Lanes in service (not quarantined).
+    /// Devices in service (not quarantined).
     in_service: usize,
     waiters: BTreeMap<Turn, oneshot::Sender<usize>>,
     /// Per job: the turn its next waiter gets.
@@ -110,8 +121,9 @@ struct Pool {
 }
 
 impl Pool {
-    fn new(lanes: usize) -> Self {
-        Self { free: (0..lanes).rev().collect(), in_service: lanes, ..Self::default() }
+    fn new(devices: usize, slots: usize) -> Self {
+        let free = (0..slots).flat_map(|_| (0..devices).rev()).collect();
+        Self { free, in_service: devices, ..Self::default() }
     }
 
     /// Hands `lane` to the first waiter still waiting, or puts it back in the free list.
@@ -128,15 +140,18 @@ impl Pool {
     }
 }
 
-/// An exclusive hold on one device; released on drop, unless the device was quarantined meanwhile.
+/// A slot on one device; released on drop, unless the device was quarantined meanwhile.
 #[derive(Debug)]
 pub struct Lane {
     lanes: Arc<Lanes>,
     /// A GPU lane (else the CPU's).
     is_gpu: bool,
-    /// The lane's index in its pool: the GPU index for a GPU lane.
+    /// The device's index in its pool: the GPU index for a GPU lane.
     index: usize,
-    quarantined: AtomicBool,
+    /// The device's quarantine count when the slot was taken.
+    generation: u64,
+    /// Whether this evaluation's stages keep the device to themselves (see [`Gate`]).
+    solo: AtomicBool,
 }
 
 impl Lane {
@@ -149,14 +164,40 @@ impl Lane {
     pub fn device(&self) -> &'static str {
         if self.is_gpu { "cuda" } else { "cpu" }
     }
+
+    /// The gate of this lane's device.
+    pub fn gate(&self) -> &Arc<Gate> {
+        if self.is_gpu { &self.lanes.gpu_gates[self.index] } else { &self.lanes.cpu_gate }
+    }
+
+    /// Whether other evaluations may hold slots on this lane's device at the same time.
+    pub fn shared(&self) -> bool {
+        self.is_gpu && self.lanes.slots > 1
+    }
+
+    /// From now on, this evaluation's stages run with the device to themselves.
+    pub fn go_solo(&self) {
+        self.solo.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether this evaluation's stages keep the device to themselves.
+    pub fn solo(&self) -> bool {
+        self.solo.load(Ordering::SeqCst)
+    }
 }
 
 impl Drop for Lane {
     fn drop(&mut self) {
-        // A quarantined lane stays out of its pool until a probe passes (see `Lanes::recover`).
-        if !self.quarantined.load(Ordering::SeqCst) {
-            self.lanes.pool(self.is_gpu).release(self.index);
+        // The slots of a quarantined device stay out of the pool; a probe that passes puts them all back (see
+        // `Lanes::recover`).
+        if self.is_gpu {
+            let quarantined = self.lanes.quarantined.lock().expect("lane lock is never poisoned");
+            let (reason, generation) = &quarantined[self.index];
+            if reason.is_some() || *generation != self.generation {
+                return;
+            }
         }
+        self.lanes.pool(self.is_gpu).release(self.index);
     }
 }
 
@@ -180,7 +221,9 @@ impl Drop for Waiting<'_> {
 }
 
 impl Lanes {
-    pub fn new(gpus: usize, config: DeviceProbeConfig, metrics: EvaluatorMetrics) -> Arc<Self> {
+    /// `gpus` GPUs of `slots` slots each (at least one), and the CPU's one.
+    pub fn new(gpus: usize, slots: usize, config: DeviceProbeConfig, metrics: EvaluatorMetrics) -> Arc<Self> {
+        let slots = slots.max(1);
         let probe = match &config.command {
             Some(command) => Ok(command.clone()),
             None => find_probe(),
@@ -191,9 +234,12 @@ impl Lanes {
             tracing::warn!(%reason, "GPU faults will not be followed by a device health probe");
         }
         Arc::new(Self {
-            cpu: Mutex::new(Pool::new(1)),
-            gpus: Mutex::new(Pool::new(gpus)),
-            quarantined: Mutex::new(vec![None; gpus]),
+            cpu: Mutex::new(Pool::new(1, 1)),
+            gpus: Mutex::new(Pool::new(gpus, slots)),
+            slots,
+            cpu_gate: Arc::default(),
+            gpu_gates: (0..gpus).map(|_| Arc::default()).collect(),
+            quarantined: Mutex::new(vec![(None, 0); gpus]),
             ready: watch::Sender::new(true),
             probe,
             config,
@@ -218,13 +264,17 @@ impl Lanes {
 
     /// Why GPU `gpu` is quarantined, if it is.
     pub fn quarantine_reason(&self, gpu: usize) -> Option<String> {
-        self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).cloned().flatten()
+        self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).and_then(|(reason, _)| reason.clone())
     }
 
-    /// The CPU lane, or a free healthy GPU, waiting for one in turn (`priority`, then turns across `job`s); an
-    /// error when every GPU is quarantined (also for those already waiting when the last one goes).
+    /// The CPU's slot, or a free slot of a healthy GPU, waiting for one in turn (`priority`, then turns across
+    /// `job`s); an error when every GPU is quarantined (also for those already waiting when the last one goes).
     pub async fn acquire(self: &Arc<Self>, gpu: bool, priority: i32, job: &str) -> Result<Lane, String> {
-        let lane = |index| Lane { lanes: self.clone(), is_gpu: gpu, index, quarantined: false.into() };
+        let lane = |index: usize| {
+            let generation =
+                if gpu { self.quarantined.lock().expect("lane lock is never poisoned")[index].1 } else { 0 };
+            Lane { lanes: self.clone(), is_gpu: gpu, index, generation, solo: AtomicBool::new(false) }
+        };
         let receiver = {
             let mut pool = self.pool(gpu);
             if pool.in_service == 0 {
@@ -259,13 +309,14 @@ impl Lanes {
         let reasons: Vec<String> = quarantined
             .iter()
             .enumerate()
-            .filter_map(|(gpu, reason)| reason.as_ref().map(|r| format!("cuda:{gpu} ({r})")))
+            .filter_map(|(gpu, (reason, _))| reason.as_ref().map(|r| format!("cuda:{gpu} ({r})")))
             .collect();
         format!("every GPU of this evaluator is quarantined: {}; retry on another evaluator", reasons.join(", "))
     }
 
     /// After `fault` on the GPU `lane` holds: probes it, and quarantines it when the probe fails. Returns whether
-    /// the device is healthy. Called with the lane held, so nothing else runs on the device meanwhile.
+    /// the device is healthy. Called with the lane held; evaluations sharing the device go on meanwhile (a fault
+    /// in one process's context leaves the others' intact), and none joins once it is quarantined.
     pub async fn after_fault(self: &Arc<Self>, lane: &Lane, fault: &str) -> bool {
         let Some(gpu) = lane.gpu() else { return true };
         let Ok(program) = &self.probe else { return true };
@@ -274,10 +325,11 @@ impl Lanes {
             Ok(()) => true,
             Err(reason) => {
                 tracing::error!(gpu, %reason, fault, "device failed its health probe; quarantined");
-                lane.quarantined.store(true, Ordering::SeqCst);
-                self.set_quarantine(gpu, Some(format!("failed its health probe after {fault}: {reason}")));
-                let lanes = self.clone();
-                tokio::spawn(async move { lanes.recover(gpu).await });
+                // Another evaluation on the device may have quarantined it already; one recovery loop is enough.
+                if self.set_quarantine(gpu, Some(format!("failed its health probe after {fault}: {reason}"))) {
+                    let lanes = self.clone();
+                    tokio::spawn(async move { lanes.recover(gpu).await });
+                }
                 false
             }
         }
@@ -298,20 +350,27 @@ impl Lanes {
         }
     }
 
-    /// Takes GPU `gpu` out of service (`Some(reason)`; its lane is held by the caller and not released) or puts
-    /// it back (`None`).
-    fn set_quarantine(&self, gpu: usize, reason: Option<String>) {
+    /// Takes GPU `gpu` out of service (`Some(reason)`: its free slots leave the pool, and slots in use do not
+    /// come back) or puts it back with all its slots (`None`). Returns whether that changed anything.
+    fn set_quarantine(&self, gpu: usize, reason: Option<String>) -> bool {
         let back = reason.is_none();
         let count = {
             let mut quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
-            quarantined[gpu] = reason;
-            quarantined.iter().filter(|q| q.is_some()).count()
+            if quarantined[gpu].0.is_some() != back {
+                return false;
+            }
+            quarantined[gpu].0 = reason;
+            quarantined[gpu].1 += u64::from(!back);
+            quarantined.iter().filter(|(reason, _)| reason.is_some()).count()
         };
         let mut pool = self.pool(true);
         if back {
             pool.in_service += 1;
-            pool.release(gpu);
+            for _ in 0..self.slots {
+                pool.release(gpu);
+            }
         } else {
+            pool.free.retain(|&free| free != gpu);
             pool.in_service -= 1;
             if pool.in_service == 0 {
                 // Nothing will serve them: every waiter gets its error now.
@@ -322,6 +381,7 @@ impl Lanes {
         drop(pool);
         self.metrics.devices_quarantined(count);
         self.ready.send_replace(in_service > 0);
+        true
     }
 
     /// Runs the probe on `gpu` in its own process, killed at the timeout.
@@ -348,6 +408,166 @@ impl Lanes {
         };
         self.metrics.device_probe(result.is_ok());
         result
+    }
+}
+
+/// Who is using one device, and how. Members (stage processes) share the device, except that one at a time may
+/// run alone: it is let through once every other member stands at a pause point, and until it shares again no
+/// member joins or resumes. A member waiting at a pause point is stopped by its driver (`SIGSTOP`) after
+/// synchronising its device work, so a member running alone has the device to itself. A solo member (an
+/// evaluation retried without neighbours) joins only an empty device and keeps it empty.
+#[derive(Debug, Default)]
+pub struct Gate {
+    state: Mutex<GateState>,
+    /// Bumped on every change of `state`; waiters re-check their condition.
+    changed: watch::Sender<u64>,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    next_id: u64,
+    members: BTreeMap<u64, Standing>,
+    /// Members waiting to run alone, first asked first.
+    queue: VecDeque<u64>,
+    alone: Option<u64>,
+    solo: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Standing {
+    /// Running, and may be using the device.
+    Sharing,
+    /// At a pause point with its device work synchronised (stopped by its driver).
+    Paused,
+    /// Running with the device to itself.
+    Alone,
+}
+
+impl GateState {
+    /// Whether a member may start (or resume) using the device side by side with others.
+    fn open(&self) -> bool {
+        self.alone.is_none() && self.queue.is_empty() && self.solo.is_none()
+    }
+}
+
+/// A member of a [`Gate`]; leaves it when dropped.
+#[derive(Debug)]
+pub struct Member {
+    gate: Arc<Gate>,
+    id: u64,
+}
+
+impl Gate {
+    /// Joins the device, waiting while a member runs alone or waits to (timed work is never disturbed by a
+    /// newcomer). A `solo` member waits for an empty device and keeps everyone else out.
+    pub async fn join(self: &Arc<Self>, solo: bool) -> Member {
+        let id = self
+            .wait_until(|state| {
+                if !state.open() || (solo && !state.members.is_empty()) {
+                    return None;
+                }
+                let id = state.next_id;
+                state.next_id += 1;
+                state.members.insert(id, Standing::Sharing);
+                if solo {
+                    state.solo = Some(id);
+                }
+                Some(id)
+            })
+            .await;
+        Member { gate: self.clone(), id }
+    }
+
+    /// How many members the device has now.
+    pub fn members(&self) -> usize {
+        self.state.lock().expect("gate lock is never poisoned").members.len()
+    }
+
+    /// Applies `step` under the lock until it returns `Some`, waiting for a change between tries.
+    async fn wait_until<T>(&self, mut step: impl FnMut(&mut GateState) -> Option<T>) -> T {
+        let mut changed = self.changed.subscribe();
+        loop {
+            {
+                let mut state = self.state.lock().expect("gate lock is never poisoned");
+                if let Some(value) = step(&mut state) {
+                    drop(state);
+                    self.changed.send_modify(|version| *version += 1);
+                    return value;
+                }
+            }
+            // The sender lives in `self`, so this never fails.
+            let _ = changed.changed().await;
+        }
+    }
+
+    fn update(&self, change: impl FnOnce(&mut GateState)) {
+        change(&mut self.state.lock().expect("gate lock is never poisoned"));
+        self.changed.send_modify(|version| *version += 1);
+    }
+}
+
+impl Member {
+    /// Waits at a pause point until this member may run alone: its turn among those asking, with every other
+    /// member paused. Runs alone already: nothing to wait for.
+    pub async fn alone(&self) {
+        let id = self.id;
+        self.gate.update(|state| {
+            if state.alone != Some(id) && !state.queue.contains(&id) {
+                state.members.insert(id, Standing::Paused);
+                state.queue.push_back(id);
+            }
+        });
+        self.gate
+            .wait_until(|state| {
+                if state.alone == Some(id) {
+                    return Some(());
+                }
+                let others_paused = state.members.iter().all(|(&m, &standing)| m == id || standing == Standing::Paused);
+                if state.alone.is_some() || state.queue.front() != Some(&id) || !others_paused {
+                    return None;
+                }
+                state.queue.pop_front();
+                state.alone = Some(id);
+                state.members.insert(id, Standing::Alone);
+                Some(())
+            })
+            .await;
+    }
+
+    /// Ends running alone (or any wait), pausing until members may share the device again.
+    pub async fn share(&self) {
+        let id = self.id;
+        self.gate.update(|state| {
+            if state.alone == Some(id) {
+                state.alone = None;
+            }
+            state.queue.retain(|&m| m != id);
+            state.members.insert(id, Standing::Paused);
+        });
+        self.gate
+            .wait_until(|state| {
+                // A solo member has the device to itself anyway.
+                (state.solo == Some(id) || state.open()).then(|| {
+                    state.members.insert(id, Standing::Sharing);
+                })
+            })
+            .await;
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        let id = self.id;
+        self.gate.update(|state| {
+            state.members.remove(&id);
+            state.queue.retain(|&m| m != id);
+            if state.alone == Some(id) {
+                state.alone = None;
+            }
+            if state.solo == Some(id) {
+                state.solo = None;
+            }
+        });
     }
 }
 
@@ -390,8 +610,139 @@ mod tests {
     }
 
     fn lanes(dir: &Path, gpus: usize, retry_secs: u64) -> Arc<Lanes> {
+        slotted_lanes(dir, gpus, 1, retry_secs)
+    }
+
+    fn slotted_lanes(dir: &Path, gpus: usize, slots: usize, retry_secs: u64) -> Arc<Lanes> {
         let config = DeviceProbeConfig { command: Some(fake_probe(dir)), timeout_secs: 5, retry_secs };
-        Lanes::new(gpus, config, metrics())
+        Lanes::new(gpus, slots, config, metrics())
+    }
+
+    /// Whether `future` is still waiting after other tasks had a chance to run.
+    async fn waits<T>(future: &mut tokio::task::JoinHandle<T>) -> bool {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        !future.is_finished()
+    }
+
+    async fn done<T>(future: tokio::task::JoinHandle<T>) -> T {
+        tokio::time::timeout(Duration::from_secs(5), future).await.expect("in time").expect("task")
+    }
+
+    #[tokio::test]
+    async fn timed_work_runs_alone_and_in_turn() {
+        let gate = Arc::new(Gate::default());
+        let a = Arc::new(gate.join(false).await);
+        let b = Arc::new(gate.join(false).await);
+        assert_eq!(gate.members(), 2, "members share the device");
+
+        // A asks to run alone: it waits while B may be using the device.
+        let mut a_alone = tokio::spawn({
+            let a = a.clone();
+            async move { a.alone().await }
+        });
+        assert!(waits(&mut a_alone).await, "B is still sharing");
+        // A newcomer waits too: it must not start work under A's timing.
+        let mut c_joins = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.join(false).await }
+        });
+        assert!(waits(&mut c_joins).await);
+        // B reaches its own pause point: A goes first, B after it.
+        let mut b_alone = tokio::spawn({
+            let b = b.clone();
+            async move { b.alone().await }
+        });
+        done(a_alone).await;
+        assert!(waits(&mut b_alone).await, "one alone at a time");
+        let mut a_shares = tokio::spawn({
+            let a = a.clone();
+            async move { a.share().await }
+        });
+        done(b_alone).await;
+        assert!(waits(&mut a_shares).await, "nobody resumes while B runs alone");
+        assert!(waits(&mut c_joins).await);
+        b.share().await;
+        done(a_shares).await;
+        let c = done(c_joins).await;
+        assert_eq!(gate.members(), 3);
+        drop(c);
+    }
+
+    #[tokio::test]
+    async fn a_member_that_leaves_lets_the_others_through() {
+        let gate = Arc::new(Gate::default());
+        let a = Arc::new(gate.join(false).await);
+        let b = gate.join(false).await;
+        let mut a_alone = tokio::spawn({
+            let a = a.clone();
+            async move { a.alone().await }
+        });
+        assert!(waits(&mut a_alone).await);
+        drop(b); // its process ended, however it ended
+        done(a_alone).await;
+        // A member that ends while running alone reopens the device.
+        drop(a);
+        let newcomer = tokio::time::timeout(Duration::from_secs(5), gate.join(false)).await;
+        assert!(newcomer.is_ok(), "the device is open again");
+    }
+
+    #[tokio::test]
+    async fn a_solo_member_has_the_device_to_itself() {
+        let gate = Arc::new(Gate::default());
+        let a = gate.join(false).await;
+        let mut solo = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.join(true).await }
+        });
+        assert!(waits(&mut solo).await, "a solo member waits for an empty device");
+        drop(a);
+        let solo = done(solo).await;
+        // Its own requests are granted at once; nobody else joins while it is there.
+        solo.alone().await;
+        solo.share().await;
+        let mut other = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.join(false).await }
+        });
+        assert!(waits(&mut other).await);
+        drop(solo);
+        done(other).await;
+    }
+
+    #[tokio::test]
+    async fn gpu_slots_are_shared_and_a_quarantine_takes_them_all() {
+        let dir = test_dir("slots");
+        let lanes = slotted_lanes(&dir, 1, 2, 1);
+        let first = lanes.acquire(true, 0, "").await.expect("a slot");
+        let second = lanes.acquire(true, 0, "").await.expect("a second slot on the same GPU");
+        assert_eq!((first.gpu(), second.gpu()), (Some(0), Some(0)));
+        assert!(first.shared() && !lanes.acquire(false, 0, "").await.expect("the CPU").shared());
+        std::fs::write(dir.join("broken"), "").expect("marker");
+        let mut third = tokio::spawn({
+            let lanes = lanes.clone();
+            async move { lanes.acquire(true, 0, "").await.map(|lane| lane.gpu()) }
+        });
+        assert!(waits(&mut third).await, "both slots are taken");
+        assert!(!lanes.after_fault(&first, "an illegal address").await);
+        assert!(!lanes.after_fault(&second, "an illegal address").await, "the second fault finds it quarantined");
+        assert!(done(third).await.is_err(), "no healthy GPU is left for the waiter");
+        drop((first, second));
+        assert!(lanes.acquire(true, 0, "").await.is_err(), "slots in use when it went do not come back");
+
+        std::fs::remove_file(dir.join("broken")).expect("marker");
+        let mut readiness = lanes.readiness();
+        tokio::time::timeout(Duration::from_secs(10), readiness.wait_for(|ready| *ready))
+            .await
+            .expect("recovered")
+            .expect("sender alive");
+        let back = [lanes.acquire(true, 0, "").await.expect("slot"), lanes.acquire(true, 0, "").await.expect("slot")];
+        let mut more = tokio::spawn({
+            let lanes = lanes.clone();
+            async move { lanes.acquire(true, 0, "").await.map(|lane| lane.gpu()) }
+        });
+        assert!(waits(&mut more).await, "exactly its two slots came back");
+        drop(back);
+        assert_eq!(done(more).await, Ok(Some(0)));
     }
 
     fn runs(dir: &Path) -> usize {
@@ -479,7 +830,7 @@ mod tests {
         std::fs::write(&script, "#!/bin/sh\nsleep 30\n").expect("script");
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
         let config = DeviceProbeConfig { command: Some(script), timeout_secs: 1, retry_secs: 3600 };
-        let lanes = Lanes::new(1, config, metrics());
+        let lanes = Lanes::new(1, 1, config, metrics());
         let lane = lanes.acquire(true, 0, "").await.expect("a GPU lane");
         assert!(!lanes.after_fault(&lane, "a kernel that never ended").await);
         let reason = lanes.quarantine_reason(0).expect("quarantined");

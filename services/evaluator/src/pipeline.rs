@@ -164,7 +164,7 @@ impl Evaluator {
                 baselines: Cache::new(work.join("baselines"), config.cache_limits.baselines_bytes)?,
                 admission: Arc::new(Semaphore::new(config.queue_capacity)),
                 compile_slots: Semaphore::new(compile_workers),
-                lanes: Lanes::new(gpus, config.device_probe.clone(), metrics.clone()),
+                lanes: Lanes::new(gpus, config.gpu_slots, config.device_probe.clone(), metrics.clone()),
                 secret: std::collections::hash_map::RandomState::new().hash_one("kforge-evaluator-seeds"),
                 config,
                 sandbox,
@@ -444,7 +444,22 @@ impl Evaluator {
             "timing_seeds": timing_seeds,
             "census_calls": if job.census { inner.config.census_calls } else { 0 },
         });
-        let candidate = self.candidate_stage(candidate_process, &lane, &candidate_dir, spec).await;
+        let mut candidate = self.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone()).await;
+        if lane.shared() && candidate.as_ref().is_ok_and(out_of_memory) {
+            // Another evaluation on the device may have held the memory it needed: once more, with the device to
+            // itself. A candidate that needs more than the device has fails again, alone.
+            lane.go_solo();
+            response.findings.push(pb::Finding {
+                code: "device.retried_alone".into(),
+                message: "the candidate ran out of device memory while sharing the device; it ran again alone".into(),
+                line: 0,
+                category: pb::FindingCategory::Notice as i32,
+            });
+            candidate = match self.restart_candidate(job, &candidate_dir, &artifact_dir, cancel) {
+                Ok(process) => self.candidate_stage(process, &lane, &candidate_dir, spec).await,
+                Err(error) => return infra(response, error, true),
+            };
+        }
         response.stage_ms.insert("run".into(), ms(started.elapsed()));
         let result = match self.candidate_result(candidate, gpu, response) {
             Ok(result) => result,
@@ -609,6 +624,24 @@ impl Evaluator {
             wall: Duration::from_secs(inner.config.run_timeout_secs),
         };
         Ok(self.start(stage, cancel))
+    }
+
+    /// Empties the candidate's directory (nothing of a first run may be read as the second's) and starts the
+    /// candidate's process again there. The directory itself stays: the checker was started with it readable.
+    fn restart_candidate(
+        &self,
+        job: &Job,
+        dir: &Path,
+        artifact_dir: &Path,
+        cancel: &CancellationToken,
+    ) -> Result<Started, String> {
+        let entries = std::fs::read_dir(dir).map_err(|e| format!("scratch directory {}: {e}", dir.display()))?;
+        for entry in entries {
+            let path = entry.map_err(|e| format!("scratch directory {}: {e}", dir.display()))?.path();
+            let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+            removed.map_err(|e| format!("clearing {}: {e}", path.display()))?;
+        }
+        self.start_candidate(job, dir, artifact_dir, cancel)
     }
 
     /// Runs the candidate's started process on `lane` with `spec`.
@@ -997,7 +1030,7 @@ impl Evaluator {
         let name = request.mode;
         let _running = inner.metrics.stage(name);
         let started_at = Instant::now();
-        let outcome = started.run(request).await;
+        let outcome = started.run(request, lane.map(|lane| (lane.gate(), lane.solo()))).await;
         inner.metrics.stage_seconds(name, started_at.elapsed());
         if let (Ok(finished), Some(lane)) = (&outcome, lane)
             && lane.gpu().is_some()
@@ -1192,6 +1225,13 @@ fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse
         }
     };
     Some(verdict)
+}
+
+/// Whether a stage failed for want of device memory.
+fn out_of_memory(outcome: &StageOutcome) -> bool {
+    !outcome.ok()
+        && outcome.finished.exit != Exit::Cancelled
+        && outcome.error_text().to_lowercase().contains("out of memory")
 }
 
 fn signal_name(signal: i32) -> &'static str {

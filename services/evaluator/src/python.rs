@@ -5,9 +5,13 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kforge_sandbox::{Finished, Job, Limits, Sandbox, SandboxError};
+use std::sync::{Arc, Mutex};
+
+use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
+
+use crate::devices::{Gate, Member};
 
 /// The harness, embedded so that the binary is self-contained; written to the work directory at start.
 pub const HARNESS: &str = include_str!("../harness/kforge_harness.py");
@@ -276,7 +280,7 @@ impl StageOutcome {
 /// device's time. Dropped without a request, the process is killed.
 #[derive(Debug)]
 pub struct Started {
-    request: Option<tokio::sync::oneshot::Sender<Vec<u8>>>,
+    request: Option<tokio::sync::oneshot::Sender<(Vec<u8>, Option<Member>)>>,
     finished: tokio::task::JoinHandle<Result<Finished, SandboxError>>,
     result_path: PathBuf,
 }
@@ -302,25 +306,84 @@ pub fn start(
         writable: stage.writable,
         limits: Limits { wall: stage.wall, ..Limits::default() },
     };
-    let (request, delivered) = tokio::sync::oneshot::channel::<Vec<u8>>();
+    let (request, delivered) = tokio::sync::oneshot::channel::<(Vec<u8>, Option<Member>)>();
     let sandbox = sandbox.clone();
-    let finished =
-        tokio::spawn(async move { sandbox.run_with_input(job, async move { delivered.await.ok() }, cancel).await });
+    // The gate membership comes with the request, and goes to the conversation once the request is delivered.
+    let member = Arc::new(Mutex::new(None));
+    let input = {
+        let member = member.clone();
+        async move {
+            let (bytes, joined) = delivered.await.ok()?;
+            *member.lock().expect("never poisoned") = joined;
+            Some(bytes)
+        }
+    };
+    let converse = move |control, socket| async move {
+        let joined = member.lock().expect("never poisoned").take();
+        if let Some(member) = joined {
+            converse(member, control, socket).await;
+        }
+    };
+    let finished = tokio::spawn(async move { sandbox.run_with_control(job, input, converse, cancel).await });
     Started { request: Some(request), finished, result_path }
 }
 
+/// The longest message the harness sends on its control socket.
+const MESSAGE_BYTES: u64 = 64;
+
+/// Serves a stage's requests to run alone on its device (`alone`) and to share it again (`share`), one line each,
+/// answered with `go` once granted. While it waits, the stage is stopped and its wall clock held: it is at a pause
+/// point, its device work synchronised, and it is not working. A message it does not know ends the conversation
+/// (the stage then waits for an answer that never comes, until its time limit): only candidate code forging the
+/// harness's messages sends one.
+async fn converse(member: Member, control: Control, socket: tokio::net::UnixStream) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let (read, mut write) = socket.into_split();
+    let mut read = BufReader::new(read);
+    loop {
+        let mut line = Vec::new();
+        match (&mut read).take(MESSAGE_BYTES).read_until(b'\n', &mut line).await {
+            Ok(n) if n > 0 && line.ends_with(b"\n") => {}
+            _ => return,
+        }
+        control.stop();
+        match &line[..] {
+            b"alone\n" => member.alone().await,
+            b"share\n" => member.share().await,
+            _ => {
+                control.resume();
+                return;
+            }
+        }
+        control.resume();
+        if write.write_all(b"go\n").await.is_err() {
+            return;
+        }
+    }
+}
+
 impl Started {
-    /// Sends `request` and waits for the stage to end.
-    pub async fn run(mut self, request: Request) -> Result<StageOutcome, SandboxError> {
+    /// Sends `request` and waits for the stage to end. With a `gate`, the stage joins its device first (waiting
+    /// while timed work runs there) and may ask to run alone (`spec.gate`); `solo` keeps the device to itself.
+    pub async fn run(
+        mut self,
+        request: Request,
+        gate: Option<(&Arc<Gate>, bool)>,
+    ) -> Result<StageOutcome, SandboxError> {
         let mut spec = request.spec;
         if let Some(object) = spec.as_object_mut() {
             object.insert("result_path".into(), self.result_path.display().to_string().into());
+            object.insert("gate".into(), gate.is_some().into());
         }
+        let member = match gate {
+            Some((gate, solo)) => Some(gate.join(solo).await),
+            None => None,
+        };
         let env: serde_json::Map<String, serde_json::Value> =
             request.env.into_iter().map(|(k, v)| (k, v.into())).collect();
         let message = serde_json::json!({ "mode": request.mode, "spec": spec, "env": env });
         if let Some(sender) = self.request.take() {
-            let _ = sender.send(serde_json::to_vec(&message).expect("a JSON value always serialises"));
+            let _ = sender.send((serde_json::to_vec(&message).expect("a JSON value always serialises"), member));
         }
         // If this future is dropped (the evaluation was cancelled), `self` goes with it and the child is killed.
         let finished = match (&mut self.finished).await {
