@@ -3,6 +3,7 @@
 //! ```text
 //! evaluator-throughput --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out DIR]
 //!                      [--serial N] [--repeat N] [--limit N] [--no-landlock] [--pipeline-from FILE]
+//!                      [--gpu-slots N]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py --mixed` writes (candidates and manifest.json).
 //!
@@ -14,6 +15,7 @@
 //!   first N candidates of the manifest in turn across their kinds (it is slow; rates are per evaluation).
 //! - `--repeat N` evaluates N candidates again through the pipeline's warm evaluator: compile cache hits.
 //! - `--limit N` keeps the manifest's first N candidates (the level-2 groups come first, four per task).
+//! - `--gpu-slots N` sets the pipeline evaluator's `gpu_slots` (default: the evaluator's default).
 //! - `--pipeline-from FILE` takes the pipeline's evaluations from an earlier run's `evaluations.jsonl` on the same
 //!   machine instead of running it, so the two modes can be measured in separate device commands.
 //!
@@ -40,6 +42,7 @@ struct Args {
     landlock: bool,
     pipeline_from: Option<PathBuf>,
     limit: usize,
+    gpu_slots: Option<usize>,
 }
 
 fn args() -> Result<Args, String> {
@@ -54,6 +57,7 @@ fn args() -> Result<Args, String> {
         landlock: true,
         pipeline_from: None,
         limit: usize::MAX,
+        gpu_slots: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -69,6 +73,7 @@ fn args() -> Result<Args, String> {
             "--no-landlock" => args.landlock = false,
             "--pipeline-from" => args.pipeline_from = Some(value()?.into()),
             "--limit" => args.limit = value()?.parse().map_err(|e| format!("--limit: {e}"))?,
+            "--gpu-slots" => args.gpu_slots = Some(value()?.parse().map_err(|e| format!("--gpu-slots: {e}"))?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -159,6 +164,7 @@ async fn evaluator(args: &Args, work: &Path, compile_workers: usize) -> Evaluato
         work_dir: work.to_owned(),
         queue_capacity: 1024,
         compile_workers,
+        gpu_slots: args.gpu_slots.unwrap_or(EvaluatorConfig::default().gpu_slots),
         sandbox: kforge_sandbox::SandboxOptions { landlock: args.landlock, ..Default::default() },
         ..EvaluatorConfig::default()
     };

@@ -60,6 +60,8 @@ pub struct Limits {
     pub open_files: u64,
     /// Bytes of stdout and of stderr kept; the rest is read and dropped so the job never blocks on a full pipe.
     pub output_bytes: usize,
+    /// Scheduling niceness (0 to 19): a background job yields the CPU to the others.
+    pub nice: i32,
 }
 
 impl Default for Limits {
@@ -70,6 +72,7 @@ impl Default for Limits {
             file_bytes: 2 << 30,
             open_files: 4096,
             output_bytes: 64 * 1024,
+            nice: 0,
         }
     }
 }
@@ -581,6 +584,10 @@ impl ChildSetup {
         limit(libc::RLIMIT_FSIZE, self.limits.file_bytes)?;
         limit(libc::RLIMIT_NOFILE, self.limits.open_files)?;
         limit(libc::RLIMIT_CORE, 0)?;
+        if self.limits.nice > 0 {
+            // SAFETY: setpriority on this process, with integers.
+            unsafe { check(libc::setpriority(libc::PRIO_PROCESS, 0, self.limits.nice))? };
+        }
         if let Some(fd) = self.control_fd {
             const CONTROL: libc::c_int = 3;
             if fd == CONTROL {

@@ -193,13 +193,14 @@ class Gate:
         if self.send is None:
             return
         synchronize(device)
-        self.send(message)
-        reply = b""
-        while not reply.endswith(b"\n") and len(reply) < 16:
-            chunk = self.recv(16)
-            if not chunk:
-                raise RuntimeError("the evaluator closed the device gate")
-            reply += chunk
+        with phase("gate"):  # time waiting for the device (stopped), inside the phase that asked
+            self.send(message)
+            reply = b""
+            while not reply.endswith(b"\n") and len(reply) < 16:
+                chunk = self.recv(16)
+                if not chunk:
+                    raise RuntimeError("the evaluator closed the device gate")
+                reply += chunk
         if reply != b"go\n":
             raise RuntimeError(f"unexpected answer from the device gate: {reply!r}")
 

@@ -622,6 +622,7 @@ impl Evaluator {
             writable: vec![artifact_dir.to_owned()],
             env,
             wall: Duration::from_secs(inner.config.run_timeout_secs),
+            background: false,
         };
         Ok(self.start(stage, cancel))
     }
@@ -773,6 +774,8 @@ impl Evaluator {
             writable: vec![artifact_dir.clone()],
             env,
             wall: Duration::from_secs(inner.config.compile_timeout_secs),
+            // Compiles fill every core; the stages holding a device go first.
+            background: true,
         };
         let request =
             Request { mode: "compile", spec: json!({ "candidate_path": scratch.join("candidate.py") }), env: vec![] };
@@ -881,6 +884,7 @@ impl Evaluator {
             writable: if mode == "reference" { vec![reference_dir] } else { vec![] },
             env: python.env_on(scratch, gpu),
             wall: Duration::from_secs(inner.config.run_timeout_secs),
+            background: false,
         };
         Ok(PreparedCheck { started: self.start(stage, cancel), mode, spec, key, lock, _pin: pin })
     }
@@ -973,6 +977,7 @@ impl Evaluator {
             writable: vec![],
             env,
             wall: Duration::from_secs(inner.config.run_timeout_secs),
+            background: false,
         };
         let request = Request {
             mode: "baseline",

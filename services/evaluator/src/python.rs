@@ -230,6 +230,8 @@ pub struct Stage {
     pub writable: Vec<PathBuf>,
     pub env: Vec<(OsString, OsString)>,
     pub wall: Duration,
+    /// Yields the CPU to stages on a device (compiles): see [`Limits::nice`].
+    pub background: bool,
 }
 
 /// What a started stage is asked to do: the harness mode, its spec, and environment variables known only now
@@ -304,7 +306,7 @@ pub fn start(
         scratch: stage.scratch,
         readable,
         writable: stage.writable,
-        limits: Limits { wall: stage.wall, ..Limits::default() },
+        limits: Limits { wall: stage.wall, nice: if stage.background { 10 } else { 0 }, ..Limits::default() },
     };
     let (request, delivered) = tokio::sync::oneshot::channel::<(Vec<u8>, Option<Member>)>();
     let sandbox = sandbox.clone();
