@@ -592,7 +592,6 @@ impl Evaluator {
         pb::Verdict::Correct
     }
 
-    /// Runs the candidate in a fresh sandboxed child in `dir`; `spec` holds the run's seeds and what to measure.
     /// Starts the candidate's process in `dir`, before it has a lane: the interpreter starts and imports torch
     /// meanwhile. Its device comes with the request.
     fn start_candidate(
