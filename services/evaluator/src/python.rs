@@ -348,14 +348,16 @@ async fn converse(member: Member, control: Control, socket: tokio::net::UnixStre
             Ok(n) if n > 0 && line.ends_with(b"\n") => {}
             _ => return,
         }
+        let alone = match &line[..] {
+            b"alone\n" => true,
+            b"share\n" => false,
+            _ => return,
+        };
         control.stop();
-        match &line[..] {
-            b"alone\n" => member.alone().await,
-            b"share\n" => member.share().await,
-            _ => {
-                control.resume();
-                return;
-            }
+        if alone {
+            member.alone().await;
+        } else {
+            member.share().await;
         }
         control.resume();
         if write.write_all(b"go\n").await.is_err() {
