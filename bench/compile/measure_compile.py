@@ -4,16 +4,17 @@
 
 Builds the same one-kernel module (kforge's fused-epilogue candidate) in fresh build directories, one variant at a
 time, and reports per variant: wall time, the ninja steps' durations (the g++ step for the bindings, the nvcc step
-for the .cu file, the link), nvcc's own phase times (`nvcc --time`), and a digest of the device code (the SASS that
-`cuobjdump -sass` prints for the built library). Variants:
+for the .cu file, the link), nvcc's own phase times (`nvcc --time`, stock nvcc only) and a digest of the device code
+(the SASS that `cuobjdump -sass` prints for the built library). Variants:
 
 - stock: what torch's load_inline does by default;
-- pch: the bindings' g++ step reads torch/extension.h from a precompiled header that kforge builds once;
 - light: the .cu file includes torch/types.h where it asked for torch/extension.h (all.h and the Python bindings
   are not parsed three times by nvcc);
-- pch+light: both.
+- light+parallel: light, built through kforge's nvcc (services/evaluator/harness/kforge_nvcc.py: nvcc's own steps,
+  the host and device front ends side by side). Its object is compared with the light build's: equal but for the
+  temporary file names nvcc itself varies per run.
 
-With --parallel N, N distinct modules are then built at once with pch+light (a compile pool's view).
+With --parallel N, N distinct modules are then built at once with light+parallel (a compile pool's view).
 """
 
 import concurrent.futures
@@ -24,7 +25,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernelbench"))
@@ -35,25 +35,6 @@ import torch.utils.cpp_extension as ext  # noqa: E402
 
 CUDA = make_candidates.EPILOGUE_CUDA.replace("EXPRESSION", "return fmaxf(v, 0.f) / a;")
 CPP = make_candidates.EPILOGUE_CPP
-
-
-def torch_include_flags():
-    include = os.path.join(os.path.dirname(torch.__file__), "include")
-    return [f"-isystem{include}", f"-isystem{os.path.join(include, 'torch', 'csrc', 'api', 'include')}",
-            f"-isystem{sysconfig.get_path('include')}"]
-
-
-def build_pch(root):
-    """torch/extension.h precompiled with the flags load_inline gives the bindings' g++ step."""
-    header_dir = os.path.join(root, "torch")
-    os.makedirs(header_dir, exist_ok=True)
-    header = os.path.join(header_dir, "extension.h")
-    shutil.copy(os.path.join(os.path.dirname(torch.__file__), "include", "torch", "extension.h"), header)
-    command = ["c++", "-x", "c++-header", header, "-o", header + ".gch", "-DTORCH_API_INCLUDE_EXTENSION_H",
-               *torch_include_flags(), "-fPIC", "-std=c++20"]
-    started = time.monotonic()
-    subprocess.run(command, check=True)
-    return time.monotonic() - started, command
 
 
 def ninja_steps(build_dir):
@@ -91,7 +72,32 @@ def sass_digest(library):
     return hashlib.sha256(body.encode()).hexdigest()[:16], len(out)
 
 
-def build(variant, root, tag, pch_dir, out):
+WRAPPER = os.path.join(os.path.dirname(__file__), "..", "..", "services", "evaluator", "harness", "kforge_nvcc.py")
+
+
+def object_words(path):
+    """The object's printable strings but nvcc's temporary file names (tmpxft_<pid>_...), which vary per run."""
+    out = subprocess.run(["strings", "-a", path], capture_output=True, text=True).stdout
+    return [re.sub(r"tmpxft_[0-9a-f]+_[0-9a-f]+", "tmpxft", line) for line in out.splitlines()]
+
+
+def same_object(build_dir):
+    """Compiles the build's .cu with nvcc and with kforge's nvcc, with load_inline's flags from its build.ninja, in
+    the same directory; whether the objects are equal but for nvcc's temporary file names."""
+    with open(os.path.join(build_dir, "build.ninja")) as f:
+        config = dict(line.split(" = ", 1) for line in f.read().splitlines() if " = " in line)
+    nvcc = os.path.join(ext.CUDA_HOME, "bin", "nvcc")
+    objects = {}
+    for label, compiler in [("nvcc", [nvcc]), ("kforge_nvcc", [sys.executable, os.path.abspath(WRAPPER)])]:
+        obj = os.path.join(build_dir, f"compare-{label}.o")
+        command = " ".join([*compiler, "-MD", "-MF", obj + ".d", config["cuda_cflags"], "-c",
+                            os.path.join(build_dir, "cuda.cu"), "-o", obj, config.get("cuda_post_cflags", "")])
+        subprocess.run(command, shell=True, check=True, cwd=build_dir)
+        objects[label] = object_words(obj)
+    return objects["nvcc"] == objects["kforge_nvcc"]
+
+
+def build(variant, root, tag, out):
     """One build of the module in a fresh directory under `root`; nvcc's phase times are copied to `out`."""
     name = f"kforge_compile_{variant.replace('+', '_')}_{tag}"
     build_dir = os.path.join(root, name)
@@ -100,21 +106,25 @@ def build(variant, root, tag, pch_dir, out):
     cuda = CUDA
     if "light" in variant:
         cuda = cuda.replace("#include <torch/extension.h>", "#include <torch/types.h>")
-    extra_cflags = [f"-I{pch_dir}", "-Winvalid-pch"] if "pch" in variant else []
     time_csv = os.path.join(build_dir, "nvcc-time.csv")
-    extra_cuda = ["--time", time_csv]
-    if "O0host" in variant:
-        extra_cuda += ["-Xcompiler", "-O0"]
+    parallel = "parallel" in variant
+    extra_cuda = [] if parallel else ["--time", time_csv]
+    if parallel:
+        os.environ["PYTORCH_NVCC"] = f"{sys.executable} {os.path.abspath(WRAPPER)}"
     started = time.monotonic()
-    ext.load_inline(name=name, cpp_sources=CPP, cuda_sources=cuda, functions=["fused_epilogue"],
-                    build_directory=build_dir, extra_cflags=extra_cflags, extra_cuda_cflags=extra_cuda)
+    try:
+        ext.load_inline(name=name, cpp_sources=CPP, cuda_sources=cuda, functions=["fused_epilogue"],
+                        build_directory=build_dir, extra_cuda_cflags=extra_cuda)
+    finally:
+        os.environ.pop("PYTORCH_NVCC", None)
     wall = time.monotonic() - started
     library = os.path.join(build_dir, f"{name}.so")
     digest, size = sass_digest(library)
     if os.path.exists(time_csv):
         shutil.copy(time_csv, os.path.join(out, f"nvcc-time-{name}.csv"))
     return {"variant": variant, "name": name, "wall_s": round(wall, 2), "ninja_steps_s": ninja_steps(build_dir),
-            "nvcc_phases_s": nvcc_phases(time_csv), "sass": digest, "sass_chars": size}
+            "nvcc_phases_s": nvcc_phases(time_csv), "sass": digest, "sass_chars": size,
+            "object": os.path.join(build_dir, "cuda.cuda.o")}
 
 
 def main():
@@ -130,23 +140,22 @@ def main():
                       "cores": os.cpu_count()}), flush=True)
     nvcc = shutil.which("nvcc") or os.path.join(ext.CUDA_HOME or "", "bin", "nvcc")
     print(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
-    pch_dir = os.path.join(out, "pch")
-    seconds, command = build_pch(pch_dir)
-    print(json.dumps({"pch_build_s": round(seconds, 2), "command": " ".join(command)}), flush=True)
     results = []
-    for variant in ["stock", "pch", "light", "pch+light", "pch+light+O0host", "stock"]:
-        result = build(variant, root, f"s{len(results)}", pch_dir, out)
+    for variant in ["stock", "light", "light+parallel", "light", "light+parallel"]:
+        result = build(variant, root, f"s{len(results)}", out)
         results.append(result)
         print(json.dumps(result), flush=True)
     if parallel:
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-            runs = list(pool.map(lambda i: build("pch+light", root, f"p{i}", pch_dir, out), range(parallel)))
+            runs = list(pool.map(lambda i: build("light+parallel", root, f"p{i}", out), range(parallel)))
         print(json.dumps({"parallel": parallel, "wall_s": round(time.monotonic() - started, 2),
                           "each_wall_s": [r["wall_s"] for r in runs], "sass": sorted({r["sass"] for r in runs})}),
               flush=True)
     sass = {r["variant"]: r["sass"] for r in results}
-    print(json.dumps({"same_sass_across_variants": len(set(sass.values())) == 1, "sass": sass}))
+    light_dir = os.path.dirname(next(r["object"] for r in results if r["variant"] == "light"))
+    print(json.dumps({"same_sass_across_variants": len(set(sass.values())) == 1, "sass": sass,
+                      "nvcc_and_kforge_nvcc_objects_equal_but_temporary_names": same_object(light_dir)}))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 //! ```text
 //! evaluator-throughput --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out DIR]
 //!                      [--serial N] [--repeat N] [--limit N] [--no-landlock] [--pipeline-from FILE]
-//!                      [--gpu-slots N]
+//!                      [--gpu-slots N] [--compile-workers N]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py --mixed` writes (candidates and manifest.json).
 //!
@@ -16,12 +16,14 @@
 //! - `--repeat N` evaluates N candidates again through the pipeline's warm evaluator: compile cache hits.
 //! - `--limit N` keeps the manifest's first N candidates (the level-2 groups come first, four per task).
 //! - `--gpu-slots N` sets the pipeline evaluator's `gpu_slots` (default: the evaluator's default).
+//! - `--compile-workers N` sets the pipeline evaluator's `compile_workers` (default: the evaluator's default).
 //! - `--pipeline-from FILE` takes the pipeline's evaluations from an earlier run's `evaluations.jsonl` on the same
 //!   machine instead of running it, so the two modes can be measured in separate device commands.
 //!
 //! Reported: evaluations per hour of each mode and their ratio; the device's busy fraction (lane held) over the
 //! pipeline's device window and while compiled work waited for it; compile time p50/p95 (cold, and cache hits);
-//! device time per evaluation; and whether both modes reached the same verdicts (and the manifest's).
+//! device time per evaluation; the machine's CPU busy fraction over the pipeline's run (all cores, from
+//! /proc/stat); and whether both modes reached the same verdicts (and the manifest's).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -43,6 +45,7 @@ struct Args {
     pipeline_from: Option<PathBuf>,
     limit: usize,
     gpu_slots: Option<usize>,
+    compile_workers: usize,
 }
 
 fn args() -> Result<Args, String> {
@@ -58,6 +61,7 @@ fn args() -> Result<Args, String> {
         pipeline_from: None,
         limit: usize::MAX,
         gpu_slots: None,
+        compile_workers: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -74,6 +78,9 @@ fn args() -> Result<Args, String> {
             "--pipeline-from" => args.pipeline_from = Some(value()?.into()),
             "--limit" => args.limit = value()?.parse().map_err(|e| format!("--limit: {e}"))?,
             "--gpu-slots" => args.gpu_slots = Some(value()?.parse().map_err(|e| format!("--gpu-slots: {e}"))?),
+            "--compile-workers" => {
+                args.compile_workers = value()?.parse().map_err(|e| format!("--compile-workers: {e}"))?
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -291,15 +298,34 @@ fn main() -> std::process::ExitCode {
 }
 
 /// The pipeline's run over every candidate, then `--repeat` of them again (cache hits); with its makespan.
-async fn pipeline(
-    args: &Args,
-    candidates: &[Candidate],
-) -> (Vec<Outcome>, f64, Vec<Outcome>, pb::GetCapabilitiesResponse) {
+/// The machine's busy and total CPU time so far, in clock ticks (the first line of /proc/stat: busy is all but
+/// idle and iowait); None where there is no /proc/stat.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> =
+        stat.lines().next()?.split_whitespace().skip(1).take(8).filter_map(|f| f.parse().ok()).collect();
+    let total: u64 = ticks.iter().sum();
+    let idle = ticks.get(3)? + ticks.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// The fraction of the machine's CPU time that was busy between two [`cpu_ticks`] samples.
+fn cpu_busy(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((busy0, total0), (busy1, total1)) = (before?, after?);
+    (total1 > total0).then(|| (busy1 - busy0) as f64 / (total1 - total0) as f64)
+}
+
+/// The pipeline's outcomes, makespan, repeats, the evaluator's capabilities, and the machine's CPU busy fraction
+/// over the makespan.
+type PipelineRun = (Vec<Outcome>, f64, Vec<Outcome>, pb::GetCapabilitiesResponse, Option<f64>);
+
+async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
     // Everything at once, cold caches.
-    let pipeline = evaluator(args, &args.work.join("pipeline"), 0).await;
+    let pipeline = evaluator(args, &args.work.join("pipeline"), args.compile_workers).await;
     let capabilities = pipeline.capabilities();
     println!("# devices {:?} versions {:?}", capabilities.devices, capabilities.versions);
     let epoch = Instant::now();
+    let ticks = cpu_ticks();
     let mut running = tokio::task::JoinSet::new();
     for candidate in candidates.iter().cloned() {
         let evaluator = pipeline.clone();
@@ -312,6 +338,7 @@ async fn pipeline(
         piped.push(outcome);
     }
     let pipeline_s = epoch.elapsed().as_secs_f64();
+    let cpu = cpu_busy(ticks, cpu_ticks());
 
     // Cache hits: the same candidates again, one at a time, through the warm pipeline.
     let mut repeated = Vec::new();
@@ -327,7 +354,7 @@ async fn pipeline(
         record(args, "repeat", &outcome);
         repeated.push(outcome);
     }
-    (piped, pipeline_s, repeated, capabilities)
+    (piped, pipeline_s, repeated, capabilities, cpu)
 }
 
 async fn run(args: Args) -> std::process::ExitCode {
@@ -347,7 +374,7 @@ async fn run(args: Args) -> std::process::ExitCode {
     let tasks: std::collections::BTreeSet<&str> = candidates.iter().map(|c| c.task.as_str()).collect();
     println!("# {} candidates over {} tasks", candidates.len(), tasks.len());
 
-    let (piped, pipeline_s, repeated, capabilities) = match &args.pipeline_from {
+    let (piped, pipeline_s, repeated, capabilities, pipeline_cpu) = match &args.pipeline_from {
         Some(path) => {
             let text = match std::fs::read_to_string(path) {
                 Ok(text) => text,
@@ -363,7 +390,7 @@ async fn run(args: Args) -> std::process::ExitCode {
             let piped = of("pipeline");
             let makespan = piped.iter().map(|o| o.ended_s).fold(0.0, f64::max);
             let probe = evaluator(&args, &args.work.join("capabilities"), 1).await;
-            (piped, makespan, of("repeat"), probe.capabilities())
+            (piped, makespan, of("repeat"), probe.capabilities(), None)
         }
         None => pipeline(&args, &candidates).await,
     };
@@ -399,7 +426,8 @@ async fn run(args: Args) -> std::process::ExitCode {
         .filter(|o| by_name.get(o.name.as_str()) != Some(&o.verdict.as_str()))
         .map(|o| format!("{}: serial {} pipeline {:?}", o.name, o.verdict, by_name.get(o.name.as_str())))
         .collect();
-    let pipeline_summary = summary(&piped, pipeline_s);
+    let mut pipeline_summary = summary(&piped, pipeline_s);
+    pipeline_summary["machine_cpu_busy"] = json!(pipeline_cpu);
     let serial_summary = summary(&serial, serial_s);
     let rate = |s: &Value| s["evaluations_per_hour"].as_f64().unwrap_or(0.0);
     let hits: Vec<f64> =

@@ -118,18 +118,24 @@ impl Evaluator {
         let work = std::path::absolute(&config.work_dir)?;
         let harness_dir = work.join("harness");
         std::fs::create_dir_all(&harness_dir)?;
-        let harness = harness_dir.join("kforge_harness.py");
         // Replaced atomically: evaluators in other processes may share the work directory and be starting the
         // harness right now (a truncated file would run as an empty script and exit 0 without a result).
-        if std::fs::read(&harness).ok().as_deref() != Some(python::HARNESS.as_bytes()) {
-            let staged = harness_dir.join(format!("kforge_harness.py.{}", std::process::id()));
-            std::fs::write(&staged, python::HARNESS)?;
-            std::fs::rename(&staged, &harness)?;
+        for (name, contents) in python::HARNESS_FILES {
+            let path = harness_dir.join(name);
+            if std::fs::read(&path).ok().as_deref() != Some(contents.as_bytes()) {
+                let staged = harness_dir.join(format!("{name}.{}", std::process::id()));
+                std::fs::write(&staged, contents)?;
+                std::fs::rename(&staged, &path)?;
+            }
         }
+        let harness = harness_dir.join("kforge_harness.py");
         let scratch_root = work.join("scratch");
         std::fs::create_dir_all(&scratch_root)?;
         let sandbox = Sandbox::detect_with(config.sandbox).await;
-        let python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
+        let mut python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
+        if let Ok(env) = &mut python {
+            env.use_nvcc_wrapper(&harness_dir.join("kforge_nvcc.py"));
+        }
         let sandbox = match &python {
             // The GPU driver must work inside the sandbox; on some hosts it fails under Landlock. Detect, report,
             // and run without it there rather than fail every evaluation.
@@ -154,7 +160,7 @@ impl Evaluator {
         }
         let gpus = python.as_ref().map(|p| p.gpus.len()).unwrap_or(0);
         let compile_workers = match config.compile_workers {
-            0 => std::thread::available_parallelism().map(usize::from).unwrap_or(2),
+            0 => std::thread::available_parallelism().map_or(1, |cores| usize::from(cores).div_ceil(2)),
             n => n,
         };
         Ok(Self {

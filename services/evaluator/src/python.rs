@@ -16,6 +16,13 @@ use crate::devices::{Gate, Member};
 /// The harness, embedded so that the binary is self-contained; written to the work directory at start.
 pub const HARNESS: &str = include_str!("../harness/kforge_harness.py");
 
+/// kforge's nvcc (the host and device front ends side by side), written next to the harness; builds name it in
+/// `PYTORCH_NVCC`.
+pub const NVCC: &str = include_str!("../harness/kforge_nvcc.py");
+
+/// The files written to the work directory's `harness/` at start.
+pub const HARNESS_FILES: [(&str, &str); 2] = [("kforge_harness.py", HARNESS), ("kforge_nvcc.py", NVCC)];
+
 /// What the interpreter reported about itself.
 #[derive(Debug, Clone, Deserialize)]
 struct Probe {
@@ -50,6 +57,8 @@ pub struct PythonEnv {
     /// Where the interpreter and its packages live: readable by every stage.
     pub readable: Vec<PathBuf>,
     cuda_home: Option<PathBuf>,
+    /// The command load_inline's builds run for nvcc (`PYTORCH_NVCC`); see [`PythonEnv::use_nvcc_wrapper`].
+    nvcc: Option<String>,
 }
 
 const PROBE: &str = r#"
@@ -131,7 +140,16 @@ impl PythonEnv {
         }
         readable.sort();
         readable.dedup();
-        Ok(Self { python, versions, gpus: probe.devices, readable, cuda_home })
+        Ok(Self { python, versions, gpus: probe.devices, readable, cuda_home, nvcc: None })
+    }
+
+    /// Builds of CUDA extensions run nvcc through `wrapper` (kforge_nvcc.py), with this interpreter. Every stage
+    /// that loads a candidate gets the same command: ninja rebuilds an object whose command line changed.
+    pub fn use_nvcc_wrapper(&mut self, wrapper: &Path) {
+        if self.cuda_home.is_some() {
+            let quote = |path: &Path| format!("'{}'", path.display().to_string().replace('\'', r"'\''"));
+            self.nvcc = Some(format!("{} {}", quote(&self.python), quote(wrapper)));
+        }
     }
 
     /// The software versions as one string, for cache keys.
@@ -163,6 +181,9 @@ impl PythonEnv {
         ];
         if let Some(home) = &self.cuda_home {
             env.push(("CUDA_HOME".into(), home.into()));
+        }
+        if let Some(nvcc) = &self.nvcc {
+            env.push(("PYTORCH_NVCC".into(), nvcc.into()));
         }
         env
     }
