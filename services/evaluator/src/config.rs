@@ -18,8 +18,8 @@ pub struct EvaluatorConfig {
     pub python: PathBuf,
     /// Caches (compiled artifacts, reference outputs, baselines) and per-evaluation scratch space.
     pub work_dir: PathBuf,
-    /// Concurrent compiles; 0 means one per two CPU cores: a CUDA build keeps about two compilers busy (nvcc's
-    /// host and device front ends side by side, and g++ for the bindings).
+    /// Concurrent compiles; 0 means one per CPU core. (One per two cores, since a CUDA build now keeps about two
+    /// compilers busy, was measured on the H200 and showed no gain within run-to-run noise: docs/EVALUATOR.md.)
     pub compile_workers: usize,
     /// Evaluations on one GPU at once. They share it for everything but timed work (timing loops and the census's
     /// recorded calls), which runs with every other process on the GPU stopped at a synchronised pause point.

@@ -160,7 +160,7 @@ impl Evaluator {
         }
         let gpus = python.as_ref().map(|p| p.gpus.len()).unwrap_or(0);
         let compile_workers = match config.compile_workers {
-            0 => std::thread::available_parallelism().map_or(1, |cores| usize::from(cores).div_ceil(2)),
+            0 => std::thread::available_parallelism().map_or(2, usize::from),
             n => n,
         };
         Ok(Self {
@@ -399,7 +399,9 @@ impl Evaluator {
         if compiles {
             let started = Instant::now();
             let compiled = self.compile(job, &artifact_key, &compile_dir, cancel, response).await;
-            response.stage_ms.insert("compile".into(), ms(started.elapsed()));
+            // The build itself: time waiting for a compile worker is `queue_compile`.
+            let queued = response.stage_ms.get("queue_compile").copied().unwrap_or(0.0);
+            response.stage_ms.insert("compile".into(), ms(started.elapsed()) - queued);
             if let Some(verdict) = compiled {
                 return verdict;
             }
@@ -751,7 +753,9 @@ impl Evaluator {
             response.compile_cache_hit = true;
             return cached_compile(entry, response);
         }
+        let queued = Instant::now();
         let _slot = inner.compile_slots.acquire().await.expect("the compile pool is never closed");
+        response.stage_ms.insert("queue_compile".into(), ms(queued.elapsed()));
         let lock = match inner.artifacts.lock(key).await {
             Ok(lock) => lock,
             Err(error) => return Some(infra(response, format!("artifact lock: {error}"), true)),
