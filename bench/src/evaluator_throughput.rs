@@ -315,9 +315,16 @@ fn cpu_busy(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64
     (total1 > total0).then(|| (busy1 - busy0) as f64 / (total1 - total0) as f64)
 }
 
-/// The pipeline's outcomes, makespan, repeats, the evaluator's capabilities, and the machine's CPU busy fraction
-/// over the makespan.
-type PipelineRun = (Vec<Outcome>, f64, Vec<Outcome>, pb::GetCapabilitiesResponse, Option<f64>);
+/// What the pipeline mode measured.
+struct PipelineRun {
+    outcomes: Vec<Outcome>,
+    makespan_s: f64,
+    /// The cache hits (`--repeat`).
+    repeats: Vec<Outcome>,
+    capabilities: pb::GetCapabilitiesResponse,
+    /// The machine's CPU busy fraction over the makespan; None when taken from an earlier run.
+    cpu_busy: Option<f64>,
+}
 
 async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
     // Everything at once, cold caches.
@@ -354,7 +361,7 @@ async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
         record(args, "repeat", &outcome);
         repeated.push(outcome);
     }
-    (piped, pipeline_s, repeated, capabilities, cpu)
+    PipelineRun { outcomes: piped, makespan_s: pipeline_s, repeats: repeated, capabilities, cpu_busy: cpu }
 }
 
 async fn run(args: Args) -> std::process::ExitCode {
@@ -374,26 +381,33 @@ async fn run(args: Args) -> std::process::ExitCode {
     let tasks: std::collections::BTreeSet<&str> = candidates.iter().map(|c| c.task.as_str()).collect();
     println!("# {} candidates over {} tasks", candidates.len(), tasks.len());
 
-    let (piped, pipeline_s, repeated, capabilities, pipeline_cpu) = match &args.pipeline_from {
-        Some(path) => {
-            let text = match std::fs::read_to_string(path) {
-                Ok(text) => text,
-                Err(error) => {
-                    eprintln!("evaluator-throughput: {}: {error}", path.display());
-                    return std::process::ExitCode::FAILURE;
+    let PipelineRun { outcomes: piped, makespan_s: pipeline_s, repeats: repeated, capabilities, cpu_busy } =
+        match &args.pipeline_from {
+            Some(path) => {
+                let text = match std::fs::read_to_string(path) {
+                    Ok(text) => text,
+                    Err(error) => {
+                        eprintln!("evaluator-throughput: {}: {error}", path.display());
+                        return std::process::ExitCode::FAILURE;
+                    }
+                };
+                let values: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+                let of = |mode: &str| -> Vec<Outcome> {
+                    values.iter().filter(|v| v["mode"] == mode).filter_map(Outcome::from_json).collect()
+                };
+                let piped = of("pipeline");
+                let makespan = piped.iter().map(|o| o.ended_s).fold(0.0, f64::max);
+                let probe = evaluator(&args, &args.work.join("capabilities"), 1).await;
+                PipelineRun {
+                    outcomes: piped,
+                    makespan_s: makespan,
+                    repeats: of("repeat"),
+                    capabilities: probe.capabilities(),
+                    cpu_busy: None,
                 }
-            };
-            let values: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-            let of = |mode: &str| -> Vec<Outcome> {
-                values.iter().filter(|v| v["mode"] == mode).filter_map(Outcome::from_json).collect()
-            };
-            let piped = of("pipeline");
-            let makespan = piped.iter().map(|o| o.ended_s).fold(0.0, f64::max);
-            let probe = evaluator(&args, &args.work.join("capabilities"), 1).await;
-            (piped, makespan, of("repeat"), probe.capabilities(), None)
-        }
-        None => pipeline(&args, &candidates).await,
-    };
+            }
+            None => pipeline(&args, &candidates).await,
+        };
 
     // Serial: one at a time, nothing shared; the first candidates of each kind in turn.
     let mut by_kind: BTreeMap<&str, Vec<&Candidate>> = BTreeMap::new();
@@ -427,7 +441,7 @@ async fn run(args: Args) -> std::process::ExitCode {
         .map(|o| format!("{}: serial {} pipeline {:?}", o.name, o.verdict, by_name.get(o.name.as_str())))
         .collect();
     let mut pipeline_summary = summary(&piped, pipeline_s);
-    pipeline_summary["machine_cpu_busy"] = json!(pipeline_cpu);
+    pipeline_summary["machine_cpu_busy"] = json!(cpu_busy);
     let serial_summary = summary(&serial, serial_s);
     let rate = |s: &Value| s["evaluations_per_hour"].as_f64().unwrap_or(0.0);
     let hits: Vec<f64> =

@@ -64,10 +64,16 @@ def output_of(args):
 
 
 class Plan:
-    """nvcc's steps for one compile, sorted into the host chain, the device chain and the final host compile."""
+    """nvcc's steps for one compile, sorted into the host chain, the device chain and the final host compile, with
+    the module id files the host front end and each device front end write."""
 
-    def __init__(self, environment, host, device, final):
+    def __init__(self, environment, host, device, final, module_ids):
         self.environment, self.host, self.device, self.final = environment, host, device, final
+        self.module_ids = module_ids
+
+
+def tool_of(step):
+    return os.path.basename(step.split()[0].strip('"'))
 
 
 def plan(dry_run_lines):
@@ -80,8 +86,7 @@ def plan(dry_run_lines):
             steps.append(line)
     host, device, final = [], [], None
     for i, step in enumerate(steps):
-        words = step.split()
-        tool = os.path.basename(words[0].strip('"'))
+        tool = tool_of(step)
         preprocess = " -E " in f" {step} "
         if preprocess and "-D__CUDA_ARCH__=" in step:
             device.append(step)
@@ -97,22 +102,22 @@ def plan(dry_run_lines):
             final = step
         else:
             return None
-    cudafe = [s for s in host if "cudafe++" in s.split()[0]]
-    front_ends = [s for s in device if os.path.basename(s.split()[0].strip('"')) == "cicc"]
+    cudafe = [s for s in host if tool_of(s) == "cudafe++"]
+    front_ends = [s for s in device if tool_of(s) == "cicc"]
     if final is None or len(cudafe) != 1 or not front_ends or "--gen_module_id_file" not in cudafe[0]:
         return None
     ids = {MODULE_ID.search(s).group(1) if MODULE_ID.search(s) else None for s in cudafe + front_ends}
     if len(ids) != 1 or None in ids:
         return None
     # Each device front end writes its own copy of the module id instead of reading the host front end's.
-    module_id = ids.pop()
+    module_ids = [ids.pop()]
     for n, step in enumerate(device):
-        if step in front_ends:
-            copy = f"{module_id}.device{n}"
-            device[n] = step.replace(module_id, copy).replace(" -tused", " -tused --gen_module_id_file", 1)
+        if tool_of(step) == "cicc":
+            module_ids.append(f"{module_ids[0]}.device{n}")
+            device[n] = step.replace(module_ids[0], module_ids[-1]).replace(" -tused", " -tused --gen_module_id_file", 1)
             if "--gen_module_id_file" not in device[n]:
                 return None
-    return Plan(environment, host, device, final), module_id
+    return Plan(environment, host, device, final, module_ids)
 
 
 def exports(environment):
@@ -135,45 +140,52 @@ def start(environment, steps):
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def build(real, args, scratch):
+    """Builds the object the plan's way and returns nvcc's exit status, or None when nvcc itself must build it."""
+    rest, depfile = split_dependency_output(args)
+    output = output_of(args)
+    dry = subprocess.run([real, "--dryrun", *rest], env=dict(os.environ, TMPDIR=scratch), capture_output=True,
+                         text=True)
+    lines = [line[3:] for line in dry.stderr.splitlines() + dry.stdout.splitlines() if line.startswith("#$ ")]
+    steps = plan(lines) if dry.returncode == 0 else None
+    if steps is None:
+        return None
+    if depfile:
+        steps.host[0] = f"{steps.host[0]} -MD -MF {shlex.quote(depfile)} -MT {shlex.quote(output)}"
+    host, device = start(steps.environment, steps.host), start(steps.environment, steps.device)
+    host_output, _ = host.communicate()
+    if host.returncode != 0:
+        os.killpg(device.pid, signal.SIGKILL)
+        device.wait()
+        sys.stdout.buffer.write(host_output)
+        return host.returncode
+    device_output, _ = device.communicate()
+    if device.returncode == 0:
+        ids = set()
+        for path in steps.module_ids:
+            with open(path, "rb") as f:
+                ids.add(f.read())
+        if len(ids) != 1:
+            # Not seen in testing; a library built with mismatched ids would not find its kernels.
+            return None
+    sys.stdout.buffer.write(host_output + device_output)
+    sys.stdout.flush()
+    if device.returncode != 0:
+        return device.returncode
+    return subprocess.run(["bash", "-c", script(steps.environment, [steps.final])]).returncode
+
+
 def run(args):
     real = real_nvcc()
-    split = split_dependency_output(args)
-    output = output_of(args) if split else None
-    if output is None:
-        os.execv(real, [real, *args])
-    rest, depfile = split
-    scratch = tempfile.mkdtemp(prefix="kforge-nvcc-")
-    try:
-        env = dict(os.environ, TMPDIR=scratch)
-        dry = subprocess.run([real, "--dryrun", *rest], env=env, capture_output=True, text=True)
-        lines = [line[3:] for line in dry.stderr.splitlines() + dry.stdout.splitlines() if line.startswith("#$ ")]
-        planned = plan(lines) if dry.returncode == 0 else None
-        if planned is None:
-            os.execv(real, [real, *args])
-        steps, module_id = planned
-        if depfile:
-            steps.host[0] = f"{steps.host[0]} -MD -MF {shlex.quote(depfile)} -MT {shlex.quote(output)}"
-        host, device = start(steps.environment, steps.host), start(steps.environment, steps.device)
-        host_output, _ = host.communicate()
-        if host.returncode != 0:
-            os.killpg(device.pid, signal.SIGKILL)
-            device.wait()
-            sys.stdout.buffer.write(host_output)
-            return host.returncode
-        device_output, _ = device.communicate()
-        sys.stdout.buffer.write(host_output + device_output)
-        sys.stdout.flush()
-        if device.returncode != 0:
-            return device.returncode
-        ids = {open(path, "rb").read() for path in [module_id] + [
-            os.path.join(os.path.dirname(module_id), name) for name in os.listdir(os.path.dirname(module_id))
-            if name.startswith(os.path.basename(module_id) + ".device")]}
-        if len(ids) != 1:
-            # Never seen; a library built with mismatched ids would not find its kernels, so nvcc builds it.
-            return subprocess.run([real, *args]).returncode
-        return subprocess.run(["bash", "-c", script(steps.environment, [steps.final])]).returncode
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    if split_dependency_output(args) is not None and output_of(args) is not None:
+        scratch = tempfile.mkdtemp(prefix="kforge-nvcc-")
+        try:
+            status = build(real, args, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if status is not None:
+            return status
+    os.execv(real, [real, *args])
 
 
 if __name__ == "__main__":

@@ -624,6 +624,15 @@ mod tests {
         !future.is_finished()
     }
 
+    /// Waits for readiness to come back: the next periodic probe passed.
+    async fn recovered(lanes: &Lanes) {
+        let mut readiness = lanes.readiness();
+        tokio::time::timeout(Duration::from_secs(10), readiness.wait_for(|ready| *ready))
+            .await
+            .expect("recovered within the retry interval")
+            .expect("sender alive");
+    }
+
     async fn done<T>(future: tokio::task::JoinHandle<T>) -> T {
         tokio::time::timeout(Duration::from_secs(5), future).await.expect("in time").expect("task")
     }
@@ -730,11 +739,7 @@ mod tests {
         assert!(lanes.acquire(true, 0, "").await.is_err(), "slots in use when it went do not come back");
 
         std::fs::remove_file(dir.join("broken")).expect("marker");
-        let mut readiness = lanes.readiness();
-        tokio::time::timeout(Duration::from_secs(10), readiness.wait_for(|ready| *ready))
-            .await
-            .expect("recovered")
-            .expect("sender alive");
+        recovered(&lanes).await;
         let back = [lanes.acquire(true, 0, "").await.expect("slot"), lanes.acquire(true, 0, "").await.expect("slot")];
         let mut more = tokio::spawn({
             let lanes = lanes.clone();
@@ -795,11 +800,7 @@ mod tests {
 
         // The device heals: the next periodic probe passes and the lane returns.
         std::fs::remove_file(dir.join("broken")).expect("marker");
-        let mut readiness = lanes.readiness();
-        tokio::time::timeout(Duration::from_secs(10), readiness.wait_for(|ready| *ready))
-            .await
-            .expect("recovered within the retry interval")
-            .expect("sender alive");
+        recovered(&lanes).await;
         assert_eq!(lanes.quarantine_reason(0), None);
         let lane = lanes.acquire(true, 0, "").await.expect("the lane is back");
         assert_eq!(lane.gpu(), Some(0));

@@ -13,15 +13,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::devices::{Gate, Member};
 
-/// The harness, embedded so that the binary is self-contained; written to the work directory at start.
-pub const HARNESS: &str = include_str!("../harness/kforge_harness.py");
-
-/// kforge's nvcc (the host and device front ends side by side), written next to the harness; builds name it in
+/// The files written to the work directory's `harness/` at start, embedded so that the binary is self-contained:
+/// the harness, and kforge's nvcc (the host and device front ends side by side), which builds name in
 /// `PYTORCH_NVCC`.
-pub const NVCC: &str = include_str!("../harness/kforge_nvcc.py");
-
-/// The files written to the work directory's `harness/` at start.
-pub const HARNESS_FILES: [(&str, &str); 2] = [("kforge_harness.py", HARNESS), ("kforge_nvcc.py", NVCC)];
+pub const HARNESS_FILES: [(&str, &str); 2] = [
+    ("kforge_harness.py", include_str!("../harness/kforge_harness.py")),
+    ("kforge_nvcc.py", include_str!("../harness/kforge_nvcc.py")),
+];
 
 /// What the interpreter reported about itself.
 #[derive(Debug, Clone, Deserialize)]

@@ -33,7 +33,8 @@ EOF
 "#;
 
 /// The stand-in tools, one script under several names. Each logs its arguments. cudafe++ waits for cicc to
-/// start (it fails if the chains run one after the other); with FAIL_HOST it reports an error at once instead.
+/// start (it fails if the chains run one after the other); with FAIL_HOST it then reports an error, while cicc
+/// sleeps for a minute.
 const TOOL: &str = r#"#!/bin/bash
 name=$(basename "$0")
 echo "$name $*" >> "$LOG/calls"
@@ -46,9 +47,9 @@ case "$name" in
     [ -n "$deps" ] && echo "deps of k.cu" > "$deps"
     if [[ " $* " == *" -c "* ]]; then echo "module $(cat "${@: -3:1}")" > "$out"; else echo pre > "$out"; fi ;;
   cudafe++)
-    if [ -n "$FAIL_HOST" ]; then echo 'k.cu(3): error: identifier "undeclared" is undefined'; exit 2; fi
     for _ in $(seq 200); do [ -e "$LOG/cicc-started" ] && break; sleep 0.05; done
     [ -e "$LOG/cicc-started" ] || { echo "cudafe++ ran alone"; exit 3; }
+    if [ -n "$FAIL_HOST" ]; then echo 'k.cu(3): error: identifier "undeclared" is undefined'; exit 2; fi
     flag=--gen_c_file_name; generated=$(arg "$@")
     echo "_k_cu_1234" > "$id"; echo "host code" > "$generated"; echo "cudafe++ says hello" ;;
   cicc)
@@ -151,21 +152,19 @@ fn a_failing_host_front_end_prints_what_nvcc_would_and_stops_the_device_chain() 
     assert_eq!(output.status.code(), Some(2), "{}", text(&output));
     assert_eq!(text(&output), "k.cu(3): error: identifier \"undeclared\" is undefined\n");
     assert!(!fixture.path("k.o").exists());
-    let cicc: u32 = std::fs::read_to_string(fixture.path("cicc-started"))
-        .map(|pid| pid.trim().parse().expect("a pid"))
-        .unwrap_or(0);
-    if cicc > 0 {
-        // Killed, it is gone (or a zombie) within moments; left running, it would sleep for a minute.
-        let running = || {
-            std::fs::read_to_string(format!("/proc/{cicc}/stat"))
-                .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
-        };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while running() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        assert!(!running(), "the device front end was stopped");
+    // cudafe++ fails only after cicc started, so there is always a device front end to stop.
+    let cicc: u32 =
+        std::fs::read_to_string(fixture.path("cicc-started")).expect("cicc started").trim().parse().expect("a pid");
+    // Killed, it is gone (or a zombie) within moments; left running, it would sleep for a minute.
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{cicc}/stat"))
+            .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while running() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
+    assert!(!running(), "the device front end was stopped");
 }
 
 #[test]
@@ -173,7 +172,9 @@ fn mismatched_module_ids_are_built_by_nvcc_itself() {
     let fixture = Fixture::new("mismatch");
     let output = fixture.run(&COMPILE, &[("DEVICE_ID", "_another_id")]);
     assert!(output.status.success(), "{}", text(&output));
-    assert!(text(&output).contains("nvcc itself: -MD -MF k.o.d -O3 -c k.cu -o k.o"), "{}", text(&output));
+    assert_eq!(text(&output), "nvcc itself: -MD -MF k.o.d -O3 -c k.cu -o k.o\n", "only nvcc's own output");
+    let leftovers: Vec<_> = std::fs::read_dir(fixture.path("scratch")).expect("the scratch directory").collect();
+    assert!(leftovers.is_empty(), "the temporary directory is removed before nvcc runs: {leftovers:?}");
 }
 
 #[test]
