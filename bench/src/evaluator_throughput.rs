@@ -29,6 +29,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use kforge_evaluator::devices::GateAccount;
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics};
 use kforge_proto::v1 as pb;
 use serde_json::{Value, json};
@@ -297,7 +298,6 @@ fn main() -> std::process::ExitCode {
     runtime.block_on(run(args))
 }
 
-/// The pipeline's run over every candidate, then `--repeat` of them again (cache hits); with its makespan.
 /// The machine's busy and total CPU time so far, in clock ticks (the first line of /proc/stat: busy is all but
 /// idle and iowait); None where there is no /proc/stat.
 fn cpu_ticks() -> Option<(u64, u64)> {
@@ -324,8 +324,24 @@ struct PipelineRun {
     capabilities: pb::GetCapabilitiesResponse,
     /// The machine's CPU busy fraction over the makespan; None when taken from an earlier run.
     cpu_busy: Option<f64>,
+    /// Where each GPU's time went over the makespan (its gate's account); None when taken from an earlier run.
+    gpu_time: Option<Value>,
 }
 
+/// A GPU's time by what its gate was doing, in seconds and as fractions of `makespan_s`.
+fn gpu_time(account: &GateAccount, makespan_s: f64) -> Value {
+    let parts = [
+        ("alone", account.alone),
+        ("draining", account.draining),
+        ("shared", account.shared),
+        ("empty", account.empty),
+    ];
+    let seconds: BTreeMap<&str, f64> = parts.iter().map(|(name, d)| (*name, d.as_secs_f64())).collect();
+    let fractions: BTreeMap<&str, f64> = seconds.iter().map(|(name, s)| (*name, s / makespan_s.max(1e-9))).collect();
+    json!({ "seconds": seconds, "fraction_of_makespan": fractions })
+}
+
+/// The pipeline's run over every candidate, then `--repeat` of them again (cache hits); with its makespan.
 async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
     // Everything at once, cold caches.
     let pipeline = evaluator(args, &args.work.join("pipeline"), args.compile_workers).await;
@@ -346,6 +362,7 @@ async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
     }
     let pipeline_s = epoch.elapsed().as_secs_f64();
     let cpu = cpu_busy(ticks, cpu_ticks());
+    let gpus: Vec<Value> = pipeline.gpu_accounts().iter().map(|account| gpu_time(account, pipeline_s)).collect();
 
     // Cache hits: the same candidates again, one at a time, through the warm pipeline.
     let mut repeated = Vec::new();
@@ -361,7 +378,14 @@ async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
         record(args, "repeat", &outcome);
         repeated.push(outcome);
     }
-    PipelineRun { outcomes: piped, makespan_s: pipeline_s, repeats: repeated, capabilities, cpu_busy: cpu }
+    PipelineRun {
+        outcomes: piped,
+        makespan_s: pipeline_s,
+        repeats: repeated,
+        capabilities,
+        cpu_busy: cpu,
+        gpu_time: Some(json!(gpus)),
+    }
 }
 
 async fn run(args: Args) -> std::process::ExitCode {
@@ -381,7 +405,7 @@ async fn run(args: Args) -> std::process::ExitCode {
     let tasks: std::collections::BTreeSet<&str> = candidates.iter().map(|c| c.task.as_str()).collect();
     println!("# {} candidates over {} tasks", candidates.len(), tasks.len());
 
-    let PipelineRun { outcomes: piped, makespan_s: pipeline_s, repeats: repeated, capabilities, cpu_busy } =
+    let PipelineRun { outcomes: piped, makespan_s: pipeline_s, repeats: repeated, capabilities, cpu_busy, gpu_time } =
         match &args.pipeline_from {
             Some(path) => {
                 let text = match std::fs::read_to_string(path) {
@@ -404,6 +428,7 @@ async fn run(args: Args) -> std::process::ExitCode {
                     repeats: of("repeat"),
                     capabilities: probe.capabilities(),
                     cpu_busy: None,
+                    gpu_time: None,
                 }
             }
             None => pipeline(&args, &candidates).await,
@@ -442,6 +467,7 @@ async fn run(args: Args) -> std::process::ExitCode {
         .collect();
     let mut pipeline_summary = summary(&piped, pipeline_s);
     pipeline_summary["machine_cpu_busy"] = json!(cpu_busy);
+    pipeline_summary["gpu_time"] = json!(gpu_time);
     let serial_summary = summary(&serial, serial_s);
     let rate = |s: &Value| s["evaluations_per_hour"].as_f64().unwrap_or(0.0);
     let hits: Vec<f64> =

@@ -178,21 +178,26 @@ class Gate:
 
     With `spec["gate"]`, descriptor 3 is a socket to the evaluator. Before timed work the harness synchronises its
     device work and asks to run alone; the evaluator stops this process until every other process on the device
-    stands at such a point (and is stopped), then lets it go. After, it synchronises again and asks to share. The
-    socket's methods are bound here, before any candidate code runs, so replacing them later changes nothing."""
+    stands at such a point (and is stopped) or is idle, then lets it go. After, it synchronises again and asks to
+    share. Between steps of shared work it passes pause points, where it is stopped while another process runs alone
+    or waits to. A trusted stage (`spec["gate"] == "idle"`) starts idle: it asks to share before its device work,
+    and may go idle again for host work. The socket's methods are bound here, before any candidate code runs, so
+    replacing them later changes nothing."""
 
-    def __init__(self, enabled):
+    def __init__(self, joining):
         self.send = self.recv = None
-        if enabled:
+        self.is_idle = joining == "idle"
+        if joining:
             import socket
 
             channel = socket.socket(fileno=3)
             self.send, self.recv = channel.sendall, channel.recv
 
-    def ask(self, message, device):
+    def ask(self, message, device, sync=True):
         if self.send is None:
             return
-        synchronize(device)
+        if sync:
+            synchronize(device)
         with phase("gate"):  # time waiting for the device (stopped), inside the phase that asked
             self.send(message)
             reply = b""
@@ -210,6 +215,22 @@ class Gate:
         self.ask(b"alone\n", device)
         yield
         self.ask(b"share\n", device)
+
+    def pause(self, device):
+        """A pause point between steps of shared work: stopped here while another process runs alone or waits to."""
+        self.ask(b"pause\n", device)
+
+    def share(self, device):
+        """Before a trusted stage's device work: leaves idle, waiting while timed work runs."""
+        if self.is_idle:
+            self.ask(b"share\n", device, sync=False)  # nothing ran on the device while idle
+            self.is_idle = False
+
+    def idle(self, device):
+        """A trusted stage's host work from here on: it holds nobody up."""
+        if not self.is_idle:
+            self.ask(b"idle\n", device)
+            self.is_idle = True
 
 
 GATE = Gate(False)
@@ -536,69 +557,83 @@ def install_build_recipe(building):
 CENSUS_MODES = [(True, False), (False, False), (True, True), (False, True)]
 
 
-def census(model, inputs, device, calls):
+class Census:
     """What ran during `calls` forward calls in each mode: device kernels with start and duration on a GPU (every
     stream and thread of the process), the direct torch-op children of each call on a CPU. Raw records only.
 
     One profiler session covers every mode (a session's start and its event processing cost far more than the
     calls): each mode's calls run inside a `kforge.mode` range that ends after a synchronisation, and a record
     belongs to the mode whose range contains its start. The untimed first call of each mode (lazy compilation and
-    caches) runs between the ranges and is not recorded."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+    caches) runs between the ranges and is not recorded. The profiler starts (`__init__`) and its records are read
+    (`records`) while the device is shared; the calls and the profiler's stop (`record`) run alone, so the calls'
+    device time is their own and nothing timed after them runs under the profiler."""
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    names = [f"{'train' if training else 'eval'}/{'grad' if grad else 'no_grad'}" for training, grad in CENSUS_MODES]
-    was_training = model.training
-    try:
-        # The profiler starts and its records are processed while the device is shared; the calls run alone, so
-        # their device time is their own.
-        with profile(activities=activities) as prof, GATE.alone(device):
+    def __init__(self, model, inputs, device, calls):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.model, self.inputs, self.device, self.calls = model, inputs, device, calls
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.profiler = profile(activities=activities)
+        self.profiler.start()
+
+    def record(self):
+        import torch
+        from torch.profiler import record_function
+
+        model, inputs, device = self.model, self.inputs, self.device
+        was_training = model.training
+        try:
             for training, grad in CENSUS_MODES:
                 model.train(training)
                 with torch.set_grad_enabled(grad):
                     model(*inputs)
                     synchronize(device)
                     with record_function("kforge.mode"):
-                        for _ in range(calls):
+                        for _ in range(self.calls):
                             with record_function("kforge.call"):
                                 model(*inputs)
                         synchronize(device)
-    finally:
-        model.train(was_training)
-    events = prof.events()
-    windows = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.name == "kforge.mode" and e.device_type == DeviceType.CPU)
-    if len(windows) != len(names):
-        raise RuntimeError(f"the census found {len(windows)} mode ranges instead of {len(names)}")
-    modes = [{"mode": name, "calls": calls, "call_us": 0.0, "records": []} for name in names]
+        finally:
+            model.train(was_training)
+            self.profiler.stop()
 
-    def mode_at(start):
-        for index, (begin, end) in enumerate(windows):
-            if begin <= start <= end:
-                return modes[index]
-        return None
+    def records(self):
+        from torch.autograd import DeviceType
 
-    for event in events:
-        if device.type == "cuda":
-            # Device activity only: kernels, copies, sets. A record_function range (ours, or one the candidate
-            # opens) also shows on the GPU timeline as a span; it is not work.
-            annotation = getattr(event, "is_user_annotation", False) or event.name in ("kforge.call", "kforge.mode")
-            if event.device_type == DeviceType.CUDA and not annotation:
+        device, calls = self.device, self.calls
+        names = [f"{'train' if training else 'eval'}/{'grad' if grad else 'no_grad'}" for training, grad in CENSUS_MODES]
+        events = self.profiler.events()
+        windows = sorted((e.time_range.start, e.time_range.end) for e in events
+                         if e.name == "kforge.mode" and e.device_type == DeviceType.CPU)
+        if len(windows) != len(names):
+            raise RuntimeError(f"the census found {len(windows)} mode ranges instead of {len(names)}")
+        modes = [{"mode": name, "calls": calls, "call_us": 0.0, "records": []} for name in names]
+
+        def mode_at(start):
+            for index, (begin, end) in enumerate(windows):
+                if begin <= start <= end:
+                    return modes[index]
+            return None
+
+        for event in events:
+            if device.type == "cuda":
+                # Device activity only: kernels, copies, sets. A record_function range (ours, or one the candidate
+                # opens) also shows on the GPU timeline as a span; it is not work.
+                annotation = getattr(event, "is_user_annotation", False) or event.name in ("kforge.call", "kforge.mode")
+                if event.device_type == DeviceType.CUDA and not annotation:
+                    mode = mode_at(event.time_range.start)
+                    if mode is not None:
+                        mode["records"].append({"name": event.name, "start_us": event.time_range.start,
+                                                "duration_us": event.time_range.elapsed_us()})
+            elif event.name == "kforge.call":
                 mode = mode_at(event.time_range.start)
-                if mode is not None:
-                    mode["records"].append({"name": event.name, "start_us": event.time_range.start,
-                                            "duration_us": event.time_range.elapsed_us()})
-        elif event.name == "kforge.call":
-            mode = mode_at(event.time_range.start)
-            if mode is None:
-                continue
-            mode["call_us"] += event.time_range.elapsed_us()
-            for child in event.cpu_children:
-                mode["records"].append({"name": child.name, "start_us": child.time_range.start,
-                                        "duration_us": child.time_range.elapsed_us()})
-    return modes
+                if mode is None:
+                    continue
+                mode["call_us"] += event.time_range.elapsed_us()
+                for child in event.cpu_children:
+                    mode["records"].append({"name": child.name, "start_us": child.time_range.start,
+                                            "duration_us": child.time_range.elapsed_us()})
+        return modes
 
 
 # ---------------------------------------------------------------------------------------------------- modes
@@ -623,8 +658,10 @@ def mode_reference(spec):
     import torch
 
     device = device_of(spec)
+    GATE.share(device)
     task, model = reference_model(spec, device)
     for trial, seed in enumerate(spec["seeds"]):
+        GATE.pause(device)
         inputs = make_inputs(task, seed, device)
         with torch.no_grad():
             output = model(*inputs)
@@ -632,7 +669,11 @@ def mode_reference(spec):
         save(to_cpu_outputs(output), os.path.join(spec["reference_dir"], f"reference-{trial}.pt"))
     result = {"ok": True}
     if spec.get("candidate_dir"):
-        result["mismatch"] = compare_trials(spec) or compare_timed_call(spec, task, model, device)
+        GATE.idle(device)  # comparing is host work
+        result["mismatch"] = compare_trials(spec)
+        if result["mismatch"] is None and spec.get("timed_call") is not None:
+            GATE.share(device)
+            result["mismatch"] = compare_timed_call(spec, task, model, device)
     write_result(spec, result)
 
 
@@ -675,27 +716,38 @@ def mode_candidate(spec):
         # correctness check is over is caught by the same comparison.
         recheck_from = spec.get("recheck_from", len(seeds))
         for trial in range(recheck_from):
+            GATE.pause(device)
             run_trial(model, task, seeds[trial], device, trial, integrity, result, spec)
     integrity.check_environment("during the correctness trials")
-    if spec.get("timing"):
-        with phase("timing"):
-            input_sets = timing_inputs(task, spec, device)
-            with GATE.alone(device):
-                samples, host, last_call, output = measure(lambda inputs: model(*inputs), input_sets,
-                                                           spec["timing_seeds"], device, spec["timing"])
-            synchronize(device)
-            result["samples_ms"] = samples
-            result["host_ms"] = host
-            result["last_call"] = last_call
-            save(to_cpu_outputs(output), os.path.join(spec["candidate_dir"], "timed.pt"))
-        integrity.check_environment("during timing")
-    if spec.get("census_calls"):
+    timing, calls = spec.get("timing"), spec.get("census_calls")
+    if timing or calls:
+        # The census and timing share one turn alone on the device: one wait for the device to drain, not two.
         with phase("census"):
-            inputs = make_inputs(task, spec["timing_seeds"][0], device)
-            result["census"] = census(model, inputs, device, spec["census_calls"])
-        integrity.check_environment("during the census")
+            census = Census(model, make_inputs(task, spec["timing_seeds"][0], device), device, calls) if calls else None
+        with phase("timing"):
+            input_sets = timing_inputs(task, spec, device) if timing else None
+        with GATE.alone(device):
+            if census is not None:
+                with phase("census"):
+                    census.record()
+            if timing:
+                with phase("timing"):
+                    samples, host, last_call, output = measure(lambda inputs: model(*inputs), input_sets,
+                                                               spec["timing_seeds"], device, timing)
+        if timing:
+            with phase("timing"):
+                synchronize(device)
+                result["samples_ms"] = samples
+                result["host_ms"] = host
+                result["last_call"] = last_call
+                save(to_cpu_outputs(output), os.path.join(spec["candidate_dir"], "timed.pt"))
+        if census is not None:
+            with phase("census"):
+                result["census"] = census.records()
+        integrity.check_environment("during the census and timing")
     with phase("recheck"):
         for trial in range(recheck_from, len(seeds)):
+            GATE.pause(device)
             run_trial(model, task, seeds[trial], device, trial, integrity, result, spec)
     integrity.check_environment("after the last trial")
     result["findings"] = [{"code": code, "message": message} for code, message in integrity.findings.items()]
@@ -713,9 +765,10 @@ def tolerance(dtype, spec):
 
 
 def mode_check(spec):
-    mismatch = compare_trials(spec)
+    mismatch = compare_trials(spec)  # host work: the stage is idle on its device
     if mismatch is None and spec.get("timed_call") is not None:
         device = device_of(spec)
+        GATE.share(device)
         task, model = reference_model(spec, device)
         mismatch = compare_timed_call(spec, task, model, device)
     write_result(spec, {"ok": True, "mismatch": mismatch})
@@ -827,6 +880,7 @@ def mode_baseline(spec):
     import torch
 
     device = device_of(spec)
+    GATE.share(device)
     task, model = reference_model(spec, device)
     input_sets = timing_inputs(task, spec, device)
     seeds = spec["timing_seeds"]

@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kforge_sandbox::Exit;
 use serde::{Deserialize, Serialize};
@@ -152,6 +152,8 @@ pub struct Lane {
     generation: u64,
     /// Whether this evaluation's stages keep the device to themselves (see [`Gate`]).
     solo: AtomicBool,
+    /// How long this evaluation's stages ran alone on the device and waited at its gate.
+    gate_times: Arc<Mutex<MemberTimes>>,
 }
 
 impl Lane {
@@ -183,6 +185,18 @@ impl Lane {
     /// Whether this evaluation's stages keep the device to themselves.
     pub fn solo(&self) -> bool {
         self.solo.load(Ordering::SeqCst)
+    }
+
+    /// Adds a stage's time alone and waiting at the gate to this evaluation's.
+    pub fn add_gate_times(&self, times: MemberTimes) {
+        let mut total = self.gate_times.lock().expect("never poisoned");
+        total.alone += times.alone;
+        total.waited += times.waited;
+    }
+
+    /// This evaluation's time alone and waiting at the gate, readable after the lane is released.
+    pub fn gate_times(&self) -> Arc<Mutex<MemberTimes>> {
+        self.gate_times.clone()
     }
 }
 
@@ -262,6 +276,11 @@ impl Lanes {
         self.probe.as_deref().map_err(String::as_str)
     }
 
+    /// Where each GPU's time went, by what its gate was doing.
+    pub fn gpu_accounts(&self) -> Vec<GateAccount> {
+        self.gpu_gates.iter().map(|gate| gate.account()).collect()
+    }
+
     /// Why GPU `gpu` is quarantined, if it is.
     pub fn quarantine_reason(&self, gpu: usize) -> Option<String> {
         self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).and_then(|(reason, _)| reason.clone())
@@ -273,7 +292,14 @@ impl Lanes {
         let lane = |index: usize| {
             let generation =
                 if gpu { self.quarantined.lock().expect("lane lock is never poisoned")[index].1 } else { 0 };
-            Lane { lanes: self.clone(), is_gpu: gpu, index, generation, solo: AtomicBool::new(false) }
+            Lane {
+                lanes: self.clone(),
+                is_gpu: gpu,
+                index,
+                generation,
+                solo: AtomicBool::new(false),
+                gate_times: Arc::default(),
+            }
         };
         let receiver = {
             let mut pool = self.pool(gpu);
@@ -412,10 +438,13 @@ impl Lanes {
 }
 
 /// Who is using one device, and how. Members (stage processes) share the device, except that one at a time may
-/// run alone: it is let through once every other member stands at a pause point, and until it shares again no
-/// member joins or resumes. A member waiting at a pause point is stopped by its driver (`SIGSTOP`) after
+/// run alone: it is let through once every other member stands at a pause point (or is idle), and until it shares
+/// again no member joins or resumes. A member waiting at a pause point is stopped by its driver (`SIGSTOP`) after
 /// synchronising its device work, so a member running alone has the device to itself. A solo member (an
 /// evaluation retried without neighbours) joins only an empty device and keeps it empty.
+///
+/// A trusted stage (one that runs no candidate code: the reference, the checker, the baseline) may join idle: it
+/// does host work without holding anyone up, and asks to share before it touches the device.
 #[derive(Debug, Default)]
 pub struct Gate {
     state: Mutex<GateState>,
@@ -431,6 +460,9 @@ struct GateState {
     queue: VecDeque<u64>,
     alone: Option<u64>,
     solo: Option<u64>,
+    /// Where the device's time went until `since`.
+    account: GateAccount,
+    since: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -441,12 +473,44 @@ enum Standing {
     Paused,
     /// Running with the device to itself.
     Alone,
+    /// A trusted stage doing host work only.
+    Idle,
+}
+
+/// Where one device's time went, by what its gate was doing.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct GateAccount {
+    /// A member ran alone.
+    pub alone: Duration,
+    /// A member waited to run alone while others finished their shared work: the device drained.
+    pub draining: Duration,
+    /// Members shared the device.
+    pub shared: Duration,
+    /// No member.
+    pub empty: Duration,
 }
 
 impl GateState {
     /// Whether a member may start (or resume) using the device side by side with others.
     fn open(&self) -> bool {
         self.alone.is_none() && self.queue.is_empty() && self.solo.is_none()
+    }
+
+    /// Books the time since the last change to what the gate was doing during it.
+    fn book(&mut self) {
+        let now = Instant::now();
+        let elapsed = self.since.map_or(Duration::ZERO, |since| now - since);
+        self.since = Some(now);
+        let bucket = if self.alone.is_some() {
+            &mut self.account.alone
+        } else if !self.queue.is_empty() {
+            &mut self.account.draining
+        } else if self.members.is_empty() {
+            &mut self.account.empty
+        } else {
+            &mut self.account.shared
+        };
+        *bucket += elapsed;
     }
 }
 
@@ -455,6 +519,44 @@ impl GateState {
 pub struct Member {
     gate: Arc<Gate>,
     id: u64,
+    /// May go idle (a trusted stage).
+    trusted: bool,
+    clock: MemberClock,
+}
+
+/// How long one member ran alone and waited at its gate.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct MemberTimes {
+    pub alone: Duration,
+    pub waited: Duration,
+}
+
+/// A member's [`MemberTimes`] as they accrue; a handle that outlives the member.
+#[derive(Debug, Clone, Default)]
+pub struct MemberClock(Arc<Mutex<Clock>>);
+
+#[derive(Debug, Default)]
+struct Clock {
+    times: MemberTimes,
+    alone_since: Option<Instant>,
+}
+
+impl MemberClock {
+    /// The times so far (a member running alone now counts up to its last change).
+    pub fn times(&self) -> MemberTimes {
+        self.lock().times
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Clock> {
+        self.0.lock().expect("never poisoned")
+    }
+
+    fn end_alone(&self) {
+        let mut clock = self.lock();
+        if let Some(since) = clock.alone_since.take() {
+            clock.times.alone += since.elapsed();
+        }
+    }
 }
 
 impl Gate {
@@ -475,12 +577,30 @@ impl Gate {
                 Some(id)
             })
             .await;
-        Member { gate: self.clone(), id }
+        Member { gate: self.clone(), id, trusted: false, clock: MemberClock::default() }
+    }
+
+    /// Joins idle, at once: a trusted stage that asks to share before it uses the device (and may go idle again).
+    pub fn join_idle(self: &Arc<Self>) -> Member {
+        let mut id = 0;
+        self.update(|state| {
+            id = state.next_id;
+            state.next_id += 1;
+            state.members.insert(id, Standing::Idle);
+        });
+        Member { gate: self.clone(), id, trusted: true, clock: MemberClock::default() }
     }
 
     /// How many members the device has now.
     pub fn members(&self) -> usize {
         self.state.lock().expect("gate lock is never poisoned").members.len()
+    }
+
+    /// Where the device's time went since the gate was made.
+    pub fn account(&self) -> GateAccount {
+        let mut state = self.state.lock().expect("gate lock is never poisoned");
+        state.book();
+        state.account
     }
 
     /// Applies `step` under the lock until it returns `Some`, waiting for a change between tries.
@@ -489,6 +609,7 @@ impl Gate {
         loop {
             {
                 let mut state = self.state.lock().expect("gate lock is never poisoned");
+                state.book();
                 if let Some(value) = step(&mut state) {
                     drop(state);
                     self.changed.send_modify(|version| *version += 1);
@@ -501,16 +622,21 @@ impl Gate {
     }
 
     fn update(&self, change: impl FnOnce(&mut GateState)) {
-        change(&mut self.state.lock().expect("gate lock is never poisoned"));
+        {
+            let mut state = self.state.lock().expect("gate lock is never poisoned");
+            state.book();
+            change(&mut state);
+        }
         self.changed.send_modify(|version| *version += 1);
     }
 }
 
 impl Member {
     /// Waits at a pause point until this member may run alone: its turn among those asking, with every other
-    /// member paused. Runs alone already: nothing to wait for.
+    /// member paused or idle. Runs alone already: nothing to wait for.
     pub async fn alone(&self) {
         let id = self.id;
+        let asked = Instant::now();
         self.gate.update(|state| {
             if state.alone != Some(id) && !state.queue.contains(&id) {
                 state.members.insert(id, Standing::Paused);
@@ -522,8 +648,11 @@ impl Member {
                 if state.alone == Some(id) {
                     return Some(());
                 }
-                let others_paused = state.members.iter().all(|(&m, &standing)| m == id || standing == Standing::Paused);
-                if state.alone.is_some() || state.queue.front() != Some(&id) || !others_paused {
+                let others_held = state
+                    .members
+                    .iter()
+                    .all(|(&m, &standing)| m == id || matches!(standing, Standing::Paused | Standing::Idle));
+                if state.alone.is_some() || state.queue.front() != Some(&id) || !others_held {
                     return None;
                 }
                 state.queue.pop_front();
@@ -532,11 +661,16 @@ impl Member {
                 Some(())
             })
             .await;
+        let mut clock = self.clock.lock();
+        clock.times.waited += asked.elapsed();
+        clock.alone_since.get_or_insert_with(Instant::now);
     }
 
-    /// Ends running alone (or any wait), pausing until members may share the device again.
+    /// Ends running alone (or any wait, or being idle), pausing until members may share the device again.
     pub async fn share(&self) {
         let id = self.id;
+        let asked = Instant::now();
+        self.clock.end_alone();
         self.gate.update(|state| {
             if state.alone == Some(id) {
                 state.alone = None;
@@ -552,12 +686,42 @@ impl Member {
                 })
             })
             .await;
+        self.clock.lock().times.waited += asked.elapsed();
+    }
+
+    /// Whether a pause point should pause: someone runs alone or waits to.
+    pub fn must_pause(&self) -> bool {
+        let state = self.gate.state.lock().expect("gate lock is never poisoned");
+        state.alone.is_some() || !state.queue.is_empty()
+    }
+
+    /// Goes idle (a trusted member only; `false` otherwise): host work only until it shares again.
+    pub fn idle(&self) -> bool {
+        if !self.trusted {
+            return false;
+        }
+        let id = self.id;
+        self.clock.end_alone();
+        self.gate.update(|state| {
+            if state.alone == Some(id) {
+                state.alone = None;
+            }
+            state.queue.retain(|&m| m != id);
+            state.members.insert(id, Standing::Idle);
+        });
+        true
+    }
+
+    /// This member's clock, readable after the member is gone.
+    pub fn clock(&self) -> MemberClock {
+        self.clock.clone()
     }
 }
 
 impl Drop for Member {
     fn drop(&mut self) {
         let id = self.id;
+        self.clock.end_alone();
         self.gate.update(|state| {
             state.members.remove(&id);
             state.queue.retain(|&m| m != id);
@@ -693,6 +857,86 @@ mod tests {
         drop(a);
         let newcomer = tokio::time::timeout(Duration::from_secs(5), gate.join(false)).await;
         assert!(newcomer.is_ok(), "the device is open again");
+    }
+
+    #[tokio::test]
+    async fn idle_members_hold_nobody_up_and_pause_points_pause_only_for_timed_work() {
+        let gate = Arc::new(Gate::default());
+        let a = Arc::new(gate.join(false).await);
+        let checker = gate.join_idle();
+        assert!(!a.must_pause(), "nobody runs alone or waits to");
+        // An idle member does not hold up timed work, and joins at once even while it runs.
+        tokio::time::timeout(Duration::from_secs(5), a.alone()).await.expect("the idle checker holds nobody up");
+        let late = gate.join_idle();
+        assert_eq!(gate.members(), 3);
+        // Sharing from idle waits while timed work runs.
+        let mut checker_shares = tokio::spawn(async move {
+            checker.share().await;
+            checker
+        });
+        assert!(waits(&mut checker_shares).await, "timed work runs");
+        let b = Arc::new(gate.join_idle());
+        assert!(b.idle(), "a trusted member goes idle");
+        a.share().await;
+        let checker = done(checker_shares).await;
+
+        // A sharing member at a pause point pauses only while someone asks to run alone.
+        let mut a_alone = tokio::spawn({
+            let a = a.clone();
+            async move { a.alone().await }
+        });
+        assert!(waits(&mut a_alone).await, "the checker shares the device");
+        assert!(checker.must_pause(), "someone waits to run alone");
+        let mut checker_pauses = tokio::spawn(async move {
+            checker.share().await;
+            checker
+        });
+        done(a_alone).await;
+        assert!(waits(&mut checker_pauses).await, "paused while A runs alone");
+        a.share().await;
+        let checker = done(checker_pauses).await;
+        assert!(!checker.must_pause());
+        drop((late, b, checker));
+
+        // An untrusted member cannot go idle: only stages that run no candidate code may.
+        assert!(!a.idle());
+    }
+
+    #[tokio::test]
+    async fn the_gate_accounts_for_time_alone_draining_and_shared() {
+        let gate = Arc::new(Gate::default());
+        let a = Arc::new(gate.join(false).await);
+        let b = gate.join(false).await;
+        let step = Duration::from_millis(60);
+        tokio::time::sleep(step).await; // shared
+        let mut a_alone = tokio::spawn({
+            let a = a.clone();
+            async move { a.alone().await }
+        });
+        tokio::time::sleep(step).await; // draining: B has not paused
+        let b = Arc::new(b);
+        let b_alone = tokio::spawn({
+            let b = b.clone();
+            async move { b.alone().await } // B pauses, queued behind A
+        });
+        done(a_alone).await;
+        tokio::time::sleep(step).await; // A alone
+        let a_shares = tokio::spawn({
+            let a = a.clone();
+            async move { a.share().await }
+        });
+        done(b_alone).await; // B's turn
+        b.share().await;
+        done(a_shares).await;
+        let times = a.clock().times();
+        drop((a, b));
+        let account = gate.account();
+        for (what, spent) in [("shared", account.shared), ("draining", account.draining), ("alone", account.alone)] {
+            assert!(spent >= step, "{what}: {spent:?} < {step:?} ({account:?})");
+        }
+        assert!(account.alone < 4 * step && account.draining < 4 * step, "{account:?}");
+        assert!(times.alone >= step && times.alone < account.alone + Duration::from_millis(1), "{times:?}");
+        assert!(times.waited >= step, "A waited for B to pause: {times:?}");
     }
 
     #[tokio::test]

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kforge_proto::v1 as pb;
@@ -26,9 +26,9 @@ use tokio_util::sync::CancellationToken;
 use crate::cache::{self, Cache, Entry};
 use crate::census;
 use crate::config::EvaluatorConfig;
-use crate::devices::{self, Lane, Lanes};
+use crate::devices::{self, Lane, Lanes, MemberTimes};
 use crate::metrics::EvaluatorMetrics;
-use crate::python::{self, PythonEnv, Request, Stage, StageOutcome, Started};
+use crate::python::{self, Joining, PythonEnv, Request, Stage, StageOutcome, Started};
 use crate::statics::{self, Category, Policy};
 use crate::stats::timing_stats;
 
@@ -243,7 +243,13 @@ impl Evaluator {
         self.inner.lanes.readiness()
     }
 
+    /// Where each GPU's time went since this evaluator started: alone, draining, shared, empty.
+    pub fn gpu_accounts(&self) -> Vec<devices::GateAccount> {
+        self.inner.lanes.gpu_accounts()
+    }
+
     /// Evaluates one request. Dropping the returned future cancels the evaluation and kills its children.
+
     pub async fn evaluate(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, RequestError> {
         let job = self.validate(request)?;
         let permit = self.inner.admission.clone().try_acquire_owned().map_err(|_| RequestError::QueueFull {
@@ -263,9 +269,12 @@ impl Evaluator {
         let mut lane_held = None;
         let verdict = self.run(&job, &scratch, &cancel, &mut response, &mut lane_held).await;
         // The lane was released when `run` returned: its hold is the device time this evaluation took.
-        if let Some(held) = lane_held {
+        if let Some((held, gate)) = lane_held {
             response.stage_ms.insert("device".into(), ms(held.elapsed()));
             self.inner.metrics.stage_seconds("device_lane", held.elapsed());
+            let gate = *gate.lock().expect("never poisoned");
+            response.stage_ms.insert("device.alone".into(), ms(gate.alone));
+            response.stage_ms.insert("device.gate_wait".into(), ms(gate.waited));
         }
         response.verdict = verdict as i32;
         response.retryable = verdict == pb::Verdict::InfraError && response.retryable;
@@ -357,7 +366,7 @@ impl Evaluator {
         scratch: &Path,
         cancel: &CancellationToken,
         response: &mut pb::EvaluateResponse,
-        lane_held: &mut Option<Instant>,
+        lane_held: &mut Option<(Instant, Arc<Mutex<MemberTimes>>)>,
     ) -> pb::Verdict {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
@@ -422,7 +431,7 @@ impl Evaluator {
             Ok(lane) => lane,
             Err(unavailable) => return infra(response, unavailable, true),
         };
-        *lane_held = Some(Instant::now());
+        *lane_held = Some((Instant::now(), lane.gate_times()));
         let gpu = lane.gpu();
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         response.device = python.device_name(gpu).to_owned();
@@ -1044,7 +1053,15 @@ impl Evaluator {
         let name = request.mode;
         let _running = inner.metrics.stage(name);
         let started_at = Instant::now();
-        let outcome = started.run(request, lane.map(|lane| (lane.gate(), lane.solo()))).await;
+        // Stages that run no candidate code join idle and share the device only for their device work.
+        let joining = |lane: &Lane| match (name, lane.solo()) {
+            ("reference" | "check" | "baseline", false) => Joining::Idle,
+            (_, solo) => Joining::Share { solo },
+        };
+        let outcome = started.run(request, lane.map(|lane| (lane.gate(), joining(lane)))).await;
+        if let (Ok(outcome), Some(lane)) = (&outcome, lane) {
+            lane.add_gate_times(outcome.gate);
+        }
         inner.metrics.stage_seconds(name, started_at.elapsed());
         if let (Ok(finished), Some(lane)) = (&outcome, lane)
             && lane.gpu().is_some()

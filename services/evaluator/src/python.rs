@@ -11,7 +11,7 @@ use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::devices::{Gate, Member};
+use crate::devices::{Gate, Member, MemberTimes};
 
 /// The files written to the work directory's `harness/` at start, embedded so that the binary is self-contained:
 /// the harness, and kforge's nvcc (the host and device front ends side by side), which builds name in
@@ -267,6 +267,28 @@ pub struct Request {
 pub struct StageOutcome {
     pub finished: Finished,
     pub result: Option<serde_json::Value>,
+    /// How long it ran alone on its device and waited at the device's gate.
+    pub gate: MemberTimes,
+}
+
+/// How a stage takes part in its device's [`Gate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Joining {
+    /// Shares the device from its first step (waiting while timed work runs); `solo` keeps the device to itself.
+    Share { solo: bool },
+    /// Joins idle and asks to share before it uses the device: trusted stages only (no candidate code runs in
+    /// them, so they do no device work while they say they are idle).
+    Idle,
+}
+
+impl Joining {
+    /// The harness's `spec.gate`.
+    fn spec(self) -> &'static str {
+        match self {
+            Joining::Share { .. } => "share",
+            Joining::Idle => "idle",
+        }
+    }
 }
 
 impl StageOutcome {
@@ -352,10 +374,15 @@ pub fn start(
 /// The longest message the harness sends on its control socket.
 const MESSAGE_BYTES: u64 = 64;
 
-/// Serves a stage's requests to run alone on its device (`alone`) and to share it again (`share`), one line each,
-/// answered with `go` once granted. While it waits, the stage is stopped and its wall clock held: it is at a pause
-/// point, its device work synchronised, and it is not working. A message it does not know ends the conversation
-/// (the stage then waits for an answer that never comes, until its time limit): only candidate code forging the
+/// Serves a stage's gate requests, one line each, answered with `go` once granted:
+///
+/// - `alone`: run alone on the device; `share`: share it again (or start to, from idle);
+/// - `pause`: a pause point between steps of shared work; it pauses only while someone runs alone or waits to;
+/// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]).
+///
+/// While it waits, the stage is stopped and its wall clock held: it is at a pause point, its device work
+/// synchronised, and it is not working. A message it does not know, or may not send, ends the conversation (the
+/// stage then waits for an answer that never comes, until its time limit): only candidate code forging the
 /// harness's messages sends one.
 async fn converse(member: Member, control: Control, socket: tokio::net::UnixStream) {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -367,18 +394,31 @@ async fn converse(member: Member, control: Control, socket: tokio::net::UnixStre
             Ok(n) if n > 0 && line.ends_with(b"\n") => {}
             _ => return,
         }
-        let alone = match &line[..] {
-            b"alone\n" => true,
-            b"share\n" => false,
+        match &line[..] {
+            b"alone\n" => {
+                control.stop();
+                member.alone().await;
+                control.resume();
+            }
+            b"share\n" => {
+                control.stop();
+                member.share().await;
+                control.resume();
+            }
+            b"pause\n" => {
+                if member.must_pause() {
+                    control.stop();
+                    member.share().await;
+                    control.resume();
+                }
+            }
+            b"idle\n" => {
+                if !member.idle() {
+                    return;
+                }
+            }
             _ => return,
-        };
-        control.stop();
-        if alone {
-            member.alone().await;
-        } else {
-            member.share().await;
         }
-        control.resume();
         if write.write_all(b"go\n").await.is_err() {
             return;
         }
@@ -386,22 +426,25 @@ async fn converse(member: Member, control: Control, socket: tokio::net::UnixStre
 }
 
 impl Started {
-    /// Sends `request` and waits for the stage to end. With a `gate`, the stage joins its device first (waiting
-    /// while timed work runs there) and may ask to run alone (`spec.gate`); `solo` keeps the device to itself.
+    /// Sends `request` and waits for the stage to end. With a `gate`, the stage joins its device as `Joining`
+    /// says and may ask to run alone (`spec.gate`).
     pub async fn run(
         mut self,
         request: Request,
-        gate: Option<(&Arc<Gate>, bool)>,
+        gate: Option<(&Arc<Gate>, Joining)>,
     ) -> Result<StageOutcome, SandboxError> {
         let mut spec = request.spec;
         if let Some(object) = spec.as_object_mut() {
             object.insert("result_path".into(), self.result_path.display().to_string().into());
-            object.insert("gate".into(), gate.is_some().into());
+            let joining = gate.map_or(serde_json::Value::Bool(false), |(_, joining)| joining.spec().into());
+            object.insert("gate".into(), joining);
         }
         let member = match gate {
-            Some((gate, solo)) => Some(gate.join(solo).await),
+            Some((gate, Joining::Share { solo })) => Some(gate.join(solo).await),
+            Some((gate, Joining::Idle)) => Some(gate.join_idle()),
             None => None,
         };
+        let clock = member.as_ref().map(Member::clock).unwrap_or_default();
         let env: serde_json::Map<String, serde_json::Value> =
             request.env.into_iter().map(|(k, v)| (k, v.into())).collect();
         let message = serde_json::json!({ "mode": request.mode, "spec": spec, "env": env });
@@ -424,7 +467,7 @@ impl Started {
             },
             Err(_) => None,
         };
-        Ok(StageOutcome { finished, result })
+        Ok(StageOutcome { finished, result, gate: clock.times() })
     }
 }
 
