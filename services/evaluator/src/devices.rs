@@ -909,7 +909,7 @@ mod tests {
         let b = gate.join(false).await;
         let step = Duration::from_millis(60);
         tokio::time::sleep(step).await; // shared
-        let mut a_alone = tokio::spawn({
+        let a_alone = tokio::spawn({
             let a = a.clone();
             async move { a.alone().await }
         });

@@ -249,7 +249,6 @@ impl Evaluator {
     }
 
     /// Evaluates one request. Dropping the returned future cancels the evaluation and kills its children.
-
     pub async fn evaluate(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, RequestError> {
         let job = self.validate(request)?;
         let permit = self.inner.admission.clone().try_acquire_owned().map_err(|_| RequestError::QueueFull {
