@@ -165,14 +165,29 @@ fn load(args: &Args) -> Result<Vec<Candidate>, String> {
         .collect()
 }
 
-async fn evaluator(args: &Args, work: &Path, compile_workers: usize) -> Evaluator {
+/// Which evaluator design a mode measures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Design {
+    /// kforge's: `--compile-workers`, baselines computed ahead.
+    Pipeline,
+    /// One compile worker, nothing ahead, one slot per GPU.
+    Serial,
+}
+
+/// An evaluator of `design` with a fresh work directory.
+async fn evaluator(args: &Args, work: &Path, design: Design) -> Evaluator {
     let _ = std::fs::remove_dir_all(work);
     let config = EvaluatorConfig {
         python: args.python.clone(),
         work_dir: work.to_owned(),
         queue_capacity: 1024,
-        compile_workers,
-        gpu_slots: args.gpu_slots.unwrap_or(EvaluatorConfig::default().gpu_slots),
+        compile_workers: if design == Design::Pipeline { args.compile_workers } else { 1 },
+        baselines_ahead: design == Design::Pipeline,
+        // The serial design has each evaluation's GPU to itself, and torch's own thread count.
+        gpu_slots: match design {
+            Design::Pipeline => args.gpu_slots.unwrap_or(EvaluatorConfig::default().gpu_slots),
+            Design::Serial => 1,
+        },
         sandbox: kforge_sandbox::SandboxOptions { landlock: args.landlock, ..Default::default() },
         ..EvaluatorConfig::default()
     };
@@ -273,6 +288,9 @@ fn summary(outcomes: &[Outcome], makespan_s: f64) -> Value {
         }
     }
     let verdicts_as_expected = outcomes.iter().filter(|o| o.verdict == o.expect).count();
+    // CPU seconds the harness stages reported (each process and the compilers it waited for), over all outcomes.
+    let stage_cpu_s: f64 =
+        outcomes.iter().flat_map(|o| &o.stage_ms).filter(|(k, _)| k.starts_with("cpu.")).map(|(_, ms)| ms / 1e3).sum();
     json!({
         "evaluations": outcomes.len(),
         "makespan_s": makespan_s,
@@ -282,6 +300,7 @@ fn summary(outcomes: &[Outcome], makespan_s: f64) -> Value {
         "device_busy_over_device_window": if window > 0.0 { busy_s / window } else { 0.0 },
         "device_busy_while_work_waited": busy_s / covered(waiting_or_busy).max(f64::MIN_POSITIVE),
         "verdicts_as_expected": verdicts_as_expected,
+        "stage_cpu_s_per_evaluation": stage_cpu_s / outcomes.len().max(1) as f64,
         "stage_ms_mean": phases.iter().map(|(k, v)| (k.clone(), mean(v))).collect::<BTreeMap<_, _>>(),
     })
 }
@@ -344,7 +363,7 @@ fn gpu_time(account: &GateAccount, makespan_s: f64) -> Value {
 /// The pipeline's run over every candidate, then `--repeat` of them again (cache hits); with its makespan.
 async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
     // Everything at once, cold caches.
-    let pipeline = evaluator(args, &args.work.join("pipeline"), args.compile_workers).await;
+    let pipeline = evaluator(args, &args.work.join("pipeline"), Design::Pipeline).await;
     let capabilities = pipeline.capabilities();
     println!("# devices {:?} versions {:?}", capabilities.devices, capabilities.versions);
     let epoch = Instant::now();
@@ -421,7 +440,7 @@ async fn run(args: Args) -> std::process::ExitCode {
                 };
                 let piped = of("pipeline");
                 let makespan = piped.iter().map(|o| o.ended_s).fold(0.0, f64::max);
-                let probe = evaluator(&args, &args.work.join("capabilities"), 1).await;
+                let probe = evaluator(&args, &args.work.join("capabilities"), Design::Serial).await;
                 PipelineRun {
                     outcomes: piped,
                     makespan_s: makespan,
@@ -451,7 +470,7 @@ async fn run(args: Args) -> std::process::ExitCode {
     let epoch = Instant::now();
     let mut serial = Vec::new();
     for (index, candidate) in order.into_iter().enumerate() {
-        let evaluator = evaluator(&args, &args.work.join(format!("serial-{index}")), 1).await;
+        let evaluator = evaluator(&args, &args.work.join(format!("serial-{index}")), Design::Serial).await;
         let outcome = evaluate(&evaluator, candidate.clone(), epoch).await;
         println!("serial   {:<70} {:<24} {:>6.1} s", outcome.name, outcome.verdict, outcome.wall_s);
         record(&args, "serial", &outcome);

@@ -133,6 +133,12 @@ impl Control {
         self.signal(libc::SIGCONT);
     }
 
+    /// Kills the job's process group (`SIGKILL`): for a job that broke the conversation's protocol. Only while the
+    /// job is known to be running (it has just spoken), so the group cannot have been reused.
+    pub fn kill(&self) {
+        self.signal(libc::SIGKILL);
+    }
+
     fn signal(&self, signal: libc::c_int) {
         // SAFETY: killpg takes plain integers; a group already gone returns ESRCH, which is fine.
         #[allow(unsafe_code)]

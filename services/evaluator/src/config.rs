@@ -25,6 +25,10 @@ pub struct EvaluatorConfig {
     /// recorded calls), which runs with every other process on the GPU stopped at a synchronised pause point.
     /// 1 gives each evaluation the GPU to itself from its first stage to its last.
     pub gpu_slots: usize,
+    /// CPU threads (torch's intra-op pool, OpenMP, MKL) of each harness process on a GPU. 0: with several slots
+    /// per GPU, the cores divided among all slots (at least 1), so that processes sharing the machine do not each
+    /// start a thread per core; with one slot, torch's own default.
+    pub gpu_stage_threads: usize,
     /// Evaluations admitted at once (queued or running); more get RESOURCE_EXHAUSTED with a retry hint.
     pub queue_capacity: usize,
     /// Static policy when a request names none.
@@ -51,6 +55,9 @@ pub struct EvaluatorConfig {
     pub plausible_speedup: f64,
     /// Whether baselines include torch.compile (it needs a C compiler and minutes per task on first use).
     pub baseline_torch_compile: bool,
+    /// Whether a GPU evaluation starts its task's baseline when it arrives, beside its compile and outside the
+    /// device's slots, rather than on its slot after the checks (off: the serial design).
+    pub baselines_ahead: bool,
     /// Optional sandbox protections (each on by default, used where the kernel allows; see GetCapabilities).
     pub sandbox: SandboxOptions,
     /// The GPU health probe run after a device fault, and while a device is quarantined.
@@ -87,6 +94,7 @@ impl Default for EvaluatorConfig {
             work_dir: PathBuf::from(".kforge/evaluator"),
             compile_workers: 0,
             gpu_slots: 4,
+            gpu_stage_threads: 0,
             queue_capacity: 64,
             default_policy: "permissive".into(),
             default_trials: 5,
@@ -99,6 +107,7 @@ impl Default for EvaluatorConfig {
             timing: TimingBudget::default(),
             plausible_speedup: 10.0,
             baseline_torch_compile: true,
+            baselines_ahead: true,
             sandbox: SandboxOptions::default(),
             device_probe: DeviceProbeConfig::default(),
             cache_limits: CacheLimits::default(),

@@ -154,6 +154,8 @@ pub struct Lane {
     solo: AtomicBool,
     /// How long this evaluation's stages ran alone on the device and waited at its gate.
     gate_times: Arc<Mutex<MemberTimes>>,
+    /// Holds one of the device's slots (released on drop); false for work outside the slots.
+    slot: bool,
 }
 
 impl Lane {
@@ -202,6 +204,9 @@ impl Lane {
 
 impl Drop for Lane {
     fn drop(&mut self) {
+        if !self.slot {
+            return;
+        }
         // The slots of a quarantined device stay out of the pool; a probe that passes puts them all back (see
         // `Lanes::recover`).
         if self.is_gpu {
@@ -286,6 +291,23 @@ impl Lanes {
         self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).and_then(|(reason, _)| reason.clone())
     }
 
+    /// The first healthy GPU, outside its slots: for work the evaluator does for itself beside the evaluations
+    /// (a baseline computed ahead). Its stages share the device through the gate like any slot's; nothing is
+    /// released when it is dropped. None without a healthy GPU.
+    pub fn outside_slots(self: &Arc<Self>) -> Option<Lane> {
+        let quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
+        let (index, (_, generation)) = quarantined.iter().enumerate().find(|(_, (reason, _))| reason.is_none())?;
+        Some(Lane {
+            lanes: self.clone(),
+            is_gpu: true,
+            index,
+            generation: *generation,
+            solo: AtomicBool::new(false),
+            gate_times: Arc::default(),
+            slot: false,
+        })
+    }
+
     /// The CPU's slot, or a free slot of a healthy GPU, waiting for one in turn (`priority`, then turns across
     /// `job`s); an error when every GPU is quarantined (also for those already waiting when the last one goes).
     pub async fn acquire(self: &Arc<Self>, gpu: bool, priority: i32, job: &str) -> Result<Lane, String> {
@@ -299,6 +321,7 @@ impl Lanes {
                 generation,
                 solo: AtomicBool::new(false),
                 gate_times: Arc::default(),
+                slot: true,
             }
         };
         let receiver = {

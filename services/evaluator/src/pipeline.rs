@@ -11,7 +11,8 @@
 //! The service process never runs candidate code. Every accepted request ends in exactly one response; a failure
 //! of the evaluator itself is `VERDICT_INFRA_ERROR`, never blamed on the candidate.
 
-use std::collections::HashMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -31,6 +32,12 @@ use crate::metrics::EvaluatorMetrics;
 use crate::python::{self, Joining, PythonEnv, Request, Stage, StageOutcome, Started};
 use crate::statics::{self, Category, Policy};
 use crate::stats::timing_stats;
+
+tokio::task_local! {
+    /// CPU milliseconds of the current evaluation's harness stages (each process and the children it waited for,
+    /// as the harness reports them), by stage; reported as `stage_ms["cpu.<stage>"]`.
+    static STAGE_CPU: RefCell<BTreeMap<&'static str, f64>>;
+}
 
 /// Why a request was refused before evaluation (a verdict is never an error).
 #[derive(Debug, thiserror::Error)]
@@ -66,7 +73,7 @@ impl Backend {
 }
 
 /// A validated request.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Job {
     request_id: String,
     task_id: String,
@@ -135,6 +142,13 @@ impl Evaluator {
         let mut python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
         if let Ok(env) = &mut python {
             env.use_nvcc_wrapper(&harness_dir.join("kforge_nvcc.py"));
+            let slots = env.gpus.len() * config.gpu_slots.max(1);
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            match config.gpu_stage_threads {
+                0 if config.gpu_slots > 1 => env.limit_gpu_stage_threads(cores / slots.max(1)),
+                0 => {}
+                threads => env.limit_gpu_stage_threads(threads),
+            }
         }
         let sandbox = match &python {
             // The GPU driver must work inside the sandbox; on some hosts it fails under Landlock. Detect, report,
@@ -266,7 +280,15 @@ impl Evaluator {
         let _cancel_on_drop = cancel.clone().drop_guard();
         let mut response = pb::EvaluateResponse { request_id: job.request_id.clone(), ..Default::default() };
         let mut lane_held = None;
-        let verdict = self.run(&job, &scratch, &cancel, &mut response, &mut lane_held).await;
+        let (verdict, stage_cpu) = STAGE_CPU
+            .scope(RefCell::default(), async {
+                let verdict = self.run(&job, &scratch, &cancel, &mut response, &mut lane_held).await;
+                (verdict, STAGE_CPU.with(RefCell::take))
+            })
+            .await;
+        for (stage, cpu_ms) in stage_cpu {
+            response.stage_ms.insert(format!("cpu.{stage}"), cpu_ms);
+        }
         // The lane was released when `run` returned: its hold is the device time this evaluation took.
         if let Some((held, gate)) = lane_held {
             response.stage_ms.insert("device".into(), ms(held.elapsed()));
@@ -392,6 +414,8 @@ impl Evaluator {
         let [compile_dir, candidate_dir, check_dir, baseline_dir] = stage_dirs;
         let versions = python.versions_key();
         let task_key = cache::key(&[job.task.as_bytes()]);
+
+        self.baseline_ahead(job);
 
         // Compile: only candidates that build extensions; the rest are imported where they run.
         let artifact_key = cache::key(&[
@@ -627,6 +651,9 @@ impl Evaluator {
         if job.backend == Backend::Cpu {
             // Hidden from the start: a CPU evaluation never sees a GPU.
             env.extend(python.device_env(None).into_iter().map(|(k, v)| (k.into(), v.into())));
+        } else {
+            // Its GPU is known only once it has a slot, but torch reads its thread limit when it loads, now.
+            env.extend(python.gpu_threads_env().into_iter().map(|(k, v)| (k.into(), v.into())));
         }
         env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
         env.push(("TRITON_CACHE_DIR".into(), dir.join("triton").into()));
@@ -940,6 +967,37 @@ impl Evaluator {
         }))
     }
 
+    /// Starts the task's baseline now, beside the candidate's compile and outside the device's slots (a GPU
+    /// evaluation that is timed, with `baselines_ahead`): the evaluation then finds it cached, or waits for it on
+    /// the cache's lock, instead of holding its slot while the baseline's torch.compile runs. It runs to the end
+    /// whatever becomes of the evaluation (the next one of the task needs it too); a failure is only logged, and
+    /// met again, and reported, by the evaluation's own [`Self::baseline`].
+    fn baseline_ahead(&self, job: &Job) {
+        let inner = &self.inner;
+        if !(inner.config.baselines_ahead && job.measure && job.backend != Backend::Cpu) {
+            return;
+        }
+        let Some(lane) = inner.lanes.outside_slots() else { return };
+        let task_key = cache::key(&[job.task.as_bytes()]);
+        let init_seed = self.seeds(&task_key, "init", 1)[0];
+        let timing_seeds = self.seeds(&task_key, "timing", inner.config.timing.input_sets.max(1) as usize);
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scratch = inner.scratch_root.join(format!("{}-baseline-{id}", std::process::id()));
+        let (evaluator, job) = (self.clone(), job.clone());
+        tokio::spawn(async move {
+            let _cleanup = RemoveOnDrop(scratch.clone());
+            let cancel = CancellationToken::new();
+            let computed = match std::fs::create_dir_all(&scratch) {
+                Ok(()) => evaluator.baseline(&job, &lane, init_seed, &timing_seeds, &scratch, &cancel).await.map(drop),
+                Err(error) => Err(format!("scratch directory {}: {error}", scratch.display())),
+            };
+            if let Err(error) = computed {
+                tracing::warn!(task = %job.task_id, %error, "the baseline computed ahead failed");
+            }
+        });
+    }
+
     /// Eager and torch.compile samples of the reference, from the cache or a clean child.
     async fn baseline(
         &self,
@@ -1062,6 +1120,10 @@ impl Evaluator {
             lane.add_gate_times(outcome.gate);
         }
         inner.metrics.stage_seconds(name, started_at.elapsed());
+        if let Some(cpu_ms) = outcome.as_ref().ok().and_then(StageOutcome::cpu_ms) {
+            // Outside an evaluation's scope (none today) there is nothing to add to.
+            let _ = STAGE_CPU.try_with(|spent| *spent.borrow_mut().entry(name).or_default() += cpu_ms);
+        }
         if let (Ok(finished), Some(lane)) = (&outcome, lane)
             && lane.gpu().is_some()
             && let Some(fault) = devices::fault(finished.finished.exit, &finished.error_text())

@@ -57,6 +57,8 @@ pub struct PythonEnv {
     cuda_home: Option<PathBuf>,
     /// The command load_inline's builds run for nvcc (`PYTORCH_NVCC`); see [`PythonEnv::use_nvcc_wrapper`].
     nvcc: Option<String>,
+    /// CPU threads of each process on a GPU, where limited; see [`PythonEnv::limit_gpu_stage_threads`].
+    gpu_stage_threads: Option<usize>,
 }
 
 const PROBE: &str = r#"
@@ -138,7 +140,7 @@ impl PythonEnv {
         }
         readable.sort();
         readable.dedup();
-        Ok(Self { python, versions, gpus: probe.devices, readable, cuda_home, nvcc: None })
+        Ok(Self { python, versions, gpus: probe.devices, readable, cuda_home, nvcc: None, gpu_stage_threads: None })
     }
 
     /// Builds of CUDA extensions run nvcc through `wrapper` (kforge_nvcc.py), with this interpreter. Every stage
@@ -148,6 +150,13 @@ impl PythonEnv {
             let quote = |path: &Path| format!("'{}'", path.display().to_string().replace('\'', r"'\''"));
             self.nvcc = Some(format!("{} {}", quote(&self.python), quote(wrapper)));
         }
+    }
+
+    /// Limits each process on a GPU to `threads` CPU threads (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`): evaluations
+    /// sharing a machine must not each start torch's thread per core (measured on the H200 with 8 slots: the
+    /// checker's processes spent 30 CPU-seconds each, mostly threads waiting on each other).
+    pub fn limit_gpu_stage_threads(&mut self, threads: usize) {
+        self.gpu_stage_threads = Some(threads.max(1));
     }
 
     /// The software versions as one string, for cache keys.
@@ -191,6 +200,7 @@ impl PythonEnv {
         match gpu {
             Some(index) => {
                 let mut env = vec![("CUDA_VISIBLE_DEVICES".to_owned(), index.to_string())];
+                env.extend(self.gpu_threads_env());
                 if let Some(gpu) = self.gpus.get(index) {
                     // Build for this device only: every extra architecture multiplies nvcc's device passes.
                     env.push(("TORCH_CUDA_ARCH_LIST".to_owned(), gpu.capability.clone()));
@@ -199,6 +209,12 @@ impl PythonEnv {
             }
             None => vec![("CUDA_VISIBLE_DEVICES".to_owned(), String::new())],
         }
+    }
+
+    /// The thread limit of processes on a GPU, as environment variables (read when torch loads).
+    pub fn gpu_threads_env(&self) -> Vec<(String, String)> {
+        let Some(threads) = self.gpu_stage_threads else { return vec![] };
+        ["OMP_NUM_THREADS", "MKL_NUM_THREADS"].map(|name| (name.to_owned(), threads.to_string())).to_vec()
     }
 
     /// [`PythonEnv::env`] with the device's environment, for a process whose device is known when it starts.
@@ -313,6 +329,11 @@ impl StageOutcome {
         }
     }
 
+    /// The CPU time the stage reported for itself and the children it waited for, in milliseconds.
+    pub fn cpu_ms(&self) -> Option<f64> {
+        self.result.as_ref()?.get("cpu_ms")?.as_f64()
+    }
+
     /// The harness's exception type name, when it reported one.
     pub fn error_type(&self) -> Option<&str> {
         self.result.as_ref()?.get("error_type")?.as_str()
@@ -381,9 +402,9 @@ const MESSAGE_BYTES: u64 = 64;
 /// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]).
 ///
 /// While it waits, the stage is stopped and its wall clock held: it is at a pause point, its device work
-/// synchronised, and it is not working. A message it does not know, or may not send, ends the conversation (the
-/// stage then waits for an answer that never comes, until its time limit): only candidate code forging the
-/// harness's messages sends one.
+/// synchronised, and it is not working. A message it does not know, or may not send, kills the stage: only
+/// candidate code forging the harness's messages sends one, and a stage left outside the gate could use the device
+/// while others run alone.
 async fn converse(member: Member, control: Control, socket: tokio::net::UnixStream) {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let (read, mut write) = socket.into_split();
@@ -412,12 +433,11 @@ async fn converse(member: Member, control: Control, socket: tokio::net::UnixStre
                     control.resume();
                 }
             }
-            b"idle\n" => {
-                if !member.idle() {
-                    return;
-                }
+            b"idle\n" if member.idle() => {}
+            _ => {
+                control.kill();
+                return;
             }
-            _ => return,
         }
         if write.write_all(b"go\n").await.is_err() {
             return;
