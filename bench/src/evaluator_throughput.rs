@@ -8,10 +8,12 @@
 //! `--candidates` is what `bench/kernelbench/make_candidates.py --mixed` writes (candidates and manifest.json).
 //!
 //! - **pipeline**: one evaluator with its defaults (a compile pool of one worker per core, warm starts, the
-//!   artifact, reference and baseline caches), every candidate submitted at once, from a cold work directory;
+//!   artifact, reference and baseline caches, baselines computed ahead, CPU threads divided among the GPU slots),
+//!   every candidate submitted at once, from a cold work directory;
 //! - **serial**: the design kforge replaces: one candidate at a time, each in a fresh evaluator with a fresh work
-//!   directory (nothing cached: not its extension build, not the reference outputs, not the baselines) and one
-//!   compile worker. Same stages, sandbox and checks, so the verdicts must be the same. `--serial N` evaluates the
+//!   directory (nothing cached: not its extension build, not the reference outputs, not the baselines), one
+//!   compile worker, one GPU slot (so torch's own thread count) and nothing computed ahead. Same stages, sandbox,
+//!   build recipe and checks, so the verdicts must be the same. `--serial N` evaluates the
 //!   first N candidates of the manifest in turn across their kinds (it is slow; rates are per evaluation).
 //! - `--repeat N` evaluates N candidates again through the pipeline's warm evaluator: compile cache hits.
 //! - `--limit N` keeps the manifest's first N candidates (the level-2 groups come first, four per task).
@@ -23,7 +25,8 @@
 //! Reported: evaluations per hour of each mode and their ratio; the device's busy fraction (lane held) over the
 //! pipeline's device window and while compiled work waited for it; compile time p50/p95 (cold, and cache hits);
 //! device time per evaluation; the machine's CPU busy fraction over the pipeline's run (all cores, from
-//! /proc/stat); and whether both modes reached the same verdicts (and the manifest's).
+//! /proc/stat); the stages' CPU seconds per evaluation; where each GPU's time went by its gate (alone, draining,
+//! shared, empty); and whether both modes reached the same verdicts (and the manifest's).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

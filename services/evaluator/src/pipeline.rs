@@ -1121,7 +1121,7 @@ impl Evaluator {
         }
         inner.metrics.stage_seconds(name, started_at.elapsed());
         if let Some(cpu_ms) = outcome.as_ref().ok().and_then(StageOutcome::cpu_ms) {
-            // Outside an evaluation's scope (none today) there is nothing to add to.
+            // Work outside an evaluation (a baseline computed ahead) has no account to add to.
             let _ = STAGE_CPU.try_with(|spent| *spent.borrow_mut().entry(name).or_default() += cpu_ms);
         }
         if let (Ok(finished), Some(lane)) = (&outcome, lane)

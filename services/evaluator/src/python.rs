@@ -153,8 +153,8 @@ impl PythonEnv {
     }
 
     /// Limits each process on a GPU to `threads` CPU threads (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`): evaluations
-    /// sharing a machine must not each start torch's thread per core (measured on the H200 with 8 slots: the
-    /// checker's processes spent 30 CPU-seconds each, mostly threads waiting on each other).
+    /// sharing a machine must not each start torch's thread per core (measured on the H200 with 8 slots and 16
+    /// cores: the checker's processes spent 31.7 CPU-seconds each with a thread per core, 10.5 with two).
     pub fn limit_gpu_stage_threads(&mut self, threads: usize) {
         self.gpu_stage_threads = Some(threads.max(1));
     }
