@@ -693,14 +693,7 @@ impl Member {
     pub async fn share(&self) {
         let id = self.id;
         let asked = Instant::now();
-        self.clock.end_alone();
-        self.gate.update(|state| {
-            if state.alone == Some(id) {
-                state.alone = None;
-            }
-            state.queue.retain(|&m| m != id);
-            state.members.insert(id, Standing::Paused);
-        });
+        self.stand(Standing::Paused);
         self.gate
             .wait_until(|state| {
                 // A solo member has the device to itself anyway.
@@ -723,6 +716,12 @@ impl Member {
         if !self.trusted {
             return false;
         }
+        self.stand(Standing::Idle);
+        true
+    }
+
+    /// Leaves running alone or waiting to, standing as `standing`.
+    fn stand(&self, standing: Standing) {
         let id = self.id;
         self.clock.end_alone();
         self.gate.update(|state| {
@@ -730,9 +729,8 @@ impl Member {
                 state.alone = None;
             }
             state.queue.retain(|&m| m != id);
-            state.members.insert(id, Standing::Idle);
+            state.members.insert(id, standing);
         });
-        true
     }
 
     /// This member's clock, readable after the member is gone.
