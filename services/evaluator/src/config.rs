@@ -86,6 +86,18 @@ impl Default for CacheLimits {
     }
 }
 
+impl EvaluatorConfig {
+    /// CPU threads for each harness process on a GPU, with `gpus` GPUs on a machine of `cores` cores (see
+    /// `gpu_stage_threads`); `None`: torch's own default.
+    pub fn gpu_stage_threads_on(&self, gpus: usize, cores: usize) -> Option<usize> {
+        match self.gpu_stage_threads {
+            0 if self.gpu_slots > 1 && gpus > 0 => Some((cores / (gpus * self.gpu_slots)).max(1)),
+            0 => None,
+            threads => Some(threads),
+        }
+    }
+}
+
 impl Default for EvaluatorConfig {
     fn default() -> Self {
         Self {
@@ -184,5 +196,22 @@ pub struct TimingBudget {
 impl Default for TimingBudget {
     fn default() -> Self {
         Self { warmup_runs: 5, min_runs: 10, max_runs: 200, max_seconds: 5.0, target_rel_error: 0.01, input_sets: 3 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn processes_on_a_shared_gpu_divide_the_cores_among_the_slots() {
+        let config =
+            |gpu_slots, gpu_stage_threads| EvaluatorConfig { gpu_slots, gpu_stage_threads, ..Default::default() };
+        assert_eq!(config(8, 0).gpu_stage_threads_on(1, 16), Some(2));
+        assert_eq!(config(8, 0).gpu_stage_threads_on(2, 32), Some(2), "every GPU's slots count");
+        assert_eq!(config(8, 0).gpu_stage_threads_on(1, 4), Some(1), "at least one");
+        assert_eq!(config(1, 0).gpu_stage_threads_on(1, 16), None, "a GPU to itself keeps torch's default");
+        assert_eq!(config(8, 0).gpu_stage_threads_on(0, 16), None, "no GPU");
+        assert_eq!(config(8, 3).gpu_stage_threads_on(1, 16), Some(3), "as configured");
     }
 }

@@ -142,12 +142,9 @@ impl Evaluator {
         let mut python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
         if let Ok(env) = &mut python {
             env.use_nvcc_wrapper(&harness_dir.join("kforge_nvcc.py"));
-            let slots = env.gpus.len() * config.gpu_slots.max(1);
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
-            match config.gpu_stage_threads {
-                0 if config.gpu_slots > 1 => env.limit_gpu_stage_threads(cores / slots.max(1)),
-                0 => {}
-                threads => env.limit_gpu_stage_threads(threads),
+            if let Some(threads) = config.gpu_stage_threads_on(env.gpus.len(), cores) {
+                env.limit_gpu_stage_threads(threads);
             }
         }
         let sandbox = match &python {

@@ -497,3 +497,30 @@ impl Drop for Started {
         self.finished.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_stages_get_the_thread_limit_and_cpu_stages_do_not() {
+        let mut env = PythonEnv {
+            python: "python3".into(),
+            versions: BTreeMap::new(),
+            gpus: vec![],
+            readable: vec![],
+            cuda_home: None,
+            nvcc: None,
+            gpu_stage_threads: None,
+        };
+        let threads = |env: &[(String, String)]| {
+            env.iter().filter(|(k, _)| k.ends_with("_NUM_THREADS")).cloned().collect::<Vec<_>>()
+        };
+        assert!(threads(&env.device_env(Some(0))).is_empty(), "no limit set: torch's default");
+        env.limit_gpu_stage_threads(2);
+        let two = |name: &str| (name.to_owned(), "2".to_owned());
+        assert_eq!(threads(&env.device_env(Some(0))), [two("OMP_NUM_THREADS"), two("MKL_NUM_THREADS")]);
+        assert_eq!(threads(&env.gpu_threads_env()), threads(&env.device_env(Some(0))));
+        assert!(threads(&env.device_env(None)).is_empty(), "a CPU stage keeps torch's threads");
+    }
+}
