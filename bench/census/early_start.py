@@ -5,7 +5,8 @@ CUDA_VISIBLE_DEVICES is set only after its first profiler start must still see e
 
 For each activity set, a fresh interpreter starts and stops a profiler session with no CUDA_VISIBLE_DEVICES, then
 sets CUDA_VISIBLE_DEVICES=1 (as the harness does when its request arrives), then counts the devices torch sees and
-times a second profiler session on that device. Prints one JSON object per activity set.
+times a second profiler session on that device, and reports that device's UUID (it must be GPU 1's, listed first).
+Prints one JSON object per activity set.
 """
 
 import json
@@ -36,11 +37,15 @@ torch.cuda.synchronize()
 later.stop()
 t3 = time.perf_counter()
 kernels = [e.name for e in later.events() if e.device_type.name == "CUDA"]
+uuid = str(torch.cuda.get_device_properties(0).uuid)
 print(json.dumps({"variant": sys.argv[1], "early_start_s": t1 - t0, "cuda_initialised_by_early_start": initialised_early,
-                  "devices_seen_after": count, "later_session_s": t3 - t2, "later_kernels": len(kernels)}))
+                  "devices_seen_after": count, "later_session_s": t3 - t2, "later_kernels": len(kernels), "device_uuid": uuid}))
 """
 
 env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+# The device the process must end up on: the second GPU's UUID, as the driver lists it.
+listed = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
+print(json.dumps({"gpus": listed.stdout.strip().splitlines()}), flush=True)
 for variant in ["cpu", "cpu+cuda"]:
     done = subprocess.run([sys.executable, "-c", VARIANT, variant], capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
