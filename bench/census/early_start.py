@@ -3,7 +3,7 @@ CUDA_VISIBLE_DEVICES is set only after its first profiler start must still see e
 
     python bench/census/early_start.py      (on a machine with at least two GPUs)
 
-For each activity set, a fresh interpreter starts and stops a profiler session with no CUDA_VISIBLE_DEVICES, then
+For each activity set ("none": no early start, the control), a fresh interpreter starts and stops a profiler session with no CUDA_VISIBLE_DEVICES, then
 sets CUDA_VISIBLE_DEVICES=1 (as the harness does when its request arrives), then counts the devices torch sees and
 times a second profiler session on that device, and reports that device's UUID (it must be GPU 1's, listed first).
 Prints one JSON object per activity set.
@@ -19,11 +19,13 @@ import json, os, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-activities = {"cpu": [ProfilerActivity.CPU], "cpu+cuda": [ProfilerActivity.CPU, ProfilerActivity.CUDA]}[sys.argv[1]]
+activities = {"none": None, "cpu": [ProfilerActivity.CPU],
+              "cpu+cuda": [ProfilerActivity.CPU, ProfilerActivity.CUDA]}[sys.argv[1]]
 t0 = time.perf_counter()
-early = profile(activities=activities)
-early.start()
-early.stop()
+if activities is not None:  # "none": the control, as the harness runs today
+    early = profile(activities=activities)
+    early.start()
+    early.stop()
 t1 = time.perf_counter()
 initialised_early = torch.cuda.is_initialized()
 os.environ["CUDA_VISIBLE_DEVICES"] = "1"
@@ -46,7 +48,7 @@ env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
 # The device the process must end up on: the second GPU's UUID, as the driver lists it.
 listed = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
 print(json.dumps({"gpus": listed.stdout.strip().splitlines()}), flush=True)
-for variant in ["cpu", "cpu+cuda"]:
+for variant in ["none", "cpu", "cpu+cuda"]:
     done = subprocess.run([sys.executable, "-c", VARIANT, variant], capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     print(lines[-1] if lines else json.dumps({"variant": variant, "error": done.stderr[-2000:]}), flush=True)
