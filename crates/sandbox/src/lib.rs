@@ -771,9 +771,21 @@ mod tests {
     async fn wall_clock_kills_the_whole_group() {
         let sandbox = Sandbox::basic();
         let pid_file = scratch("hang").join("child.pid");
-        let script = format!("sleep 60 & echo $! > {}; sleep 60", pid_file.display());
+        // The wall clock starts once the job has recorded its child (its input comes then), so a slow start on a
+        // loaded machine cannot end it before it has a child to leave behind.
+        let script = format!("sleep 60 & echo $! > {}; read go; sleep 60", pid_file.display());
         let limits = Limits { wall: Duration::from_millis(500), ..Limits::default() };
-        let finished = run(&sandbox, shell(&script, "hang", limits)).await;
+        let recorded = {
+            let pid_file = pid_file.clone();
+            async move {
+                while std::fs::read_to_string(&pid_file).map_or(true, |pid| !pid.ends_with('\n')) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Some(b"go\n".to_vec())
+            }
+        };
+        let job = shell(&script, "hang", limits);
+        let finished = sandbox.run_with_input(job, recorded, CancellationToken::new()).await.expect("job runs");
         assert_eq!(finished.exit, Exit::TimedOut);
         let pid = std::fs::read_to_string(&pid_file).expect("the job recorded its child").trim().to_owned();
         // SIGKILL is delivered before `run` returns; the child is then gone or a zombie awaiting its reaper.
