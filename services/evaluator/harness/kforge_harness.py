@@ -204,7 +204,7 @@ class Gate:
             return
         if sync:
             synchronize(device)
-        with phase("gate"):  # time waiting for the device (stopped), inside the phase that asked
+        with phase("gate"):  # time waiting for the device (stopped), reported as the `gate` phase
             self.send(message)
             reply = b""
             while not reply.endswith(b"\n") and len(reply) < 16:

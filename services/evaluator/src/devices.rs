@@ -295,35 +295,30 @@ impl Lanes {
     /// (a baseline computed ahead). Its stages share the device through the gate like any slot's; nothing is
     /// released when it is dropped. None without a healthy GPU.
     pub fn outside_slots(self: &Arc<Self>) -> Option<Lane> {
-        let quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
-        let (index, (_, generation)) = quarantined.iter().enumerate().find(|(_, (reason, _))| reason.is_none())?;
-        Some(Lane {
+        let index =
+            self.quarantined.lock().expect("lane lock is never poisoned").iter().position(|(r, _)| r.is_none())?;
+        Some(self.lane(true, index, false))
+    }
+
+    /// A lane on device `index` (a GPU's, or the CPU's), holding a slot or not.
+    fn lane(self: &Arc<Self>, is_gpu: bool, index: usize, slot: bool) -> Lane {
+        let generation =
+            if is_gpu { self.quarantined.lock().expect("lane lock is never poisoned")[index].1 } else { 0 };
+        Lane {
             lanes: self.clone(),
-            is_gpu: true,
+            is_gpu,
             index,
-            generation: *generation,
+            generation,
             solo: AtomicBool::new(false),
             gate_times: Arc::default(),
-            slot: false,
-        })
+            slot,
+        }
     }
 
     /// The CPU's slot, or a free slot of a healthy GPU, waiting for one in turn (`priority`, then turns across
     /// `job`s); an error when every GPU is quarantined (also for those already waiting when the last one goes).
     pub async fn acquire(self: &Arc<Self>, gpu: bool, priority: i32, job: &str) -> Result<Lane, String> {
-        let lane = |index: usize| {
-            let generation =
-                if gpu { self.quarantined.lock().expect("lane lock is never poisoned")[index].1 } else { 0 };
-            Lane {
-                lanes: self.clone(),
-                is_gpu: gpu,
-                index,
-                generation,
-                solo: AtomicBool::new(false),
-                gate_times: Arc::default(),
-                slot: true,
-            }
-        };
+        let lane = |index: usize| self.lane(gpu, index, true);
         let receiver = {
             let mut pool = self.pool(gpu);
             if pool.in_service == 0 {

@@ -267,10 +267,7 @@ impl Evaluator {
             retry_after_secs: 30,
         })?;
         let _admitted = self.inner.metrics.admitted();
-        // Unique across every evaluator of this process and every process sharing the work directory.
-        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let scratch = self.inner.scratch_root.join(format!("{}-{id}", std::process::id()));
+        let scratch = self.scratch_dir("");
         // Removed however the evaluation ends (including cancellation): candidate outputs can be large.
         let _cleanup = RemoveOnDrop(scratch.clone());
         let cancel = CancellationToken::new();
@@ -458,8 +455,7 @@ impl Evaluator {
         // The last `recheck_trials` trials run after timing and the census.
         let seeds = self.seeds(&task_key, "trial", (job.trials + inner.config.recheck_trials) as usize);
         let recheck_from = job.trials as usize;
-        let timing_seeds = self.seeds(&task_key, "timing", inner.config.timing.input_sets.max(1) as usize);
-        let init_seed = self.seeds(&task_key, "init", 1)[0];
+        let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
         if let Err(error) = std::fs::write(check_dir.join("task.py"), &job.task) {
             return infra(response, format!("writing task.py: {error}"), true);
         }
@@ -976,11 +972,8 @@ impl Evaluator {
         }
         let Some(lane) = inner.lanes.outside_slots() else { return };
         let task_key = cache::key(&[job.task.as_bytes()]);
-        let init_seed = self.seeds(&task_key, "init", 1)[0];
-        let timing_seeds = self.seeds(&task_key, "timing", inner.config.timing.input_sets.max(1) as usize);
-        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let scratch = inner.scratch_root.join(format!("{}-baseline-{id}", std::process::id()));
+        let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
+        let scratch = self.scratch_dir("baseline-");
         let (evaluator, job) = (self.clone(), job.clone());
         tokio::spawn(async move {
             let _cleanup = RemoveOnDrop(scratch.clone());
@@ -1108,9 +1101,10 @@ impl Evaluator {
         let _running = inner.metrics.stage(name);
         let started_at = Instant::now();
         // Stages that run no candidate code join idle and share the device only for their device work.
-        let joining = |lane: &Lane| match (name, lane.solo()) {
-            ("reference" | "check" | "baseline", false) => Joining::Idle,
-            (_, solo) => Joining::Share { solo },
+        let trusted = request.trusted();
+        let joining = |lane: &Lane| match lane.solo() {
+            false if trusted => Joining::Idle,
+            solo => Joining::Share { solo },
         };
         let outcome = started.run(request, lane.map(|lane| (lane.gate(), joining(lane)))).await;
         if let (Ok(outcome), Some(lane)) = (&outcome, lane) {
@@ -1140,6 +1134,21 @@ impl Evaluator {
                 metrics.evicted(name, removed);
             }
         });
+    }
+
+    /// A fresh scratch directory's path (`prefix` names what it is for), unique across every evaluator of this
+    /// process and every process sharing the work directory.
+    fn scratch_dir(&self, prefix: &str) -> PathBuf {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.scratch_root.join(format!("{}-{prefix}{id}", std::process::id()))
+    }
+
+    /// The task's model initialisation seed and timing input seeds: the same for the candidate, its checks and
+    /// the baseline, so all of them see the same model and inputs.
+    fn baseline_seeds(&self, task_key: &str) -> (u64, Vec<u64>) {
+        let sets = self.inner.config.timing.input_sets.max(1) as usize;
+        (self.seeds(task_key, "init", 1)[0], self.seeds(task_key, "timing", sets))
     }
 
     /// Seeds the candidate cannot know in advance: derived from a secret drawn when this evaluator started, so

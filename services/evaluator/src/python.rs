@@ -278,6 +278,14 @@ pub struct Request {
     pub env: Vec<(String, String)>,
 }
 
+impl Request {
+    /// Whether the stage runs no candidate code (the reference, the checker, the baseline): it may then be trusted
+    /// to do no device work while it says it is idle.
+    pub fn trusted(&self) -> bool {
+        matches!(self.mode, "reference" | "check" | "baseline")
+    }
+}
+
 /// A stage that ran: how it ended and the result it wrote, if any.
 #[derive(Debug)]
 pub struct StageOutcome {
@@ -416,23 +424,10 @@ async fn converse(member: Member, control: Control, socket: tokio::net::UnixStre
             _ => return,
         }
         match &line[..] {
-            b"alone\n" => {
-                control.stop();
-                member.alone().await;
-                control.resume();
-            }
-            b"share\n" => {
-                control.stop();
-                member.share().await;
-                control.resume();
-            }
-            b"pause\n" => {
-                if member.must_pause() {
-                    control.stop();
-                    member.share().await;
-                    control.resume();
-                }
-            }
+            b"alone\n" => stopped(&control, member.alone()).await,
+            b"share\n" => stopped(&control, member.share()).await,
+            b"pause\n" if member.must_pause() => stopped(&control, member.share()).await,
+            b"pause\n" => {}
             b"idle\n" if member.idle() => {}
             _ => {
                 control.kill();
@@ -443,6 +438,13 @@ async fn converse(member: Member, control: Control, socket: tokio::net::UnixStre
             return;
         }
     }
+}
+
+/// Waits for `turn` with the stage stopped and its wall clock held.
+async fn stopped(control: &Control, turn: impl std::future::Future<Output = ()>) {
+    control.stop();
+    turn.await;
+    control.resume();
 }
 
 impl Started {
