@@ -773,7 +773,8 @@ mod tests {
         let pid_file = scratch("hang").join("child.pid");
         // The wall clock starts once the job has recorded its child (its input comes then), so a slow start on a
         // loaded machine cannot end it before it has a child to leave behind.
-        let script = format!("sleep 60 & echo $! > {}; read go; sleep 60", pid_file.display());
+        // The child does not hold the job's output pipes, so nothing but the group kill can end it in time.
+        let script = format!("sleep 600 >/dev/null 2>&1 & echo $! > {}; read go; sleep 60", pid_file.display());
         let limits = Limits { wall: Duration::from_millis(500), ..Limits::default() };
         let recorded = {
             let pid_file = pid_file.clone();
