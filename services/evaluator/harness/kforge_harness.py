@@ -17,6 +17,8 @@ share it with other evaluations' stages, except timed work, which runs alone (`G
              kernel census, and run the last trials again after timing. Integrity checks report findings.
 - check:     compare a candidate's saved outputs with cached reference outputs. Clean process, no candidate code.
 - baseline:  time the reference eagerly and under torch.compile. Clean process.
+- bindings_pch: precompile torch/extension.h for load_inline's bindings, with the flags torch gives them. No
+             candidate code.
 
 Statistics, the profiling ratio and the census checks are computed by the evaluator from raw data; this file only
 measures. It works with PyTorch 2.11
@@ -514,7 +516,7 @@ def names_full_header(log):
 def install_build_recipe(building):
     """Routes load_inline through the recipe; `building` in the compile stage, which decides and records."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
+    if not root or os.environ.get("KFORGE_BUILD_RECIPE") == "stock":
         return
     import torch.utils.cpp_extension as cpp_extension
 
@@ -555,6 +557,73 @@ def install_build_recipe(building):
         return module
 
     cpp_extension.load_inline = load_inline
+
+
+class _NinjaFileWritten(Exception):
+    pass
+
+
+def bindings_flags(extra_cflags, cuda):
+    """The flags load_inline compiles an extension's bindings (main.cpp) with, given `extra_cflags`, read from the
+    ninja file torch writes for a probe extension that is never built; without the extension's name, which
+    torch/extension.h never reads."""
+    import tempfile
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    def written(*args, **kwargs):
+        raise _NinjaFileWritten()
+
+    run_ninja = cpp_extension._run_ninja_build
+    cpp_extension._run_ninja_build = written
+    try:
+        with tempfile.TemporaryDirectory() as build:
+            try:
+                cpp_extension.load_inline("kforge_bindings_probe", "// probe", cuda_sources="// probe" if cuda else None,
+                                          extra_cflags=extra_cflags, build_directory=build)
+            except _NinjaFileWritten:
+                pass
+            with _open(os.path.join(build, "build.ninja")) as f:
+                ninja = f.read()
+    finally:
+        cpp_extension._run_ninja_build = run_ninja
+    values = dict(re.findall(r"^(cflags|post_cflags) = (.*)$", ninja, re.MULTILINE))
+    import shlex
+
+    flags = shlex.split(values.get("cflags", "")) + shlex.split(values.get("post_cflags", ""))
+    return [flag for flag in flags if not flag.startswith("-DTORCH_EXTENSION_NAME=")]
+
+
+def mode_bindings_pch(spec):
+    """Precompiles torch/extension.h as load_inline's bindings (main.cpp, which starts with it) would read it, once
+    per set of extra flags in spec["variants"], into spec["out_dir"]/torch/extension.h.gch/<variant>.gch. A build
+    given that directory on its include path (CPATH) uses the first variant gcc finds valid for its own flags (the
+    macros the header sees included) and reads the header as usual when none is. No candidate code runs here."""
+    import subprocess
+
+    import torch
+    import torch.utils.cpp_extension as cpp_extension
+
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "extension.h")
+    out = os.path.join(spec["out_dir"], "torch", "extension.h.gch")
+    os.makedirs(out, exist_ok=True)
+    # gcc reads the header beside the directory whenever it does not take a precompiled one (another include of
+    # it, other flags): this one passes the include on to torch's own.
+    with _open(os.path.join(spec["out_dir"], "torch", "extension.h"), "w") as f:
+        f.write("#include_next <torch/extension.h>\n")
+    builds = []
+    for name, extra in spec["variants"].items():
+        command = [cpp_extension.get_cxx_compiler(), *bindings_flags(extra, spec["cuda"]), "-x", "c++-header", header,
+                   "-o", os.path.join(out, f"{name}.gch")]
+        builds.append((name, command, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    built, failed = [], {}
+    for name, command, process in builds:
+        _, errors = process.communicate()
+        if process.returncode == 0:
+            built.append(name)
+        else:
+            failed[name] = f"{' '.join(command)}\n{errors.decode(errors='replace')[-4000:]}"
+    write_result(spec, {"ok": bool(built), "built": built, "failed": failed})
 
 
 # ---------------------------------------------------------------------------------------------------- census
@@ -913,6 +982,7 @@ MODES = {
     "candidate": mode_candidate,
     "check": mode_check,
     "baseline": mode_baseline,
+    "bindings_pch": mode_bindings_pch,
 }
 
 

@@ -58,12 +58,37 @@ pub struct EvaluatorConfig {
     /// Whether a GPU evaluation starts its task's baseline when it arrives, beside its compile and outside the
     /// device's slots, rather than on its slot after the checks (off: the serial design).
     pub baselines_ahead: bool,
+    /// How candidates' extensions are built: `kforge` (the light header, kforge's nvcc, and torch's extension header
+    /// precompiled for the bindings: docs/EVALUATOR.md, "Compile") or `stock` (exactly as load_inline builds them:
+    /// the serial design the benchmark compares with, and a way back should the recipe misjudge a new torch).
+    pub build_recipe: BuildRecipe,
+    /// With kforge's recipe: precompile torch's extension header for the bindings at start (about 0.8 GB per flag
+    /// set in `work_dir/pch`; compiles that start before it is ready build without it).
+    pub bindings_pch: bool,
     /// Optional sandbox protections (each on by default, used where the kernel allows; see GetCapabilities).
     pub sandbox: SandboxOptions,
     /// The GPU health probe run after a device fault, and while a device is quarantined.
     pub device_probe: DeviceProbeConfig,
     /// Size bounds of the on-disk caches.
     pub cache_limits: CacheLimits,
+}
+
+/// How candidates' extensions are built (`build_recipe`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildRecipe {
+    #[default]
+    Kforge,
+    Stock,
+}
+
+impl BuildRecipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kforge => "kforge",
+            Self::Stock => "stock",
+        }
+    }
 }
 
 /// Size bounds of the caches in `work_dir`, in bytes (0: unbounded). Over its bound, a cache drops its least
@@ -77,12 +102,19 @@ pub struct CacheLimits {
     pub references_bytes: u64,
     /// Baseline timing samples (KBs each).
     pub baselines_bytes: u64,
+    /// torch's extension header precompiled for the bindings (`bindings_pch`; about 1.6 GB per torch version).
+    pub bindings_pch_bytes: u64,
 }
 
 impl Default for CacheLimits {
     fn default() -> Self {
         const GIB: u64 = 1 << 30;
-        Self { artifacts_bytes: 20 * GIB, references_bytes: 50 * GIB, baselines_bytes: GIB }
+        Self {
+            artifacts_bytes: 20 * GIB,
+            references_bytes: 50 * GIB,
+            baselines_bytes: GIB,
+            bindings_pch_bytes: 4 * GIB,
+        }
     }
 }
 
@@ -120,6 +152,8 @@ impl Default for EvaluatorConfig {
             plausible_speedup: 10.0,
             baseline_torch_compile: true,
             baselines_ahead: true,
+            build_recipe: BuildRecipe::Kforge,
+            bindings_pch: true,
             sandbox: SandboxOptions::default(),
             device_probe: DeviceProbeConfig::default(),
             cache_limits: CacheLimits::default(),

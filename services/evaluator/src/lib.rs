@@ -5,6 +5,7 @@
 //! everything else a verdict; a dropped request (client gone, deadline passed) cancels its evaluation and kills
 //! its child processes.
 
+pub mod bindings_pch;
 pub mod cache;
 pub mod census;
 pub mod config;

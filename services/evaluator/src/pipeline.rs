@@ -21,12 +21,13 @@ use std::time::{Duration, Instant};
 use kforge_proto::v1 as pb;
 use kforge_sandbox::{Exit, Sandbox};
 use serde_json::json;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::bindings_pch;
 use crate::cache::{self, Cache, Entry};
 use crate::census;
-use crate::config::EvaluatorConfig;
+use crate::config::{BuildRecipe, EvaluatorConfig};
 use crate::devices::{self, Lane, Lanes, MemberTimes};
 use crate::metrics::EvaluatorMetrics;
 use crate::python::{self, Joining, PythonEnv, Request, Stage, StageOutcome, Started};
@@ -102,6 +103,8 @@ struct Inner {
     admission: Arc<Semaphore>,
     secret: u64,
     metrics: EvaluatorMetrics,
+    /// The warm-up's outcome once it is over: the bindings' precompiled header, or why there is none.
+    warm: watch::Receiver<Option<Result<PathBuf, String>>>,
 }
 
 /// The evaluator: cheap to clone, shared by every request.
@@ -141,7 +144,7 @@ impl Evaluator {
         let sandbox = Sandbox::detect_with(config.sandbox).await;
         let mut python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
         if let Ok(env) = &mut python {
-            env.use_nvcc_wrapper(&harness_dir.join("kforge_nvcc.py"));
+            env.use_build_recipe(config.build_recipe, &harness_dir.join("kforge_nvcc.py"));
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
             if let Some(threads) = config.gpu_stage_threads_on(env.gpus.len(), cores) {
                 env.limit_gpu_stage_threads(threads);
@@ -169,6 +172,7 @@ impl Evaluator {
             }
             Err(error) => tracing::warn!(%error, "evaluator cannot evaluate until python with torch is configured"),
         }
+        let warm = Self::warm_up_in_background(&config, &sandbox, &python, &harness, &work)?;
         let gpus = python.as_ref().map(|p| p.gpus.len()).unwrap_or(0);
         let compile_workers = match config.compile_workers {
             0 => std::thread::available_parallelism().map_or(2, usize::from),
@@ -189,8 +193,66 @@ impl Evaluator {
                 harness,
                 scratch_root,
                 metrics,
+                warm,
             }),
         })
+    }
+
+    /// Starts the warm-up (precompiling the bindings' header, with kforge's build recipe and `bindings_pch`);
+    /// compiles that start before it ends build without what it makes.
+    fn warm_up_in_background(
+        config: &EvaluatorConfig,
+        sandbox: &Sandbox,
+        python: &Result<PythonEnv, String>,
+        harness: &Path,
+        work: &Path,
+    ) -> std::io::Result<watch::Receiver<Option<Result<PathBuf, String>>>> {
+        let (done, warm) = watch::channel(None);
+        let python = match python {
+            Ok(python) if config.build_recipe == BuildRecipe::Kforge && config.bindings_pch => python.clone(),
+            Ok(_) => {
+                done.send_replace(Some(Err("off (build_recipe, bindings_pch)".into())));
+                return Ok(warm);
+            }
+            Err(error) => {
+                done.send_replace(Some(Err(error.clone())));
+                return Ok(warm);
+            }
+        };
+        let cache = Cache::new(work.join("pch"), config.cache_limits.bindings_pch_bytes)?;
+        let scratch = work.join("scratch").join(format!("{}-bindings-pch", std::process::id()));
+        let (sandbox, harness) = (sandbox.clone(), harness.to_owned());
+        let wall = Duration::from_secs(config.compile_timeout_secs);
+        tokio::spawn(async move {
+            let _ = std::fs::create_dir_all(&scratch);
+            let built = bindings_pch::build(&sandbox, &python, &harness, &cache, &scratch, wall).await;
+            let _ = std::fs::remove_dir_all(&scratch);
+            let _pin = match built {
+                Ok((dir, pin)) => {
+                    python.offer_bindings_pch(dir.clone());
+                    // Older versions' headers go once this one is pinned.
+                    tokio::task::spawn_blocking(move || cache.evict());
+                    done.send_replace(Some(Ok(dir)));
+                    Some(pin)
+                }
+                Err(reason) => {
+                    tracing::warn!(%reason, "building without a precompiled bindings header");
+                    done.send_replace(Some(Err(reason)));
+                    None
+                }
+            };
+            // Pinned, so that no eviction removes it, while this evaluator lives.
+            done.closed().await;
+        });
+        Ok(warm)
+    }
+
+    /// Waits for the warm-up to end: the bindings' precompiled header in place (its directory), or why it is not.
+    /// Evaluations do not wait for it.
+    pub async fn warm_up(&self) -> Result<PathBuf, String> {
+        let mut warm = self.inner.warm.clone();
+        let outcome = warm.wait_for(Option::is_some).await.map(|outcome| outcome.clone());
+        outcome.ok().flatten().unwrap_or_else(|| Err("the warm-up ended without an outcome".into()))
     }
 
     /// What this evaluator can do.
@@ -417,6 +479,7 @@ impl Evaluator {
             job.backend.name().as_bytes(),
             versions.as_bytes(),
             gpu_arch(python).as_bytes(),
+            inner.config.build_recipe.name().as_bytes(),
         ]);
         let artifact_dir = inner.artifacts.dir(&artifact_key);
         let compiles = builds_extension(&job.candidate);
@@ -805,9 +868,11 @@ impl Evaluator {
         let gpu = (job.backend != Backend::Cpu).then_some(0);
         let mut env = python.env_on(scratch, gpu);
         env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
+        let (pch_env, pch_readable) = python.compile_env();
+        env.extend(pch_env);
         let stage = Stage {
             scratch: scratch.to_owned(),
-            readable: vec![],
+            readable: pch_readable,
             writable: vec![artifact_dir.clone()],
             env,
             wall: Duration::from_secs(inner.config.compile_timeout_secs),
@@ -1404,7 +1469,7 @@ fn ms(duration: Duration) -> f64 {
 }
 
 /// At most `limit` bytes of `text`, cut at a character boundary, keeping the end (where errors are).
-fn cap(text: &str, limit: usize) -> String {
+pub(crate) fn cap(text: &str, limit: usize) -> String {
     if text.len() <= limit {
         return text.to_owned();
     }

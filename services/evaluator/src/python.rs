@@ -5,12 +5,13 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::BuildRecipe;
 use crate::devices::{Gate, Member, MemberTimes};
 
 /// The files written to the work directory's `harness/` at start, embedded so that the binary is self-contained:
@@ -55,8 +56,12 @@ pub struct PythonEnv {
     /// Where the interpreter and its packages live: readable by every stage.
     pub readable: Vec<PathBuf>,
     cuda_home: Option<PathBuf>,
-    /// The command load_inline's builds run for nvcc (`PYTORCH_NVCC`); see [`PythonEnv::use_nvcc_wrapper`].
+    /// The command load_inline's builds run for nvcc (`PYTORCH_NVCC`); see [`PythonEnv::use_build_recipe`].
     nvcc: Option<String>,
+    /// Whether extensions are built as load_inline builds them (`build_recipe = "stock"`).
+    stock_builds: bool,
+    /// Where torch's extension header, precompiled for the bindings, lies once built (`crate::bindings_pch`).
+    bindings_pch: Arc<OnceLock<PathBuf>>,
     /// CPU threads of each process on a GPU, where limited; see [`PythonEnv::limit_gpu_stage_threads`].
     gpu_stage_threads: Option<usize>,
 }
@@ -140,15 +145,45 @@ impl PythonEnv {
         }
         readable.sort();
         readable.dedup();
-        Ok(Self { python, versions, gpus: probe.devices, readable, cuda_home, nvcc: None, gpu_stage_threads: None })
+        Ok(Self {
+            python,
+            versions,
+            gpus: probe.devices,
+            readable,
+            cuda_home,
+            nvcc: None,
+            stock_builds: false,
+            bindings_pch: Arc::default(),
+            gpu_stage_threads: None,
+        })
     }
 
-    /// Builds of CUDA extensions run nvcc through `wrapper` (kforge_nvcc.py), with this interpreter. Every stage
-    /// that loads a candidate gets the same command: ninja rebuilds an object whose command line changed.
-    pub fn use_nvcc_wrapper(&mut self, wrapper: &Path) {
-        if self.cuda_home.is_some() {
+    /// How candidates' extensions are built. With kforge's recipe, CUDA builds run nvcc through `nvcc_wrapper`
+    /// (kforge_nvcc.py) with this interpreter; every stage that loads a candidate gets the same command, since
+    /// ninja rebuilds an object whose command line changed. With the stock recipe the harness leaves load_inline
+    /// as it is (`KFORGE_BUILD_RECIPE=stock`).
+    pub fn use_build_recipe(&mut self, recipe: BuildRecipe, nvcc_wrapper: &Path) {
+        self.stock_builds = recipe == BuildRecipe::Stock;
+        self.nvcc = None;
+        if recipe == BuildRecipe::Kforge && self.cuda_home.is_some() {
             let quote = |path: &Path| format!("'{}'", path.display().to_string().replace('\'', r"'\''"));
-            self.nvcc = Some(format!("{} {}", quote(&self.python), quote(wrapper)));
+            self.nvcc = Some(format!("{} {}", quote(&self.python), quote(nvcc_wrapper)));
+        }
+    }
+
+    /// From now on, compiles may use torch's extension header precompiled in `dir` (see [`PythonEnv::compile_env`]).
+    pub fn offer_bindings_pch(&self, dir: PathBuf) {
+        let _ = self.bindings_pch.set(dir);
+    }
+
+    /// What a compile stage needs beyond [`PythonEnv::env_on`]: the precompiled extension header, once built, on
+    /// the compiler's include path (`CPATH`, searched before the `-isystem` directories where torch's headers
+    /// are; gcc takes a precompiled header only where its flags match, and reads the header otherwise), and the
+    /// directory to read it from.
+    pub fn compile_env(&self) -> (Vec<(OsString, OsString)>, Vec<PathBuf>) {
+        match self.bindings_pch.get() {
+            Some(dir) if !self.stock_builds => (vec![("CPATH".into(), dir.into())], vec![dir.clone()]),
+            _ => (vec![], vec![]),
         }
     }
 
@@ -191,6 +226,9 @@ impl PythonEnv {
         }
         if let Some(nvcc) = &self.nvcc {
             env.push(("PYTORCH_NVCC".into(), nvcc.into()));
+        }
+        if self.stock_builds {
+            env.push(("KFORGE_BUILD_RECIPE".into(), "stock".into()));
         }
         env
     }
@@ -513,6 +551,8 @@ mod tests {
             readable: vec![],
             cuda_home: None,
             nvcc: None,
+            stock_builds: false,
+            bindings_pch: Arc::default(),
             gpu_stage_threads: None,
         };
         let threads = |env: &[(String, String)]| {
@@ -524,5 +564,37 @@ mod tests {
         assert_eq!(threads(&env.device_env(Some(0))), [two("OMP_NUM_THREADS"), two("MKL_NUM_THREADS")]);
         assert_eq!(threads(&env.gpu_threads_env()), threads(&env.device_env(Some(0))));
         assert!(threads(&env.device_env(None)).is_empty(), "a CPU stage keeps torch's threads");
+    }
+
+    #[test]
+    fn the_stock_recipe_leaves_builds_as_load_inline_makes_them() {
+        let mut env = PythonEnv {
+            python: "/venv/bin/python".into(),
+            versions: BTreeMap::new(),
+            gpus: vec![],
+            readable: vec![],
+            cuda_home: Some("/usr/local/cuda".into()),
+            nvcc: None,
+            stock_builds: false,
+            bindings_pch: Arc::default(),
+            gpu_stage_threads: None,
+        };
+        let names = |env: &PythonEnv| {
+            let mut all: Vec<String> =
+                env.env(Path::new("/scratch")).into_iter().map(|(k, _)| k.into_string().unwrap()).collect();
+            all.extend(env.compile_env().0.into_iter().map(|(k, _)| k.into_string().unwrap()));
+            all
+        };
+        env.use_build_recipe(BuildRecipe::Kforge, Path::new("/work/harness/kforge_nvcc.py"));
+        env.offer_bindings_pch("/work/pch/key".into());
+        let kforge = names(&env);
+        assert!(kforge.contains(&"PYTORCH_NVCC".into()) && kforge.contains(&"CPATH".into()), "{kforge:?}");
+        assert!(!kforge.contains(&"KFORGE_BUILD_RECIPE".into()));
+        assert_eq!(env.compile_env().1, [PathBuf::from("/work/pch/key")], "the header is readable to compiles");
+
+        env.use_build_recipe(BuildRecipe::Stock, Path::new("/work/harness/kforge_nvcc.py"));
+        let stock = names(&env);
+        assert!(stock.contains(&"KFORGE_BUILD_RECIPE".into()), "{stock:?}");
+        assert!(!stock.contains(&"PYTORCH_NVCC".into()) && !stock.contains(&"CPATH".into()), "{stock:?}");
     }
 }

@@ -161,6 +161,8 @@ async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
         python,
         work_dir,
         baseline_torch_compile: false,
+        // Built by a test of its own (cpu_backend); a GPU run of the corpus may turn it on.
+        bindings_pch: std::env::var_os("KFORGE_CORPUS_BINDINGS_PCH").is_some(),
         // Enough samples for every timing check; the corpus is about verdicts, not precise medians.
         timing: TimingBudget { max_runs: 40, max_seconds: 1.0, ..TimingBudget::default() },
         // A kernel that never ends is one of the entries.

@@ -24,6 +24,9 @@ fn config() -> EvaluatorConfig {
         work_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("evaluator-cache"),
         // torch.compile on a CPU needs minutes per task; the eager baseline is what these tests check.
         baseline_torch_compile: false,
+        // Each test is a process of its own: a header build started by a short test would die with it, half done.
+        // `the_bindings_header_is_precompiled_and_gcc_takes_it_for_load_inline_s_flags` builds it.
+        bindings_pch: false,
         ..EvaluatorConfig::default()
     }
 }
@@ -229,4 +232,57 @@ async fn every_example_task_passes_with_its_candidates() {
             assert_eq!(verdict(&response), pb::Verdict::Correct, "{}: {response:#?}", candidate.display());
         }
     }
+}
+
+/// The warm-up precompiles torch/extension.h in a trusted stage; gcc takes it for exactly the flags torch gives an
+/// extension's bindings (read from the ninja file torch writes, as the harness does), and for a candidate's
+/// other flags reads the header itself; a compile with the header on its include path builds a working module.
+#[tokio::test]
+async fn the_bindings_header_is_precompiled_and_gcc_takes_it_for_load_inline_s_flags() {
+    let config = EvaluatorConfig { bindings_pch: true, ..config() };
+    let (python, work) = (config.python.clone(), config.work_dir.clone());
+    let evaluator = evaluator(config).await;
+    let dir = evaluator.warm_up().await.expect("the header is precompiled");
+    for variant in ["default", "O3"] {
+        let gch = dir.join(format!("torch/extension.h.gch/{variant}.gch"));
+        assert!(gch.metadata().is_ok_and(|m| m.len() > 1 << 20), "{} is missing or small", gch.display());
+    }
+    // Which precompiled header gcc takes (`!`) or rejects (`x`) for a file that starts as main.cpp does.
+    let search_path = std::env::var_os("PATH").unwrap_or_default();
+    let taken = |extra_cflags: &str| {
+        let script = format!(
+            "import subprocess, sys\n\
+             sys.path.insert(0, {harness:?})\n\
+             import kforge_harness, torch.utils.cpp_extension as ext\n\
+             flags = kforge_harness.bindings_flags({extra_cflags}, False)\n\
+             run = subprocess.run([ext.get_cxx_compiler(), *flags, '-H', '-fsyntax-only', '-x', 'c++', '-'],\n\
+                 input=b'#include <torch/extension.h>\\n', capture_output=True)\n\
+             print(run.returncode, *[l for l in run.stderr.decode().splitlines() if '.gch' in l], sep='\\n')\n",
+            harness = work.join("harness").display().to_string(),
+        );
+        // ninja, which torch asks for before it writes a ninja file, lives beside the interpreter.
+        let path = python.parent().map(PathBuf::from).into_iter().chain(std::env::split_paths(&search_path));
+        let output = std::process::Command::new(&python)
+            .args(["-c", &script])
+            .env("CPATH", &dir)
+            .env("PATH", std::env::join_paths(path).expect("a PATH"))
+            .output()
+            .expect("python runs");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let default = taken("[]");
+    assert!(default.starts_with("0\n"), "{default}");
+    assert!(default.contains(&format!("! {}", dir.join("torch/extension.h.gch/default.gch").display())), "{default}");
+    let o3 = taken("['-O3']");
+    assert!(o3.contains(&format!("! {}", dir.join("torch/extension.h.gch/O3.gch").display())), "{o3}");
+    // Flags the header was not precompiled for: every variant is rejected and the header is read as usual.
+    let fast_math = taken("['-O3', '-ffast-math']");
+    assert!(fast_math.starts_with("0\n") && !fast_math.contains("! "), "{fast_math}");
+
+    // A compile with the header on its include path: the module works (a new source, so it really compiles).
+    let candidate = format!("{CPU_LOOP}\n# bindings header: {}\n", std::process::id());
+    let response = evaluator.evaluate(request(&candidate)).await.expect("evaluates");
+    assert_eq!(verdict(&response), pb::Verdict::Correct, "{response:#?}");
+    assert!(!response.compile_cache_hit);
 }

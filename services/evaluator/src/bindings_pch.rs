@@ -1,0 +1,124 @@
+//! torch's extension header, precompiled for load_inline's bindings.
+//!
+//! Every load_inline extension compiles a `main.cpp` that starts with `#include <torch/extension.h>` and declares
+//! the candidate's functions to Python. Reading that header is most of the file's cost (on the 2-core machine, 38 s
+//! of a 38 s compile without optimisation; 13 s with the header precompiled: docs/EVALUATOR.md). At start, the
+//! evaluator precompiles it in a trusted stage (harness mode `bindings_pch`: no candidate code) with the flags
+//! torch gives the bindings, for each set of extra flags in [`VARIANTS`], into a cache entry (`work_dir/pch/`, bounded by `cache_limits.bindings_pch_bytes`).
+//! Compiles then get that directory on the compiler's include path (`CPATH`), read-only: gcc takes a precompiled
+//! header only where the compile's flags match the ones it was built with, and reads the header itself otherwise,
+//! so a candidate with other flags builds as before. Device code is not touched (nvcc's `.cu` build includes
+//! `torch/types.h`, and gcc uses no precompiled header when it only preprocesses).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kforge_sandbox::Sandbox;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::{self, Cache, Entry, EntryLock};
+use crate::pipeline::cap;
+use crate::python::{self, PythonEnv, Request, Stage};
+
+/// The extra flags (load_inline's `extra_cflags`) precompiled for: none, torch's default and the kernels in the
+/// benchmark's set, and `-O3`, the most common choice of generated candidates. About 0.8 GB each.
+pub const VARIANTS: [(&str, &[&str]); 2] = [("default", &[]), ("O3", &["-O3"])];
+
+/// Builds the precompiled header into `cache` (or finds it built, by an earlier start or another evaluator sharing
+/// the work directory) and returns its directory, pinned while the returned lock is held. `Err` says why there is
+/// none; compiles then read the header as load_inline does.
+pub async fn build(
+    sandbox: &Sandbox,
+    python: &PythonEnv,
+    harness: &Path,
+    cache: &Cache,
+    scratch: &Path,
+    wall: Duration,
+) -> Result<(PathBuf, EntryLock), String> {
+    let variants: Vec<String> = VARIANTS.iter().map(|(name, flags)| format!("{name}={};", flags.join(" "))).collect();
+    let key = cache::key(&[python.versions_key().as_bytes(), variants.concat().as_bytes()]);
+    let ready = |entry: Option<Entry>| match entry {
+        Some(Entry::Ready(_)) => Some(Ok(())),
+        Some(Entry::Failed(reason)) => Some(Err(reason)),
+        None => None,
+    };
+    let io = |error: std::io::Error| format!("bindings header cache: {error}");
+    if ready(cache.get(&key)).is_none() {
+        let lock = cache.lock(&key).await.map_err(io)?;
+        if ready(cache.get(&key)).is_none() {
+            let dir = cache.dir(&key);
+            std::fs::create_dir_all(&dir).map_err(io)?;
+            let started = Instant::now();
+            match run(sandbox, python, harness, &dir, scratch, wall).await {
+                Ok(built) => {
+                    tracing::info!(dir = %dir.display(), ?built, seconds = started.elapsed().as_secs_f64(), "bindings header precompiled");
+                    cache.complete(&key, &Entry::Ready(built.join(" ")), &lock).map_err(io)?;
+                }
+                // The harness reported it (no compiler, a header that does not build): the same next time.
+                Err(Failure::Reported(reason)) => cache.complete(&key, &Entry::Failed(reason), &lock).map_err(io)?,
+                Err(Failure::Other(reason)) => {
+                    cache.discard(&key, &lock);
+                    return Err(reason);
+                }
+            }
+        }
+    }
+    let pin = cache.pin(&key).await.map_err(io)?;
+    match ready(cache.get(&key)) {
+        Some(Ok(())) => Ok((cache.dir(&key), pin)),
+        Some(Err(reason)) => Err(reason),
+        None => Err("evicted as soon as it was built".into()),
+    }
+}
+
+/// Why no header was precompiled: reported by the harness (remembered), or anything else (tried again next start).
+enum Failure {
+    Reported(String),
+    Other(String),
+}
+
+/// Runs the harness's `bindings_pch` mode, writing into `out`; returns the variants built.
+async fn run(
+    sandbox: &Sandbox,
+    python: &PythonEnv,
+    harness: &Path,
+    out: &Path,
+    scratch: &Path,
+    wall: Duration,
+) -> Result<Vec<String>, Failure> {
+    let cuda = !python.gpus.is_empty();
+    let stage = Stage {
+        scratch: scratch.to_owned(),
+        readable: vec![],
+        writable: vec![out.to_owned()],
+        // The flags of a GPU machine's builds: torch adds CUDA's include directory to them.
+        env: python.env_on(scratch, cuda.then_some(0)),
+        wall,
+        background: true,
+    };
+    let variants: serde_json::Map<String, serde_json::Value> =
+        VARIANTS.iter().map(|(name, flags)| (name.to_string(), json!(flags))).collect();
+    let request = Request {
+        mode: "bindings_pch",
+        spec: json!({ "out_dir": out, "variants": variants, "cuda": cuda }),
+        env: vec![],
+    };
+    let started = python::start(sandbox, python, harness, stage, CancellationToken::new());
+    let outcome = started.run(request, None).await.map_err(|e| Failure::Other(e.to_string()))?;
+    let Some(result) = outcome.result.clone() else {
+        return Err(Failure::Other(format!(
+            "the bindings_pch stage ended without a result: {}",
+            cap(&outcome.error_text(), 4000)
+        )));
+    };
+    if !outcome.ok() {
+        let detail = result.get("failed").map(|f| f.to_string()).unwrap_or_else(|| outcome.error_text());
+        return Err(Failure::Reported(format!("the bindings header did not precompile: {}", cap(&detail, 4000))));
+    }
+    if let Some(failed) = result.get("failed").and_then(|f| f.as_object()).filter(|f| !f.is_empty()) {
+        tracing::warn!(failed = %cap(&serde_json::Value::Object(failed.clone()).to_string(), 4000), "some bindings headers were not precompiled");
+    }
+    let built = result.get("built").and_then(|b| b.as_array()).cloned().unwrap_or_default();
+    Ok(built.iter().filter_map(|name| name.as_str().map(str::to_owned)).collect())
+}
