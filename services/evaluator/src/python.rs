@@ -581,8 +581,8 @@ mod tests {
         };
         let names = |env: &PythonEnv| {
             let mut all: Vec<String> =
-                env.env(Path::new("/scratch")).into_iter().map(|(k, _)| k.into_string().unwrap()).collect();
-            all.extend(env.compile_env().0.into_iter().map(|(k, _)| k.into_string().unwrap()));
+                env.env(Path::new("/scratch")).into_iter().map(|(k, _)| k.to_string_lossy().into_owned()).collect();
+            all.extend(env.compile_env().0.into_iter().map(|(k, _)| k.to_string_lossy().into_owned()));
             all
         };
         env.use_build_recipe(BuildRecipe::Kforge, Path::new("/work/harness/kforge_nvcc.py"));
