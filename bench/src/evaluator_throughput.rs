@@ -3,18 +3,22 @@
 //! ```text
 //! evaluator-throughput --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out DIR]
 //!                      [--serial N] [--repeat N] [--limit N] [--no-landlock] [--pipeline-from FILE]
-//!                      [--gpu-slots N] [--compile-workers N]
+//!                      [--gpu-slots N] [--compile-workers N] [--serial-builds stock|kforge]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py --mixed` writes (candidates and manifest.json).
 //!
 //! - **pipeline**: one evaluator with its defaults (a compile pool of one worker per core, warm starts, the
 //!   artifact, reference and baseline caches, baselines computed ahead, CPU threads divided among the GPU slots),
-//!   every candidate submitted at once, from a cold work directory;
+//!   every candidate submitted at once, from a cold work directory, once the evaluator's warm-up (precompiling the
+//!   bindings' header, reported as `warm_up_s`) is over: a service starts once and serves for hours;
 //! - **serial**: the design kforge replaces: one candidate at a time, each in a fresh evaluator with a fresh work
-//!   directory (nothing cached: not its extension build, not the reference outputs, not the baselines), one
-//!   compile worker, one GPU slot (so torch's own thread count) and nothing computed ahead. Same stages, sandbox,
-//!   build recipe and checks, so the verdicts must be the same. `--serial N` evaluates the
-//!   first N candidates of the manifest in turn across their kinds (it is slow; rates are per evaluation).
+//!   directory (nothing cached: not its extension build, not the reference outputs, not the baselines, no
+//!   precompiled header), one compile worker, one GPU slot (so torch's own thread count) and nothing computed
+//!   ahead. Its extensions are built as load_inline builds them (`--serial-builds stock`, the default: the design
+//!   as such services run it), or with kforge's build recipe (`--serial-builds kforge`: the serial design given
+//!   kforge's faster compiles, a stricter comparison). Same stages, sandbox and checks, so the verdicts must be the
+//!   same. `--serial N` evaluates the first N candidates of the manifest in turn across their kinds (it is slow;
+//!   rates are per evaluation).
 //! - `--repeat N` evaluates N candidates again through the pipeline's warm evaluator: compile cache hits.
 //! - `--limit N` keeps the manifest's first N candidates (the level-2 groups come first, four per task).
 //! - `--gpu-slots N` sets the pipeline evaluator's `gpu_slots` (default: the evaluator's default).
@@ -32,6 +36,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use kforge_evaluator::config::BuildRecipe;
 use kforge_evaluator::devices::GateAccount;
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics};
 use kforge_proto::v1 as pb;
@@ -50,6 +55,7 @@ struct Args {
     limit: usize,
     gpu_slots: Option<usize>,
     compile_workers: usize,
+    serial_builds: BuildRecipe,
 }
 
 fn args() -> Result<Args, String> {
@@ -66,6 +72,7 @@ fn args() -> Result<Args, String> {
         limit: usize::MAX,
         gpu_slots: None,
         compile_workers: 0,
+        serial_builds: BuildRecipe::Stock,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -82,6 +89,13 @@ fn args() -> Result<Args, String> {
             "--pipeline-from" => args.pipeline_from = Some(value()?.into()),
             "--limit" => args.limit = value()?.parse().map_err(|e| format!("--limit: {e}"))?,
             "--gpu-slots" => args.gpu_slots = Some(value()?.parse().map_err(|e| format!("--gpu-slots: {e}"))?),
+            "--serial-builds" => {
+                args.serial_builds = match value()?.as_str() {
+                    "stock" => BuildRecipe::Stock,
+                    "kforge" => BuildRecipe::Kforge,
+                    other => return Err(format!("--serial-builds: stock or kforge, not {other}")),
+                }
+            }
             "--compile-workers" => {
                 args.compile_workers = value()?.parse().map_err(|e| format!("--compile-workers: {e}"))?
             }
@@ -171,9 +185,9 @@ fn load(args: &Args) -> Result<Vec<Candidate>, String> {
 /// Which evaluator design a mode measures.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Design {
-    /// kforge's: `--compile-workers`, baselines computed ahead.
+    /// kforge's: `--compile-workers`, baselines computed ahead, the bindings' header precompiled.
     Pipeline,
-    /// One compile worker, nothing ahead, one slot per GPU.
+    /// One compile worker, nothing ahead or precompiled, one slot per GPU; `--serial-builds`.
     Serial,
 }
 
@@ -191,6 +205,11 @@ async fn evaluator(args: &Args, work: &Path, design: Design) -> Evaluator {
             Design::Pipeline => args.gpu_slots.unwrap_or(EvaluatorConfig::default().gpu_slots),
             Design::Serial => 1,
         },
+        build_recipe: match design {
+            Design::Pipeline => BuildRecipe::Kforge,
+            Design::Serial => args.serial_builds,
+        },
+        bindings_pch: design == Design::Pipeline,
         sandbox: kforge_sandbox::SandboxOptions { landlock: args.landlock, ..Default::default() },
         ..EvaluatorConfig::default()
     };
@@ -348,6 +367,8 @@ struct PipelineRun {
     cpu_busy: Option<f64>,
     /// Where each GPU's time went over the makespan (its gate's account); None when taken from an earlier run.
     gpu_time: Option<Value>,
+    /// How long the warm-up took and what it made; None when taken from an earlier run.
+    warm_up: Option<Value>,
 }
 
 /// A GPU's time by what its gate was doing, in seconds and as fractions of `makespan_s`.
@@ -369,6 +390,13 @@ async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
     let pipeline = evaluator(args, &args.work.join("pipeline"), Design::Pipeline).await;
     let capabilities = pipeline.capabilities();
     println!("# devices {:?} versions {:?}", capabilities.devices, capabilities.versions);
+    let warming = Instant::now();
+    let warm = pipeline.warm_up().await;
+    let warm_up = json!({
+        "seconds": warming.elapsed().as_secs_f64(),
+        "bindings_pch": match &warm { Ok(dir) => dir.display().to_string(), Err(reason) => format!("none: {reason}") },
+    });
+    println!("# warm-up {warm_up}");
     let epoch = Instant::now();
     let ticks = cpu_ticks();
     let mut running = tokio::task::JoinSet::new();
@@ -407,6 +435,7 @@ async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
         capabilities,
         cpu_busy: cpu,
         gpu_time: Some(json!(gpus)),
+        warm_up: Some(warm_up),
     }
 }
 
@@ -427,34 +456,42 @@ async fn run(args: Args) -> std::process::ExitCode {
     let tasks: std::collections::BTreeSet<&str> = candidates.iter().map(|c| c.task.as_str()).collect();
     println!("# {} candidates over {} tasks", candidates.len(), tasks.len());
 
-    let PipelineRun { outcomes: piped, makespan_s: pipeline_s, repeats: repeated, capabilities, cpu_busy, gpu_time } =
-        match &args.pipeline_from {
-            Some(path) => {
-                let text = match std::fs::read_to_string(path) {
-                    Ok(text) => text,
-                    Err(error) => {
-                        eprintln!("evaluator-throughput: {}: {error}", path.display());
-                        return std::process::ExitCode::FAILURE;
-                    }
-                };
-                let values: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
-                let of = |mode: &str| -> Vec<Outcome> {
-                    values.iter().filter(|v| v["mode"] == mode).filter_map(Outcome::from_json).collect()
-                };
-                let piped = of("pipeline");
-                let makespan = piped.iter().map(|o| o.ended_s).fold(0.0, f64::max);
-                let probe = evaluator(&args, &args.work.join("capabilities"), Design::Serial).await;
-                PipelineRun {
-                    outcomes: piped,
-                    makespan_s: makespan,
-                    repeats: of("repeat"),
-                    capabilities: probe.capabilities(),
-                    cpu_busy: None,
-                    gpu_time: None,
+    let PipelineRun {
+        outcomes: piped,
+        makespan_s: pipeline_s,
+        repeats: repeated,
+        capabilities,
+        cpu_busy,
+        gpu_time,
+        warm_up,
+    } = match &args.pipeline_from {
+        Some(path) => {
+            let text = match std::fs::read_to_string(path) {
+                Ok(text) => text,
+                Err(error) => {
+                    eprintln!("evaluator-throughput: {}: {error}", path.display());
+                    return std::process::ExitCode::FAILURE;
                 }
+            };
+            let values: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+            let of = |mode: &str| -> Vec<Outcome> {
+                values.iter().filter(|v| v["mode"] == mode).filter_map(Outcome::from_json).collect()
+            };
+            let piped = of("pipeline");
+            let makespan = piped.iter().map(|o| o.ended_s).fold(0.0, f64::max);
+            let probe = evaluator(&args, &args.work.join("capabilities"), Design::Serial).await;
+            PipelineRun {
+                outcomes: piped,
+                makespan_s: makespan,
+                repeats: of("repeat"),
+                capabilities: probe.capabilities(),
+                cpu_busy: None,
+                gpu_time: None,
+                warm_up: None,
             }
-            None => pipeline(&args, &candidates).await,
-        };
+        }
+        None => pipeline(&args, &candidates).await,
+    };
 
     // Serial: one at a time, nothing shared; the first candidates of each kind in turn.
     let mut by_kind: BTreeMap<&str, Vec<&Candidate>> = BTreeMap::new();
@@ -490,6 +527,7 @@ async fn run(args: Args) -> std::process::ExitCode {
     let mut pipeline_summary = summary(&piped, pipeline_s);
     pipeline_summary["machine_cpu_busy"] = json!(cpu_busy);
     pipeline_summary["gpu_time"] = json!(gpu_time);
+    pipeline_summary["warm_up"] = json!(warm_up);
     let serial_summary = summary(&serial, serial_s);
     let rate = |s: &Value| s["evaluations_per_hour"].as_f64().unwrap_or(0.0);
     let hits: Vec<f64> =
@@ -500,6 +538,7 @@ async fn run(args: Args) -> std::process::ExitCode {
         "cores": std::thread::available_parallelism().map(usize::from).unwrap_or(0),
         "pipeline": pipeline_summary,
         "serial": serial_summary,
+        "serial_builds": args.serial_builds.name(),
         "throughput_ratio": if rate(&serial_summary) > 0.0 { rate(&pipeline_summary) / rate(&serial_summary) } else { 0.0 },
         "compile_cache_hit_ms": {"n": hits.len(), "max": hits.iter().copied().fold(0.0, f64::max)},
         "serial_candidates": serial.iter().map(|o| o.name.clone()).collect::<Vec<_>>(),
