@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+mod cgroup;
+
 use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, path_beneath_rules};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -62,6 +64,8 @@ pub struct Limits {
     pub output_bytes: usize,
     /// Scheduling niceness (0 to 19): a background job yields the CPU to the others.
     pub nice: i32,
+    /// Processes and threads of the job at once (its pids cgroup's `pids.max`), where the host allows one.
+    pub processes: u64,
 }
 
 impl Default for Limits {
@@ -73,6 +77,8 @@ impl Default for Limits {
             open_files: 4096,
             output_bytes: 64 * 1024,
             nice: 0,
+            // torch.compile's workers (one per core, up to 32) with their threads stay well under this.
+            processes: 4096,
         }
     }
 }
@@ -213,6 +219,7 @@ impl Finished {
 pub struct Sandbox {
     network_namespace: bool,
     landlock: Option<ABI>,
+    pids: Option<cgroup::PidsCgroups>,
     protections: Vec<Protection>,
 }
 
@@ -225,11 +232,14 @@ pub struct SandboxOptions {
     pub network_namespace: bool,
     /// Landlock: jobs read only system paths and the paths they are given, and write only their scratch.
     pub landlock: bool,
+    /// A pids cgroup per job: a cap on its processes and threads (`Limits::processes`), and every process of the
+    /// job killed at its end, also those that left its process group.
+    pub process_limit: bool,
 }
 
 impl Default for SandboxOptions {
     fn default() -> Self {
-        Self { network_namespace: true, landlock: true }
+        Self { network_namespace: true, landlock: true, process_limit: true }
     }
 }
 
@@ -241,7 +251,7 @@ impl Sandbox {
 
     /// Probes the optional protections that `options` allows.
     pub async fn detect_with(options: SandboxOptions) -> Self {
-        let mut sandbox = Self { network_namespace: false, landlock: None, protections: Vec::new() };
+        let mut sandbox = Self { network_namespace: false, landlock: None, pids: None, protections: Vec::new() };
         let scratch = std::env::temp_dir();
         let probe = |sandbox: &Sandbox| {
             let sandbox = sandbox.clone();
@@ -297,6 +307,29 @@ impl Sandbox {
         };
         let landlock_ok = sandbox.landlock.is_some();
 
+        let process_detail = if options.process_limit {
+            match cgroup::PidsCgroups::detect() {
+                Ok(pids) => {
+                    let detail = format!(
+                        "{}: at most {} processes and threads per job; all of a job's processes killed at its end",
+                        pids.describe(),
+                        Limits::default().processes
+                    );
+                    sandbox.pids = Some(pids);
+                    let probe = probe(&sandbox).await;
+                    if matches!(&probe, Ok(f) if f.success()) {
+                        detail
+                    } else {
+                        sandbox.pids = None;
+                        format!("a job could not join its cgroup ({probe:?})")
+                    }
+                }
+                Err(reason) => reason,
+            }
+        } else {
+            disabled()
+        };
+
         sandbox.protections = vec![
             Protection { name: "process_group", active: true, detail: "own process group, killed as a whole".into() },
             Protection { name: "scrubbed_env", active: true, detail: "only the variables the evaluator passes".into() },
@@ -319,6 +352,7 @@ impl Sandbox {
             },
             Protection { name: "network_namespace", active: sandbox.network_namespace, detail: network_detail },
             Protection { name: "landlock", active: landlock_ok, detail: landlock_detail },
+            Protection { name: "process_limit", active: sandbox.pids.is_some(), detail: process_detail },
         ];
         for p in sandbox.protections.iter().filter(|p| !p.active) {
             tracing::warn!(protection = p.name, detail = %p.detail, "sandbox protection unavailable");
@@ -328,7 +362,7 @@ impl Sandbox {
 
     /// A sandbox with only the always-available protections (for hosts where probing is not wanted).
     pub fn basic() -> Self {
-        Self { network_namespace: false, landlock: None, protections: Vec::new() }
+        Self { network_namespace: false, landlock: None, pids: None, protections: Vec::new() }
     }
 
     /// Which protections are enforced.
@@ -354,7 +388,8 @@ impl Sandbox {
     }
 
     /// Runs `job` to completion, timeout or cancellation. The process group is killed in every case before this
-    /// returns, so nothing the job started outlives it (short of leaving the group with `setsid`).
+    /// returns, so nothing the job started outlives it; with a process limit, so is every process in the job's
+    /// cgroup (one that left the group with `setsid` too).
     pub async fn run(&self, job: Job, cancel: CancellationToken) -> Result<Finished, SandboxError> {
         self.execute(job, None::<std::future::Ready<Option<Vec<u8>>>>, None::<NoConversation>, cancel).await
     }
@@ -425,7 +460,15 @@ impl Sandbox {
             ),
             None => None,
         };
+        let cgroup = match &self.pids {
+            Some(pids) => Some(
+                pids.create(job.limits.processes)
+                    .map_err(|source| SandboxError::Spawn { program: job.program.clone(), source })?,
+            ),
+            None => None,
+        };
         let setup = ChildSetup {
+            cgroup_procs_fd: cgroup.as_ref().map(cgroup::JobCgroup::procs_fd),
             limits: job.limits.clone(),
             network_namespace: self.network_namespace,
             landlock_fd: ruleset.as_ref().map(AsRawFd::as_raw_fd),
@@ -485,9 +528,12 @@ impl Sandbox {
                 () = conversation => unreachable!("a conversation never ends by itself"),
             }
         };
-        // Kill whatever is left of the group (the job itself on timeout, background children otherwise), so the
-        // pipes close and the readers finish.
+        // Kill whatever is left of the group (the job itself on timeout, background children otherwise) and of
+        // its cgroup (what left the group), so the pipes close and the readers finish.
         drop(group);
+        if let Some(cgroup) = &cgroup {
+            cgroup.kill_all();
+        }
         let _ = child.wait().await;
         let (stdout, stdout_cut) = stdout.await.unwrap_or_default();
         let (stderr, stderr_cut) = stderr.await.unwrap_or_default();
@@ -566,6 +612,8 @@ fn landlock_ruleset(abi: ABI, job: &Job) -> Result<OwnedFd, SandboxError> {
 /// What the child does to itself between fork and exec. Plain data only.
 #[derive(Debug, Clone)]
 struct ChildSetup {
+    /// The job cgroup's `cgroup.procs`: the child moves itself in first, so everything it starts is counted.
+    cgroup_procs_fd: Option<i32>,
     limits: Limits,
     network_namespace: bool,
     landlock_fd: Option<i32>,
@@ -583,6 +631,12 @@ impl ChildSetup {
             check(unsafe { libc::setrlimit(resource, &rlimit) })
         };
         // SAFETY (all calls below): raw system calls on integers; no allocation, no locks.
+        if let Some(fd) = self.cgroup_procs_fd {
+            // "0": the writing process itself.
+            if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
         unsafe {
             check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0))?;
         }
@@ -863,8 +917,29 @@ mod tests {
                 finished.stderr_tail(500)
             );
         }
+        if active("process_limit") {
+            // A fork loop stops at the cap (the shell exits when it cannot fork); without it, it reaches 100.
+            let limits = Limits { processes: 20, ..Limits::default() };
+            let script = "i=0; while [ $i -lt 100 ]; do sleep 30 & i=$((i+1)); echo $i > forked; done";
+            let finished = run(&sandbox, shell(script, "forks", limits)).await;
+            let forked: u32 =
+                std::fs::read_to_string(scratch("forks").join("forked")).map_or(0, |n| n.trim().parse().unwrap_or(0));
+            assert!(forked > 0 && forked < 20, "{forked} children under a cap of 20: {finished:?}");
+            // A process that left the job's group and session is still in its cgroup, and killed at the end.
+            let script = "setsid sh -c 'echo $$ > escaped.pid; exec sleep 600' </dev/null >/dev/null 2>&1 & \
+                          while [ ! -s escaped.pid ]; do sleep 0.01; done";
+            let finished = run(&sandbox, shell(script, "escape", Limits::default())).await;
+            assert!(finished.success(), "{}", finished.stderr_tail(500));
+            let pid = std::fs::read_to_string(scratch("escape").join("escaped.pid")).expect("pid").trim().to_owned();
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+            let alive = state
+                .as_deref()
+                .and_then(|s| s.rsplit(')').next())
+                .is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+            assert!(!alive, "a process that left the job's group survived it: {state:?}");
+        }
         // Which protections exist depends on the host; the report must say, one way or the other.
-        for name in ["network_namespace", "landlock", "process_group", "rlimits"] {
+        for name in ["network_namespace", "landlock", "process_group", "rlimits", "process_limit"] {
             assert!(sandbox.protections().iter().any(|p| p.name == name), "{name} not reported");
         }
     }

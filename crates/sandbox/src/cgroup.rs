@@ -1,0 +1,188 @@
+//! A pids cgroup per job: a cap on the job's processes and threads that holds for root too (RLIMIT_NPROC does
+//! not: it binds neither root nor, usefully, jobs that share one user), and a list of every process of the job,
+//! including those that left its process group with `setsid`, so that all of them are killed at its end.
+//!
+//! The evaluator must be able to create cgroups in the pids hierarchy it is in: cgroup v1's `pids` hierarchy, or
+//! under cgroup v2 a cgroup whose `cgroup.subtree_control` has `pids` (a delegated subtree). Where it cannot, the
+//! protection is reported inactive with the reason.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Where this process may create job cgroups: the directory of its own cgroup in a hierarchy with `pids`.
+#[derive(Debug, Clone)]
+pub(crate) struct PidsCgroups {
+    parent: PathBuf,
+    version: u8,
+}
+
+/// One job's cgroup; removed (after killing what is left in it) on drop.
+#[derive(Debug)]
+pub(crate) struct JobCgroup {
+    dir: PathBuf,
+    /// `cgroup.procs`, opened for the child to write itself into between fork and exec (close-on-exec).
+    procs: OwnedFd,
+}
+
+impl PidsCgroups {
+    /// Finds the pids hierarchy of this process and checks that a job cgroup can be made there.
+    pub(crate) fn detect() -> Result<Self, String> {
+        let read = |path: &str| std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"));
+        let (own, mounts) = (read("/proc/self/cgroup")?, read("/proc/self/mountinfo")?);
+        let found = own_dir(&own, &mounts)?;
+        let cgroups = Self { parent: found.0, version: found.1 };
+        // A real job cgroup, made and removed: creating and limiting are what jobs need.
+        drop(cgroups.create(16).map_err(|e| format!("cannot create a cgroup in {}: {e}", cgroups.parent.display()))?);
+        Ok(cgroups)
+    }
+
+    /// What the protection's report says about where job cgroups go.
+    pub(crate) fn describe(&self) -> String {
+        format!("cgroup v{} pids controller under {}", self.version, self.parent.display())
+    }
+
+    /// A new job cgroup limited to `max` processes and threads.
+    pub(crate) fn create(&self, max: u64) -> std::io::Result<JobCgroup> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = self.parent.join(format!("kforge-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir(&dir)?;
+        let made = || -> std::io::Result<OwnedFd> {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(dir.join("pids.max"))?
+                .write_all(max.to_string().as_bytes())?;
+            // Close-on-exec by default in std: the child writes before it execs.
+            Ok(std::fs::OpenOptions::new().write(true).open(dir.join("cgroup.procs"))?.into())
+        };
+        match made() {
+            Ok(procs) => Ok(JobCgroup { dir, procs }),
+            Err(error) => {
+                let _ = std::fs::remove_dir(&dir);
+                Err(error)
+            }
+        }
+    }
+}
+
+impl JobCgroup {
+    /// The descriptor the child writes `0` to, to move itself in.
+    pub(crate) fn procs_fd(&self) -> i32 {
+        self.procs.as_raw_fd()
+    }
+
+    /// The processes in the cgroup now.
+    pub(crate) fn pids(&self) -> Vec<libc::pid_t> {
+        std::fs::read_to_string(self.dir.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|line| line.trim().parse().ok())
+            .collect()
+    }
+
+    /// SIGKILLs every process in the cgroup until it is empty (a process forking meanwhile is caught by the next
+    /// round; the cap bounds how many there can be).
+    pub(crate) fn kill_all(&self) {
+        for _ in 0..100 {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return;
+            }
+            for pid in pids {
+                // SAFETY: kill takes plain integers; a process that is gone returns ESRCH.
+                #[allow(unsafe_code)]
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for JobCgroup {
+    fn drop(&mut self) {
+        self.kill_all();
+        // Killed processes leave the cgroup once they have exited; until then it cannot be removed.
+        for _ in 0..200 {
+            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        tracing::warn!(dir = %self.dir.display(), "a job cgroup could not be removed");
+    }
+}
+
+/// The directory of this process's cgroup in a hierarchy with the pids controller, and the cgroup version, from
+/// `/proc/self/cgroup` and `/proc/self/mountinfo`.
+fn own_dir(own: &str, mountinfo: &str) -> Result<(PathBuf, u8), String> {
+    // Mount point, root within the hierarchy, file system type and super options of each cgroup mount.
+    let mounts: Vec<(&str, &str, &str, &str)> = mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (head, tail) = line.split_once(" - ")?;
+            let head: Vec<&str> = head.split(' ').collect();
+            let tail: Vec<&str> = tail.split(' ').collect();
+            Some((*head.get(4)?, *head.get(3)?, *tail.first()?, *tail.get(2)?))
+        })
+        .filter(|(_, _, fstype, _)| fstype.starts_with("cgroup"))
+        .collect();
+    let under = |mount: &str, root: &str, path: &str| {
+        let relative = path.strip_prefix(root).unwrap_or(path).trim_start_matches('/');
+        Path::new(mount).join(relative)
+    };
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        if controllers.split(',').any(|c| c == "pids") {
+            let mount = mounts.iter().find(|(_, _, fstype, options)| {
+                *fstype == "cgroup" && options.split(',').any(|option| option == "pids")
+            });
+            if let Some((mount, root, _, _)) = mount {
+                return Ok((under(mount, root, path), 1));
+            }
+        }
+    }
+    let v2 = own.lines().find_map(|line| line.strip_prefix("0::"));
+    let mount = mounts.iter().find(|(_, _, fstype, _)| *fstype == "cgroup2");
+    match (v2, mount) {
+        (Some(path), Some((mount, root, _, _))) => {
+            let dir = under(mount, root, path);
+            let subtree = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap_or_default();
+            if subtree.split_whitespace().any(|c| c == "pids") {
+                Ok((dir, 2))
+            } else {
+                Err(format!(
+                    "cgroup v2: {} does not enable pids for its children (cgroup.subtree_control); run the \
+                     evaluator in a delegated cgroup with it",
+                    dir.display()
+                ))
+            }
+        }
+        _ => Err("no cgroup hierarchy with the pids controller is mounted".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pids_hierarchy_is_found_in_v1_and_v2_layouts() {
+        let v1_own = "9:name=systemd:/\n8:pids:/jobs/evaluator\n4:memory:/x\n0::/\n";
+        let v1_mounts = "30 25 0:26 / /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids\n\
+                         31 25 0:27 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+        assert_eq!(own_dir(v1_own, v1_mounts), Ok((PathBuf::from("/sys/fs/cgroup/pids/jobs/evaluator"), 1)));
+        // A container sees its own cgroup as the mount's root.
+        let nested = "30 25 0:26 /kubepods/pod1 /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n";
+        assert_eq!(own_dir("8:pids:/kubepods/pod1/c\n", nested), Ok((PathBuf::from("/sys/fs/cgroup/pids/c"), 1)));
+        // cgroup v2 without pids delegated: a reason, not a directory.
+        let v2_mounts = "30 25 0:26 / /nonexistent-cgroup2 rw - cgroup2 cgroup2 rw\n";
+        let reason = own_dir("0::/system.slice/kforge.service\n", v2_mounts).expect_err("not delegated");
+        assert!(reason.contains("subtree_control"), "{reason}");
+        assert!(own_dir("0::/\n", "1 0 8:1 / / rw - ext4 /dev/root rw\n").is_err());
+    }
+}
