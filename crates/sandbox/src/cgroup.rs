@@ -34,9 +34,32 @@ impl PidsCgroups {
         let (own, mounts) = (read("/proc/self/cgroup")?, read("/proc/self/mountinfo")?);
         let found = own_dir(&own, &mounts)?;
         let cgroups = Self { parent: found.0, version: found.1 };
+        cgroups.remove_stale();
         // A real job cgroup, made and removed: creating and limiting are what jobs need.
         drop(cgroups.create(16).map_err(|e| format!("cannot create a cgroup in {}: {e}", cgroups.parent.display()))?);
         Ok(cgroups)
+    }
+
+    /// Removes the job cgroups of evaluators that are gone (a crash leaves them), killing what is left in them.
+    fn remove_stale(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.parent) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(owner) = name.to_str().and_then(|n| n.strip_prefix("kforge-")?.split('-').next()?.parse().ok())
+            else {
+                continue;
+            };
+            // SAFETY: kill with signal 0 only checks whether the process exists.
+            #[allow(unsafe_code)]
+            let gone = unsafe { libc::kill(owner, 0) } != 0
+                && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+            if gone {
+                let (dir, procs) = (entry.path(), std::fs::File::open(entry.path().join("cgroup.procs")));
+                if let Ok(procs) = procs {
+                    drop(JobCgroup { dir, procs: procs.into() });
+                }
+            }
+        }
     }
 
     /// What the protection's report says about where job cgroups go.

@@ -78,7 +78,7 @@ impl Default for Limits {
             output_bytes: 64 * 1024,
             nice: 0,
             // torch.compile's workers (one per core, up to 32) with their threads stay well under this.
-            processes: 4096,
+            processes: 2048,
         }
     }
 }
