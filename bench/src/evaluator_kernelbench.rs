@@ -91,7 +91,11 @@ async fn run(args: Args) -> std::process::ExitCode {
         work_dir: args.work.clone(),
         baseline_torch_compile: args.torch_compile,
         queue_capacity: 1024,
-        sandbox: kforge_sandbox::SandboxOptions { landlock: args.landlock, network_namespace: args.network_namespace },
+        sandbox: kforge_sandbox::SandboxOptions {
+            landlock: args.landlock,
+            network_namespace: args.network_namespace,
+            ..Default::default()
+        },
         ..EvaluatorConfig::default()
     };
     let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());
