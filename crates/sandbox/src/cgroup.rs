@@ -3,8 +3,8 @@
 //! including those that left its process group with `setsid`, so that all of them are killed at its end.
 //!
 //! The evaluator must be able to create cgroups in the pids hierarchy it is in: cgroup v1's `pids` hierarchy, or
-//! under cgroup v2 a cgroup whose `cgroup.subtree_control` has `pids` (a delegated subtree). Where it cannot, the
-//! protection is reported inactive with the reason.
+//! its own cgroup v2 cgroup, writable, with `pids` available (the processes in it then move to a leaf beside the
+//! job cgroups: see [`enable_pids_v2`]). Where it cannot, the protection is reported inactive with the reason.
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -32,8 +32,11 @@ impl PidsCgroups {
     pub(crate) fn detect() -> Result<Self, String> {
         let read = |path: &str| std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"));
         let (own, mounts) = (read("/proc/self/cgroup")?, read("/proc/self/mountinfo")?);
-        let found = own_dir(&own, &mounts)?;
-        let cgroups = Self { parent: found.0, version: found.1 };
+        let (parent, version) = own_dir(&own, &mounts)?;
+        if version == 2 {
+            enable_pids_v2(&parent)?;
+        }
+        let cgroups = Self { parent, version };
         cgroups.remove_stale();
         // A real job cgroup, made and removed: creating and limiting are what jobs need.
         drop(cgroups.create(16).map_err(|e| format!("cannot create a cgroup in {}: {e}", cgroups.parent.display()))?);
@@ -172,21 +175,44 @@ fn own_dir(own: &str, mountinfo: &str) -> Result<(PathBuf, u8), String> {
     let v2 = own.lines().find_map(|line| line.strip_prefix("0::"));
     let mount = mounts.iter().find(|(_, _, fstype, _)| *fstype == "cgroup2");
     match (v2, mount) {
-        (Some(path), Some((mount, root, _, _))) => {
-            let dir = under(mount, root, path);
-            let subtree = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap_or_default();
-            if subtree.split_whitespace().any(|c| c == "pids") {
-                Ok((dir, 2))
-            } else {
-                Err(format!(
-                    "cgroup v2: {} does not enable pids for its children (cgroup.subtree_control); run the \
-                     evaluator in a delegated cgroup with it",
-                    dir.display()
-                ))
-            }
-        }
+        (Some(path), Some((mount, root, _, _))) => Ok((under(mount, root, path), 2)),
         _ => Err("no cgroup hierarchy with the pids controller is mounted".into()),
     }
+}
+
+/// Under cgroup v2, job cgroups need `pids` in `dir`'s `cgroup.subtree_control`, and a cgroup that enables
+/// controllers for its children may hold no processes itself: the processes of `dir` (this evaluator, and
+/// whatever shares its cgroup, such as a container's other processes) move to a leaf `kforge-evaluator` beside
+/// the jobs first. They stay inside `dir`, under its limits.
+fn enable_pids_v2(dir: &Path) -> Result<(), String> {
+    let read =
+        |name: &str| std::fs::read_to_string(dir.join(name)).map_err(|e| format!("{}: {e}", dir.join(name).display()));
+    if read("cgroup.subtree_control")?.split_whitespace().any(|c| c == "pids") {
+        return Ok(());
+    }
+    if !read("cgroup.controllers")?.split_whitespace().any(|c| c == "pids") {
+        return Err(format!("cgroup v2: the pids controller is not available to {}", dir.display()));
+    }
+    let leaf = dir.join("kforge-evaluator");
+    std::fs::create_dir_all(&leaf).map_err(|e| format!("{}: {e}", leaf.display()))?;
+    for _ in 0..10 {
+        let pids = read("cgroup.procs")?;
+        if pids.trim().is_empty() {
+            break;
+        }
+        for pid in pids.lines() {
+            // A process that exited meanwhile cannot move, and need not.
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .open(leaf.join("cgroup.procs"))
+                .and_then(|mut procs| procs.write_all(pid.trim().as_bytes()));
+        }
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("cgroup.subtree_control"))
+        .and_then(|mut control| control.write_all(b"+pids"))
+        .map_err(|e| format!("cgroup v2: enabling pids for the children of {}: {e}", dir.display()))
 }
 
 #[cfg(test)]
@@ -202,10 +228,15 @@ mod tests {
         // A container sees its own cgroup as the mount's root.
         let nested = "30 25 0:26 /kubepods/pod1 /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n";
         assert_eq!(own_dir("8:pids:/kubepods/pod1/c\n", nested), Ok((PathBuf::from("/sys/fs/cgroup/pids/c"), 1)));
-        // cgroup v2 without pids delegated: a reason, not a directory.
-        let v2_mounts = "30 25 0:26 / /nonexistent-cgroup2 rw - cgroup2 cgroup2 rw\n";
-        let reason = own_dir("0::/system.slice/kforge.service\n", v2_mounts).expect_err("not delegated");
-        assert!(reason.contains("subtree_control"), "{reason}");
+        // cgroup v2: the process's own cgroup.
+        let v2_mounts = "32 23 0:28 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        assert_eq!(
+            own_dir("0::/process_api/0ea5\n", v2_mounts),
+            Ok((PathBuf::from("/sys/fs/cgroup/process_api/0ea5"), 2))
+        );
         assert!(own_dir("0::/\n", "1 0 8:1 / / rw - ext4 /dev/root rw\n").is_err());
+        // A v2 cgroup that cannot have pids: a reason, not a limit.
+        let reason = enable_pids_v2(Path::new("/nonexistent-cgroup")).expect_err("no such cgroup");
+        assert!(reason.contains("/nonexistent-cgroup"), "{reason}");
     }
 }
