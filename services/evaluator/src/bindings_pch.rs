@@ -4,7 +4,8 @@
 //! the candidate's functions to Python. Reading that header is most of the file's cost (on the 2-core machine, 38 s
 //! of a 38 s compile without optimisation; 13 s with the header precompiled: docs/EVALUATOR.md). At start, the
 //! evaluator precompiles it in a trusted stage (harness mode `bindings_pch`: no candidate code) with the flags
-//! torch gives the bindings, for each set of extra flags in [`VARIANTS`], into a cache entry (`work_dir/pch/`, bounded by `cache_limits.bindings_pch_bytes`).
+//! torch gives the bindings, for each set of extra flags in [`VARIANTS`], into a cache entry (`work_dir/pch/`,
+//! bounded by `cache_limits.bindings_pch_bytes`), beside a stub `torch/extension.h` that includes torch's own.
 //! Compiles then get that directory on the compiler's include path (`CPATH`), read-only: gcc takes a precompiled
 //! header only where the compile's flags match the ones it was built with, and reads the header itself otherwise,
 //! so a candidate with other flags builds as before. Device code is not touched (nvcc's `.cu` build includes
