@@ -286,3 +286,32 @@ async fn the_bindings_header_is_precompiled_and_gcc_takes_it_for_load_inline_s_f
     assert_eq!(verdict(&response), pb::Verdict::Correct, "{response:#?}");
     assert!(!response.compile_cache_hit);
 }
+
+/// The harness replaces load_inline with kforge's build recipe unless the evaluator asks for stock builds
+/// (`build_recipe = "stock"`, which sets `KFORGE_BUILD_RECIPE=stock`).
+#[test]
+fn the_harness_leaves_load_inline_alone_for_stock_builds() {
+    let python = config().python;
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = format!(
+        "import os, sys\n\
+         sys.path.insert(0, {harness:?})\n\
+         import kforge_harness, torch.utils.cpp_extension as ext\n\
+         stock = ext.load_inline\n\
+         kforge_harness.install_build_recipe(building=True)\n\
+         print('stock' if ext.load_inline is stock else 'recipe')\n",
+        harness = harness.display().to_string(),
+    );
+    let recipe = |stock: bool| {
+        let mut command = std::process::Command::new(&python);
+        command.args(["-c", &script]).env("TORCH_EXTENSIONS_DIR", std::env::temp_dir());
+        if stock {
+            command.env("KFORGE_BUILD_RECIPE", "stock");
+        }
+        let output = command.output().expect("python runs");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    };
+    assert_eq!(recipe(false), "recipe");
+    assert_eq!(recipe(true), "stock");
+}
