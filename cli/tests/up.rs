@@ -31,7 +31,10 @@ impl Drop for Guard {
 
 fn start_up() -> (Guard, Vec<(String, String)>) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
-    command.env("NO_COLOR", "1").env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir());
+    command
+        .env("NO_COLOR", "1")
+        .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir())
+        .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false");
     command.arg("up").stdout(Stdio::piped()).stderr(Stdio::piped());
     for (section, _) in SECTIONS {
         command.env(format!("KFORGE__{}__SERVER__LISTEN", section.to_uppercase()), "127.0.0.1:0");
@@ -225,6 +228,8 @@ fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kforge"))
         .args(args)
         .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir())
+        // A short-lived process: the header it would start precompiling dies with it half built.
+        .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
