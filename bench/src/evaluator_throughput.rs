@@ -10,7 +10,7 @@
 //! - **pipeline**: one evaluator with its defaults (a compile pool of one worker per core, warm starts, the
 //!   artifact, reference and baseline caches, baselines computed ahead, CPU threads divided among the GPU slots),
 //!   every candidate submitted at once, from a cold work directory, once the evaluator's warm-up (precompiling the
-//!   bindings' header, reported as `warm_up_s`) is over: a service starts once and serves for hours;
+//!   bindings' header, reported as `pipeline.warm_up`) is over: a service starts once and serves for hours;
 //! - **serial**: the design kforge replaces: one candidate at a time, each in a fresh evaluator with a fresh work
 //!   directory (nothing cached: not its extension build, not the reference outputs, not the baselines, no
 //!   precompiled header), one compile worker, one GPU slot (so torch's own thread count) and nothing computed
@@ -89,13 +89,7 @@ fn args() -> Result<Args, String> {
             "--pipeline-from" => args.pipeline_from = Some(value()?.into()),
             "--limit" => args.limit = value()?.parse().map_err(|e| format!("--limit: {e}"))?,
             "--gpu-slots" => args.gpu_slots = Some(value()?.parse().map_err(|e| format!("--gpu-slots: {e}"))?),
-            "--serial-builds" => {
-                args.serial_builds = match value()?.as_str() {
-                    "stock" => BuildRecipe::Stock,
-                    "kforge" => BuildRecipe::Kforge,
-                    other => return Err(format!("--serial-builds: stock or kforge, not {other}")),
-                }
-            }
+            "--serial-builds" => args.serial_builds = value()?.parse().map_err(|e| format!("--serial-builds: {e}"))?,
             "--compile-workers" => {
                 args.compile_workers = value()?.parse().map_err(|e| format!("--compile-workers: {e}"))?
             }

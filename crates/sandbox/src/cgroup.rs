@@ -100,7 +100,7 @@ impl JobCgroup {
     }
 
     /// The processes in the cgroup now.
-    pub(crate) fn pids(&self) -> Vec<libc::pid_t> {
+    fn pids(&self) -> Vec<libc::pid_t> {
         std::fs::read_to_string(self.dir.join("cgroup.procs"))
             .unwrap_or_default()
             .lines()

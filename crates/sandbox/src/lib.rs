@@ -531,12 +531,23 @@ impl Sandbox {
         // Kill whatever is left of the group (the job itself on timeout, background children otherwise) and of
         // its cgroup (what left the group), so the pipes close and the readers finish.
         drop(group);
-        if let Some(cgroup) = &cgroup {
-            cgroup.kill_all();
-        }
+        // The cgroup's reads, kills and waits for emptiness block: off the async threads.
+        let cgroup = match cgroup {
+            Some(cgroup) => tokio::task::spawn_blocking(move || {
+                cgroup.kill_all();
+                cgroup
+            })
+            .await
+            .ok(),
+            None => None,
+        };
         let _ = child.wait().await;
         let (stdout, stdout_cut) = stdout.await.unwrap_or_default();
         let (stderr, stderr_cut) = stderr.await.unwrap_or_default();
+        if let Some(cgroup) = cgroup {
+            // Removed once its killed processes have exited; nothing waits for that.
+            tokio::task::spawn_blocking(move || drop(cgroup));
+        }
         Ok(Finished { exit, stdout, stderr, output_truncated: stdout_cut || stderr_cut, wall: started.elapsed() })
     }
 }

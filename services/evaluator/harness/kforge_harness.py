@@ -567,6 +567,7 @@ def bindings_flags(extra_cflags, cuda):
     """The flags load_inline compiles an extension's bindings (main.cpp) with, given `extra_cflags`, read from the
     ninja file torch writes for a probe extension that is never built; without the extension's name, which
     torch/extension.h never reads."""
+    import shlex
     import tempfile
 
     import torch.utils.cpp_extension as cpp_extension
@@ -588,8 +589,6 @@ def bindings_flags(extra_cflags, cuda):
     finally:
         cpp_extension._run_ninja_build = run_ninja
     values = dict(re.findall(r"^(cflags|post_cflags) = (.*)$", ninja, re.MULTILINE))
-    import shlex
-
     flags = shlex.split(values.get("cflags", "")) + shlex.split(values.get("post_cflags", ""))
     return [flag for flag in flags if not flag.startswith("-DTORCH_EXTENSION_NAME=")]
 

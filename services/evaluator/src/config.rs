@@ -83,11 +83,22 @@ pub enum BuildRecipe {
 }
 
 impl BuildRecipe {
+    const ALL: [Self; 2] = [Self::Kforge, Self::Stock];
+
+    /// Its name in the configuration.
     pub fn name(self) -> &'static str {
         match self {
             Self::Kforge => "kforge",
             Self::Stock => "stock",
         }
+    }
+}
+
+impl std::str::FromStr for BuildRecipe {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|recipe| recipe.name() == name).ok_or_else(|| format!("stock or kforge, not {name}"))
     }
 }
 
@@ -247,5 +258,16 @@ mod tests {
         assert_eq!(config(1, 0).gpu_stage_threads_on(1, 16), None, "a GPU to itself keeps torch's default");
         assert_eq!(config(8, 0).gpu_stage_threads_on(0, 16), None, "no GPU");
         assert_eq!(config(8, 3).gpu_stage_threads_on(1, 16), Some(3), "as configured");
+    }
+
+    #[test]
+    fn build_recipes_are_named_as_the_configuration_spells_them() {
+        for recipe in BuildRecipe::ALL {
+            assert_eq!(recipe.name().parse::<BuildRecipe>(), Ok(recipe));
+            let configured: EvaluatorConfig =
+                serde_json::from_value(serde_json::json!({ "build_recipe": recipe.name() })).expect("valid");
+            assert_eq!(configured.build_recipe, recipe);
+        }
+        assert!("fast".parse::<BuildRecipe>().is_err());
     }
 }

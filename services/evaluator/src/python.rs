@@ -542,19 +542,24 @@ impl Drop for Started {
 mod tests {
     use super::*;
 
-    #[test]
-    fn gpu_stages_get_the_thread_limit_and_cpu_stages_do_not() {
-        let mut env = PythonEnv {
-            python: "python3".into(),
+    /// An environment as probed, without GPUs, with or without CUDA.
+    fn env_with(cuda_home: Option<PathBuf>) -> PythonEnv {
+        PythonEnv {
+            python: "/venv/bin/python".into(),
             versions: BTreeMap::new(),
             gpus: vec![],
             readable: vec![],
-            cuda_home: None,
+            cuda_home,
             nvcc: None,
             stock_builds: false,
             bindings_pch: Arc::default(),
             gpu_stage_threads: None,
-        };
+        }
+    }
+
+    #[test]
+    fn gpu_stages_get_the_thread_limit_and_cpu_stages_do_not() {
+        let mut env = env_with(None);
         let threads = |env: &[(String, String)]| {
             env.iter().filter(|(k, _)| k.ends_with("_NUM_THREADS")).cloned().collect::<Vec<_>>()
         };
@@ -568,17 +573,7 @@ mod tests {
 
     #[test]
     fn the_stock_recipe_leaves_builds_as_load_inline_makes_them() {
-        let mut env = PythonEnv {
-            python: "/venv/bin/python".into(),
-            versions: BTreeMap::new(),
-            gpus: vec![],
-            readable: vec![],
-            cuda_home: Some("/usr/local/cuda".into()),
-            nvcc: None,
-            stock_builds: false,
-            bindings_pch: Arc::default(),
-            gpu_stage_threads: None,
-        };
+        let mut env = env_with(Some("/usr/local/cuda".into()));
         let names = |env: &PythonEnv| {
             let mut all: Vec<String> =
                 env.env(Path::new("/scratch")).into_iter().map(|(k, _)| k.to_string_lossy().into_owned()).collect();
