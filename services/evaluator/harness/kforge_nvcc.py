@@ -12,6 +12,13 @@ module id file's name; the object is the one nvcc builds (the same bytes but for
 itself varies per run; bench/results/compile-*). A build that fails prints what nvcc would have printed: the host
 chain's output first, and the device chain's only when the host chain succeeded.
 
+When the include path has ATen's headers, ATen/Functions.h is read with only the operator headers the translation
+unit names (AtenOverlay, below): the host preprocessor first runs with none of them, the identifiers it leaves are
+looked up among the operators' names, and both chains then run with an ATen/Functions.h that includes what was
+found, written beside the object. A build that fails so and quotes a left-out operator's name in its messages is
+built again with every header; `KFORGE_ALL_OPERATORS=1` always does. The object is the same, byte for byte but for
+nvcc's temporary file names (bench/results/compile-*).
+
 `-MD -MF FILE` (load_inline's dependency file) is written by the host preprocessor. Anything this does not
 recognise (other dependency options, relocatable device code, several inputs, a dry run that has other steps) is
 handed to nvcc as it is. The real nvcc is $KFORGE_REAL_NVCC, else $CUDA_HOME/bin/nvcc.
@@ -62,6 +69,97 @@ def output_of(args):
         return None
     return args[args.index("-o") + 1]
 
+
+# ATen's operator headers. ATen/Functions.h includes one header per operator, `ATen/ops/<op>.h`, declaring the
+# functions `at::<op>`, `at::<op>_out` and the like: 1348 of them in torch 2.15, a tenth of what torch/types.h makes a
+# compiler read, and nvcc's front ends read it all twice.
+OPERATOR_INCLUDE = re.compile(r"#include <ATen/ops/(\w+)\.h>")
+# Included by Functions.h ahead of the rest, and used by what follows them there.
+ALWAYS_INCLUDED = frozenset({"from_blob", "tensor"})
+LINE_MARKER = re.compile(rb'^# \d+ "([^"\n]*)"[^\n]*$', re.MULTILINE)
+IDENTIFIER = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*")
+OUTPUT = re.compile(r' -o "?([^"\s]+)"?')
+QUOTED = re.compile(r'"([^"\n]*)"')
+
+
+def named_identifiers(preprocessed):
+    """The identifiers a preprocessed translation unit spells outside ATen's operator headers and the Tensor class's
+    definition (TensorBody.h, whose methods share the operators' names and call their dispatch entries, never the
+    functions of Functions.h). Macros are expanded: what a macro spells where it is used is there."""
+    names = set()
+    pieces = LINE_MARKER.split(preprocessed)
+    skipped = False
+    for i, piece in enumerate(pieces):
+        if i % 2 == 1:
+            skipped = b"/ATen/ops/" in piece or piece.endswith(b"ATen/core/TensorBody.h")
+        elif not skipped:
+            names.update(IDENTIFIER.findall(piece))
+    return {name.decode() for name in names}
+
+
+def operators_named(operators, names):
+    """The operators (of `operators`, header names) whose functions `names` may call. An operator's header declares
+    `<op>`, `<op>_out`, `<op>_symint`, ..., `__dispatch_<op>`, and for `__and__` and the like `__<op>__`: a name is
+    the operator's when it is the operator's name or starts with it and an underscore, once a leading `__dispatch_`
+    or `__` is removed. Keeping more than is needed is harmless; keeping less is a compile error, after which the
+    build is made again with every header."""
+    kept = set(ALWAYS_INCLUDED)
+    for name in names:
+        for variant in {name, name.removeprefix("__dispatch_"), name.removeprefix("__")}:
+            if variant in operators:
+                kept.add(variant)
+            cut = variant.find("_", 1)
+            while cut != -1:
+                if variant[:cut] in operators:
+                    kept.add(variant[:cut])
+                cut = variant.find("_", cut + 1)
+    return kept
+
+
+class AtenOverlay:
+    """ATen/Functions.h with only the operator headers a build names, in a directory put first on the build's
+    include path. A build that never spells a function's name cannot call it: name lookup, overload resolution and
+    argument-dependent lookup all start from the name, and the operator headers declare inline functions and nothing
+    else. So the headers left out change no meaning; they are only not read."""
+
+    def __init__(self, root, directory):
+        self.root, self.directory = root, directory
+        with open(os.path.join(root, "ATen", "Functions.h")) as f:
+            self.lines = f.read().splitlines(keepends=True)
+        self.operators = {m.group(1) for line in self.lines if (m := OPERATOR_INCLUDE.fullmatch(line.strip()))}
+
+    @classmethod
+    def for_build(cls, args, output):
+        """The overlay for a build whose include path has ATen's headers, beside its object (the dependency file
+        names it, so it stays with the build); None otherwise, or when $KFORGE_ALL_OPERATORS is set."""
+        if os.environ.get("KFORGE_ALL_OPERATORS"):
+            return None
+        for flag, value in zip(args, args[1:] + [""]):
+            directory = value if flag in ("-I", "-isystem") else flag[2:] if flag.startswith("-I") else None
+            if directory and os.path.isfile(os.path.join(directory, "ATen", "Functions.h")):
+                return cls(directory, os.path.abspath(f"{output}.aten"))
+        return None
+
+    def write(self, kept_operators):
+        """Writes Functions.h keeping the headers of `kept_operators` and those always included."""
+        self.kept = set(kept_operators) | ALWAYS_INCLUDED
+        os.makedirs(os.path.join(self.directory, "ATen"), exist_ok=True)
+        with open(os.path.join(self.directory, "ATen", "Functions.h"), "w") as f:
+            for line in self.lines:
+                m = OPERATOR_INCLUDE.fullmatch(line.strip())
+                if m is None or m.group(1) in self.kept:
+                    f.write(line)
+
+    def may_explain(self, printed):
+        """Whether a failed build's messages quote a name of an operator that was left out. nvcc's front ends
+        quote the name they could not find (`identifier "x" is undefined`, `namespace "at" has no member "x"`);
+        a failure that quotes none (a typo in the kernel) fails the same way with every header."""
+        quoted = {name for text in QUOTED.findall(printed.decode(errors="replace"))
+                  for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)}
+        return bool(operators_named(self.operators, quoted) - self.kept)
+
+    def remove(self):
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 class Plan:
     """nvcc's steps for one compile, sorted into the host chain, the device chain and the final host compile, with
@@ -140,16 +238,31 @@ def start(environment, steps):
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def build(real, args, scratch):
-    """Builds the object the plan's way and returns nvcc's exit status, or None when nvcc itself must build it."""
+def build(real, args, scratch, aten=None):
+    """Builds the object the plan's way: (nvcc's exit status, what it printed), or None when nvcc itself must build
+    it. With `aten` (an AtenOverlay), ATen's operator headers the translation unit never names are left out."""
     rest, depfile = split_dependency_output(args)
     output = output_of(args)
+    if aten is not None:
+        rest = ["-I", aten.directory, *rest]
+        aten.write(kept_operators=())
     dry = subprocess.run([real, "--dryrun", *rest], env=dict(os.environ, TMPDIR=scratch), capture_output=True,
                          text=True)
     lines = [line[3:] for line in dry.stderr.splitlines() + dry.stdout.splitlines() if line.startswith("#$ ")]
     steps = plan(lines) if dry.returncode == 0 else None
     if steps is None:
         return None
+    if aten is not None:
+        # The host preprocessor over the source with no operator header at all: what the source and the other
+        # headers name. Run again below, with the operators they name.
+        preprocessed = OUTPUT.search(steps.host[0])
+        probe = subprocess.run(["bash", "-c", script(steps.environment, [steps.host[0]])], capture_output=True)
+        if preprocessed is None:
+            return None
+        if probe.returncode != 0:
+            return probe.returncode, probe.stdout + probe.stderr
+        with open(preprocessed.group(1), "rb") as f:
+            aten.write(operators_named(aten.operators, named_identifiers(f.read())))
     if depfile:
         steps.host[0] = f"{steps.host[0]} -MD -MF {shlex.quote(depfile)} -MT {shlex.quote(output)}"
     host, device = start(steps.environment, steps.host), start(steps.environment, steps.device)
@@ -157,8 +270,7 @@ def build(real, args, scratch):
     if host.returncode != 0:
         os.killpg(device.pid, signal.SIGKILL)
         device.wait()
-        sys.stdout.buffer.write(host_output)
-        return host.returncode
+        return host.returncode, host_output
     device_output, _ = device.communicate()
     if device.returncode == 0:
         ids = set()
@@ -168,22 +280,35 @@ def build(real, args, scratch):
         if len(ids) != 1:
             # Not seen in testing; a library built with mismatched ids would not find its kernels.
             return None
-    sys.stdout.buffer.write(host_output + device_output)
-    sys.stdout.flush()
     if device.returncode != 0:
-        return device.returncode
-    return subprocess.run(["bash", "-c", script(steps.environment, [steps.final])]).returncode
+        return device.returncode, host_output + device_output
+    final = subprocess.run(["bash", "-c", script(steps.environment, [steps.final])], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    return final.returncode, host_output + device_output + final.stdout
+
+
+def attempt(real, args, aten=None):
+    scratch = tempfile.mkdtemp(prefix="kforge-nvcc-")
+    try:
+        return build(real, args, scratch, aten)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run(args):
     real = real_nvcc()
     if split_dependency_output(args) is not None and output_of(args) is not None:
-        scratch = tempfile.mkdtemp(prefix="kforge-nvcc-")
-        try:
-            status = build(real, args, scratch)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        if status is not None:
+        aten = AtenOverlay.for_build(args, output_of(args))
+        built = attempt(real, args, aten) if aten is not None else None
+        if built is None or (built[0] != 0 and aten.may_explain(built[1])):
+            # What the left-out headers may have failed is built with all of them, and reports as nvcc would.
+            if aten is not None:
+                aten.remove()
+            built = attempt(real, args)
+        if built is not None:
+            status, printed = built
+            sys.stdout.buffer.write(printed)
+            sys.stdout.flush()
             return status
     os.execv(real, [real, *args])
 

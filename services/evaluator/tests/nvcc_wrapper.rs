@@ -11,8 +11,12 @@ const WRAPPER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/harness/kforge_nvcc.
 /// A stand-in nvcc: `--dryrun` prints nvcc's steps for one .cu file (in nvcc's format, with its environment lines),
 /// anything else reports that nvcc itself ran.
 const NVCC: &str = r#"#!/bin/bash
-out=""; prev=""
-for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+out=""; prev=""; includes=""
+for a in "$@"; do
+  [ "$prev" = "-o" ] && out="$a"
+  { [ "$prev" = "-I" ] || [ "$prev" = "-isystem" ]; } && includes="$includes $prev $a"
+  prev="$a"
+done
 if [ "$1" != "--dryrun" ]; then echo "nvcc itself: $*"; exit 0; fi
 d="$TMPDIR"
 cat >&2 <<EOF
@@ -21,9 +25,9 @@ cat >&2 <<EOF
 #\$ PATH=$TOOLS:$PATH
 #\$ SYSTEM_INCLUDES="-isystem" "/nowhere/cccl"
 #\$ LIBRARIES=  "-L/nowhere/lib64"
-#\$ gcc -std=c++17 -E -x c++ -D__CUDACC__ "k.cu" -o "$d/k.cpp4.ii"
+#\$ gcc -std=c++17 -E -x c++ -D__CUDACC__$includes "k.cu" -o "$d/k.cpp4.ii"
 #\$ cudafe++ --c++17 --gen_c_file_name "$d/k.cudafe1.cpp" --gen_module_id_file --module_id_file_name "$d/k.module_id" "$d/k.cpp4.ii"
-#\$ gcc -std=c++17 -D__CUDA_ARCH__=900 -E -x c++ "k.cu" -o "$d/k.cpp1.ii"
+#\$ gcc -std=c++17 -D__CUDA_ARCH__=900 -E -x c++$includes "k.cu" -o "$d/k.cpp1.ii"
 #\$ "\$CICC_PATH/cicc" --c++17 -arch compute_90 -tused --module_id_file_name "$d/k.module_id" "$d/k.cpp1.ii" -o "$d/k.ptx"
 #\$ ptxas -arch=sm_90 -m64 "$d/k.ptx" -o "$d/k.cubin"
 #\$ fatbinary -64 "--image3=kind=elf,sm=90,file=$d/k.cubin" --embedded-fatbin="$d/k.fatbin.c"
@@ -32,9 +36,11 @@ cat >&2 <<EOF
 EOF
 "#;
 
-/// The stand-in tools, one script under several names. Each logs its arguments. cudafe++ waits for cicc to
-/// start (it fails if the chains run one after the other); with FAIL_HOST it then reports an error, while cicc
-/// sleeps for a minute.
+/// The stand-in tools, one script under several names. Each logs its arguments. The preprocessor writes the source
+/// under a line marker, then a line from an operator header and one from TensorBody.h (as an ATen build's would),
+/// and `overlay` when an include directory ending in `.aten` comes first. cudafe++ waits for cicc to start (it
+/// fails if the chains run one after the other); with FAIL_HOST it then reports an error, while cicc sleeps for a
+/// minute; with FAIL_OVERLAY it reports a left-out operator, `conv2d`, as undefined when its input says `overlay`.
 const TOOL: &str = r#"#!/bin/bash
 name=$(basename "$0")
 echo "$name $*" >> "$LOG/calls"
@@ -45,11 +51,21 @@ case "$name" in
   gcc)
     flag=-MF; deps=$(arg "$@")
     [ -n "$deps" ] && echo "deps of k.cu" > "$deps"
-    if [[ " $* " == *" -c "* ]]; then echo "module $(cat "${@: -3:1}")" > "$out"; else echo pre > "$out"; fi ;;
+    if [[ " $* " == *" -c "* ]]; then echo "module $(cat "${@: -3:1}")" > "$out"
+    else
+      { [[ " $* " == *".aten -isystem "* ]] && echo overlay
+        echo '# 1 "k.cu"'; cat k.cu 2>/dev/null
+        echo '# 1 "/inc/ATen/ops/conj.h" 1'; echo 'inline void softmax(); inline void conj();'
+        echo '# 1 "/inc/ATen/core/TensorBody.h" 1'; echo 'void mul();'
+        echo '# 9 "k.cu" 2'; echo 'end'; } > "$out"
+    fi ;;
   cudafe++)
     for _ in $(seq 200); do [ -e "$LOG/cicc-started" ] && break; sleep 0.05; done
     [ -e "$LOG/cicc-started" ] || { echo "cudafe++ ran alone"; exit 3; }
     if [ -n "$FAIL_HOST" ]; then echo 'k.cu(3): error: identifier "undeclared" is undefined'; exit 2; fi
+    if [ -n "$FAIL_OVERLAY" ] && grep -q overlay "${@: -1}"; then
+      echo 'k.cu(3): error: namespace "at" has no member "conv2d"'; exit 2
+    fi
     flag=--gen_c_file_name; generated=$(arg "$@")
     echo "_k_cu_1234" > "$id"; echo "host code" > "$generated"; echo "cudafe++ says hello" ;;
   cicc)
@@ -109,7 +125,32 @@ impl Fixture {
     fn calls(&self) -> String {
         std::fs::read_to_string(self.path("calls")).unwrap_or_default()
     }
+
+    /// ATen's headers in `inc/` (a Functions.h over eight operators) and a source naming three of them.
+    fn with_aten(&self) {
+        std::fs::create_dir_all(self.path("inc/ATen")).expect("an include directory");
+        let includes: String = OPERATORS.iter().map(|op| format!("#include <ATen/ops/{op}.h>\n")).collect();
+        std::fs::write(self.path("inc/ATen/Functions.h"), format!("#pragma once\n{includes}inline bool tail();\n"))
+            .expect("Functions.h");
+        std::fs::write(self.path("k.cu"), "at::relu(x); at::add_out(y, x, x); at::__dispatch_conj(x);\n")
+            .expect("a source");
+    }
+
+    /// The operators the overlay beside the object includes, in order; None when there is none.
+    fn kept_operators(&self) -> Option<Vec<String>> {
+        let overlay = std::fs::read_to_string(self.path("k.o.aten/ATen/Functions.h")).ok()?;
+        assert!(overlay.starts_with("#pragma once\n") && overlay.ends_with("inline bool tail();\n"), "{overlay}");
+        Some(
+            overlay
+                .lines()
+                .filter_map(|line| line.strip_prefix("#include <ATen/ops/")?.strip_suffix(".h>"))
+                .map(str::to_owned)
+                .collect(),
+        )
+    }
 }
+
+const OPERATORS: [&str; 8] = ["from_blob", "tensor", "add", "conj", "conv2d", "mul", "relu", "softmax"];
 
 fn write_executable(path: &Path, text: &str) {
     use std::os::unix::fs::PermissionsExt;
@@ -122,6 +163,7 @@ fn text(output: &Output) -> String {
 }
 
 const COMPILE: [&str; 8] = ["-MD", "-MF", "k.o.d", "-O3", "-c", "k.cu", "-o", "k.o"];
+const ATEN_COMPILE: [&str; 10] = ["-MD", "-MF", "k.o.d", "-isystem", "inc", "-O3", "-c", "k.cu", "-o", "k.o"];
 
 #[test]
 fn the_front_ends_run_side_by_side_and_nvccs_final_step_builds_the_object() {
@@ -188,4 +230,129 @@ fn what_it_does_not_recognise_goes_to_nvcc_as_it_is() {
         assert_eq!(text(&output), format!("nvcc itself: {}\n", args.join(" ")));
         assert_eq!(fixture.calls(), "", "no step ran for {args:?}");
     }
+}
+
+#[test]
+fn only_the_operator_headers_the_source_names_are_read() {
+    let fixture = Fixture::new("operators");
+    fixture.with_aten();
+    let output = fixture.run(&ATEN_COMPILE, &[]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert_eq!(std::fs::read_to_string(fixture.path("k.o")).expect("the object"), "module host code\n");
+    // Named in the source: relu, add (add_out), conj (__dispatch_conj). Always: from_blob, tensor. Spelled only
+    // inside an operator header (softmax, conj) or TensorBody.h (mul), or nowhere (conv2d): left out.
+    assert_eq!(
+        fixture.kept_operators().expect("an overlay beside the object"),
+        ["from_blob", "tensor", "add", "conj", "relu"]
+    );
+    let calls = fixture.calls();
+    let overlay = format!("-I {} -isystem inc", fixture.path("k.o.aten").display());
+    let preprocessed: Vec<_> = calls.lines().filter(|line| line.starts_with("gcc") && line.contains(" -E ")).collect();
+    assert_eq!(preprocessed.len(), 3, "the probe, then the host and device preprocessors: {calls}");
+    assert!(preprocessed.iter().all(|line| line.contains(&overlay)), "the overlay comes first: {calls}");
+
+    let every = Fixture::new("operators-all");
+    every.with_aten();
+    let output = every.run(&ATEN_COMPILE, &[("KFORGE_ALL_OPERATORS", "1")]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert_eq!(every.kept_operators(), None);
+    assert!(!every.calls().contains(".aten"), "{}", every.calls());
+}
+
+#[test]
+fn a_failure_that_quotes_a_left_out_operator_is_built_again_with_every_header() {
+    let fixture = Fixture::new("operators-retry");
+    fixture.with_aten();
+    let output = fixture.run(&ATEN_COMPILE, &[("FAIL_OVERLAY", "1")]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(!text(&output).contains("conv2d"), "only the second build's output: {}", text(&output));
+    assert_eq!(std::fs::read_to_string(fixture.path("k.o")).expect("the object"), "module host code\n");
+    assert_eq!(fixture.kept_operators(), None, "the overlay is removed");
+    let calls = fixture.calls();
+    assert_eq!(calls.lines().filter(|line| line.starts_with("cudafe++")).count(), 2, "{calls}");
+    assert!(calls.lines().last().is_some_and(|line| line.starts_with("gcc") && line.contains(" -c ")), "{calls}");
+}
+
+#[test]
+fn a_failure_that_quotes_no_left_out_operator_is_reported_from_the_first_build() {
+    let fixture = Fixture::new("operators-typo");
+    fixture.with_aten();
+    let output = fixture.run(&ATEN_COMPILE, &[("FAIL_HOST", "1")]);
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output));
+    assert_eq!(text(&output), "k.cu(3): error: identifier \"undeclared\" is undefined\n");
+    let calls = fixture.calls();
+    assert_eq!(calls.lines().filter(|line| line.starts_with("cudafe++")).count(), 1, "built once: {calls}");
+}
+
+/// The naming rule against the installed torch: every function an operator header declares is found by the rule
+/// to be that operator's, so a source that names it gets its header. And with torch's real headers and g++: a
+/// source built with only the operators it names compiles, while an operator it does not name is not declared.
+#[test]
+fn torch_s_operator_headers_are_kept_for_every_name_they_declare_and_left_out_otherwise() {
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let dir = std::env::temp_dir().join(format!("kforge-nvcc-torch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let check = r##"
+import os, re, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+import kforge_harness
+import kforge_nvcc as k
+import torch.utils.cpp_extension as cpp_extension
+work = sys.argv[2]
+roots = cpp_extension.include_paths()
+root = next(d for d in roots if os.path.isfile(os.path.join(d, "ATen", "Functions.h")))
+overlay = k.AtenOverlay(root, os.path.join(work, "overlay"))
+assert len(overlay.operators) > 1000, len(overlay.operators)
+declared = re.compile(r"^\s*(?:inline|TORCH_API|template)[^(;{]*?\b(\w+)\s*\(", re.MULTILINE)
+unclaimed = []
+for op in sorted(overlay.operators - k.ALWAYS_INCLUDED):
+    with open(os.path.join(root, "ATen", "ops", f"{op}.h")) as f:
+        names = set(declared.findall(f.read()))  # none for operators that are only methods
+    unclaimed += [(op, name) for name in names if op not in k.operators_named(overlay.operators, {name})]
+assert not unclaimed, unclaimed[:20]
+
+source = os.path.join(work, "k.cpp")
+with open(source, "w") as f:
+    f.write("#include <torch/types.h>\n"
+            "#define OUT(op) at::op##_out\n"
+            "torch::Tensor f(torch::Tensor x) {\n"
+            "  auto y = torch::empty_like(x);\n"
+            "  OUT(relu)(y, x);\n"
+            "  return at::add(y, x.mul(x)).softmax(-1);\n"
+            "}\n")
+# load_inline's own flags for a C++ source (kforge_harness.bindings_flags reads them from torch).
+flags = kforge_harness.bindings_flags([], False)
+compiler = [cpp_extension.get_cxx_compiler(), "-I", overlay.directory, *flags]
+overlay.write(())
+probe = subprocess.run([*compiler, "-E", source], capture_output=True, check=True).stdout
+kept = k.operators_named(overlay.operators, k.named_identifiers(probe))
+overlay.write(kept)
+for op in ("empty_like", "relu", "add", "mul"):
+    assert op in kept, op
+assert "softmax" not in kept or "softmax" in k.named_identifiers(probe)
+assert len(kept) < len(overlay.operators) // 2, len(kept)
+assert "conv2d" not in kept
+subprocess.run([*compiler, "-fsyntax-only", source], check=True)
+with open(source, "a") as f:
+    f.write("auto unnamed = &at::conv2d_symint;\n")
+failed = subprocess.run([*compiler, "-fsyntax-only", source], capture_output=True, text=True)
+assert failed.returncode != 0 and "conv2d_symint" in failed.stderr, failed.stderr[-2000:]
+print(len(overlay.operators), len(kept))
+"##;
+    // torch looks for ninja on PATH to write its build files; the environment's is beside its Python.
+    let path = format!(
+        "{}:{}",
+        python.parent().expect("a bin directory").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let output = Command::new(&python)
+        .env("PATH", path)
+        .args(["-c", check, concat!(env!("CARGO_MANIFEST_DIR"), "/harness")])
+        .arg(&dir)
+        .output()
+        .expect("python runs");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(output.status.success(), "{}", text(&output));
 }
