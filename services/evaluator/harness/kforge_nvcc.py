@@ -144,11 +144,17 @@ class AtenOverlay:
         """Writes Functions.h keeping the headers of `kept_operators` and those always included."""
         self.kept = set(kept_operators) | ALWAYS_INCLUDED
         os.makedirs(os.path.join(self.directory, "ATen"), exist_ok=True)
-        with open(os.path.join(self.directory, "ATen", "Functions.h"), "w") as f:
+        path = os.path.join(self.directory, "ATen", "Functions.h")
+        with open(path, "w") as f:
             for line in self.lines:
                 m = OPERATOR_INCLUDE.fullmatch(line.strip())
                 if m is None or m.group(1) in self.kept:
                     f.write(line)
+        # ninja takes the time a command started as its output's; a header written during the command would be
+        # newer than the object, and the next load_inline (the run stage's) would build it again. The overlay is
+        # derived from torch's header (and the source, which ninja watches itself), so it takes the header's time.
+        source = os.stat(os.path.join(self.root, "ATen", "Functions.h"))
+        os.utime(path, ns=(source.st_atime_ns, source.st_mtime_ns))
 
     def may_explain(self, printed):
         """Whether a failed build's messages quote a name of an operator that was left out. nvcc's front ends
