@@ -65,31 +65,9 @@ def cuda_sources(path):
     return found
 
 
-class _NinjaFileWritten(Exception):
-    pass
-
-
 def nvcc_flags():
-    """load_inline's nvcc flags (cuda_cflags and cuda_post_cflags of the ninja file it writes), without the
-    extension's name."""
-
-    def written(*args, **kwargs):
-        raise _NinjaFileWritten()
-
-    run_ninja = cpp_extension._run_ninja_build
-    cpp_extension._run_ninja_build = written
-    try:
-        with tempfile.TemporaryDirectory() as build:
-            try:
-                cpp_extension.load_inline("kforge_operators_probe", "// probe", cuda_sources="// probe",
-                                          build_directory=build)
-            except _NinjaFileWritten:
-                pass
-            with open(os.path.join(build, "build.ninja")) as f:
-                ninja = f.read()
-    finally:
-        cpp_extension._run_ninja_build = run_ninja
-    values = dict(re.findall(r"^(cuda_cflags|cuda_post_cflags) = (.*)$", ninja, re.MULTILINE))
+    """load_inline's nvcc flags (its ninja file's cuda_cflags and cuda_post_cflags)."""
+    values = kforge_harness.load_inline_flags([], cuda=True)
     return values.get("cuda_cflags", ""), values.get("cuda_post_cflags", "")
 
 

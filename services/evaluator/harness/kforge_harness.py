@@ -33,6 +33,7 @@ import math
 import os
 import re
 import resource
+import shlex
 import sys
 import threading
 import time
@@ -563,11 +564,9 @@ class _NinjaFileWritten(Exception):
     pass
 
 
-def bindings_flags(extra_cflags, cuda):
-    """The flags load_inline compiles an extension's bindings (main.cpp) with, given `extra_cflags`, read from the
-    ninja file torch writes for a probe extension that is never built; without the extension's name, which
-    torch/extension.h never reads."""
-    import shlex
+def load_inline_flags(extra_cflags, cuda):
+    """The variables (`cflags`, `post_cflags`, and with `cuda` `cuda_cflags` and `cuda_post_cflags`) of the ninja
+    file load_inline writes for a probe extension given `extra_cflags`; the extension is never built."""
     import tempfile
 
     import torch.utils.cpp_extension as cpp_extension
@@ -580,7 +579,7 @@ def bindings_flags(extra_cflags, cuda):
     try:
         with tempfile.TemporaryDirectory() as build:
             try:
-                cpp_extension.load_inline("kforge_bindings_probe", "// probe", cuda_sources="// probe" if cuda else None,
+                cpp_extension.load_inline("kforge_flags_probe", "// probe", cuda_sources="// probe" if cuda else None,
                                           extra_cflags=extra_cflags, build_directory=build)
             except _NinjaFileWritten:
                 pass
@@ -588,7 +587,13 @@ def bindings_flags(extra_cflags, cuda):
                 ninja = f.read()
     finally:
         cpp_extension._run_ninja_build = run_ninja
-    values = dict(re.findall(r"^(cflags|post_cflags) = (.*)$", ninja, re.MULTILINE))
+    return dict(re.findall(r"^(\w+) = (.*)$", ninja, re.MULTILINE))
+
+
+def bindings_flags(extra_cflags, cuda):
+    """The flags load_inline compiles an extension's bindings (main.cpp) with, given `extra_cflags`; without the
+    extension's name, which torch/extension.h never reads."""
+    values = load_inline_flags(extra_cflags, cuda)
     flags = shlex.split(values.get("cflags", "")) + shlex.split(values.get("post_cflags", ""))
     return [flag for flag in flags if not flag.startswith("-DTORCH_EXTENSION_NAME=")]
 
