@@ -72,7 +72,7 @@ def output_of(args):
 
 # ATen's operator headers. ATen/Functions.h includes one header per operator, `ATen/ops/<op>.h`, declaring the
 # functions `at::<op>`, `at::<op>_out` and the like: 1348 of them in torch 2.15, a tenth of what torch/types.h makes a
-# compiler read, and nvcc's front ends read it all twice.
+# compiler read, and an nvcc build reads it three times (cudafe++, cicc, the host compiler).
 OPERATOR_INCLUDE = re.compile(r"#include <ATen/ops/(\w+)\.h>")
 # Included by Functions.h ahead of the rest, and used by what follows them there.
 ALWAYS_INCLUDED = frozenset({"from_blob", "tensor"})
@@ -166,6 +166,7 @@ class AtenOverlay:
 
     def remove(self):
         shutil.rmtree(self.directory, ignore_errors=True)
+
 
 class Plan:
     """nvcc's steps for one compile, sorted into the host chain, the device chain and the final host compile, with
@@ -262,9 +263,9 @@ def build(real, args, scratch, aten=None):
         # The host preprocessor over the source with no operator header at all: what the source and the other
         # headers name. Run again below, with the operators they name.
         preprocessed = OUTPUT.search(steps.host[0])
-        probe = subprocess.run(["bash", "-c", script(steps.environment, [steps.host[0]])], capture_output=True)
         if preprocessed is None:
             return None
+        probe = subprocess.run(["bash", "-c", script(steps.environment, [steps.host[0]])], capture_output=True)
         if probe.returncode != 0:
             return probe.returncode, probe.stdout + probe.stderr
         with open(preprocessed.group(1), "rb") as f:
