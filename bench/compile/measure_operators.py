@@ -14,6 +14,7 @@ Then the first source that builds is timed: N builds of each variant, alternatin
 Prints one JSON line per comparison and per timed build, and a summary.
 """
 
+import argparse
 import concurrent.futures
 import glob
 import json
@@ -56,9 +57,7 @@ def cuda_sources(path):
             code = compile(f.read(), path, "exec")
         try:
             exec(code, {"__name__": "candidate"})
-        except _Recorded:
-            pass
-        except Exception:
+        except Exception:  # _Recorded, or a candidate that fails before it builds anything (none in the record)
             pass
     finally:
         cpp_extension.load_inline = stock
@@ -116,18 +115,18 @@ def compare(index, source, root, flags):
 
 
 def main():
-    argv = sys.argv[1:]
-    repeat = int(argv[argv.index("--repeat") + 1]) if "--repeat" in argv else 3
-    parallel = int(argv[argv.index("--parallel") + 1]) if "--parallel" in argv else 4
-    positional = [a for i, a in enumerate(argv) if not a.startswith("--") and
-                  (i == 0 or argv[i - 1] not in ("--repeat", "--parallel"))]
-    out, directories = positional[0], positional[1:]
-    os.makedirs(out, exist_ok=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("candidates", nargs="+", help="directories of candidates (*.py)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed builds of each variant")
+    parser.add_argument("--parallel", type=int, default=4, help="sources compared at once")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     root = tempfile.mkdtemp(prefix="kforge-operators-")
     flags = nvcc_flags()
     print(json.dumps({"nvcc_flags": flags}), flush=True)
     sources = []
-    for directory in directories:
+    for directory in args.candidates:
         for path in sorted(glob.glob(os.path.join(directory, "**", "*.py"), recursive=True)):
             for source in cuda_sources(path):
                 light = kforge_harness.lighten(source) or source
@@ -135,23 +134,21 @@ def main():
                     sources.append(light)
     print(json.dumps({"distinct_cuda_sources": len(sources)}), flush=True)
     results = []
-    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         for result in pool.map(lambda item: compare(item[0], item[1], root, flags), enumerate(sources)):
             results.append(result)
             print(json.dumps(result), flush=True)
     timed = {"all": [], "named": []}
     first = next((r for r in results if r["all_rc"] == 0 and r["named_rc"] == 0), None)
-    if first is None:
-        repeat = 0
-    else:
+    if first is not None:
         print(json.dumps({"timed_source": first["source"]}), flush=True)
         directory = os.path.join(root, f"s{first['source']}")
-    for _ in range(repeat):
-        for variant in ("all", "named"):
-            build = compile_once(directory, flags, every_operator=variant == "all")
-            timed[variant].append(build["wall_s"])
-            print(json.dumps({"timed": variant, "rc": build["rc"], "wall_s": build["wall_s"],
-                              "kept_operators": build["kept_operators"]}), flush=True)
+        for _ in range(args.repeat):
+            for variant in ("all", "named"):
+                build = compile_once(directory, flags, every_operator=variant == "all")
+                timed[variant].append(build["wall_s"])
+                print(json.dumps({"timed": variant, "rc": build["rc"], "wall_s": build["wall_s"],
+                                  "kept_operators": build["kept_operators"]}), flush=True)
     built = [r for r in results if r["all_rc"] == 0]
     summary = {
         "sources": len(results),

@@ -335,7 +335,8 @@ kept = k.operators_named(overlay.operators, k.named_identifiers(probe))
 overlay.write(kept)
 for op in ("empty_like", "relu", "add", "mul"):
     assert op in kept, op
-assert "softmax" not in kept or "softmax" in k.named_identifiers(probe)
+# Spelled only as a method (TensorBody.h's own text is not counted, the source's is): kept, to be safe.
+assert "softmax" in kept
 assert len(kept) < len(overlay.operators) // 2, len(kept)
 assert "conv2d" not in kept
 subprocess.run([*compiler, "-fsyntax-only", source], check=True)
