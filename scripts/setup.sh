@@ -16,9 +16,16 @@ say() { printf '==> %s\n' "$*"; }
 
 command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (https://rustup.rs) first" >&2; exit 1; }
 
+# The evaluator runs each job as a user of its own where it is root (docs/EVALUATOR.md, "Sandbox"), so the
+# environment's interpreter must be one every user can run: the system's where it has venv, rather than one under
+# a private home directory (pyenv's, in /root). With another, job users are reported off and jobs run as root.
+base_python=python3
+if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  base_python=/usr/bin/python3
+fi
 if [[ ! -x .venv/bin/python ]]; then
-  say "creating .venv"
-  python3 -m venv .venv || { echo "setup: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+  say "creating .venv with $base_python"
+  "$base_python" -m venv .venv || { echo "setup: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
 fi
 if ! .venv/bin/python -c 'import torch, ninja' 2>/dev/null; then
   say "installing PyTorch and ninja into .venv (about 3 GB)"

@@ -21,8 +21,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 mod cgroup;
+mod users;
 
-use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, path_beneath_rules};
+use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, Scope, path_beneath_rules};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -220,6 +221,9 @@ pub struct Sandbox {
     network_namespace: bool,
     landlock: Option<ABI>,
     pids: Option<cgroup::PidsCgroups>,
+    /// What the pids cgroup probe found: where job cgroups go, or why there are none.
+    cgroup_report: Result<String, String>,
+    users: Option<std::sync::Arc<users::JobUsers>>,
     protections: Vec<Protection>,
 }
 
@@ -235,11 +239,24 @@ pub struct SandboxOptions {
     /// A pids cgroup per job: a cap on its processes and threads (`Limits::processes`), and every process of the
     /// job killed at its end, also those that left its process group.
     pub process_limit: bool,
+    /// Where the evaluator is root: each job runs as a user of its own (`job_user_base` and up, group
+    /// `job_user_base`), so RLIMIT_NPROC caps its processes and it can signal and trace no other process.
+    pub job_users: bool,
+    /// The first job user id; the pool has [`JOB_USERS`] ids, unused by anything else on the host.
+    pub job_user_base: u32,
 }
+
+pub use users::JOB_USERS;
 
 impl Default for SandboxOptions {
     fn default() -> Self {
-        Self { network_namespace: true, landlock: true, process_limit: true }
+        Self {
+            network_namespace: true,
+            landlock: true,
+            process_limit: true,
+            job_users: true,
+            job_user_base: 2_100_000_000,
+        }
     }
 }
 
@@ -251,8 +268,12 @@ impl Sandbox {
 
     /// Probes the optional protections that `options` allows.
     pub async fn detect_with(options: SandboxOptions) -> Self {
-        let mut sandbox = Self { network_namespace: false, landlock: None, pids: None, protections: Vec::new() };
-        let scratch = std::env::temp_dir();
+        let mut sandbox = Self::basic();
+        // The probes' own scratch: a job's scratch is handed to its user.
+        let scratch = std::env::temp_dir().join(format!("kforge-sandbox-probe-{}", std::process::id()));
+        if let Err(error) = std::fs::create_dir_all(&scratch) {
+            tracing::warn!(%error, dir = %scratch.display(), "the sandbox's probe directory");
+        }
         let probe = |sandbox: &Sandbox| {
             let sandbox = sandbox.clone();
             let scratch = scratch.clone();
@@ -294,8 +315,16 @@ impl Sandbox {
             }
             match &landlock {
                 Ok(f) if f.success() => {
-                    "reads limited to system and named paths, writes to scratch and named directories (abi 5)"
-                        .to_owned()
+                    let abi = landlock_kernel_abi();
+                    let scoped = if abi >= 6 {
+                        "signals and abstract unix sockets limited to the job's own processes"
+                    } else {
+                        "signals not scoped (needs abi 6)"
+                    };
+                    format!(
+                        "reads limited to system and named paths, writes to scratch and named directories; \
+                         {scoped} (kernel abi {abi})"
+                    )
                 }
                 Ok(f) => {
                     format!("landlock unavailable ({:?}); the filesystem is protected only by permissions", f.exit)
@@ -307,21 +336,21 @@ impl Sandbox {
         };
         let landlock_ok = sandbox.landlock.is_some();
 
-        let process_detail = if options.process_limit {
-            match cgroup::PidsCgroups::detect() {
-                Ok(pids) => {
+        let users_detail = if options.job_users {
+            match users::JobUsers::detect(options.job_user_base) {
+                Ok(users) => {
                     let detail = format!(
-                        "{}: at most {} processes and threads per job; all of a job's processes killed at its end",
-                        pids.describe(),
-                        Limits::default().processes
+                        "{}: one per running job; it cannot signal or trace the evaluator or other jobs, and all \
+                         of its processes are killed at the job's end",
+                        users.describe()
                     );
-                    sandbox.pids = Some(pids);
+                    sandbox.users = Some(users);
                     let probe = probe(&sandbox).await;
                     if matches!(&probe, Ok(f) if f.success()) {
                         detail
                     } else {
-                        sandbox.pids = None;
-                        format!("a job could not join its cgroup ({probe:?})")
+                        sandbox.users = None;
+                        format!("a job could not run as its own user ({probe:?})")
                     }
                 }
                 Err(reason) => reason,
@@ -330,6 +359,29 @@ impl Sandbox {
             disabled()
         };
 
+        let cap = Limits::default().processes;
+        sandbox.cgroup_report = if options.process_limit {
+            match cgroup::PidsCgroups::detect() {
+                Ok(pids) => {
+                    let detail = format!(
+                        "{}: at most {cap} processes and threads per job; all of a job's processes killed at its end",
+                        pids.describe()
+                    );
+                    sandbox.pids = Some(pids);
+                    let probe = probe(&sandbox).await;
+                    if matches!(&probe, Ok(f) if f.success()) {
+                        Ok(detail)
+                    } else {
+                        sandbox.pids = None;
+                        Err(format!("a job could not join its cgroup ({probe:?})"))
+                    }
+                }
+                Err(reason) => Err(reason),
+            }
+        } else {
+            Err(disabled())
+        };
+        let _ = std::fs::remove_dir_all(&scratch);
         sandbox.protections = vec![
             Protection { name: "process_group", active: true, detail: "own process group, killed as a whole".into() },
             Protection { name: "scrubbed_env", active: true, detail: "only the variables the evaluator passes".into() },
@@ -352,7 +404,8 @@ impl Sandbox {
             },
             Protection { name: "network_namespace", active: sandbox.network_namespace, detail: network_detail },
             Protection { name: "landlock", active: landlock_ok, detail: landlock_detail },
-            Protection { name: "process_limit", active: sandbox.pids.is_some(), detail: process_detail },
+            Protection { name: "job_user", active: sandbox.users.is_some(), detail: users_detail },
+            sandbox.process_limit(),
         ];
         for p in sandbox.protections.iter().filter(|p| !p.active) {
             tracing::warn!(protection = p.name, detail = %p.detail, "sandbox protection unavailable");
@@ -362,7 +415,14 @@ impl Sandbox {
 
     /// A sandbox with only the always-available protections (for hosts where probing is not wanted).
     pub fn basic() -> Self {
-        Self { network_namespace: false, landlock: None, pids: None, protections: Vec::new() }
+        Self {
+            network_namespace: false,
+            landlock: None,
+            pids: None,
+            cgroup_report: Err("not probed".into()),
+            users: None,
+            protections: Vec::new(),
+        }
     }
 
     /// Which protections are enforced.
@@ -385,6 +445,42 @@ impl Sandbox {
             protection.detail = reason.clone();
         }
         sandbox
+    }
+
+    /// This sandbox with jobs running as the evaluator's user, reporting `reason` (for hosts where a job's own
+    /// needs, such as an interpreter under a private home directory, are out of a job user's reach).
+    pub fn without_job_users(&self, reason: String) -> Self {
+        let mut sandbox = self.clone();
+        sandbox.users = None;
+        let limit = sandbox.process_limit();
+        for protection in sandbox.protections.iter_mut() {
+            match protection.name {
+                "job_user" => (protection.active, protection.detail) = (false, reason.clone()),
+                "process_limit" => *protection = limit.clone(),
+                _ => {}
+            }
+        }
+        sandbox
+    }
+
+    /// Whether jobs run as users of their own.
+    pub fn job_users_active(&self) -> bool {
+        self.users.is_some()
+    }
+
+    /// The process cap as it stands: the pids cgroup's, the job users' RLIMIT_NPROC, both or neither.
+    fn process_limit(&self) -> Protection {
+        let cap = Limits::default().processes;
+        let detail = match (&self.cgroup_report, self.users.is_some()) {
+            (Ok(detail), true) => format!("{detail}; and RLIMIT_NPROC of the job's own user"),
+            (Ok(detail), false) => detail.clone(),
+            (Err(reason), true) => format!(
+                "RLIMIT_NPROC of the job's own user: at most {cap} processes and threads per job (no pids cgroup: \
+                 {reason})"
+            ),
+            (Err(reason), false) => reason.clone(),
+        };
+        Protection { name: "process_limit", active: self.pids.is_some() || self.users.is_some(), detail }
     }
 
     /// Runs `job` to completion, timeout or cancellation. The process group is killed in every case before this
@@ -440,10 +536,28 @@ impl Sandbox {
             Some(abi) => Some(landlock_ruleset(abi, &job)?),
             None => None,
         };
+        let user = match &self.users {
+            Some(users) => {
+                let spawn_error = |source| SandboxError::Spawn { program: job.program.clone(), source };
+                let user = users.take().ok_or_else(|| {
+                    spawn_error(std::io::Error::other(format!("all {JOB_USERS} job users are in use")))
+                })?;
+                for dir in std::iter::once(&job.scratch).chain(&job.writable).filter(|dir| dir.exists()) {
+                    users::share_with_group(dir, user.gid).map_err(spawn_error)?;
+                }
+                Some(user)
+            }
+            None => None,
+        };
         let mut command = tokio::process::Command::new(&job.program);
+        command.env_clear();
+        if let Some(user) = &user {
+            // Tools that look their user up (Python's getpass) find it here: job users are in no passwd file.
+            let name = format!("kforge-job-{}", user.uid);
+            command.env("USER", &name).env("LOGNAME", &name);
+        }
         command
             .args(&job.args)
-            .env_clear()
             .envs(job.env.iter().map(|(k, v)| (k, v)))
             .env("TMPDIR", &job.scratch)
             .current_dir(&job.scratch)
@@ -473,6 +587,7 @@ impl Sandbox {
             network_namespace: self.network_namespace,
             landlock_fd: ruleset.as_ref().map(AsRawFd::as_raw_fd),
             control_fd: control.as_ref().map(|(_, child)| child.as_raw_fd()),
+            user: user.as_ref().map(|user| (user.uid, user.gid)),
         };
         // SAFETY: `ChildSetup::apply` makes only async-signal-safe system calls on plain integers it owns; it
         // allocates nothing and touches no lock, as required between fork and exec in a multi-threaded parent.
@@ -542,6 +657,10 @@ impl Sandbox {
             None => None,
         };
         let _ = child.wait().await;
+        if let Some(user) = user {
+            // Every process of the job's user (one that left the group too) is gone before this returns.
+            let _ = tokio::task::spawn_blocking(move || user.release()).await;
+        }
         let (stdout, stdout_cut) = stdout.await.unwrap_or_default();
         let (stderr, stderr_cut) = stderr.await.unwrap_or_default();
         if let Some(cgroup) = cgroup {
@@ -610,6 +729,10 @@ fn landlock_ruleset(abi: ABI, job: &Job) -> Result<OwnedFd, SandboxError> {
     let ruleset = Ruleset::default()
         .handle_access(AccessFs::from_all(abi))
         .map_err(error)?
+        // Kernels from Landlock abi 6: no signals to, and no abstract unix sockets of, processes outside the job
+        // (the evaluator, other jobs). Older kernels ignore it (best effort); the report says which.
+        .scope(Scope::Signal | Scope::AbstractUnixSocket)
+        .map_err(error)?
         .create()
         .map_err(error)?
         .add_rules(path_beneath_rules(readable, AccessFs::from_read(abi)))
@@ -618,6 +741,22 @@ fn landlock_ruleset(abi: ABI, job: &Job) -> Result<OwnedFd, SandboxError> {
         .map_err(error)?;
     let fd: Option<OwnedFd> = ruleset.into();
     fd.ok_or_else(|| SandboxError::Landlock("the kernel does not support landlock".into()))
+}
+
+/// The Landlock abi of the running kernel (0 without Landlock).
+fn landlock_kernel_abi() -> i64 {
+    const LANDLOCK_CREATE_RULESET_VERSION: u32 = 1;
+    // SAFETY: landlock_create_ruleset with a null attribute and the version flag only returns a number.
+    #[allow(unsafe_code)]
+    let abi = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    abi.max(0)
 }
 
 /// What the child does to itself between fork and exec. Plain data only.
@@ -630,6 +769,8 @@ struct ChildSetup {
     landlock_fd: Option<i32>,
     /// Becomes the child's descriptor 3.
     control_fd: Option<i32>,
+    /// The job's own user and group, switched to once what needs root is done.
+    user: Option<(u32, u32)>,
 }
 
 impl ChildSetup {
@@ -669,6 +810,18 @@ impl ChildSetup {
         }
         if self.network_namespace {
             unsafe { check(libc::unshare(libc::CLONE_NEWNET))? };
+        }
+        if let Some((uid, gid)) = self.user {
+            // Binds a user, not root: counted over every process and thread of the job's user.
+            limit(libc::RLIMIT_NPROC, self.limits.processes)?;
+            unsafe {
+                check(libc::setgroups(0, std::ptr::null()))?;
+                check(libc::setresgid(gid, gid, gid))?;
+                check(libc::setresuid(uid, uid, uid))?;
+                libc::umask(0o002);
+                // A change of user clears the parent-death signal.
+                check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0))?;
+            }
         }
         if let Some(fd) = self.landlock_fd {
             unsafe {
@@ -949,9 +1102,114 @@ mod tests {
                 .is_some_and(|rest| !rest.trim_start().starts_with('Z'));
             assert!(!alive, "a process that left the job's group survived it: {state:?}");
         }
+        if active("job_user") || landlock_scopes_signals(&sandbox) {
+            // Its parent (this test, standing for the evaluator) is out of its reach.
+            let finished = run(
+                &sandbox,
+                shell("kill -0 $PPID 2>/dev/null && echo reached || echo denied", "signal-parent", Limits::default()),
+            )
+            .await;
+            assert_eq!(String::from_utf8_lossy(&finished.stdout), "denied\n", "{}", finished.stderr_tail(500));
+        }
         // Which protections exist depends on the host; the report must say, one way or the other.
-        for name in ["network_namespace", "landlock", "process_group", "rlimits", "process_limit"] {
+        for name in ["network_namespace", "landlock", "process_group", "rlimits", "process_limit", "job_user"] {
             assert!(sandbox.protections().iter().any(|p| p.name == name), "{name} not reported");
         }
+    }
+
+    fn landlock_scopes_signals(sandbox: &Sandbox) -> bool {
+        sandbox.protections().iter().any(|p| p.name == "landlock" && p.active && p.detail.contains("signals and"))
+    }
+
+    /// A fork loop's count, a `setsid` escapee's pid and what `id` said, from a job as its own user.
+    const AS_A_USER: &str = "id -u > uid; id -g > gid; touch made; \
+        setsid sh -c 'echo $$ > escaped.pid; exec sleep 600' </dev/null >/dev/null 2>&1 & \
+        while [ ! -s escaped.pid ]; do sleep 0.01; done; \
+        i=0; while [ $i -lt 100 ]; do sleep 30 & i=$((i+1)); echo $i > forked; done";
+
+    #[tokio::test]
+    async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_without_cgroups() {
+        // Only the job user: no cgroup, no landlock, no namespace, so what is seen here is its doing.
+        let options = SandboxOptions {
+            network_namespace: false,
+            landlock: false,
+            process_limit: false,
+            ..SandboxOptions::default()
+        };
+        let sandbox = Sandbox::detect_with(options).await;
+        let report = |name: &str| sandbox.protections().iter().find(|p| p.name == name).cloned().expect(name);
+        // SAFETY: geteuid has no arguments and cannot fail.
+        #[allow(unsafe_code)]
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(!report("job_user").active, "{:?}", report("job_user"));
+            assert!(!report("process_limit").active, "{:?}", report("process_limit"));
+            return;
+        }
+        assert!(report("job_user").active, "{:?}", report("job_user"));
+        assert!(report("process_limit").active && report("process_limit").detail.contains("RLIMIT_NPROC"));
+
+        // Two jobs at once run as two users, both in the jobs' group, with a cap of 20 each.
+        let limits = Limits { processes: 20, ..Limits::default() };
+        let (a, b) = tokio::join!(
+            run(&sandbox, shell(AS_A_USER, "user-a", limits.clone())),
+            run(&sandbox, shell(AS_A_USER, "user-b", limits))
+        );
+        let read = |dir: &str, file: &str| {
+            std::fs::read_to_string(scratch(dir).join(file)).unwrap_or_default().trim().to_owned()
+        };
+        let base = SandboxOptions::default().job_user_base;
+        let (uid_a, uid_b): (u32, u32) =
+            (read("user-a", "uid").parse().expect("uid"), read("user-b", "uid").parse().expect("uid"));
+        assert!(uid_a >= base && uid_b >= base && uid_a != uid_b, "{uid_a} {uid_b}: {a:?} {b:?}");
+        assert_eq!(read("user-a", "gid"), base.to_string());
+        use std::os::unix::fs::MetadataExt;
+        let made = std::fs::metadata(scratch("user-a").join("made")).expect("the job wrote its scratch");
+        assert_eq!(
+            (made.uid(), made.gid(), made.mode() & 0o020),
+            (uid_a, base, 0o020),
+            "group-writable, the jobs' group"
+        );
+        for dir in ["user-a", "user-b"] {
+            let forked: u32 = read(dir, "forked").parse().unwrap_or(0);
+            assert!(forked > 0 && forked < 20, "{forked} children under a cap of 20");
+            // The escapee left the group and the session, and no cgroup holds it: the job user's end killed it.
+            let pid = read(dir, "escaped.pid");
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+            let alive = state
+                .as_deref()
+                .and_then(|s| s.rsplit(')').next())
+                .is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+            assert!(!alive, "a process of a finished job's user survived: {state:?}");
+        }
+        let finished = run(
+            &sandbox,
+            shell("kill -0 $PPID 2>/dev/null && echo reached || echo denied", "user-signal", Limits::default()),
+        )
+        .await;
+        assert_eq!(String::from_utf8_lossy(&finished.stdout), "denied\n");
+    }
+
+    #[tokio::test]
+    async fn landlock_keeps_a_job_s_signals_to_its_own_processes() {
+        let options = SandboxOptions {
+            network_namespace: false,
+            process_limit: false,
+            job_users: false,
+            ..SandboxOptions::default()
+        };
+        let sandbox = Sandbox::detect_with(options).await;
+        if !landlock_scopes_signals(&sandbox) {
+            return; // Reported: landlock absent, or a kernel before abi 6.
+        }
+        // Its own child it may signal; its parent (the evaluator here) it may not, though both run as one user.
+        let script =
+            "sleep 30 & kill $! && echo child-signalled; kill -0 $PPID 2>/dev/null && echo reached || echo denied";
+        let finished = run(&sandbox, shell(script, "scoped-signal", Limits::default())).await;
+        assert_eq!(
+            String::from_utf8_lossy(&finished.stdout),
+            "child-signalled\ndenied\n",
+            "{}",
+            finished.stderr_tail(500)
+        );
     }
 }

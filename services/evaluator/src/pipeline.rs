@@ -122,6 +122,43 @@ impl std::fmt::Debug for Evaluator {
 }
 
 impl Evaluator {
+    /// The sandbox as far as this host's interpreter and GPU driver work in it. A protection that stops them is
+    /// dropped and reported rather than left to fail every evaluation: job users where the interpreter is out of
+    /// their reach (under a private home directory) or the GPU's device files are; Landlock where the GPU driver
+    /// fails under it; both where only that works.
+    async fn fit_sandbox(sandbox: Sandbox, env: &PythonEnv, scratch: &std::path::Path) -> Sandbox {
+        let gpu = !env.gpus.is_empty();
+        let what = if gpu { "the GPU driver" } else { "the interpreter" };
+        let Err(reason) = python::sandbox_probe(&sandbox, env, scratch, gpu).await else { return sandbox };
+        let no_users = format!("disabled: {what} fails as a job user on this host ({reason})");
+        let no_landlock = format!("disabled: {what} fails under it on this host ({reason})");
+        let mut fallbacks = Vec::new();
+        if sandbox.job_users_active() {
+            fallbacks.push(sandbox.without_job_users(no_users.clone()));
+        }
+        if gpu && sandbox.landlock_active() {
+            fallbacks.push(sandbox.without_landlock(no_landlock.clone()));
+            if sandbox.job_users_active() {
+                fallbacks.push(sandbox.without_job_users(no_users).without_landlock(no_landlock));
+            }
+        }
+        for fallback in fallbacks {
+            if python::sandbox_probe(&fallback, env, scratch, gpu).await.is_ok() {
+                let dropped: Vec<&str> = ["job_user", "landlock"]
+                    .into_iter()
+                    .filter(|name| {
+                        fallback.protections().iter().any(|p| p.name == *name && !p.active)
+                            && sandbox.protections().iter().any(|p| p.name == *name && p.active)
+                    })
+                    .collect();
+                tracing::warn!(%reason, ?dropped, "{what} fails in the sandbox here; running without");
+                return fallback;
+            }
+        }
+        tracing::warn!(%reason, "{what} fails in the sandbox, whatever is dropped: evaluations will fail");
+        sandbox
+    }
+
     /// Prepares the work directory, probes the sandbox and the Python environment. An environment without
     /// PyTorch is not fatal: the evaluator serves and says why it cannot evaluate.
     pub async fn new(config: EvaluatorConfig, metrics: EvaluatorMetrics) -> std::io::Result<Self> {
@@ -151,20 +188,8 @@ impl Evaluator {
             }
         }
         let sandbox = match &python {
-            // The GPU driver must work inside the sandbox; on some hosts it fails under Landlock. Detect, report,
-            // and run without it there rather than fail every evaluation.
-            Ok(env) if !env.gpus.is_empty() && sandbox.landlock_active() => {
-                match python::gpu_probe(&sandbox, env, &scratch_root.join("gpu-probe")).await {
-                    Ok(()) => sandbox,
-                    Err(reason) => {
-                        tracing::warn!(%reason, "the GPU driver fails under landlock here; running without it");
-                        sandbox.without_landlock(format!(
-                            "disabled: the GPU driver fails under it on this host ({reason})"
-                        ))
-                    }
-                }
-            }
-            _ => sandbox,
+            Ok(env) => Self::fit_sandbox(sandbox, env, &scratch_root.join("sandbox-probe")).await,
+            Err(_) => sandbox,
         };
         match &python {
             Ok(env) => {
@@ -480,6 +505,9 @@ impl Evaluator {
             versions.as_bytes(),
             gpu_arch(python).as_bytes(),
             inner.config.build_recipe.name().as_bytes(),
+            // Who owns the build's files: a build made as the evaluator's user (before job users, or where they
+            // are off) has files a job user cannot write, such as the lock a later run takes.
+            if inner.sandbox.job_users_active() { b"owned by the jobs' group" } else { b"owned by the evaluator" },
         ]);
         let artifact_dir = inner.artifacts.dir(&artifact_key);
         let compiles = builds_extension(&job.candidate);
@@ -859,7 +887,8 @@ impl Evaluator {
         }
         inner.metrics.cache("artifact", false);
         let artifact_dir = inner.artifacts.dir(key);
-        if let Err(error) = std::fs::create_dir_all(artifact_dir.join("ext"))
+        // The build directory (`ext`) is the job's to make, so it is its group's.
+        if let Err(error) = std::fs::create_dir_all(&artifact_dir)
             .and_then(|()| std::fs::write(scratch.join("candidate.py"), &job.candidate))
         {
             return Some(infra(response, format!("preparing the compile: {error}"), true));

@@ -263,13 +263,21 @@ impl PythonEnv {
     }
 }
 
-/// Initialises CUDA and allocates on GPU 0 inside `sandbox`; the error says what the driver reported.
-pub async fn gpu_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path) -> Result<(), String> {
+/// Runs torch inside `sandbox`: with `gpu`, initialises CUDA and allocates on GPU 0; without, finds torch's
+/// package. The error is the last line the job printed.
+pub async fn sandbox_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path, gpu: bool) -> Result<(), String> {
     std::fs::create_dir_all(scratch).map_err(|e| format!("scratch {}: {e}", scratch.display()))?;
+    // Without a GPU, a look at torch's package is enough (an import takes seconds): the interpreter, its standard
+    // library and torch's files are within the job's reach.
+    let script = if gpu {
+        "import torch; torch.zeros(1, device='cuda'); print('ok')"
+    } else {
+        "import importlib.util as u; open(u.find_spec('torch').origin).close(); print('ok')"
+    };
     let job = Job {
         program: python.python.clone(),
-        args: vec!["-c".into(), "import torch; torch.zeros(1, device='cuda'); print('ok')".into()],
-        env: python.env_on(scratch, Some(0)),
+        args: vec!["-c".into(), script.into()],
+        env: python.env_on(scratch, gpu.then_some(0)),
         scratch: scratch.to_owned(),
         readable: python.readable.clone(),
         writable: vec![],

@@ -7,7 +7,7 @@
 //! # class: <the exploit class>
 //! # task: relu | corpus/<name>        (examples/tasks/<name>/task.py or tests/corpus/tasks/<name>.py)
 //! # policy: permissive | kevin-strict
-//! # requires: landlock | process_limit   (a defence that exists only where that sandbox protection is active;
+//! # requires: landlock | process_limit | job_user   (a defence that exists only where that sandbox protection is active;
 //!                                       such an entry is not run where it is not: a fork bomb would reach the host)
 //! # backend: triton                   (GPU entries: evaluated on the Triton backend rather than CUDA)
 //! # expect: VERDICT_HACK runtime.input_mutation   (verdicts and codes may be alternatives: A|B)
@@ -34,7 +34,7 @@ struct Entry {
     verdicts: Vec<pb::Verdict>,
     codes: Vec<String>,
     profiling_ratio_below: Option<f64>,
-    /// The sandbox protection the defence needs (`landlock`, `process_limit`).
+    /// The sandbox protection the defence needs (`landlock`, `process_limit`, `job_user`).
     requires: Option<String>,
     triton: bool,
 }
@@ -173,8 +173,11 @@ async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
     };
     let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());
     let evaluator = Evaluator::new(config, metrics).await.expect("evaluator starts");
-    let active: Vec<String> =
-        evaluator.capabilities().sandbox.iter().filter(|p| p.active).map(|p| p.name.clone()).collect();
+    let sandbox = evaluator.capabilities().sandbox;
+    for protection in &sandbox {
+        println!("SANDBOX {} {}: {}", protection.name, if protection.active { "on" } else { "off" }, protection.detail);
+    }
+    let active: Vec<String> = sandbox.iter().filter(|p| p.active).map(|p| p.name.clone()).collect();
     let unprotected = |entry: &Entry| entry.requires.as_ref().filter(|name| !active.contains(name)).cloned();
 
     let entries = corpus(cuda);

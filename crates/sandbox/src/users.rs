@@ -1,0 +1,212 @@
+//! A user of its own per job: where the evaluator runs as root, each job runs as an unprivileged user id that no
+//! other running job has. The kernel then enforces, for root too:
+//!
+//! - RLIMIT_NPROC on the job's processes and threads (root is exempt from it, a user is not), so a fork bomb
+//!   stops at [`crate::Limits::processes`] without a pids cgroup;
+//! - no signals to, and no tracing of, the evaluator or other jobs (they run under other users);
+//! - file permissions: without Landlock, a job writes only where its group may.
+//!
+//! Jobs share one group: the directories a job may write (its scratch and `Job::writable`) get that group,
+//! group write and the set-group-id bit, and jobs run with umask 002, so what one job writes in a shared directory
+//! (an extension's build directory, a reference cache entry) the next job of another user can still replace.
+//!
+//! When a job ends, a helper running as its user kills every process that user has (`kill(-1, SIGKILL)` reaches
+//! exactly the caller's own user's processes), in rounds until `/proc` shows none left: a process that left the
+//! job's group with `setsid` dies too. The id returns to the pool only then.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// How many job users exist: more than jobs ever run at once.
+pub const JOB_USERS: u32 = 4096;
+
+/// The pool of job user ids `base..base + JOB_USERS`, all in group `base`. Evaluators in other processes on the
+/// host (sharing `/tmp`) take ids from the same range: a lock file per id, held while a job runs as it, keeps
+/// two jobs from ever sharing one.
+#[derive(Debug)]
+pub struct JobUsers {
+    base: u32,
+    locks: PathBuf,
+    free: Mutex<VecDeque<u32>>,
+}
+
+/// One job's user, taken from the pool. [`JobUser::release`] gives it back once its processes are gone; a user
+/// dropped without it (a job that failed to start) is released on a thread of its own.
+#[derive(Debug)]
+pub struct JobUser {
+    pub uid: u32,
+    pub gid: u32,
+    held: Option<(Arc<JobUsers>, std::fs::File)>,
+}
+
+impl JobUsers {
+    /// The pool, when this process may switch to other users (it runs as root); otherwise why not.
+    pub fn detect(base: u32) -> Result<Arc<Self>, String> {
+        // SAFETY: geteuid has no arguments and cannot fail.
+        #[allow(unsafe_code)]
+        let euid = unsafe { libc::geteuid() };
+        if euid != 0 {
+            return Err(format!("the evaluator runs as user {euid}, not root: jobs run as its user"));
+        }
+        if base == 0 || base.checked_add(JOB_USERS).is_none_or(|end| end > i32::MAX as u32) {
+            return Err(format!("job user ids from {base} are out of range"));
+        }
+        let locks = std::env::temp_dir().join(format!("kforge-job-users-{base}"));
+        private_dir(&locks).map_err(|e| format!("job users' lock directory {}: {e}", locks.display()))?;
+        Ok(Arc::new(Self { base, locks, free: Mutex::new((base..base + JOB_USERS).collect()) }))
+    }
+
+    pub fn describe(&self) -> String {
+        format!("user ids {}..{} in group {}", self.base, self.base + JOB_USERS, self.base)
+    }
+
+    /// A user no running job has (here or in another evaluator), or `None` when all are taken.
+    pub fn take(self: &Arc<Self>) -> Option<JobUser> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        for _ in 0..free.len() {
+            let uid = free.pop_front()?;
+            let lock = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(self.locks.join(uid.to_string()));
+            // SAFETY: flock on a descriptor the file owns.
+            #[allow(unsafe_code)]
+            match lock {
+                Ok(file) if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 => {
+                    return Some(JobUser { uid, gid: self.base, held: Some((Arc::clone(self), file)) });
+                }
+                // Another evaluator's job runs as it: tried again later.
+                _ => free.push_back(uid),
+            }
+        }
+        None
+    }
+}
+
+impl JobUser {
+    /// Kills every process of this user and returns the id to the pool; an id whose processes outlast the
+    /// attempts (a zombie nobody reaps) stays out of it. Blocking (it forks and waits).
+    pub fn release(mut self) {
+        release(self.uid, self.gid, self.held.take());
+    }
+}
+
+impl Drop for JobUser {
+    fn drop(&mut self) {
+        let (uid, gid, held) = (self.uid, self.gid, self.held.take());
+        if held.is_some() {
+            std::thread::spawn(move || release(uid, gid, held));
+        }
+    }
+}
+
+fn release(uid: u32, gid: u32, held: Option<(Arc<JobUsers>, std::fs::File)>) {
+    let Some((users, lock)) = held else { return };
+    // Rounds of killing until no process of the user is left (a process forking meanwhile is caught by the next
+    // round; a killed one is seen until its parent reaps it).
+    for _ in 0..400 {
+        if !any_process_of(uid) {
+            drop(lock);
+            users.free.lock().unwrap_or_else(|e| e.into_inner()).push_back(uid);
+            return;
+        }
+        kill_all_of(uid, gid);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // The lock is kept for the life of this evaluator: no job of any evaluator runs as this user again meanwhile.
+    std::mem::forget(lock);
+    tracing::warn!(uid, "processes of a job user outlived its end; the id is not reused");
+}
+
+/// A directory only root may write: made with mode 0700, or one that exists as such (not a link).
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let meta = std::fs::symlink_metadata(dir)?;
+            if meta.is_dir() && meta.uid() == 0 && meta.mode() & 0o022 == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::other("exists, but is not a directory only root may write"))
+            }
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether a process whose real or saved user is `uid` exists (what a kill as that user reaches), zombies
+/// included, from `/proc/<pid>/status`.
+fn any_process_of(uid: u32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return true };
+    entries.flatten().filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))).any(
+        |entry| {
+            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+            status.lines().find_map(|line| line.strip_prefix("Uid:")).is_some_and(|ids| {
+                let ids: Vec<&str> = ids.split_whitespace().collect();
+                let wanted = uid.to_string();
+                // Real, effective, saved, filesystem.
+                ids.first() == Some(&wanted.as_str()) || ids.get(2) == Some(&wanted.as_str())
+            })
+        },
+    )
+}
+
+/// Gives `dir` group `gid` with group write and the set-group-id bit (what is made in it inherits the group), when
+/// this process owns it. Only `dir` itself: what the evaluator made inside it stays as it is, and what a job made
+/// has the group already. A directory with the sticky bit (`/tmp`) is writable by everyone and left alone. Opened
+/// without following a link, so a job that swapped the directory for a link cannot redirect this elsewhere.
+pub fn share_with_group(dir: &Path, gid: u32) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let check = |result: libc::c_int| if result == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: open with a C string that lives across the call; the descriptor is owned at once; fstat, fchown and
+    // fchmod on it with a struct this function owns.
+    #[allow(unsafe_code)]
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let dir = OwnedFd::from_raw_fd(fd);
+        let mut stat: libc::stat = std::mem::zeroed();
+        check(libc::fstat(dir.as_raw_fd(), &mut stat))?;
+        if stat.st_uid != libc::geteuid() || stat.st_mode & libc::S_ISVTX != 0 {
+            return Ok(());
+        }
+        check(libc::fchown(dir.as_raw_fd(), u32::MAX, gid))?;
+        check(libc::fchmod(dir.as_raw_fd(), (stat.st_mode & 0o7777) | 0o2070))
+    }
+}
+
+/// Sends SIGKILL to every process of `uid`, from a child that becomes that user: `kill(-1, SIGKILL)` signals all
+/// processes the caller may signal, which for a user without privileges are its own.
+fn kill_all_of(uid: u32, gid: u32) {
+    // SAFETY: after fork, the child makes only async-signal-safe system calls on integers and leaves with _exit;
+    // the parent waits for it.
+    #[allow(unsafe_code)]
+    unsafe {
+        let pid = libc::fork();
+        if pid == 0 {
+            if libc::setgroups(0, std::ptr::null()) == 0
+                && libc::setresgid(gid, gid, gid) == 0
+                && libc::setresuid(uid, uid, uid) == 0
+            {
+                libc::kill(-1, libc::SIGKILL);
+            }
+            libc::_exit(0);
+        }
+        if pid > 0 {
+            let mut status = 0;
+            while libc::waitpid(pid, &mut status, 0) < 0
+                && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+            {}
+        }
+    }
+}
