@@ -112,14 +112,14 @@ fn python_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// A corpus file (or failure fixture), or `None` when it needs something this run lacks.
-fn candidate(file: &Path, hostile: bool, default_expect: &str) -> Option<Candidate> {
+/// A corpus file (or failure fixture), or `None` when it needs something this run lacks: the Triton backend, or a
+/// sandbox protection the soak's evaluator does not have (`active`: those it reports active).
+fn candidate(file: &Path, hostile: bool, default_expect: &str, active: &[String]) -> Option<Candidate> {
     let source = std::fs::read_to_string(file).ok()?;
     let header = |key: &str| {
         source.lines().find_map(|line| line.strip_prefix(&format!("# {key}:")).map(|v| v.trim().to_owned()))
     };
-    // Triton entries need the Triton backend; Landlock-only defences are not asserted where it may be missing.
-    if header("backend").is_some() || header("requires").is_some() {
+    if header("backend").is_some() || header("requires").is_some_and(|needed| !active.contains(&needed)) {
         return None;
     }
     let task_id = header("task").unwrap_or_else(|| "relu".into());
@@ -143,34 +143,38 @@ fn candidate(file: &Path, hostile: bool, default_expect: &str) -> Option<Candida
 }
 
 /// (legitimate, hostile) candidates for the backend.
-fn pools(cuda: bool) -> (Vec<Candidate>, Vec<Candidate>) {
+fn pools(cuda: bool, active: &[String]) -> (Vec<Candidate>, Vec<Candidate>) {
     let corpus = repo().join("services/evaluator/tests/corpus");
     let fixtures = repo().join("services/evaluator/tests/fixtures");
     let mut legitimate: Vec<Candidate> = python_files(&corpus.join("legitimate"))
         .iter()
-        .filter_map(|f| candidate(f, false, "VERDICT_CORRECT"))
+        .filter_map(|f| candidate(f, false, "VERDICT_CORRECT", active))
         .collect();
-    let mut hostile: Vec<Candidate> =
-        python_files(&corpus.join("exploits")).iter().filter_map(|f| candidate(f, true, "VERDICT_HACK")).collect();
+    let mut hostile: Vec<Candidate> = python_files(&corpus.join("exploits"))
+        .iter()
+        .filter_map(|f| candidate(f, true, "VERDICT_HACK", active))
+        .collect();
     // Failure fixtures (their headers say what they expect); those that end CORRECT are not hostile.
     let failures =
         ["raises", "aborts", "exits_early", "hangs", "wrong_result", "nan_output", "wrong_shape", "compile_error"];
     hostile.extend(
-        failures.iter().filter_map(|name| candidate(&fixtures.join(format!("{name}.py")), true, "VERDICT_HACK")),
+        failures
+            .iter()
+            .filter_map(|name| candidate(&fixtures.join(format!("{name}.py")), true, "VERDICT_HACK", active)),
     );
     if cuda {
         for file in python_files(&corpus.join("cuda")) {
             let legit = file.file_name().is_some_and(|n| n.to_string_lossy().starts_with("legit"));
             let expect = if legit { "VERDICT_CORRECT" } else { "VERDICT_HACK" };
             let pool = if legit { &mut legitimate } else { &mut hostile };
-            pool.extend(candidate(&file, !legit, expect));
+            pool.extend(candidate(&file, !legit, expect, active));
         }
     } else {
         // The example tasks' own candidates: C++ extensions built on the CPU backend.
         for task in subdirectories(&repo().join("examples/tasks")) {
             let name = task.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             for file in python_files(&task.join("candidates")) {
-                if let Some(mut c) = candidate(&file, false, "VERDICT_CORRECT") {
+                if let Some(mut c) = candidate(&file, false, "VERDICT_CORRECT", active) {
                     c.task_id = name.clone();
                     c.task = std::fs::read_to_string(task.join("task.py")).unwrap_or_default();
                     legitimate.push(c);
@@ -246,6 +250,15 @@ impl Service {
 
     async fn channel(&self) -> Option<Channel> {
         client::connect(&self.address, &ClientConfig::default()).await.ok()
+    }
+
+    /// The names of the sandbox protections the evaluator reports active.
+    async fn active_protections(&self) -> Vec<String> {
+        let Some(channel) = self.channel().await else { return Vec::new() };
+        match EvaluatorClient::new(channel).get_capabilities(pb::GetCapabilitiesRequest {}).await {
+            Ok(reply) => reply.into_inner().sandbox.into_iter().filter(|p| p.active).map(|p| p.name).collect(),
+            Err(_) => Vec::new(),
+        }
     }
 
     async fn health(&self) -> Option<ServingStatus> {
@@ -331,7 +344,19 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> ExitCode {
     let cuda = args.backend == pb::Backend::Cuda;
-    let (legitimate, hostile) = pools(cuda);
+    let started = Instant::now();
+    let clean_service = match Service::start(&args, &args.work.join("clean")).await {
+        Ok(service) => service,
+        Err(error) => {
+            eprintln!("evaluator-soak: clean evaluator: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Entries whose defence needs a sandbox protection join the pools where the evaluator has it (both evaluators
+    // run on this host with the same configuration).
+    let active = clean_service.active_protections().await;
+    println!("active sandbox protections: {}", active.join(", "));
+    let (legitimate, hostile) = pools(cuda, &active);
     // Hostile candidates alternate between kinds (exploits, failure fixtures, GPU entries), so a short run has
     // some of each.
     let hostile = {
@@ -360,14 +385,6 @@ async fn run(args: Args) -> ExitCode {
     shuffle(&mut work, 0x9e37_79b9_7f4a_7c15);
 
     // 1. The clean run.
-    let started = Instant::now();
-    let clean_service = match Service::start(&args, &args.work.join("clean")).await {
-        Ok(service) => service,
-        Err(error) => {
-            eprintln!("evaluator-soak: clean evaluator: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
     let clean = evaluate_all(&clean_service, &legitimate, &args).await;
     drop(clean_service);
     let clean: HashMap<&str, &Outcome> = legitimate.iter().map(|c| c.name.as_str()).zip(clean.iter()).collect();
