@@ -902,6 +902,14 @@ mod tests {
         }
     }
 
+    /// Whether process `pid` is alive (neither gone nor a zombie), with its `/proc/<pid>/stat` line.
+    fn alive(pid: &str) -> (bool, Option<String>) {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+        let alive =
+            state.as_deref().and_then(|s| s.rsplit(')').next()).is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+        (alive, state)
+    }
+
     async fn run(sandbox: &Sandbox, job: Job) -> Finished {
         sandbox.run(job, CancellationToken::new()).await.expect("job runs")
     }
@@ -1009,9 +1017,7 @@ mod tests {
         let pid = std::fs::read_to_string(&pid_file).expect("the job recorded its child").trim().to_owned();
         // SIGKILL is delivered before `run` returns; the child is then gone or a zombie awaiting its reaper.
         // Gone (already reaped) or a zombie both mean dead.
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
-        let alive =
-            state.as_deref().and_then(|s| s.rsplit(')').next()).is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+        let (alive, state) = alive(&pid);
         assert!(!alive, "a child of the timed-out job survived: {state:?}");
     }
 
@@ -1095,11 +1101,7 @@ mod tests {
             let finished = run(&sandbox, shell(script, "escape", Limits::default())).await;
             assert!(finished.success(), "{}", finished.stderr_tail(500));
             let pid = std::fs::read_to_string(scratch("escape").join("escaped.pid")).expect("pid").trim().to_owned();
-            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
-            let alive = state
-                .as_deref()
-                .and_then(|s| s.rsplit(')').next())
-                .is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+            let (alive, state) = alive(&pid);
             assert!(!alive, "a process that left the job's group survived it: {state:?}");
         }
         if active("job_user") || landlock_scopes_signals(&sandbox) {
@@ -1174,11 +1176,7 @@ mod tests {
             assert!(forked > 0 && forked < 20, "{forked} children under a cap of 20");
             // The escapee left the group and the session, and no cgroup holds it: the job user's end killed it.
             let pid = read(dir, "escaped.pid");
-            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
-            let alive = state
-                .as_deref()
-                .and_then(|s| s.rsplit(')').next())
-                .is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+            let (alive, state) = alive(&pid);
             assert!(!alive, "a process of a finished job's user survived: {state:?}");
         }
         let finished = run(
