@@ -107,6 +107,9 @@ pub struct Job {
 pub struct Control {
     /// The job's process group, to stop and continue it.
     pub group: libc::pid_t,
+    /// The job's own user and group, when it has one: its signals reach every process of that user too (one that
+    /// left the group with `setsid`).
+    user: Option<(u32, u32)>,
     clock: tokio::sync::watch::Sender<Clock>,
 }
 
@@ -151,6 +154,9 @@ impl Control {
         #[allow(unsafe_code)]
         unsafe {
             libc::killpg(self.group, signal);
+        }
+        if let Some((uid, gid)) = self.user {
+            users::signal_all_of(uid, gid, signal);
         }
     }
 }
@@ -589,6 +595,7 @@ impl Sandbox {
             control_fd: control.as_ref().map(|(_, child)| child.as_raw_fd()),
             user: user.as_ref().map(|user| (user.uid, user.gid)),
         };
+        let job_user = setup.user;
         // SAFETY: `ChildSetup::apply` makes only async-signal-safe system calls on plain integers it owns; it
         // allocates nothing and touches no lock, as required between fork and exec in a multi-threaded parent.
         #[allow(unsafe_code)]
@@ -632,7 +639,7 @@ impl Sandbox {
             let (clock, clock_seen) = tokio::sync::watch::channel(Clock::default());
             let conversation = async move {
                 if let (Some(converse), Some(socket), Some(group)) = (converse, ours, pid) {
-                    converse(Control { group, clock }, socket).await;
+                    converse(Control { group, user: job_user, clock }, socket).await;
                 }
                 std::future::pending::<()>().await
             };
@@ -902,12 +909,36 @@ mod tests {
         }
     }
 
-    /// Whether process `pid` is alive (neither gone nor a zombie), with its `/proc/<pid>/stat` line.
+    /// Whether process `pid` is still alive (neither gone nor a zombie) after up to 2 s, with its
+    /// `/proc/<pid>/stat` line: a SIGKILL is sent at once, but a process on a loaded machine dies when next scheduled.
     fn alive(pid: &str) -> (bool, Option<String>) {
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
-        let alive =
-            state.as_deref().and_then(|s| s.rsplit(')').next()).is_some_and(|rest| !rest.trim_start().starts_with('Z'));
-        (alive, state)
+        for _ in 0..100 {
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+            let alive = state
+                .as_deref()
+                .and_then(|s| s.rsplit(')').next())
+                .is_some_and(|rest| !rest.trim_start().starts_with('Z'));
+            if !alive {
+                return (false, state);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (true, std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+    }
+
+    /// The state letter of process `pid` once it is `wanted`, or as it is after up to 2 s.
+    async fn state_becomes(pid: &str, wanted: impl Fn(Option<char>) -> bool) -> Option<char> {
+        let state = || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+        };
+        for _ in 0..100 {
+            if wanted(state()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        state()
     }
 
     async fn run(sandbox: &Sandbox, job: Job) -> Finished {
@@ -1185,6 +1216,44 @@ mod tests {
         )
         .await;
         assert_eq!(String::from_utf8_lossy(&finished.stdout), "denied\n");
+    }
+
+    #[tokio::test]
+    async fn stopping_a_job_with_its_own_user_stops_what_left_its_group() {
+        use tokio::io::{AsyncBufReadExt, BufReader};
+        let options = SandboxOptions {
+            network_namespace: false,
+            landlock: false,
+            process_limit: false,
+            ..SandboxOptions::default()
+        };
+        let sandbox = Sandbox::detect_with(options).await;
+        if !sandbox.job_users_active() {
+            return; // Not root: reported, and the group is all a stop reaches.
+        }
+        // The job starts a child in a session of its own, which says its pid on descriptor 3; the job then waits.
+        let script = "setsid sh -c 'echo $$ >&3; exec 3>&-; while :; do sleep 0.05; done' </dev/null >/dev/null 2>&1 & \
+                      read reply <&3";
+        let job = shell(script, "stop-user", Limits::default());
+        let (states, seen) = tokio::sync::oneshot::channel();
+        let converse = |control: Control, socket: tokio::net::UnixStream| async move {
+            let (read, mut write) = socket.into_split();
+            let leader = BufReader::new(read).lines().next_line().await.expect("read").expect("a pid");
+            control.stop();
+            let stopped = state_becomes(&leader, |s| s == Some('T')).await;
+            control.resume();
+            let resumed = state_becomes(&leader, |s| s != Some('T')).await;
+            write.write_all(b"done\n").await.expect("reply");
+            let _ = states.send((stopped, resumed));
+            std::future::pending::<()>().await
+        };
+        let finished = sandbox
+            .run_with_control(job, async { Some(Vec::new()) }, converse, CancellationToken::new())
+            .await
+            .expect("ran");
+        let (stopped, resumed) = seen.await.expect("the conversation happened");
+        assert_eq!(stopped, Some('T'), "the stop reached the process outside the group: {finished:?}");
+        assert_ne!(resumed, Some('T'), "the resume reached it too");
     }
 
     #[tokio::test]

@@ -116,7 +116,7 @@ fn release(uid: u32, gid: u32, held: Option<(Arc<JobUsers>, std::fs::File)>) {
             users.free.lock().unwrap_or_else(|e| e.into_inner()).push_back(uid);
             return;
         }
-        kill_all_of(uid, gid);
+        signal_all_of(uid, gid, libc::SIGKILL);
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     // The lock is kept for the life of this evaluator: no job of any evaluator runs as this user again meanwhile.
@@ -185,9 +185,10 @@ pub fn share_with_group(dir: &Path, gid: u32) -> std::io::Result<()> {
     }
 }
 
-/// Sends SIGKILL to every process of `uid`, from a child that becomes that user: `kill(-1, SIGKILL)` signals all
-/// processes the caller may signal, which for a user without privileges are its own.
-fn kill_all_of(uid: u32, gid: u32) {
+/// Sends `signal` to every process of `uid`, from a child that becomes that user: `kill(-1, signal)` reaches all
+/// processes the caller may signal, which for a user without privileges are its own. Blocking for the child's
+/// life (a fork, three system calls, an exit).
+pub fn signal_all_of(uid: u32, gid: u32, signal: libc::c_int) {
     // SAFETY: after fork, the child makes only async-signal-safe system calls on integers and leaves with _exit;
     // the parent waits for it.
     #[allow(unsafe_code)]
@@ -198,7 +199,7 @@ fn kill_all_of(uid: u32, gid: u32) {
                 && libc::setresgid(gid, gid, gid) == 0
                 && libc::setresuid(uid, uid, uid) == 0
             {
-                libc::kill(-1, libc::SIGKILL);
+                libc::kill(-1, signal);
             }
             libc::_exit(0);
         }
