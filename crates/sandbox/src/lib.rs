@@ -5,7 +5,9 @@
 //! environment (only what the caller passes), a scratch directory as working directory and `TMPDIR`, resource
 //! limits (CPU seconds, file size, open files, no core dumps), a wall-clock limit, capped
 //! stdout/stderr, death with the parent (`PR_SET_PDEATHSIG`), and, where the kernel allows, no network (a fresh
-//! network namespace) and a read-only view of the filesystem except the directories the job may write (Landlock).
+//! network namespace), a read-only view of the filesystem except the directories the job may write (Landlock, which
+//! also keeps its signals to its own processes from abi 6), a cap on its processes (a pids cgroup), and where the
+//! evaluator is root a user of its own (`users`: RLIMIT_NPROC, no signals to or tracing of other processes).
 //!
 //! [`Sandbox::detect`] probes which of the optional protections work on this host, once; the evaluator reports
 //! them through `GetCapabilities`. A protection that cannot be enforced is reported, never silently assumed.
