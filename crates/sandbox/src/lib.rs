@@ -1139,17 +1139,32 @@ mod tests {
         }
         if active("job_user") || landlock_scopes_signals(&sandbox) {
             // Its parent (this test, standing for the evaluator) is out of its reach.
-            let finished = run(
-                &sandbox,
-                shell("kill -0 $PPID 2>/dev/null && echo reached || echo denied", "signal-parent", Limits::default()),
-            )
-            .await;
-            assert_eq!(String::from_utf8_lossy(&finished.stdout), "denied\n", "{}", finished.stderr_tail(500));
+            assert_eq!(signal_to_parent(&sandbox, "signal-parent").await, "denied\n");
         }
         // Which protections exist depends on the host; the report must say, one way or the other.
         for name in ["network_namespace", "landlock", "process_group", "rlimits", "process_limit", "job_user"] {
             assert!(sandbox.protections().iter().any(|p| p.name == name), "{name} not reported");
         }
+    }
+
+    /// A sandbox with the job users alone (no cgroup, Landlock or namespace), so what a test sees is their doing.
+    async fn job_users_only() -> Sandbox {
+        let options = SandboxOptions {
+            network_namespace: false,
+            landlock: false,
+            process_limit: false,
+            ..SandboxOptions::default()
+        };
+        Sandbox::detect_with(options).await
+    }
+
+    /// What a job prints after trying to signal its parent (this test, standing for the evaluator): `reached` or
+    /// `denied`, with its stderr when it printed neither.
+    async fn signal_to_parent(sandbox: &Sandbox, name: &str) -> String {
+        let script = "kill -0 $PPID 2>/dev/null && echo reached || echo denied";
+        let finished = run(sandbox, shell(script, name, Limits::default())).await;
+        let out = String::from_utf8_lossy(&finished.stdout).into_owned();
+        if out.is_empty() { finished.stderr_tail(500) } else { out }
     }
 
     fn landlock_scopes_signals(sandbox: &Sandbox) -> bool {
@@ -1164,14 +1179,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_without_cgroups() {
-        // Only the job user: no cgroup, no landlock, no namespace, so what is seen here is its doing.
-        let options = SandboxOptions {
-            network_namespace: false,
-            landlock: false,
-            process_limit: false,
-            ..SandboxOptions::default()
-        };
-        let sandbox = Sandbox::detect_with(options).await;
+        let sandbox = job_users_only().await;
         let report = |name: &str| sandbox.protections().iter().find(|p| p.name == name).cloned().expect(name);
         // SAFETY: geteuid has no arguments and cannot fail.
         #[allow(unsafe_code)]
@@ -1212,24 +1220,13 @@ mod tests {
             let (alive, state) = alive(&pid);
             assert!(!alive, "a process of a finished job's user survived: {state:?}");
         }
-        let finished = run(
-            &sandbox,
-            shell("kill -0 $PPID 2>/dev/null && echo reached || echo denied", "user-signal", Limits::default()),
-        )
-        .await;
-        assert_eq!(String::from_utf8_lossy(&finished.stdout), "denied\n");
+        assert_eq!(signal_to_parent(&sandbox, "user-signal").await, "denied\n");
     }
 
     #[tokio::test]
     async fn stopping_a_job_with_its_own_user_stops_what_left_its_group() {
         use tokio::io::{AsyncBufReadExt, BufReader};
-        let options = SandboxOptions {
-            network_namespace: false,
-            landlock: false,
-            process_limit: false,
-            ..SandboxOptions::default()
-        };
-        let sandbox = Sandbox::detect_with(options).await;
+        let sandbox = job_users_only().await;
         if !sandbox.job_users_active() {
             return; // Not root: reported, and the group is all a stop reaches.
         }

@@ -132,26 +132,21 @@ impl Evaluator {
         let Err(reason) = python::sandbox_probe(&sandbox, env, scratch, gpu).await else { return sandbox };
         let no_users = format!("disabled: {what} fails as a job user on this host ({reason})");
         let no_landlock = format!("disabled: {what} fails under it on this host ({reason})");
+        let (users, landlock) = (sandbox.job_users_active(), gpu && sandbox.landlock_active());
         let mut fallbacks = Vec::new();
-        if sandbox.job_users_active() {
-            fallbacks.push(sandbox.without_job_users(no_users.clone()));
+        if users {
+            fallbacks.push(("job_user", sandbox.without_job_users(no_users.clone())));
         }
-        if gpu && sandbox.landlock_active() {
-            fallbacks.push(sandbox.without_landlock(no_landlock.clone()));
-            if sandbox.job_users_active() {
-                fallbacks.push(sandbox.without_job_users(no_users).without_landlock(no_landlock));
-            }
+        if landlock {
+            fallbacks.push(("landlock", sandbox.without_landlock(no_landlock.clone())));
         }
-        for fallback in fallbacks {
+        if users && landlock {
+            fallbacks
+                .push(("job_user and landlock", sandbox.without_job_users(no_users).without_landlock(no_landlock)));
+        }
+        for (dropped, fallback) in fallbacks {
             if python::sandbox_probe(&fallback, env, scratch, gpu).await.is_ok() {
-                let dropped: Vec<&str> = ["job_user", "landlock"]
-                    .into_iter()
-                    .filter(|name| {
-                        fallback.protections().iter().any(|p| p.name == *name && !p.active)
-                            && sandbox.protections().iter().any(|p| p.name == *name && p.active)
-                    })
-                    .collect();
-                tracing::warn!(%reason, ?dropped, "{what} fails in the sandbox here; running without");
+                tracing::warn!(%reason, dropped, "{what} fails in the sandbox here; running without");
                 return fallback;
             }
         }
