@@ -3,7 +3,7 @@
 //! ```text
 //! evaluator-throughput --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out DIR]
 //!                      [--serial N] [--repeat N] [--limit N] [--no-landlock] [--pipeline-from FILE]
-//!                      [--gpu-slots N] [--compile-workers N] [--serial-builds stock|kforge]
+//!                      [--gpu-slots N] [--compile-workers N] [--serial-builds stock|kforge] [--alone N]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py --mixed` writes (candidates and manifest.json).
 //!
@@ -20,6 +20,9 @@
 //!   same. `--serial N` evaluates the first N candidates of the manifest in turn across their kinds (it is slow;
 //!   rates are per evaluation).
 //! - `--repeat N` evaluates N candidates again through the pipeline's warm evaluator: compile cache hits.
+//! - `--alone N` then compiles N CUDA candidates that build (a comment added, so their sources are new to the cache)
+//!   one at a time through the warm pipeline: a compile's latency on a machine with nothing else to do, cold
+//!   (no artifact) but with the evaluator's start-up headers ready (`compile_alone_s`).
 //! - `--limit N` keeps the manifest's first N candidates (the level-2 groups come first, four per task).
 //! - `--gpu-slots N` sets the pipeline evaluator's `gpu_slots` (default: the evaluator's default).
 //! - `--compile-workers N` sets the pipeline evaluator's `compile_workers` (default: the evaluator's default).
@@ -50,6 +53,7 @@ struct Args {
     out: Option<PathBuf>,
     serial: usize,
     repeat: usize,
+    alone: usize,
     landlock: bool,
     pipeline_from: Option<PathBuf>,
     limit: usize,
@@ -67,6 +71,7 @@ fn args() -> Result<Args, String> {
         out: None,
         serial: 4,
         repeat: 4,
+        alone: 0,
         landlock: true,
         pipeline_from: None,
         limit: usize::MAX,
@@ -85,6 +90,7 @@ fn args() -> Result<Args, String> {
             "--out" => args.out = Some(value()?.into()),
             "--serial" => args.serial = value()?.parse().map_err(|e| format!("--serial: {e}"))?,
             "--repeat" => args.repeat = value()?.parse().map_err(|e| format!("--repeat: {e}"))?,
+            "--alone" => args.alone = value()?.parse().map_err(|e| format!("--alone: {e}"))?,
             "--no-landlock" => args.landlock = false,
             "--pipeline-from" => args.pipeline_from = Some(value()?.into()),
             "--limit" => args.limit = value()?.parse().map_err(|e| format!("--limit: {e}"))?,
@@ -356,6 +362,8 @@ struct PipelineRun {
     makespan_s: f64,
     /// The cache hits (`--repeat`).
     repeats: Vec<Outcome>,
+    /// Cold compiles one at a time (`--alone`).
+    alone: Vec<Outcome>,
     capabilities: pb::GetCapabilitiesResponse,
     /// The machine's CPU busy fraction over the makespan; None when taken from an earlier run.
     cpu_busy: Option<f64>,
@@ -422,10 +430,29 @@ async fn pipeline(args: &Args, candidates: &[Candidate]) -> PipelineRun {
         record(args, "repeat", &outcome);
         repeated.push(outcome);
     }
+    // Cold compiles alone: new sources (a comment added), one at a time, through the warm pipeline.
+    let mut alone = Vec::new();
+    let builds = candidates.iter().filter(|c| c.kind != "triton" && c.expect != "VERDICT_COMPILE_ERROR");
+    for candidate in builds.take(args.alone).cloned() {
+        let mut candidate = candidate;
+        candidate.request.candidate_source.push_str("\n# compiled alone: a source new to the artifact cache\n");
+        candidate.request.request_id.push_str("-alone");
+        let outcome = evaluate(&pipeline, candidate, Instant::now()).await;
+        println!(
+            "alone    {:<70} {:<24} compile {:>7.1} s (hit: {})",
+            outcome.name,
+            outcome.verdict,
+            outcome.stage_ms.get("compile").copied().unwrap_or(0.0) / 1e3,
+            outcome.compile_cache_hit
+        );
+        record(args, "alone", &outcome);
+        alone.push(outcome);
+    }
     PipelineRun {
         outcomes: piped,
         makespan_s: pipeline_s,
         repeats: repeated,
+        alone,
         capabilities,
         cpu_busy: cpu,
         gpu_time: Some(json!(gpus)),
@@ -454,6 +481,7 @@ async fn run(args: Args) -> std::process::ExitCode {
         outcomes: piped,
         makespan_s: pipeline_s,
         repeats: repeated,
+        alone,
         capabilities,
         cpu_busy,
         gpu_time,
@@ -478,6 +506,7 @@ async fn run(args: Args) -> std::process::ExitCode {
                 outcomes: piped,
                 makespan_s: makespan,
                 repeats: of("repeat"),
+                alone: of("alone"),
                 capabilities: probe.capabilities(),
                 cpu_busy: None,
                 gpu_time: None,
@@ -526,6 +555,11 @@ async fn run(args: Args) -> std::process::ExitCode {
     let rate = |s: &Value| s["evaluations_per_hour"].as_f64().unwrap_or(0.0);
     let hits: Vec<f64> =
         repeated.iter().filter(|o| o.compile_cache_hit).filter_map(|o| o.stage_ms.get("compile").copied()).collect();
+    let alone_s: Vec<f64> = alone
+        .iter()
+        .filter(|o| !o.compile_cache_hit && o.verdict == o.expect)
+        .filter_map(|o| o.stage_ms.get("compile").map(|ms| ms / 1e3))
+        .collect();
     let report = json!({
         "devices": capabilities.devices,
         "versions": capabilities.versions.iter().collect::<BTreeMap<_, _>>(),
@@ -535,6 +569,9 @@ async fn run(args: Args) -> std::process::ExitCode {
         "serial_builds": args.serial_builds.name(),
         "throughput_ratio": if rate(&serial_summary) > 0.0 { rate(&pipeline_summary) / rate(&serial_summary) } else { 0.0 },
         "compile_cache_hit_ms": {"n": hits.len(), "max": hits.iter().copied().fold(0.0, f64::max)},
+        "compile_alone_s": {
+            "n": alone_s.len(), "p50": percentile(&alone_s, 0.5), "p95": percentile(&alone_s, 0.95), "each": alone_s,
+        },
         "serial_candidates": serial.iter().map(|o| o.name.clone()).collect::<Vec<_>>(),
         "same_verdicts_in_both_modes": differing.is_empty(),
         "differing_verdicts": differing,

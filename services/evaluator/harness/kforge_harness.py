@@ -564,9 +564,10 @@ class _NinjaFileWritten(Exception):
     pass
 
 
-def load_inline_flags(extra_cflags, cuda):
+def load_inline_flags(extra_cflags, cuda, extra_cuda_cflags=None):
     """The variables (`cflags`, `post_cflags`, and with `cuda` `cuda_cflags` and `cuda_post_cflags`) of the ninja
-    file load_inline writes for a probe extension given `extra_cflags`; the extension is never built."""
+    file load_inline writes for a probe extension given `extra_cflags` (and `extra_cuda_cflags`); the extension is
+    never built."""
     import tempfile
 
     import torch.utils.cpp_extension as cpp_extension
@@ -580,7 +581,8 @@ def load_inline_flags(extra_cflags, cuda):
         with tempfile.TemporaryDirectory() as build:
             try:
                 cpp_extension.load_inline("kforge_flags_probe", "// probe", cuda_sources="// probe" if cuda else None,
-                                          extra_cflags=extra_cflags, build_directory=build)
+                                          extra_cflags=extra_cflags, extra_cuda_cflags=extra_cuda_cflags,
+                                          build_directory=build)
             except _NinjaFileWritten:
                 pass
             with _open(os.path.join(build, "build.ninja")) as f:
@@ -620,6 +622,7 @@ def mode_bindings_pch(spec):
         command = [cpp_extension.get_cxx_compiler(), *bindings_flags(extra, spec["cuda"]), "-x", "c++-header", header,
                    "-o", os.path.join(out, f"{name}.gch")]
         builds.append((name, command, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    host = precompile_host_prefixes(spec) if spec["cuda"] else {}
     built, failed = [], {}
     for name, command, process in builds:
         _, errors = process.communicate()
@@ -627,7 +630,27 @@ def mode_bindings_pch(spec):
             built.append(name)
         else:
             failed[name] = f"{' '.join(command)}\n{errors.decode(errors='replace')[-4000:]}"
-    write_result(spec, {"ok": bool(built), "built": built, "failed": failed})
+    write_result(spec, {"ok": bool(built), "built": built, "failed": failed, "host": host})
+
+
+def precompile_host_prefixes(spec):
+    """With kforge's nvcc, the start of nvcc's host compile precompiled per variant (kforge_nvcc.HostPch), into
+    spec["out_dir"]/nvcc-host, with the flags load_inline gives nvcc (the variant's flags as extra_cuda_cflags).
+    Returns {variant: None when built, else why not}."""
+    import kforge_nvcc
+
+    if not os.environ.get("PYTORCH_NVCC"):
+        return {}
+    variants = {}
+    for name, extra in spec["variants"].items():
+        values = load_inline_flags([], True, extra_cuda_cflags=extra)
+        variants[name] = shlex.split(values.get("cuda_cflags", "")) + shlex.split(values.get("cuda_post_cflags", ""))
+    out = os.path.join(spec["out_dir"], "nvcc-host")
+    os.makedirs(out, exist_ok=True)
+    # The environment of the compiles that will use them: the bindings' directory on the include path.
+    os.environ["CPATH"] = spec["out_dir"]
+    return kforge_nvcc.precompile_host_prefixes(kforge_nvcc.real_nvcc(), variants, out, kforge_nvcc.COMMON_HEADERS,
+                                                kforge_nvcc.COMMON_OPERATORS)
 
 
 # ---------------------------------------------------------------------------------------------------- census

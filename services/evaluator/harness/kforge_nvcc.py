@@ -24,6 +24,9 @@ recognise (other dependency options, relocatable device code, several inputs, a 
 handed to nvcc as it is. The real nvcc is $KFORGE_REAL_NVCC, else $CUDA_HOME/bin/nvcc.
 """
 
+import concurrent.futures
+import hashlib
+import json
 import os
 import re
 import shlex
@@ -32,9 +35,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 MODULE_ID = re.compile(r'--module_id_file_name\s+"?([^"\s]+)"?')
+
+
+def trace(event, **fields):
+    """Appends one JSON line to $KFORGE_NVCC_TRACE, when set: what a build did and how long its steps took."""
+    path = os.environ.get("KFORGE_NVCC_TRACE")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": event, **fields}) + "\n")
 
 
 def real_nvcc():
@@ -129,15 +141,16 @@ class AtenOverlay:
         self.operators = {m.group(1) for line in self.lines if (m := OPERATOR_INCLUDE.fullmatch(line.strip()))}
 
     @classmethod
-    def for_build(cls, args, output):
-        """The overlay for a build whose include path has ATen's headers, beside its object (the dependency file
-        names it, so it stays with the build); None otherwise, or when $KFORGE_ALL_OPERATORS is set."""
+    def for_build(cls, args, output, directory=None):
+        """The overlay for a build whose include path has ATen's headers, in `directory` or beside its object (the
+        dependency file names it, so it stays with the build); None otherwise, or when $KFORGE_ALL_OPERATORS is
+        set."""
         if os.environ.get("KFORGE_ALL_OPERATORS"):
             return None
         for flag, value in zip(args, args[1:] + [""]):
-            directory = value if flag in ("-I", "-isystem") else flag[2:] if flag.startswith("-I") else None
-            if directory and os.path.isfile(os.path.join(directory, "ATen", "Functions.h")):
-                return cls(directory, os.path.abspath(f"{output}.aten"))
+            root = value if flag in ("-I", "-isystem") else flag[2:] if flag.startswith("-I") else None
+            if root and os.path.isfile(os.path.join(root, "ATen", "Functions.h")):
+                return cls(root, directory or os.path.abspath(f"{output}.aten"))
         return None
 
     def write(self, kept_operators):
@@ -165,7 +178,9 @@ class AtenOverlay:
         return bool(operators_named(self.operators, quoted) - self.kept)
 
     def remove(self):
-        shutil.rmtree(self.directory, ignore_errors=True)
+        """Removes the overlay this build wrote (none once it reads a precompiled start's)."""
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class Plan:
@@ -175,6 +190,12 @@ class Plan:
     def __init__(self, environment, host, device, final, module_ids):
         self.environment, self.host, self.device, self.final = environment, host, device, final
         self.module_ids = module_ids
+
+    def with_include(self, old, new):
+        """The plan with include directory `old` replaced by `new` in every step."""
+        swap = lambda step: step.replace(old, new)  # noqa: E731
+        return Plan(self.environment, [swap(s) for s in self.host], [swap(s) for s in self.device],
+                    swap(self.final), self.module_ids)
 
 
 def tool_of(step):
@@ -245,9 +266,224 @@ def start(environment, steps):
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def build(real, args, scratch, aten=None):
+# The host compile over a precompiled start. nvcc's last step compiles cudafe++'s output with the host compiler:
+# torch's headers once more, preprocessed and rewritten (14 MB of C++ for torch/types.h), the longest step after
+# cudafe++ on the host chain. That output starts with the same bytes for every source that starts by including
+# torch/types.h (what kforge's recipe makes of torch/extension.h), but for one name: the anonymous namespace,
+# which cudafe++ names after the module (`_GLOBAL__N__<hash>_7_cuda_cu_<hash>`) and which torch's headers open
+# inside `cuda::std` (libcu++'s `ignore`). A trusted stage (harness mode bindings_pch) builds that start from a
+# source that includes torch/types.h alone, with the name replaced by a placeholder of the same length, and
+# precompiles it with nvcc's host-compile flags (`precompile_host_prefixes`). A build whose cudafe++ output starts
+# with those bytes (its own name replaced the same way) is compiled as `#include "<start>.h"` followed by the rest,
+# so gcc loads the precompiled start instead of parsing it. The program is the same: the same text but for a
+# consistent renaming of a namespace that only using-directives of the start itself name (the builder refuses a
+# start that opens one at global scope); the object differs only in the hidden names of that namespace's
+# entities. A gcc that finds the precompiled header invalid reads the header, which holds the same bytes; a
+# compile that fails so is run again on cudafe++'s output as it was. Both chains then read the operator headers of
+# the precompiled start (`operators` in its manifest), which must include every one the source names.
+HOST_PREFIX_SOURCE = "#include <torch/types.h>\n"
+# What sources commonly include beside torch/types.h, and the operators they commonly name (a kernel's helper
+# called `gelu_` or `row_max` counts as naming gelu or max): the starts read these operators' headers, so that a
+# source naming no other one can use them. About a quarter of the headers, where a source alone reads a fifth.
+COMMON_HEADERS = ("ATen/cuda/CUDAContext.h", "c10/cuda/CUDAGuard.h", "cuda_fp16.h", "cuda_bf16.h", "cuda_runtime.h")
+COMMON_OPERATORS = """abs acos add addmm amax amin arange argmax argmin asin atan avg_pool2d baddbmm batch_norm bmm cat
+ceil celu clamp clamp_max clamp_min clone conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d cos
+cosh cumprod cumsum diag div dot dropout einsum elu empty empty_like empty_strided erf exp exp2 expand expm1 fill
+flatten floor fmax fmin fmod full full_like gather gelu glu group_norm hardsigmoid hardswish hardtanh index_select
+instance_norm layer_norm leaky_relu lerp linear log log10 log1p log2 log_softmax logsigmoid logsumexp matmul max
+max_pool1d max_pool2d max_pool3d maximum mean min minimum mish mm mse_loss mul narrow neg nll_loss norm ones ones_like
+outer pad permute pow prelu prod rand randn reciprocal relu relu6 remainder reshape round rsqrt scatter selu sigmoid
+sign silu sin sinh softmax softplus softsign sort sqrt square squeeze stack std sub sum tan tanh threshold topk
+transpose tril triu trunc unsqueeze var view where zeros zeros_like""".split()
+ANON_NAMESPACE = re.compile(rb"^#define _NV_ANON_NAMESPACE (\S+)$", re.MULTILINE)
+HOST_INPUT = re.compile(r'"?([^"\s]+\.cudafe1\.cpp)"?')
+LINE = re.compile(rb'^# (\d+)(?: "([^"\n]*)"((?: \d+)*))?[ \t]*$')
+
+
+def presumed_end(text):
+    """Where a compiler's presumed location stands after `text` (preprocessed C++ with line markers): (line, file,
+    flags); file None for the main file, which `text` never names."""
+    line, file, flags = 1, None, b""
+    for row in text.split(b"\n")[:-1]:
+        m = LINE.match(row)
+        if m:
+            line = int(m.group(1))
+            if m.group(2) is not None:
+                file, flags = m.group(2), b"".join(b" " + f for f in m.group(3).split(b" ") if f in (b"3", b"4"))
+            continue
+        line += 1
+    return line, file, flags
+
+
+class HostPch:
+    """The precompiled starts of cudafe++'s output a trusted stage built ($KFORGE_HOST_PCH: a directory with
+    manifest.json, the starts as headers beside their .gch, and the overlay of operator headers they read)."""
+
+    def __init__(self, directory, manifest):
+        self.aten_dir = os.path.join(directory, manifest["aten"])
+        self.operators = frozenset(manifest["operators"])
+        self.prefixes = [dict(p, header=os.path.join(directory, p["header"])) for p in manifest["prefixes"]]
+
+    @classmethod
+    def configured(cls):
+        directory = os.environ.get("KFORGE_HOST_PCH")
+        if not directory or os.environ.get("KFORGE_ALL_OPERATORS"):
+            return None
+        try:
+            with open(os.path.join(directory, "manifest.json")) as f:
+                return cls(directory, json.load(f))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def rewrite(self, path):
+        """Rewrites cudafe++'s output at `path` to include the first precompiled start it begins with; returns the
+        original bytes, or None when none matches (the file is left as it is)."""
+        with open(path, "rb") as f:
+            data = f.read()
+        first = data.find(b"\n") + 1
+        main = LINE.match(data[:first].rstrip(b"\n"))
+        anon = ANON_NAMESPACE.search(data)
+        if not first or main is None or main.group(2) is None or anon is None:
+            return None
+        name = anon.group(1)
+        for prefix in self.prefixes:
+            placeholder = prefix["placeholder"].encode()
+            # The start names the namespace `occurrences` times, and the two names differ in length.
+            length = prefix["length"] + prefix["occurrences"] * (len(name) - len(placeholder))
+            head = data[first:first + length]
+            if hashlib.sha256(head.replace(name, placeholder)).hexdigest() != prefix["sha256"]:
+                continue
+            include = b'#include "%s"\n' % prefix["header"].encode()
+            # The rest (and the stub nvcc's device chain wrote) may name the start's namespace by the build's own
+            # name: an alias in each scope where the start opens it.
+            aliases = b"".join(b"%s namespace %s = %s; %s\n" % (
+                b" ".join(b"namespace %s {" % part.encode() for part in scope.split("::")), name, placeholder,
+                b"}" * len(scope.split("::"))) for scope in prefix["scopes"])
+            line, file, flags = prefix["resume"]
+            resume = b'# %d "%s"%s\n' % (line, main.group(2) if file is None else file.encode(), flags.encode())
+            with open(path, "wb") as f:
+                f.write(data[:first] + include + aliases + resume + data[first + length:])
+            return data
+        return None
+
+
+def host_compile(environment, final, pch):
+    """nvcc's final host compile, over a precompiled start when `pch` has one that fits."""
+    source = HOST_INPUT.search(final)
+    original = pch.rewrite(source.group(1)) if pch is not None and source else None
+    started = time.monotonic()
+    done = subprocess.run(["bash", "-c", script(environment, [final])], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+    trace("host_compile", precompiled=original is not None, status=done.returncode,
+          seconds=round(time.monotonic() - started, 3), printed=done.stdout[-2000:].decode(errors="replace"))
+    if original is not None and done.returncode != 0:
+        with open(source.group(1), "wb") as f:
+            f.write(original)
+        done = subprocess.run(["bash", "-c", script(environment, [final])], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+        trace("host_compile_again", status=done.returncode)
+    return done
+
+
+def precompile_host_prefixes(real, variants, out_dir, common_headers=(), common_operators=()):
+    """Builds the precompiled starts of cudafe++'s output for a source that includes torch/types.h alone, one per
+    variant ({name: nvcc's flags for a load_inline build, without source and output}), into `out_dir`, with the
+    manifest HostPch reads. The operator headers the starts read, and every build that uses one, are those named
+    by torch/types.h with `common_headers` (what sources include beside it) and `common_operators` (what they call
+    themselves): a source that names another builds as before. Returns {variant: None when built, else why not}."""
+    scratch = tempfile.mkdtemp(prefix="kforge-host-pch-")
+    try:
+        aten_dir = os.path.join(out_dir, "aten")
+        sources = {"probe": HOST_PREFIX_SOURCE + "".join(f"#include <{h}>\n" for h in common_headers),
+                   "prefix": HOST_PREFIX_SOURCE}
+        plans, failed, named, overlay = {}, {}, set(), None
+        for name, flags in variants.items():
+            for kind, text in sources.items():
+                work = os.path.join(scratch, name, kind)
+                os.makedirs(work)
+                source = os.path.join(work, "cuda.cu")
+                with open(source, "w") as f:
+                    f.write(text)
+                args = [*flags, "-c", source, "-o", os.path.join(work, "cuda.cuda.o")]
+                overlay = overlay or AtenOverlay.for_build(args, args[-1], directory=aten_dir)
+                if overlay is None:
+                    return {n: "no ATen headers on the include path" for n in variants}
+                overlay.write(kept_operators=())
+                dry = subprocess.run([real, "--dryrun", "-I", aten_dir, *args], env=dict(os.environ, TMPDIR=work),
+                                     capture_output=True, text=True)
+                steps = plan([line[3:] for line in dry.stderr.splitlines() + dry.stdout.splitlines()
+                              if line.startswith("#$ ")]) if dry.returncode == 0 else None
+                preprocessed = OUTPUT.search(steps.host[0]) if steps else None
+                if preprocessed is None:
+                    failed[name] = f"nvcc's steps have another shape: {dry.stdout[-2000:]}{dry.stderr[-2000:]}"
+                    break
+                if kind == "prefix":
+                    plans[name] = steps
+                    continue
+                probe = subprocess.run(["bash", "-c", script(steps.environment, [steps.host[0]])],
+                                       capture_output=True)
+                if probe.returncode != 0:
+                    failed[name] = (probe.stdout + probe.stderr).decode(errors="replace")[-4000:]
+                    break
+                with open(preprocessed.group(1), "rb") as f:
+                    named |= operators_named(overlay.operators, named_identifiers(f.read()))
+        if overlay is None:
+            return failed
+        overlay.write(named | (set(common_operators) & overlay.operators))
+        prefixes = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(plans))) as pool:
+            reasons = pool.map(lambda item: _precompile_host_prefix(*item, out_dir), plans.items())
+            for (name, _), (reason, prefix) in zip(plans.items(), reasons):
+                if reason:
+                    failed[name] = reason
+                else:
+                    prefixes.append(prefix)
+        with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+            json.dump({"aten": "aten", "operators": sorted(overlay.kept), "prefixes": prefixes}, f)
+        return {name: failed.get(name) for name in variants}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _precompile_host_prefix(name, steps, out_dir):
+    """One variant's start, precompiled: (None, its manifest entry), or (why not, None)."""
+    host = subprocess.run(["bash", "-c", script(steps.environment, steps.host)], capture_output=True)
+    source = HOST_INPUT.search(steps.final)
+    stub = re.search(r'--stub_file_name\s+"?([^"\s]+)"?', next(s for s in steps.host if tool_of(s) == "cudafe++"))
+    if host.returncode != 0 or source is None or stub is None:
+        return f"the host front end failed: {(host.stdout + host.stderr).decode(errors='replace')[-4000:]}", None
+    with open(source.group(1), "rb") as f:
+        data = f.read()
+    first = data.find(b"\n") + 1
+    end = data.rfind(b'\n\n# 1 "%s"\n' % stub.group(1).encode())
+    anon = ANON_NAMESPACE.search(data)
+    if end < first or anon is None:
+        return "cudafe++'s output has another shape", None
+    placeholder = b"_GLOBAL__N__kforge_cuda_cu"
+    prefix = data[first:end + 1].replace(anon.group(1), placeholder)
+    scopes = set(re.findall(rb"using namespace ::([\w:]*)::" + re.escape(placeholder) + rb"\b", prefix))
+    if re.search(rb"using namespace ::" + re.escape(placeholder) + rb"\b", prefix) or b"" in scopes:
+        return "the headers open an anonymous namespace at global scope", None
+    header = os.path.join(out_dir, f"host-{name}.h")
+    with open(header, "wb") as f:
+        f.write(prefix)
+    command = HOST_INPUT.sub(lambda _: shlex.quote(header), steps.final.replace(" -c ", " ", 1), count=1)
+    command = command.replace(" -x c++ ", " -x c++-header ", 1)
+    command = OUTPUT.sub(lambda _: " -o " + shlex.quote(header + ".gch"), command, count=1)
+    built = subprocess.run(["bash", "-c", script(steps.environment, [command])], capture_output=True)
+    if built.returncode != 0:
+        return f"{command}\n{(built.stdout + built.stderr).decode(errors='replace')[-4000:]}", None
+    line, file, flags = presumed_end(prefix)
+    return None, {"header": os.path.basename(header), "length": len(prefix),
+                  "sha256": hashlib.sha256(prefix).hexdigest(), "placeholder": placeholder.decode(),
+                  "occurrences": prefix.count(placeholder), "scopes": sorted(s.decode() for s in scopes),
+                  "resume": [line, None if file is None else file.decode(), flags.decode()]}
+
+
+def build(real, args, scratch, aten=None, pch=None):
     """Builds the object the plan's way: (nvcc's exit status, what it printed), or None when nvcc itself must build
-    it. With `aten` (an AtenOverlay), ATen's operator headers the translation unit never names are left out."""
+    it. With `aten` (an AtenOverlay), ATen's operator headers the translation unit never names are left out; with
+    `pch` (a HostPch, used with `aten` only), the host compile starts from a precompiled start that fits."""
     rest, depfile = split_dependency_output(args)
     output = output_of(args)
     if aten is not None:
@@ -259,26 +495,54 @@ def build(real, args, scratch, aten=None):
     steps = plan(lines) if dry.returncode == 0 else None
     if steps is None:
         return None
-    if aten is not None:
+
+    def chains(plan):
+        if depfile:
+            plan.host[0] = f"{plan.host[0]} -MD -MF {shlex.quote(depfile)} -MT {shlex.quote(output)}"
+        return start(plan.environment, plan.host), start(plan.environment, plan.device)
+
+    started = time.monotonic()
+    running = None
+    if aten is None:
+        pch = None
+    else:
         # The host preprocessor over the source with no operator header at all: what the source and the other
-        # headers name. Run again below, with the operators they name.
+        # headers name. The chains then run with the operators they name.
         preprocessed = OUTPUT.search(steps.host[0])
         if preprocessed is None:
             return None
-        probe = subprocess.run(["bash", "-c", script(steps.environment, [steps.host[0]])], capture_output=True)
+        names = preprocessed.group(1) + ".names"
+        probe = start(steps.environment, [steps.host[0].replace(preprocessed.group(0), f" -o {shlex.quote(names)}")])
+        if pch is not None:
+            # Started beside the probe with the precompiled start's operators, and kept if the probe finds that
+            # the source names no other.
+            speculative = steps.with_include(rest[1], pch.aten_dir)
+            running = chains(speculative)
+        probe_output, _ = probe.communicate()
+        trace("probe", seconds=round(time.monotonic() - started, 3))
         if probe.returncode != 0:
-            return probe.returncode, probe.stdout + probe.stderr
-        with open(preprocessed.group(1), "rb") as f:
-            aten.write(operators_named(aten.operators, named_identifiers(f.read())))
-    if depfile:
-        steps.host[0] = f"{steps.host[0]} -MD -MF {shlex.quote(depfile)} -MT {shlex.quote(output)}"
-    host, device = start(steps.environment, steps.host), start(steps.environment, steps.device)
+            stop(running)
+            return probe.returncode, probe_output
+        with open(names, "rb") as f:
+            named = operators_named(aten.operators, named_identifiers(f.read()))
+        if pch is not None and named <= pch.operators:
+            aten.remove()
+            aten.directory, aten.kept = None, set(pch.operators)
+            steps = speculative
+        else:
+            if pch is not None:
+                trace("host_pch_unfit", operators=sorted(named - pch.operators))
+            stop(running)
+            running, pch = None, None
+            aten.write(named)
+    host, device = running or chains(steps)
     host_output, _ = host.communicate()
+    trace("host_chain", status=host.returncode, seconds=round(time.monotonic() - started, 3))
     if host.returncode != 0:
-        os.killpg(device.pid, signal.SIGKILL)
-        device.wait()
+        stop((device,))
         return host.returncode, host_output
     device_output, _ = device.communicate()
+    trace("device_chain", status=device.returncode, seconds=round(time.monotonic() - started, 3))
     if device.returncode == 0:
         ids = set()
         for path in steps.module_ids:
@@ -289,24 +553,38 @@ def build(real, args, scratch, aten=None):
             return None
     if device.returncode != 0:
         return device.returncode, host_output + device_output
-    final = subprocess.run(["bash", "-c", script(steps.environment, [steps.final])], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT)
+    final = host_compile(steps.environment, steps.final, pch)
     return final.returncode, host_output + device_output + final.stdout
 
 
-def attempt(real, args, aten=None):
+def stop(processes):
+    """Kills started chains (each a session of its own), if any."""
+    for process in processes or ():
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def attempt(real, args, aten=None, pch=None):
     scratch = tempfile.mkdtemp(prefix="kforge-nvcc-")
     try:
-        return build(real, args, scratch, aten)
+        return build(real, args, scratch, aten, pch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run(args):
+    started = time.monotonic()
+    try:
+        return run_nvcc(args)
+    finally:
+        trace("nvcc", seconds=round(time.monotonic() - started, 3))
+
+
+def run_nvcc(args):
     real = real_nvcc()
     if split_dependency_output(args) is not None and output_of(args) is not None:
         aten = AtenOverlay.for_build(args, output_of(args))
-        built = attempt(real, args, aten) if aten is not None else None
+        built = attempt(real, args, aten, HostPch.configured()) if aten is not None else None
         if built is None or (built[0] != 0 and aten.may_explain(built[1])):
             # What the left-out headers may have failed is built with all of them, and reports as nvcc would.
             if aten is not None:

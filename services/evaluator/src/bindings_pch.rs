@@ -10,6 +10,10 @@
 //! header only where the compile's flags match the ones it was built with, and reads the header itself otherwise,
 //! so a candidate with other flags builds as before. Device code is not touched (nvcc's `.cu` build includes
 //! `torch/types.h`, and gcc uses no precompiled header when it only preprocesses).
+//!
+//! On a GPU machine with kforge's nvcc, the same stage precompiles the start of nvcc's host compile for a source
+//! that includes `torch/types.h` (harness/kforge_nvcc.py, `HostPch`), per variant as extra nvcc flags, into the
+//! entry's `nvcc-host/`; compiles name it in `KFORGE_HOST_PCH`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -38,7 +42,8 @@ pub async fn build(
     wall: Duration,
 ) -> Result<(PathBuf, EntryLock), String> {
     let variants: Vec<String> = VARIANTS.iter().map(|(name, flags)| format!("{name}={};", flags.join(" "))).collect();
-    let key = cache::key(&[python.versions_key().as_bytes(), variants.concat().as_bytes()]);
+    // The entry holds the starts of nvcc's host compile too (kforge_nvcc.HostPch, `nvcc-host/`).
+    let key = cache::key(&[python.versions_key().as_bytes(), variants.concat().as_bytes(), b"nvcc-host"]);
     let ready = |entry: Option<Entry>| match entry {
         Some(Entry::Ready(_)) => Some(Ok(())),
         Some(Entry::Failed(reason)) => Some(Err(reason)),
@@ -119,6 +124,16 @@ async fn run(
     }
     if let Some(failed) = result.get("failed").and_then(|f| f.as_object()).filter(|f| !f.is_empty()) {
         tracing::warn!(failed = %cap(&serde_json::Value::Object(failed.clone()).to_string(), 4000), "some bindings headers were not precompiled");
+    }
+    // The starts of nvcc's host compile (GPU machines with kforge's nvcc): without one, builds parse it as before.
+    if let Some(host) = result.get("host").and_then(|h| h.as_object()).filter(|h| !h.is_empty()) {
+        let failed: serde_json::Map<_, _> =
+            host.iter().filter(|(_, why)| !why.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
+        if failed.is_empty() {
+            tracing::info!(variants = host.len(), "nvcc's host compile precompiled");
+        } else {
+            tracing::warn!(failed = %cap(&serde_json::Value::Object(failed).to_string(), 4000), "some starts of nvcc's host compile were not precompiled");
+        }
     }
     let built = result.get("built").and_then(|b| b.as_array()).cloned().unwrap_or_default();
     Ok(built.iter().filter_map(|name| name.as_str().map(str::to_owned)).collect())

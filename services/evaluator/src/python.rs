@@ -178,11 +178,15 @@ impl PythonEnv {
 
     /// What a compile stage needs beyond [`PythonEnv::env_on`]: the precompiled extension header, once built, on
     /// the compiler's include path (`CPATH`, searched before the `-isystem` directories where torch's headers
-    /// are; gcc takes a precompiled header only where its flags match, and reads the header otherwise), and the
-    /// directory to read it from.
+    /// are; gcc takes a precompiled header only where its flags match, and reads the header otherwise), the
+    /// precompiled starts of nvcc's host compile for kforge's nvcc (`KFORGE_HOST_PCH`), and the directory to read
+    /// them from.
     pub fn compile_env(&self) -> (Vec<(OsString, OsString)>, Vec<PathBuf>) {
         match self.bindings_pch.get() {
-            Some(dir) if !self.stock_builds => (vec![("CPATH".into(), dir.into())], vec![dir.clone()]),
+            Some(dir) if !self.stock_builds => (
+                vec![("CPATH".into(), dir.into()), ("KFORGE_HOST_PCH".into(), dir.join("nvcc-host").into())],
+                vec![dir.clone()],
+            ),
             _ => (vec![], vec![]),
         }
     }
@@ -592,6 +596,7 @@ mod tests {
         env.offer_bindings_pch("/work/pch/key".into());
         let kforge = names(&env);
         assert!(kforge.contains(&"PYTORCH_NVCC".into()) && kforge.contains(&"CPATH".into()), "{kforge:?}");
+        assert!(kforge.contains(&"KFORGE_HOST_PCH".into()), "{kforge:?}");
         assert!(!kforge.contains(&"KFORGE_BUILD_RECIPE".into()));
         assert_eq!(env.compile_env().1, [PathBuf::from("/work/pch/key")], "the header is readable to compiles");
 
@@ -599,5 +604,6 @@ mod tests {
         let stock = names(&env);
         assert!(stock.contains(&"KFORGE_BUILD_RECIPE".into()), "{stock:?}");
         assert!(!stock.contains(&"PYTORCH_NVCC".into()) && !stock.contains(&"CPATH".into()), "{stock:?}");
+        assert!(!stock.contains(&"KFORGE_HOST_PCH".into()), "{stock:?}");
     }
 }

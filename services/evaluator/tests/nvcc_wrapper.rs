@@ -361,3 +361,167 @@ print(len(overlay.operators), len(kept))
     let _ = std::fs::remove_dir_all(&dir);
     assert!(output.status.success(), "{}", text(&output));
 }
+
+/// A directory of precompiled starts (kforge_nvcc.HostPch) whose operators are `operators`, and none of whose
+/// starts fits the stand-in's output.
+fn host_pch(fixture: &Fixture, operators: &[&str]) -> PathBuf {
+    let dir = fixture.path("pch");
+    std::fs::create_dir_all(dir.join("aten/ATen")).expect("a directory");
+    let includes: String = operators.iter().map(|op| format!("#include <ATen/ops/{op}.h>\n")).collect();
+    std::fs::write(dir.join("aten/ATen/Functions.h"), format!("#pragma once\n{includes}inline bool tail();\n"))
+        .expect("Functions.h");
+    let manifest = serde_json::json!({ "aten": "aten", "operators": operators, "prefixes": [] });
+    std::fs::write(dir.join("manifest.json"), manifest.to_string()).expect("a manifest");
+    dir
+}
+
+/// Builds the ATen source with the starts in `pch`; returns kforge's nvcc's trace.
+fn run_with_host_pch(fixture: &Fixture, pch: &Path) -> String {
+    let (pch, trace) = (pch.display().to_string(), fixture.path("trace.jsonl").display().to_string());
+    let output = fixture.run(&ATEN_COMPILE, &[("KFORGE_HOST_PCH", &pch), ("KFORGE_NVCC_TRACE", &trace)]);
+    assert!(output.status.success(), "{}", text(&output));
+    std::fs::read_to_string(&trace).expect("a trace")
+}
+
+#[test]
+fn a_source_that_names_only_the_precompiled_start_s_operators_reads_its_headers() {
+    let fixture = Fixture::new("host-pch-fits");
+    fixture.with_aten();
+    let pch = host_pch(&fixture, &["from_blob", "tensor", "add", "conj", "relu", "softmax"]);
+    let traced = run_with_host_pch(&fixture, &pch);
+    assert_eq!(std::fs::read_to_string(fixture.path("k.o")).expect("the object"), "module host code\n");
+    // The chains started beside the probe, with the start's operators, and were kept: no overlay of its own.
+    assert_eq!(fixture.kept_operators(), None);
+    let calls = fixture.calls();
+    let shared = format!("-I {} -isystem inc", pch.join("aten").display());
+    let preprocessed: Vec<_> = calls.lines().filter(|line| line.starts_with("gcc") && line.contains(" -E ")).collect();
+    assert_eq!(preprocessed.len(), 3, "the probe and the two chains' preprocessors: {calls}");
+    assert_eq!(preprocessed.iter().filter(|line| line.contains(&shared)).count(), 2, "{calls}");
+    assert!(traced.contains(r#""event": "host_compile", "precompiled": false"#), "no start fits: {traced}");
+    assert!(!traced.contains("host_pch_unfit"), "{traced}");
+
+    // A source that names an operator the start leaves out: the chains begun with the start's are stopped, and the
+    // build reads its own overlay.
+    let unfit = Fixture::new("host-pch-unfit");
+    unfit.with_aten();
+    let pch = host_pch(&unfit, &["from_blob", "tensor", "add", "relu", "softmax"]);
+    let traced = run_with_host_pch(&unfit, &pch);
+    assert_eq!(unfit.kept_operators().expect("its own overlay"), ["from_blob", "tensor", "add", "conj", "relu"]);
+    assert!(traced.contains(r#"{"event": "host_pch_unfit", "operators": ["conj"]}"#), "{traced}");
+    let calls = unfit.calls();
+    let own = format!("-I {} -isystem inc", unfit.path("k.o.aten").display());
+    assert_eq!(calls.lines().filter(|l| l.starts_with("gcc") && l.contains(" -E ") && l.contains(&own)).count(), 3);
+}
+
+/// The precompiled start with a real host compiler: cudafe++'s output has the shape nvcc's has (the main file's
+/// line marker, preprocessed headers that open an anonymous namespace inside a namespace under the module's name,
+/// the source's code, the stub's include), written by a stand-in cudafe++. The start is built from one source and
+/// used by another whose module name differs in length; the object holds the same code, data and symbols but for
+/// that namespace's name, and gcc reads the precompiled header. A start that does not fit leaves the output as it
+/// is; a compile that fails over a start is run again over the output as it was.
+#[test]
+fn the_host_compile_reads_a_precompiled_start_and_builds_the_same_code() {
+    let fixture = Fixture::new("host-pch-gcc");
+    let check = r##"
+import os, re, subprocess, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import kforge_nvcc as k
+work = sys.argv[2]
+tools = os.path.join(work, "tools")
+with open(os.path.join(tools, "cudafe++"), "w") as f:
+    f.write('#!/bin/bash\nprev=""; for a in "$@"; do [ "$prev" = --gen_c_file_name ] && out="$a"; prev="$a"; done\n'
+            'cp "$SYNTHETIC" "$out"\n')
+os.chmod(os.path.join(tools, "cudafe++"), 0o755)
+os.environ["PATH"] = tools + ":" + os.environ["PATH"]
+headers = subprocess.run(["g++", "-std=c++17", "-E", "-x", "c++", "-"], input="#include <vector>\n#include <string>\n",
+                         capture_output=True, text=True, check=True).stdout
+
+def output(main, anon, code):
+    """cudafe++'s output for a source at `main` whose module names its anonymous namespace `anon`."""
+    return (f'# 1 "{main}"\n' + headers +
+            f'# 3 "/inc/lib.h" 3\nnamespace lib {{ namespace {anon} __attribute__((visibility("hidden"))) {{ }}; '
+            f'using namespace ::lib::{anon}; namespace {anon} __attribute__((visibility("hidden"))) {{\n'
+            'inline constexpr int ignore = 7; inline int twice(int x) { return 2 * x; } } }\n'
+            f'{code}\n# 1 "k.stub.c"\n#define _NV_ANON_NAMESPACE {anon}\n#ifdef _NV_ANON_NAMESPACE\n#endif\n'
+            '# 1 "k.stub.c"\n#include "k.stub.c"\n# 1 "k.stub.c"\n#undef _NV_ANON_NAMESPACE\n')
+
+with open(os.path.join(work, "k.stub.c"), "w") as f:
+    f.write("static const int *registered = &::lib::_NV_ANON_NAMESPACE::ignore;\n")
+cudafe = f"cudafe++ --stub_file_name k.stub.c --gen_c_file_name {work}/b.cudafe1.cpp {work}/b.ii"
+compile_b = f'g++ -std=c++17 -fPIC -c -x c++ "{work}/b.cudafe1.cpp" -o "{work}/b.o"'
+with open(os.path.join(work, "b.synthetic"), "w") as f:
+    f.write(output("/build/b/cuda.cu", "_GLOBAL__N__1a2b3c4d_7_cuda_cu_5e6f7a8b", ""))
+os.environ["SYNTHETIC"] = os.path.join(work, "b.synthetic")
+pch_dir = os.path.join(work, "pch")
+os.makedirs(pch_dir)
+reason, entry = k._precompile_host_prefix("default", k.Plan([], [cudafe], [], compile_b, []), pch_dir)
+assert reason is None, reason
+assert entry["occurrences"] == 3 and entry["scopes"] == ["lib"], entry
+with open(os.path.join(pch_dir, "manifest.json"), "w") as f:
+    k.json.dump({"aten": "aten", "operators": [], "prefixes": [entry]}, f)
+os.environ["KFORGE_HOST_PCH"] = pch_dir
+pch = k.HostPch.configured()
+
+code = ('# 5 "/build/c/cuda.cu"\nint use(int x) { std::vector<std::string> v(lib::ignore);\n'
+        '  return lib::twice(x) + (int)v.size() + lib::_GLOBAL__N__99887766_7_cuda_cu__Z3usei::ignore; }\n')
+source = output("/build/c/cuda.cu", "_GLOBAL__N__99887766_7_cuda_cu__Z3usei", code)
+path = os.path.join(work, "c.cudafe1.cpp")
+
+def build(text, rewrite, out):
+    with open(path, "w") as f:
+        f.write(text)
+    original = pch.rewrite(path) if rewrite else None
+    done = subprocess.run(["g++", "-std=c++17", "-fPIC", "-H", "-c", "-x", "c++", path, "-o", out],
+                          capture_output=True, text=True, cwd=work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return original, done.stderr
+
+def contents(obj):
+    names = subprocess.run(["nm", obj], capture_output=True, text=True, check=True).stdout
+    code = subprocess.run(["objdump", "-dr", "--no-show-raw-insn", obj], capture_output=True, text=True,
+                          check=True).stdout.split("\n", 3)[-1]
+    return re.sub(r"\d+_GLOBAL__N__\w+?(?=\d+(ignore|twice))", "<anon>", names + code)
+
+_, plain = build(source, False, os.path.join(work, "plain.o"))
+assert "! " not in plain
+original, used = build(source, True, os.path.join(work, "pch.o"))
+assert original == source.encode(), "the rewrite returns the output as it was"
+with open(path) as f:
+    rewritten = f.read()
+assert rewritten.startswith('# 1 "/build/c/cuda.cu"\n#include "' + os.path.join(pch_dir, "host-default.h") + '"\n')
+assert "namespace lib { namespace _GLOBAL__N__99887766_7_cuda_cu__Z3usei = _GLOBAL__N__kforge_cuda_cu; }" in rewritten
+assert len(rewritten) < len(source) // 5
+assert "! " + os.path.join(pch_dir, "host-default.h.gch") in used, used[:2000]
+assert contents(os.path.join(work, "plain.o")) == contents(os.path.join(work, "pch.o"))
+assert "_GLOBAL__N__kforge_cuda_cu" in subprocess.run(["nm", os.path.join(work, "pch.o")], capture_output=True,
+                                                      text=True).stdout
+
+# Another start: left as it is.
+other = source.replace("inline constexpr int ignore = 7;", "inline constexpr int ignore = 8;")
+with open(path, "w") as f:
+    f.write(other)
+assert pch.rewrite(path) is None
+with open(path) as f:
+    assert f.read() == other
+
+# A rest that reopens the start's namespace by the module's name fails over the start (the alias is no
+# namespace), and is compiled again over the output as it was.
+reopened = source.replace("# 1 \"k.stub.c\"\n#define",
+                          "namespace lib { namespace _GLOBAL__N__99887766_7_cuda_cu__Z3usei { int more; } }\n"
+                          "# 1 \"k.stub.c\"\n#define", 1)
+with open(path, "w") as f:
+    f.write(reopened)
+os.environ["KFORGE_NVCC_TRACE"] = os.path.join(work, "trace.jsonl")
+done = k.host_compile([], f'g++ -std=c++17 -fPIC -c -x c++ "{path}" -o "{work}/again.o"', pch)
+assert done.returncode == 0, done.stdout[-2000:]
+with open(path) as f:
+    assert f.read() == reopened
+with open(os.path.join(work, "trace.jsonl")) as f:
+    events = [k.json.loads(line) for line in f]
+assert [(e["event"], e.get("precompiled"), e["status"]) for e in events] == [
+    ("host_compile", True, 1), ("host_compile_again", None, 0)], events
+print("ok")
+"##;
+    let output = Command::new("python3").args(["-c", check, WRAPPER]).arg(&fixture.dir).output().expect("python3 runs");
+    assert!(output.status.success(), "{}", text(&output));
+}
