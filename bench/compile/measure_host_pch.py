@@ -18,7 +18,6 @@ Prints one JSON line per comparison and per timed build, and a summary.
 
 import argparse
 import concurrent.futures
-import glob
 import json
 import os
 import re
@@ -30,7 +29,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from measure_operators import WRAPPER, cuda_sources, kforge_harness, kforge_nvcc, nvcc_flags  # noqa: E402
+from measure_operators import (  # noqa: E402
+    WRAPPER, distinct_sources, fresh_object, kforge_harness, kforge_nvcc, nvcc_flags)
 
 SECTIONS = (".text", ".data", ".rodata", ".nv_fatbin", ".nvFatBinSegment", ".init_array", ".bss")
 MASKS = [(re.compile(rb"tmpxft_[0-9a-f]+_[0-9a-f]+"), b"tmpxft"),
@@ -56,11 +56,7 @@ def contents(path):
 
 def compile_once(directory, flags, pch, trace):
     cflags, post = flags
-    obj = os.path.join(directory, "cuda.cuda.o")
-    for leftover in (obj, obj + ".d"):
-        if os.path.exists(leftover):
-            os.remove(leftover)
-    shutil.rmtree(obj + ".aten", ignore_errors=True)
+    obj = fresh_object(directory)
     env = dict(os.environ, KFORGE_NVCC_TRACE=trace)
     env.pop("KFORGE_ALL_OPERATORS", None)
     env.pop("KFORGE_HOST_PCH", None)
@@ -133,13 +129,7 @@ def main():
     print(json.dumps({"precompiled": built, "seconds": round(time.monotonic() - started, 1),
                       "operators": len(manifest["operators"]), "bytes": sizes}), flush=True)
 
-    sources = []
-    for directory in args.candidates:
-        for path in sorted(glob.glob(os.path.join(directory, "**", "*.py"), recursive=True)):
-            for source in cuda_sources(path):
-                light = kforge_harness.lighten(source) or source
-                if light not in sources:
-                    sources.append(light)
+    sources = distinct_sources(args.candidates)
     print(json.dumps({"distinct_cuda_sources": len(sources)}), flush=True)
     sources = sources[:args.sources]
     results = []

@@ -64,6 +64,28 @@ def cuda_sources(path):
     return found
 
 
+def distinct_sources(directories):
+    """The distinct CUDA sources of the candidates under `directories`, as the evaluator compiles them (lightened)."""
+    sources = []
+    for directory in directories:
+        for path in sorted(glob.glob(os.path.join(directory, "**", "*.py"), recursive=True)):
+            for source in cuda_sources(path):
+                light = kforge_harness.lighten(source) or source
+                if light not in sources:
+                    sources.append(light)
+    return sources
+
+
+def fresh_object(directory):
+    """The object's path in `directory`, with what an earlier build left there removed."""
+    obj = os.path.join(directory, "cuda.cuda.o")
+    for leftover in (obj, obj + ".d"):
+        if os.path.exists(leftover):
+            os.remove(leftover)
+    shutil.rmtree(obj + ".aten", ignore_errors=True)
+    return obj
+
+
 def nvcc_flags():
     """load_inline's nvcc flags (its ninja file's cuda_cflags and cuda_post_cflags)."""
     values = kforge_harness.load_inline_flags([], cuda=True)
@@ -72,11 +94,7 @@ def nvcc_flags():
 
 def compile_once(directory, flags, every_operator):
     cflags, post = flags
-    obj = os.path.join(directory, "cuda.cuda.o")
-    for leftover in (obj, obj + ".d"):
-        if os.path.exists(leftover):
-            os.remove(leftover)
-    shutil.rmtree(obj + ".aten", ignore_errors=True)
+    obj = fresh_object(directory)
     env = dict(os.environ)
     if every_operator:
         env["KFORGE_ALL_OPERATORS"] = "1"
@@ -125,13 +143,7 @@ def main():
     root = tempfile.mkdtemp(prefix="kforge-operators-")
     flags = nvcc_flags()
     print(json.dumps({"nvcc_flags": flags}), flush=True)
-    sources = []
-    for directory in args.candidates:
-        for path in sorted(glob.glob(os.path.join(directory, "**", "*.py"), recursive=True)):
-            for source in cuda_sources(path):
-                light = kforge_harness.lighten(source) or source
-                if light not in sources:
-                    sources.append(light)
+    sources = distinct_sources(args.candidates)
     print(json.dumps({"distinct_cuda_sources": len(sources)}), flush=True)
     results = []
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:

@@ -19,6 +19,10 @@ found, written beside the object. A build that fails so and quotes a left-out op
 built again with every header; `KFORGE_ALL_OPERATORS=1` always does. The object is the same, byte for byte but for
 nvcc's temporary file names (bench/results/compile-*).
 
+With $KFORGE_HOST_PCH (HostPch, below), the host compile starts from a precompiled start of cudafe++'s output when
+that output begins with it, and the operator probe runs beside chains already started with the start's operators.
+$KFORGE_NVCC_TRACE names a file to which each step's time is appended.
+
 `-MD -MF FILE` (load_inline's dependency file) is written by the host preprocessor. Anything this does not
 recognise (other dependency options, relocatable device code, several inputs, a dry run that has other steps) is
 handed to nvcc as it is. The real nvcc is $KFORGE_REAL_NVCC, else $CUDA_HOME/bin/nvcc.
