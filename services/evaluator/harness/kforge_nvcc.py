@@ -271,20 +271,21 @@ def start(environment, steps):
 
 
 # The host compile over a precompiled start. nvcc's last step compiles cudafe++'s output with the host compiler:
-# torch's headers once more, preprocessed and rewritten (14 MB of C++ for torch/types.h), the longest step after
+# torch's headers once more, preprocessed and rewritten (10 MB of C++ for torch/types.h), the longest step after
 # cudafe++ on the host chain. That output starts with the same bytes for every source that starts by including
 # torch/types.h (what kforge's recipe makes of torch/extension.h), but for one name: the anonymous namespace,
-# which cudafe++ names after the module (`_GLOBAL__N__<hash>_7_cuda_cu_<hash>`) and which torch's headers open
-# inside `cuda::std` (libcu++'s `ignore`). A trusted stage (harness mode bindings_pch) builds that start from a
-# source that includes torch/types.h alone, with the name replaced by a placeholder of the same length, and
+# which cudafe++ names after the module (`_GLOBAL__N__<hash>_7_cuda_cu_<suffix>`, of varying length) and which
+# torch's headers open inside `cuda::std` (libcu++'s `ignore`). A trusted stage (harness mode bindings_pch) builds
+# that start from a source that includes torch/types.h alone, with the name replaced by a placeholder, and
 # precompiles it with nvcc's host-compile flags (`precompile_host_prefixes`). A build whose cudafe++ output starts
-# with those bytes (its own name replaced the same way) is compiled as `#include "<start>.h"` followed by the rest,
-# so gcc loads the precompiled start instead of parsing it. The program is the same: the same text but for a
-# consistent renaming of a namespace that only using-directives of the start itself name (the builder refuses a
-# start that opens one at global scope); the object differs only in the hidden names of that namespace's
-# entities. A gcc that finds the precompiled header invalid reads the header, which holds the same bytes; a
-# compile that fails so is run again on cudafe++'s output as it was. Both chains then read the operator headers of
-# the precompiled start (`operators` in its manifest), which must include every one the source names.
+# with those bytes (its own name replaced the same way) is compiled as `#include "<start>.h"`, an alias of its own
+# name to the placeholder in each scope that opens the namespace (the rest, and the stub the device chain wrote,
+# name it so), and the rest; gcc loads the precompiled start instead of parsing it. The program is the same: the
+# same text but for a consistent renaming of a namespace that only using-directives of the start itself open (the
+# builder refuses a start that opens one at global scope); the object differs only in the hidden names of that
+# namespace's entities. A gcc that finds the precompiled header invalid reads the header, which holds the same
+# bytes; a compile that fails over the start is run again on cudafe++'s output as it was. Both chains then read
+# the operator headers of the start (`operators` in its manifest), which must include every one the source names.
 HOST_PREFIX_SOURCE = "#include <torch/types.h>\n"
 # What sources commonly include beside torch/types.h, and the operators they commonly name (a kernel's helper
 # called `gelu_` or `row_max` counts as naming gelu or max): the starts read these operators' headers, so that a
