@@ -116,10 +116,8 @@ def main():
 
     pch = os.path.join(root, "pch")
     os.makedirs(pch)
-    variants = {}
-    for name, extra in (("default", []), ("O3", ["-O3"])):
-        values = kforge_harness.load_inline_flags([], True, extra_cuda_cflags=extra)
-        variants[name] = (values.get("cuda_cflags", "") + " " + values.get("cuda_post_cflags", "")).split()
+    # The evaluator's variants (bindings_pch.rs, VARIANTS), with the flags its start-up stage gives them.
+    variants = kforge_harness.nvcc_flags_of({"default": [], "O3": ["-O3"]})
     started = time.monotonic()
     built = kforge_nvcc.precompile_host_prefixes(kforge_nvcc.real_nvcc(), variants, pch, kforge_nvcc.COMMON_HEADERS,
                                                  kforge_nvcc.COMMON_OPERATORS)

@@ -641,16 +641,22 @@ def precompile_host_prefixes(spec):
 
     if not os.environ.get("PYTORCH_NVCC"):
         return {}
-    variants = {}
-    for name, extra in spec["variants"].items():
-        values = load_inline_flags([], True, extra_cuda_cflags=extra)
-        variants[name] = shlex.split(values.get("cuda_cflags", "")) + shlex.split(values.get("cuda_post_cflags", ""))
     out = os.path.join(spec["out_dir"], "nvcc-host")
     os.makedirs(out, exist_ok=True)
     # The environment of the compiles that will use them: the bindings' directory on the include path.
     os.environ["CPATH"] = spec["out_dir"]
-    return kforge_nvcc.precompile_host_prefixes(kforge_nvcc.real_nvcc(), variants, out, kforge_nvcc.COMMON_HEADERS,
-                                                kforge_nvcc.COMMON_OPERATORS)
+    return kforge_nvcc.precompile_host_prefixes(kforge_nvcc.real_nvcc(), nvcc_flags_of(spec["variants"]), out,
+                                                kforge_nvcc.COMMON_HEADERS, kforge_nvcc.COMMON_OPERATORS)
+
+
+def nvcc_flags_of(variants):
+    """{name: the flags load_inline gives nvcc for a .cu file (cuda_cflags, cuda_post_cflags) with the variant's
+    flags as extra_cuda_cflags}, for `variants` ({name: extra flags})."""
+    flags = {}
+    for name, extra in variants.items():
+        values = load_inline_flags([], True, extra_cuda_cflags=extra)
+        flags[name] = shlex.split(values.get("cuda_cflags", "")) + shlex.split(values.get("cuda_post_cflags", ""))
+    return flags
 
 
 # ---------------------------------------------------------------------------------------------------- census

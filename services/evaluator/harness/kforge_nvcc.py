@@ -181,6 +181,11 @@ class AtenOverlay:
                   for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)}
         return bool(operators_named(self.operators, quoted) - self.kept)
 
+    def adopt(self, operators):
+        """The build reads a shared overlay of `operators` (a precompiled start's) instead of writing its own."""
+        self.remove()
+        self.directory, self.kept = None, set(operators)
+
     def remove(self):
         """Removes the overlay this build wrote (none once it reads a precompiled start's)."""
         if self.directory is not None:
@@ -263,6 +268,21 @@ def exports(environment):
 def script(environment, steps):
     lines = ["set -e", *exports(environment), *steps]
     return "\n".join(lines) + "\n"
+
+
+def run_steps(environment, steps):
+    """Runs `steps` to the end: the completed process, with what they printed (stdout and stderr) in `stdout`."""
+    return subprocess.run(["bash", "-c", script(environment, steps)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+
+
+def dry_run(real, args, scratch):
+    """nvcc's plan for `args` (`--dryrun`, its temporary files named in `scratch`): (the Plan or None when it has
+    another shape, what nvcc printed)."""
+    dry = subprocess.run([real, "--dryrun", *args], env=dict(os.environ, TMPDIR=scratch), capture_output=True,
+                         text=True)
+    lines = [line[3:] for line in dry.stderr.splitlines() + dry.stdout.splitlines() if line.startswith("#$ ")]
+    return (plan(lines) if dry.returncode == 0 else None), dry.stdout[-2000:] + dry.stderr[-2000:]
 
 
 def start(environment, steps):
@@ -377,15 +397,13 @@ def host_compile(environment, final, pch):
     source = HOST_INPUT.search(final)
     original = pch.rewrite(source.group(1)) if pch is not None and source else None
     started = time.monotonic()
-    done = subprocess.run(["bash", "-c", script(environment, [final])], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT)
+    done = run_steps(environment, [final])
     trace("host_compile", precompiled=original is not None, status=done.returncode,
           seconds=round(time.monotonic() - started, 3), printed=done.stdout[-2000:].decode(errors="replace"))
     if original is not None and done.returncode != 0:
         with open(source.group(1), "wb") as f:
             f.write(original)
-        done = subprocess.run(["bash", "-c", script(environment, [final])], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+        done = run_steps(environment, [final])
         trace("host_compile_again", status=done.returncode)
     return done
 
@@ -414,21 +432,17 @@ def precompile_host_prefixes(real, variants, out_dir, common_headers=(), common_
                 if overlay is None:
                     return {n: "no ATen headers on the include path" for n in variants}
                 overlay.write(kept_operators=())
-                dry = subprocess.run([real, "--dryrun", "-I", aten_dir, *args], env=dict(os.environ, TMPDIR=work),
-                                     capture_output=True, text=True)
-                steps = plan([line[3:] for line in dry.stderr.splitlines() + dry.stdout.splitlines()
-                              if line.startswith("#$ ")]) if dry.returncode == 0 else None
+                steps, printed = dry_run(real, ["-I", aten_dir, *args], work)
                 preprocessed = OUTPUT.search(steps.host[0]) if steps else None
                 if preprocessed is None:
-                    failed[name] = f"nvcc's steps have another shape: {dry.stdout[-2000:]}{dry.stderr[-2000:]}"
+                    failed[name] = f"nvcc's steps have another shape: {printed}"
                     break
                 if kind == "prefix":
                     plans[name] = steps
                     continue
-                probe = subprocess.run(["bash", "-c", script(steps.environment, [steps.host[0]])],
-                                       capture_output=True)
+                probe = run_steps(steps.environment, [steps.host[0]])
                 if probe.returncode != 0:
-                    failed[name] = (probe.stdout + probe.stderr).decode(errors="replace")[-4000:]
+                    failed[name] = probe.stdout.decode(errors="replace")[-4000:]
                     break
                 with open(preprocessed.group(1), "rb") as f:
                     named |= operators_named(overlay.operators, named_identifiers(f.read()))
@@ -452,11 +466,11 @@ def precompile_host_prefixes(real, variants, out_dir, common_headers=(), common_
 
 def _precompile_host_prefix(name, steps, out_dir):
     """One variant's start, precompiled: (None, its manifest entry), or (why not, None)."""
-    host = subprocess.run(["bash", "-c", script(steps.environment, steps.host)], capture_output=True)
+    host = run_steps(steps.environment, steps.host)
     source = HOST_INPUT.search(steps.final)
     stub = re.search(r'--stub_file_name\s+"?([^"\s]+)"?', next(s for s in steps.host if tool_of(s) == "cudafe++"))
     if host.returncode != 0 or source is None or stub is None:
-        return f"the host front end failed: {(host.stdout + host.stderr).decode(errors='replace')[-4000:]}", None
+        return f"the host front end failed: {host.stdout.decode(errors='replace')[-4000:]}", None
     with open(source.group(1), "rb") as f:
         data = f.read()
     first = data.find(b"\n") + 1
@@ -475,9 +489,9 @@ def _precompile_host_prefix(name, steps, out_dir):
     command = HOST_INPUT.sub(lambda _: shlex.quote(header), steps.final.replace(" -c ", " ", 1), count=1)
     command = command.replace(" -x c++ ", " -x c++-header ", 1)
     command = OUTPUT.sub(lambda _: " -o " + shlex.quote(header + ".gch"), command, count=1)
-    built = subprocess.run(["bash", "-c", script(steps.environment, [command])], capture_output=True)
+    built = run_steps(steps.environment, [command])
     if built.returncode != 0:
-        return f"{command}\n{(built.stdout + built.stderr).decode(errors='replace')[-4000:]}", None
+        return f"{command}\n{built.stdout.decode(errors='replace')[-4000:]}", None
     line, file, flags = presumed_end(prefix)
     return None, {"header": os.path.basename(header), "length": len(prefix),
                   "sha256": hashlib.sha256(prefix).hexdigest(), "placeholder": placeholder.decode(),
@@ -494,10 +508,7 @@ def build(real, args, scratch, aten=None, pch=None):
     if aten is not None:
         rest = ["-I", aten.directory, *rest]
         aten.write(kept_operators=())
-    dry = subprocess.run([real, "--dryrun", *rest], env=dict(os.environ, TMPDIR=scratch), capture_output=True,
-                         text=True)
-    lines = [line[3:] for line in dry.stderr.splitlines() + dry.stdout.splitlines() if line.startswith("#$ ")]
-    steps = plan(lines) if dry.returncode == 0 else None
+    steps, _ = dry_run(real, rest, scratch)
     if steps is None:
         return None
 
@@ -531,8 +542,7 @@ def build(real, args, scratch, aten=None, pch=None):
         with open(names, "rb") as f:
             named = operators_named(aten.operators, named_identifiers(f.read()))
         if pch is not None and named <= pch.operators:
-            aten.remove()
-            aten.directory, aten.kept = None, set(pch.operators)
+            aten.adopt(pch.operators)
             steps = speculative
         else:
             if pch is not None:
@@ -547,7 +557,8 @@ def build(real, args, scratch, aten=None, pch=None):
         stop((device,))
         return host.returncode, host_output
     device_output, _ = device.communicate()
-    trace("device_chain", status=device.returncode, seconds=round(time.monotonic() - started, 3))
+    # The device chain is waited for after the host chain: when it ended first, this is the host chain's end.
+    trace("chains", status=device.returncode, seconds=round(time.monotonic() - started, 3))
     if device.returncode == 0:
         ids = set()
         for path in steps.module_ids:

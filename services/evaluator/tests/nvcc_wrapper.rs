@@ -128,10 +128,7 @@ impl Fixture {
 
     /// ATen's headers in `inc/` (a Functions.h over eight operators) and a source naming three of them.
     fn with_aten(&self) {
-        std::fs::create_dir_all(self.path("inc/ATen")).expect("an include directory");
-        let includes: String = OPERATORS.iter().map(|op| format!("#include <ATen/ops/{op}.h>\n")).collect();
-        std::fs::write(self.path("inc/ATen/Functions.h"), format!("#pragma once\n{includes}inline bool tail();\n"))
-            .expect("Functions.h");
+        write_functions_h(&self.path("inc"), &OPERATORS);
         std::fs::write(self.path("k.cu"), "at::relu(x); at::add_out(y, x, x); at::__dispatch_conj(x);\n")
             .expect("a source");
     }
@@ -148,6 +145,14 @@ impl Fixture {
                 .collect(),
         )
     }
+}
+
+/// `root/ATen/Functions.h`, including the headers of `operators` and ending with a declaration of its own.
+fn write_functions_h(root: &Path, operators: &[&str]) {
+    std::fs::create_dir_all(root.join("ATen")).expect("an include directory");
+    let includes: String = operators.iter().map(|op| format!("#include <ATen/ops/{op}.h>\n")).collect();
+    std::fs::write(root.join("ATen/Functions.h"), format!("#pragma once\n{includes}inline bool tail();\n"))
+        .expect("Functions.h");
 }
 
 const OPERATORS: [&str; 8] = ["from_blob", "tensor", "add", "conj", "conv2d", "mul", "relu", "softmax"];
@@ -366,10 +371,7 @@ print(len(overlay.operators), len(kept))
 /// starts fits the stand-in's output.
 fn host_pch(fixture: &Fixture, operators: &[&str]) -> PathBuf {
     let dir = fixture.path("pch");
-    std::fs::create_dir_all(dir.join("aten/ATen")).expect("a directory");
-    let includes: String = operators.iter().map(|op| format!("#include <ATen/ops/{op}.h>\n")).collect();
-    std::fs::write(dir.join("aten/ATen/Functions.h"), format!("#pragma once\n{includes}inline bool tail();\n"))
-        .expect("Functions.h");
+    write_functions_h(&dir.join("aten"), operators);
     let manifest = serde_json::json!({ "aten": "aten", "operators": operators, "prefixes": [] });
     std::fs::write(dir.join("manifest.json"), manifest.to_string()).expect("a manifest");
     dir
