@@ -69,6 +69,8 @@ pub struct Limits {
     pub nice: i32,
     /// Processes and threads of the job at once (its pids cgroup's `pids.max`), where the host allows one.
     pub processes: u64,
+    /// The CPUs the job starts on (its affinity); empty: those of the caller.
+    pub cpus: Vec<usize>,
 }
 
 impl Default for Limits {
@@ -82,6 +84,7 @@ impl Default for Limits {
             nice: 0,
             // torch.compile's workers (one per core, up to 32) with their threads stay well under this.
             processes: 2048,
+            cpus: Vec::new(),
         }
     }
 }
@@ -151,6 +154,37 @@ impl Control {
         self.signal(libc::SIGKILL);
     }
 
+    /// CPU time the job's process group has used so far: its processes' own, and that of the children they
+    /// waited for. `None` where `/proc` does not say.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        // SAFETY: sysconf reads a constant.
+        #[allow(unsafe_code)]
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        if ticks <= 0 {
+            return None;
+        }
+        let mut total = 0u64;
+        let mut found = false;
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<i32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+            // The command name is in parentheses and may hold spaces; the fields after it are numbers.
+            let Some((_, fields)) = stat.rsplit_once(')') else { continue };
+            let fields: Vec<&str> = fields.split_whitespace().collect();
+            // state ppid pgrp ... utime(11) stime(12) cutime(13) cstime(14), counted from the state.
+            if fields.len() < 15 || fields[2].parse::<i32>() != Ok(self.group) {
+                continue;
+            }
+            let field = |index: usize| fields[index].parse::<u64>().unwrap_or(0);
+            total += field(11) + field(12);
+            if pid == self.group {
+                total += field(13) + field(14);
+            }
+            found = true;
+        }
+        found.then(|| Duration::from_secs_f64(total as f64 / ticks as f64))
+    }
+
     fn signal(&self, signal: libc::c_int) {
         // SAFETY: killpg takes plain integers; a group already gone returns ESRCH, which is fine.
         #[allow(unsafe_code)]
@@ -160,6 +194,19 @@ impl Control {
         if let Some((uid, gid)) = self.user {
             users::signal_all_of(uid, gid, signal);
         }
+    }
+}
+
+/// The CPUs this process may run on (its affinity), in order; empty where the kernel does not say.
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is the empty set; sched_getaffinity writes only it, CPU_ISSET reads it.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&cpu| libc::CPU_ISSET(cpu, &set)).collect()
     }
 }
 
@@ -808,6 +855,16 @@ impl ChildSetup {
         if self.limits.nice > 0 {
             // SAFETY: setpriority on this process, with integers.
             unsafe { check(libc::setpriority(libc::PRIO_PROCESS, 0, self.limits.nice))? };
+        }
+        if !self.limits.cpus.is_empty() {
+            // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET and sched_setaffinity write and read only it.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                for &cpu in &self.limits.cpus {
+                    libc::CPU_SET(cpu, &mut set);
+                }
+                check(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set))?;
+            }
         }
         if let Some(fd) = self.control_fd {
             const CONTROL: libc::c_int = 3;

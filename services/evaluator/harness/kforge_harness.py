@@ -49,6 +49,8 @@ _open = open
 
 
 PHASES_MS = {}
+# Whether this process waits for its GPU asleep (`blocking_sync`); None off the GPU.
+BLOCKING_SYNC = None
 
 
 class phase:
@@ -86,6 +88,8 @@ def json_safe(value):
 
 def write_result(spec, result):
     result["phases_ms"] = dict(PHASES_MS)
+    if BLOCKING_SYNC is not None:
+        result["blocking_sync"] = BLOCKING_SYNC
     # CPU time of this process and of the children it waited for (the compilers of a build), for the evaluator's
     # account of where CPU time goes.
     spent = [_getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
@@ -132,18 +136,23 @@ def flatten_outputs(output):
     return [output]
 
 
-def to_cpu_outputs(output):
-    """Outputs prepared for saving: tensors detached to CPU with their exact type recorded."""
+def to_cpu_outputs(output, stream=None):
+    """Outputs prepared for saving: tensors detached to CPU with their exact type recorded. A copy to CPU waits for
+    its own stream only; with `stream`, the copies are ordered on that stream."""
     import torch
 
-    saved = []
-    for value in flatten_outputs(output):
-        exact = type(value) is torch.Tensor
-        if isinstance(value, torch.Tensor):
-            saved.append({"exact_tensor": exact, "device": str(value.device), "tensor": value.detach().to("cpu").clone()})
-        else:
-            saved.append({"exact_tensor": False, "device": "", "value": repr(value)[:200]})
-    return saved
+    def saved():
+        for value in flatten_outputs(output):
+            exact = type(value) is torch.Tensor
+            if isinstance(value, torch.Tensor):
+                yield {"exact_tensor": exact, "device": str(value.device), "tensor": value.detach().to("cpu").clone()}
+            else:
+                yield {"exact_tensor": False, "device": "", "value": repr(value)[:200]}
+
+    if stream is None:
+        return list(saved())
+    with torch.cuda.stream(stream):
+        return list(saved())
 
 
 def tensor_digest(values):
@@ -167,6 +176,8 @@ class Originals:
         self.event = torch.cuda.Event
         self.event_record = torch.cuda.Event.record
         self.event_elapsed = torch.cuda.Event.elapsed_time
+        self.sleep = torch.cuda._sleep
+        self.current_stream = torch.cuda.current_stream
         self.save = torch.save
 
 
@@ -193,9 +204,10 @@ class Gate:
     and may go idle again for host work. The socket's methods are bound here, before any candidate code runs, so
     replacing them later changes nothing."""
 
-    def __init__(self, joining):
+    def __init__(self, joining, timing_cpu=None):
         self.send = self.recv = None
         self.is_idle = joining == "idle"
+        self.timing_cpu = timing_cpu
         if joining:
             import socket
 
@@ -220,10 +232,18 @@ class Gate:
 
     @contextlib.contextmanager
     def alone(self, device):
-        """Runs the block alone on the device. A block that raises ends the stage: no need to share again."""
+        """Runs the block alone on the device, its launching thread on the CPU kept free of other stages (the
+        evaluator's `timing_cpu`). A block that raises ends the stage: no need to share again."""
         self.ask(b"alone\n", device)
-        yield
+        with pinned_to(self.timing_cpu):
+            yield
         self.ask(b"share\n", device)
+
+    def call(self):
+        """Tells the evaluator that candidate code (or a timed call) starts now: it is stopped as hung if it runs
+        past its call limit before the next message. One way: no answer to wait for."""
+        if self.send is not None:
+            self.send(b"call\n")
 
     def pause(self, device):
         """A pause point between steps of shared work: stopped here while another process runs alone or waits to."""
@@ -245,6 +265,52 @@ class Gate:
 GATE = Gate(False)
 
 
+@contextlib.contextmanager
+def pinned_to(cpu):
+    """Runs the block with the calling thread on `cpu` alone (other threads keep their CPUs); then as before."""
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        before = None  # not ours to use here (a cpuset without it): timing runs where it was
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
+
+
+def thread_cpu_wait():
+    """(ns this thread waited runnable for a CPU, its involuntary context switches) so far: what competition for
+    the CPU cost the timed loop. (None, None) where the kernel does not say."""
+    try:
+        with _open("/proc/thread-self/schedstat") as f:
+            waited = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        waited = None
+    switches = _getrusage(resource.RUSAGE_THREAD).ru_nivcsw if hasattr(resource, "RUSAGE_THREAD") else None
+    return waited, switches
+
+
+def blocking_sync():
+    """Makes this process wait for its GPU asleep instead of spinning (CU_CTX_SCHED_BLOCKING_SYNC on the primary
+    context, before torch creates it): a process waiting on a kernel that never ends then uses no CPU, which is how
+    the evaluator tells a hung call from a busy one, and waiting neighbours leave the CPUs to work that needs them.
+    Returns whether it took effect."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        device = ctypes.c_int()
+        return (cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+                and cuda.cuDevicePrimaryCtxSetFlags_v2(device, 4) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
 def synchronize(device):
     if device.type == "cuda":
         originals().synchronize(device)
@@ -255,35 +321,79 @@ def save(value, path):
 
 
 class Timer:
-    """Times one call: CUDA events around it on a GPU, the monotonic clock on CPU; the L2 cache is flushed first."""
+    """Times one call: CUDA events around it on a GPU, the monotonic clock on CPU; the L2 cache is flushed first.
+
+    On a GPU the call is enqueued behind device work: after the flush, a spin kernel (`torch.cuda._sleep`) covers
+    the host's time to launch the call, so the start event fires when the call's first kernel is already queued and
+    the events measure the device's work, not the host's launch latency after the previous synchronisation. The
+    cover is sized from the calls before (their launch time on the host, 1.5x plus 20 us) and never longer than the
+    call's own device time plus 50 us: host work beyond what the device's backlog would hide, as in a stream of
+    back-to-back calls, still shows in the events."""
 
     def __init__(self, device):
         import torch
 
         self.device = device
         self.flush_buffer = None
+        self.cycles_per_ms = 0.0
         if device.type == "cuda":
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             # Twice the L2 size, written between runs, so no run finds its data already cached.
             self.flush_buffer = torch.empty(max(2 * l2, 1 << 20), dtype=torch.uint8, device=device)
+            self.cycles_per_ms = spin_rate(device)
 
-    def time_ms(self, fn):
-        """(event milliseconds, host milliseconds, result). The host clock spans the whole timed step (flush, call,
-        synchronisation): the parent compares the two, so work the events miss still shows in wall-clock time."""
+    def time_ms(self, fn, cover_ms=0.0):
+        """(event ms, host ms, launch ms, result). The host clock spans the whole timed step (flush, call,
+        synchronisation) less the cover, as the events measure it: the parent compares the two, so work the
+        events miss still shows in wall-clock time. `launch ms` is the host's time inside `fn`."""
         begin = _perf_counter_ns()
         if self.flush_buffer is not None:
             o = originals()
             self.flush_buffer.zero_()
+            flushed = o.event(enable_timing=True)
             start = o.event(enable_timing=True)
             end = o.event(enable_timing=True)
+            o.event_record(flushed)
+            cycles = int(cover_ms * self.cycles_per_ms)
+            if cycles > 0:
+                o.sleep(cycles)
             o.event_record(start)
+            launch = _perf_counter_ns()
             result = fn()
+            launch = (_perf_counter_ns() - launch) / 1e6
             o.event_record(end)
             o.synchronize(self.device)
-            return o.event_elapsed(start, end), (_perf_counter_ns() - begin) / 1e6, result
+            host = (_perf_counter_ns() - begin) / 1e6 - o.event_elapsed(flushed, start)
+            return o.event_elapsed(start, end), host, launch, result
         result = fn()
         host = (_perf_counter_ns() - begin) / 1e6
-        return host, host, result
+        return host, host, host, result
+
+
+def spin_rate(device):
+    """Clock cycles per millisecond of `torch.cuda._sleep` on `device`, measured once (it spins for cycles)."""
+    o = originals()
+    cycles = 1_000_000
+    o.sleep(cycles)  # its first launch loads the kernel
+    start, end = o.event(enable_timing=True), o.event(enable_timing=True)
+    o.event_record(start)
+    o.sleep(cycles)
+    o.event_record(end)
+    o.synchronize(device)
+    elapsed = o.event_elapsed(start, end)
+    return cycles / elapsed if elapsed > 0 else 0.0
+
+
+def cover_ms(launches, device_ms):
+    """How long the spin before the next timed call runs: enough to hide its launch (the 75th percentile of the
+    recent calls' launch time, 1.5x plus 20 us), never more than its device time plus 50 us."""
+    if not launches:
+        return 0.1
+    recent = sorted(launches[-20:])
+    launch = recent[min(len(recent) - 1, (3 * len(recent)) // 4)]
+    recent_device = sorted(device_ms[-20:])
+    device = recent_device[len(recent_device) // 2] if recent_device else 0.0
+    return min(1.5 * launch + 0.02, device + 0.05)
 
 
 def perturb(inputs, set_seed, call):
@@ -319,17 +429,19 @@ def timing_inputs(task, spec, device, calls_upto=None, for_set=None):
 def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
     """Raw samples of fn over rotating, per-call perturbed input sets; warm-up runs the same code path.
 
-    Stops when the relative standard error of the mean is under `budget["target_rel_error"]` (after at least
-    `min_runs`), or at `max_runs`, or when `max_seconds` of measurement have passed. Returns the samples, the index
-    of the last call and its output; the samples are (event ms, host ms) pairs.
+    Stops once at least `min_runs` samples and `min_seconds` of measurement are in and the relative standard error
+    of the mean is under `budget["target_rel_error"]`, or at `max_runs`, or when `max_seconds` of measurement have
+    passed. Each call is announced to the evaluator (`Gate.call`, outside the timed step), which stops a call that
+    never returns. Returns the samples as (event ms, host ms) series, the index of the last call, its output, and
+    what competition for the CPU cost the loop (`thread_cpu_wait` over the loop).
     """
     import torch
 
     timer = Timer(device)
-    samples = []
-    host = []
+    samples, host, launches, device_ms = [], [], [], []
     call = -1
     output = None
+    waited_before, switches_before = thread_cpu_wait()
     with torch.no_grad():
         started = None
         while len(samples) < budget["max_runs"]:
@@ -337,7 +449,11 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
             which = call % len(input_sets)
             inputs = input_sets[which]
             perturb(inputs, set_seeds[which], call)
-            elapsed, host_elapsed, output = timer.time_ms(lambda: fn_for_inputs(inputs))
+            GATE.call()
+            elapsed, host_elapsed, launch, output = timer.time_ms(lambda: fn_for_inputs(inputs),
+                                                                   cover_ms(launches, device_ms))
+            launches.append(launch)
+            device_ms.append(elapsed)
             if call < budget["warmup_runs"]:
                 continue
             if started is None:
@@ -345,14 +461,23 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
             samples.append(elapsed)
             host.append(host_elapsed)
             n = len(samples)
-            if n >= budget["min_runs"]:
+            spent = _monotonic() - started
+            if n >= budget["min_runs"] and spent >= budget.get("min_seconds", 0.0):
                 mean = sum(samples) / n
                 var = sum((s - mean) ** 2 for s in samples) / (n - 1)
                 if mean > 0 and math.sqrt(var / n) / mean < budget["target_rel_error"]:
                     break
-            if _monotonic() - started > budget["max_seconds"]:
+            if spent > budget["max_seconds"]:
                 break
-    return samples, host, call, output
+    waited_after, switches_after = thread_cpu_wait()
+    cpu = {
+        "cpu_wait_ms": (waited_after - waited_before) / 1e6 if waited_before is not None else None,
+        "involuntary_switches": switches_after - switches_before if switches_before is not None else None,
+        "calls": call + 1,
+        "cover_ms": cover_ms(launches, device_ms) if device.type == "cuda" else 0.0,
+        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+    return samples, host, call, output, cpu
 
 
 # ---------------------------------------------------------------------------------------------------- integrity
@@ -373,6 +498,8 @@ def watched_attributes():
         "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time"),
         "torch.cuda.Event.synchronize": (torch.cuda.Event, "synchronize"),
         "torch.cuda.current_stream": (torch.cuda, "current_stream"),
+        "torch.cuda._sleep": (torch.cuda, "_sleep"),
+        "torch.cuda.stream": (torch.cuda, "stream"),
         "torch.allclose": (torch, "allclose"),
         "torch.equal": (torch, "equal"),
         "torch.isclose": (torch, "isclose"),
@@ -694,6 +821,7 @@ class Census:
             for training, grad in CENSUS_MODES:
                 model.train(training)
                 with torch.set_grad_enabled(grad):
+                    GATE.call()  # the mode's untimed first call and its recorded calls
                     model(*inputs)
                     synchronize(device)
                     with record_function("kforge.mode"):
@@ -790,13 +918,47 @@ def run_trial(model, task, seed, device, trial, integrity, result, spec):
 
     inputs = make_inputs(task, seed, device)
     before = tensor_digest(inputs)
+    caller = originals().current_stream(device) if device.type == "cuda" else None
+    GATE.call()
     with torch.no_grad():
         output = model(*inputs)
+    # Read as a consumer on the caller's stream would: copied in that stream's order, before any device-wide
+    # synchronisation, so work left running on another stream is read unfinished.
+    ordered = to_cpu_outputs(output, caller)
     synchronize(device)
+    GATE.pause(device)  # the call is over: synchronised, and a pause point
+    if caller is not None:
+        unordered = differs_after_sync(output, ordered)
+        if unordered is not None:
+            integrity.add("runtime.unordered_output",
+                          f"output {unordered} read on the caller's stream right after forward returned differs from "
+                          f"the same output after a device-wide synchronisation (trial {trial}): work still ran "
+                          f"that the caller's stream was not ordered after (another stream, no event wait)")
     if tensor_digest(inputs) != before:
         result["mutated_inputs"].append(trial)
     integrity.check_outputs(inputs, output, trial)
-    save(to_cpu_outputs(output), os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"))
+    save(ordered, os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"))
+
+
+# Outputs up to this size are read twice (in the caller's stream order, then after synchronising) to name a stream
+# race; larger ones are read once, in stream order, and a race shows as a mismatch.
+RACE_CHECK_BYTES = 64 << 20
+
+
+def differs_after_sync(output, ordered):
+    """The index of the first output whose stream-ordered copy differs (bytewise) from its value now, or None."""
+    import torch
+
+    values = flatten_outputs(output)
+    sizes = [v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor)]
+    if sum(sizes) > RACE_CHECK_BYTES:
+        return None
+    for index, (value, saved) in enumerate(zip(values, ordered)):
+        if isinstance(value, torch.Tensor) and value.is_cuda and "tensor" in saved:
+            now = value.detach().to("cpu").contiguous().view(torch.uint8)
+            if not torch.equal(now, saved["tensor"].contiguous().view(torch.uint8)):
+                return index
+    return None
 
 
 def mode_candidate(spec):
@@ -811,12 +973,14 @@ def mode_candidate(spec):
     install_build_recipe(building=False)
     try:
         with phase("import_candidate"):
+            GATE.call()  # the module's own code runs, and its extensions load
             candidate = load_module(spec["candidate_path"], "kforge_candidate")
     except BaseException as error:
         error.kforge_phase = "import"
         raise
     integrity.check_environment("when the candidate was imported")
     with phase("trials"):
+        GATE.call()
         model = make_model(candidate.ModelNew, task, spec["init_seed"], device)
         result = {"ok": True, "mutated_inputs": []}
         seeds = spec["seeds"]
@@ -840,14 +1004,15 @@ def mode_candidate(spec):
                     census.record()
             if timing:
                 with phase("timing"):
-                    samples, host, last_call, output = measure(lambda inputs: model(*inputs), input_sets,
-                                                               spec["timing_seeds"], device, timing)
+                    samples, host, last_call, output, cpu = measure(lambda inputs: model(*inputs), input_sets,
+                                                                    spec["timing_seeds"], device, timing)
         if timing:
             with phase("timing"):
                 synchronize(device)
                 result["samples_ms"] = samples
                 result["host_ms"] = host
                 result["last_call"] = last_call
+                result["timing_cpu"] = cpu
                 save(to_cpu_outputs(output), os.path.join(spec["candidate_dir"], "timed.pt"))
         if census is not None:
             with phase("census_read"):
@@ -993,8 +1158,9 @@ def mode_baseline(spec):
     input_sets = timing_inputs(task, spec, device)
     seeds = spec["timing_seeds"]
     with GATE.alone(device):
-        eager, eager_host, _, _ = measure(lambda inputs: model(*inputs), input_sets, seeds, device, spec["timing"])
-    result = {"ok": True, "eager_ms": eager, "eager_host_ms": eager_host}
+        eager, eager_host, _, _, cpu = measure(lambda inputs: model(*inputs), input_sets, seeds, device,
+                                               spec["timing"])
+    result = {"ok": True, "eager_ms": eager, "eager_host_ms": eager_host, "timing_cpu": cpu}
     if spec.get("compile"):
         try:
             compiled = torch.compile(model)
@@ -1002,8 +1168,8 @@ def mode_baseline(spec):
             with torch.no_grad():
                 compiled(*input_sets[0])
             with GATE.alone(device):
-                result["compile_ms"], _, _, _ = measure(lambda inputs: compiled(*inputs), input_sets, seeds, device,
-                                                        spec["timing"])
+                result["compile_ms"], _, _, _, _ = measure(lambda inputs: compiled(*inputs), input_sets, seeds,
+                                                           device, spec["timing"])
         except Exception as error:  # torch.compile is unavailable on some hosts (no C compiler for inductor)
             result["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
     write_result(spec, result)
@@ -1030,7 +1196,10 @@ def main():
     os.environ.update(request.get("env") or {})
     mode, spec = request["mode"], request["spec"]
     global GATE
-    GATE = Gate(spec.get("gate"))
+    GATE = Gate(spec.get("gate"), spec.get("timing_cpu"))
+    if spec.get("device") == "cuda":
+        global BLOCKING_SYNC
+        BLOCKING_SYNC = blocking_sync()
     try:
         MODES[mode](spec)
     except BaseException as error:  # report every failure as data; the evaluator classifies it

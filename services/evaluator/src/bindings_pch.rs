@@ -109,6 +109,7 @@ async fn run(
         mode: "bindings_pch",
         spec: json!({ "out_dir": out, "variants": variants, "cuda": cuda }),
         env: vec![],
+        limits: None,
     };
     let started = python::start(sandbox, python, harness, stage, CancellationToken::new());
     let outcome = started.run(request, None).await.map_err(|e| Failure::Other(e.to_string()))?;

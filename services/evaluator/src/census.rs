@@ -56,14 +56,15 @@ pub struct Candidate<'a> {
     pub compiles: bool,
     /// Its timed median, when it was timed.
     pub median_ms: Option<f64>,
-    /// Whether the policy is strict.
-    pub strict: bool,
+    /// Whether own kernels that never run are a hack (every shipped policy) rather than a notice.
+    pub unlaunched_is_hack: bool,
 }
 
 /// Analyses the census of `candidate`; `gpu` says whether the records are device activity or CPU operators.
 pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Census {
     let own_names: BTreeSet<&str> = candidate.kernels.iter().map(String::as_str).collect();
-    let (strict, median_ms) = (candidate.strict, candidate.median_ms);
+    let (unlaunched_is_hack, median_ms) = (candidate.unlaunched_is_hack, candidate.median_ms);
+    let mut unlaunched: Vec<&str> = Vec::new();
     let cpu_record = if candidate.compiles { CPU_OWN_RECORD } else { CPU_PYTHON_RECORD };
     let is_own = |name: &str| if gpu { is_own_kernel(name, &own_names) } else { name == CPU_OWN_RECORD };
     let mut census = Census::default();
@@ -108,17 +109,9 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
                     ));
                 }
             }
-            if gpu && !own_names.is_empty() && own.is_empty() {
-                census.findings.push(Finding {
-                    code: "runtime.own_kernel_not_launched",
-                    message: format!(
-                        "the candidate defines {} but none of them ran: the work was done by library kernels",
-                        own_names.iter().copied().collect::<Vec<_>>().join(", ")
-                    ),
-                    line: 0,
-                    category: if strict { Category::Hack } else { Category::Notice },
-                });
-            }
+        }
+        if gpu && !own_names.is_empty() && own.is_empty() {
+            unlaunched.push(mode.mode.as_str());
         }
         own_by_mode.push((mode.mode.as_str(), own));
         census.kernels.extend(by_name.into_iter().map(|(name, (launches, total_ms))| pb::KernelRecord {
@@ -128,6 +121,18 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
             total_ms,
             mode: mode.mode.clone(),
         }));
+    }
+    if !unlaunched.is_empty() {
+        census.findings.push(Finding {
+            code: "runtime.own_kernel_not_launched",
+            message: format!(
+                "the candidate defines {} but none of them ran in {}: the work was done by other kernels",
+                own_names.iter().copied().collect::<Vec<_>>().join(", "),
+                unlaunched.join(", ")
+            ),
+            line: 0,
+            category: if unlaunched_is_hack { Category::Hack } else { Category::Notice },
+        });
     }
     if let Some((measured, own)) = own_by_mode.first() {
         let differing: Vec<&str> =
@@ -194,8 +199,8 @@ mod tests {
         ModeRecords { mode: mode.into(), calls: 2, call_us: 0.0, records }
     }
 
-    fn gpu_candidate(kernels: &[String], median_ms: Option<f64>, strict: bool) -> Candidate<'_> {
-        Candidate { kernels, compiles: true, median_ms, strict }
+    fn gpu_candidate(kernels: &[String], median_ms: Option<f64>, unlaunched_is_hack: bool) -> Candidate<'_> {
+        Candidate { kernels, compiles: true, median_ms, unlaunched_is_hack }
     }
 
     fn codes(census: &Census) -> Vec<&'static str> {
@@ -242,15 +247,23 @@ mod tests {
     fn defined_but_never_launched_and_mode_dependent_kernels() {
         let torch_only = vec![record(TORCH, 0.0, 10.0)];
         let own = ["scale_kernel".to_owned()];
-        let unused = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, true), true);
-        assert_eq!(codes(&unused), vec!["runtime.own_kernel_not_launched"]);
-        assert_eq!(unused.profiling_ratio, 0.0);
-        let lenient = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, false), true);
-        assert_eq!(lenient.findings[0].category, Category::Notice);
+        // Every shipped policy makes a decoy kernel a hack; a policy may relax it to a notice.
+        for policy in crate::statics::Policy::ALL {
+            let hack = policy.unlaunched_kernels_are_hacks();
+            assert!(hack, "{}", policy.id());
+            let unused = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, hack), true);
+            assert_eq!(codes(&unused), vec!["runtime.own_kernel_not_launched"]);
+            assert_eq!(unused.findings[0].category, Category::Hack);
+            assert_eq!(unused.profiling_ratio, 0.0);
+        }
+        let relaxed = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, false), true);
+        assert_eq!(relaxed.findings[0].category, Category::Notice);
 
+        // Own kernels in the measured mode but none in another: not launched there, and mode-dependent.
         let modes = vec![mode("train/no_grad", vec![record(OWN, 0.0, 10.0)]), mode("train/grad", torch_only)];
         let switching = analyse(&modes, gpu_candidate(&own, None, true), true);
-        assert_eq!(codes(&switching), vec!["runtime.mode_dependent_kernels"]);
+        assert_eq!(codes(&switching), vec!["runtime.own_kernel_not_launched", "runtime.mode_dependent_kernels"]);
+        assert!(switching.findings[0].message.contains("train/grad"), "{}", switching.findings[0].message);
     }
 
     #[test]
@@ -261,7 +274,7 @@ mod tests {
             call_us: 100.0,
             records: vec![record("aten::empty_like", 0.0, 5.0), record("aten::empty_like", 50.0, 5.0)],
         }];
-        let compiled = Candidate { kernels: &[], compiles: true, median_ms: Some(0.05), strict: true };
+        let compiled = Candidate { kernels: &[], compiles: true, median_ms: Some(0.05), unlaunched_is_hack: true };
         let census = analyse(&modes, compiled, false);
         assert!((census.profiling_ratio - 0.9).abs() < 1e-12, "{}", census.profiling_ratio);
         let own: Vec<_> = census.kernels.iter().filter(|k| k.own).map(|k| k.name.as_str()).collect();

@@ -46,10 +46,16 @@ pub struct EvaluatorConfig {
     pub compile_timeout_secs: u64,
     /// Wall-clock limit of each run stage (candidate, reference, check, baseline), in seconds.
     pub run_timeout_secs: u64,
+    /// How long one call into candidate code may run before its stage is stopped as hung (a kernel that never
+    /// ends costs seconds, not `run_timeout_secs`, and never stalls the other evaluations on its GPU).
+    pub call_limits: CallLimitsConfig,
     /// Output comparison tolerances by dtype: `|got - expected| <= atol + rtol * |expected|`.
     pub tolerances: Tolerances,
     /// How long and how precisely to time.
     pub timing: TimingBudget,
+    /// With at least four CPUs and a GPU: keep one CPU for the thread that launches timed work; every stage
+    /// starts on the others (docs/EVALUATOR.md, "Timing").
+    pub reserve_timing_cpu: bool,
     /// A candidate faster than eager by more than this factor is timed again in a fresh process and the slower
     /// measurement counts; 0 turns the re-measurement off.
     pub plausible_speedup: f64,
@@ -158,8 +164,10 @@ impl Default for EvaluatorConfig {
             max_source_bytes: 256 * 1024,
             compile_timeout_secs: 600,
             run_timeout_secs: 300,
+            call_limits: CallLimitsConfig::default(),
             tolerances: Tolerances::default(),
             timing: TimingBudget::default(),
+            reserve_timing_cpu: true,
             plausible_speedup: 10.0,
             baseline_torch_compile: true,
             baselines_ahead: true,
@@ -232,7 +240,11 @@ pub struct TimingBudget {
     pub max_runs: u32,
     /// Measurement stops once this much time has passed, in seconds.
     pub max_seconds: f64,
-    /// Measurement stops once the standard error of the mean is this fraction of the mean.
+    /// Measurement goes on for at least this long, in seconds (with `min_runs`): a stable median of a short call
+    /// needs many samples.
+    pub min_seconds: f64,
+    /// Measurement stops (past `min_runs` and `min_seconds`) once the standard error of the mean is this fraction
+    /// of the mean.
     pub target_rel_error: f64,
     /// Input sets rotated through (fresh inputs from different seeds).
     pub input_sets: u32,
@@ -240,7 +252,35 @@ pub struct TimingBudget {
 
 impl Default for TimingBudget {
     fn default() -> Self {
-        Self { warmup_runs: 5, min_runs: 10, max_runs: 200, max_seconds: 5.0, target_rel_error: 0.01, input_sets: 3 }
+        Self {
+            warmup_runs: 10,
+            min_runs: 50,
+            max_runs: 1000,
+            max_seconds: 5.0,
+            min_seconds: 0.2,
+            target_rel_error: 0.005,
+            input_sets: 3,
+        }
+    }
+}
+
+/// Limits of one call into candidate code (`[evaluator.call_limits]`); see `python::CallLimits`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CallLimitsConfig {
+    /// A call that waits (a kernel running) may take this many times the reference's eager median...
+    pub reference_factor: f64,
+    /// ...and at least this long, in seconds.
+    pub floor_secs: f64,
+    /// A waiting call's limit while the task has no measured reference yet, in seconds.
+    pub unmeasured_secs: f64,
+    /// A call busy on the CPU (JIT compiles, autotuning, host code) may run this long, in seconds.
+    pub busy_secs: f64,
+}
+
+impl Default for CallLimitsConfig {
+    fn default() -> Self {
+        Self { reference_factor: 100.0, floor_secs: 5.0, unmeasured_secs: 30.0, busy_secs: 60.0 }
     }
 }
 

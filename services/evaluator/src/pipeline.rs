@@ -27,10 +27,10 @@ use tokio_util::sync::CancellationToken;
 use crate::bindings_pch;
 use crate::cache::{self, Cache, Entry};
 use crate::census;
-use crate::config::{BuildRecipe, EvaluatorConfig};
+use crate::config::{BuildRecipe, CallLimitsConfig, EvaluatorConfig};
 use crate::devices::{self, Lane, Lanes, MemberTimes};
 use crate::metrics::EvaluatorMetrics;
-use crate::python::{self, Joining, PythonEnv, Request, Stage, StageOutcome, Started};
+use crate::python::{self, CallLimits, Joining, PythonEnv, Request, Stage, StageOutcome, Started};
 use crate::statics::{self, Category, Policy};
 use crate::stats::timing_stats;
 
@@ -180,6 +180,12 @@ impl Evaluator {
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
             if let Some(threads) = config.gpu_stage_threads_on(env.gpus.len(), cores) {
                 env.limit_gpu_stage_threads(threads);
+            }
+            if config.reserve_timing_cpu && !env.gpus.is_empty() {
+                match env.reserve_timing_cpu() {
+                    Some(cpu) => tracing::info!(cpu, "one CPU is kept for launching timed work"),
+                    None => tracing::info!("fewer than four CPUs: timed work shares the CPUs with every stage"),
+                }
             }
         }
         let sandbox = match &python {
@@ -563,7 +569,9 @@ impl Evaluator {
             "timing_seeds": timing_seeds,
             "census_calls": if job.census { inner.config.census_calls } else { 0 },
         });
-        let mut candidate = self.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone()).await;
+        let limits = self.call_limits(job, gpu);
+        let mut candidate =
+            self.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone(), limits.clone()).await;
         if lane.shared() && candidate.as_ref().is_ok_and(out_of_memory) {
             // Another evaluation on the device may have held the memory it needed: once more, with the device to
             // itself. A candidate that needs more than the device has fails again, alone.
@@ -575,7 +583,7 @@ impl Evaluator {
                 category: pb::FindingCategory::Notice as i32,
             });
             candidate = match self.restart_candidate(job, &candidate_dir, &artifact_dir, cancel) {
-                Ok(process) => self.candidate_stage(process, &lane, &candidate_dir, spec).await,
+                Ok(process) => self.candidate_stage(process, &lane, &candidate_dir, spec, limits.clone()).await,
                 Err(error) => return infra(response, error, true),
             };
         }
@@ -585,6 +593,10 @@ impl Evaluator {
             Err(verdict) => return verdict,
         };
         phases_into(&result, "run", response);
+        // What competition for the CPU cost the timed loop's launching thread (0 when nothing competed).
+        if let Some(waited) = result.pointer("/timing_cpu/cpu_wait_ms").and_then(|w| w.as_f64()) {
+            response.stage_ms.insert("run.timing_cpu_wait".into(), waited);
+        }
 
         // Correctness, in a clean process.
         let started = Instant::now();
@@ -698,7 +710,12 @@ impl Evaluator {
             };
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
             let candidate =
-                census::Candidate { kernels: &own_kernels, compiles, median_ms: median, strict: job.policy.strict() };
+                census::Candidate {
+                kernels: &own_kernels,
+                compiles,
+                median_ms: median,
+                unlaunched_is_hack: job.policy.unlaunched_kernels_are_hacks(),
+            };
             let census = census::analyse(&modes, candidate, gpu.is_some());
             response.kernels = census.kernels;
             response.profiling_ratio = census.profiling_ratio;
@@ -773,13 +790,15 @@ impl Evaluator {
         lane: &Lane,
         dir: &Path,
         mut spec: serde_json::Value,
+        limits: CallLimits,
     ) -> Result<StageOutcome, String> {
         let python = self.inner.python.as_ref().expect("validate checked the environment");
         spec["task_path"] = json!(dir.join("task.py"));
         spec["candidate_path"] = json!(dir.join("candidate.py"));
         spec["candidate_dir"] = json!(dir);
         spec["device"] = json!(lane.device());
-        let request = Request { mode: "candidate", spec, env: python.device_env(lane.gpu()) };
+        spec["timing_cpu"] = json!(python.timing_cpu.filter(|_| lane.gpu().is_some()));
+        let request = Request { mode: "candidate", spec, env: python.device_env(lane.gpu()), limits: Some(limits) };
         self.stage(started, request, Some(lane)).await.map_err(|e| format!("candidate stage: {e}"))
     }
 
@@ -848,7 +867,7 @@ impl Evaluator {
         });
         let dir = scratch.join("remeasure");
         let started = self.start_candidate(job, &dir, artifact_dir, cancel)?;
-        self.candidate_stage(started, lane, &dir, spec).await
+        self.candidate_stage(started, lane, &dir, spec, self.call_limits(job, lane.gpu())).await
     }
 
     /// Builds the candidate's extensions into the artifact cache; `Some(verdict)` when the evaluation ends here.
@@ -904,7 +923,12 @@ impl Evaluator {
             background: true,
         };
         let request =
-            Request { mode: "compile", spec: json!({ "candidate_path": scratch.join("candidate.py") }), env: vec![] };
+            Request {
+                mode: "compile",
+                spec: json!({ "candidate_path": scratch.join("candidate.py") }),
+                env: vec![],
+                limits: None,
+            };
         let outcome = match self.stage(self.start(stage, cancel), request, None).await {
             Ok(outcome) => outcome,
             Err(error) => return Some(infra(response, format!("compile stage: {error}"), true)),
@@ -1026,7 +1050,7 @@ impl Evaluator {
         let inner = &self.inner;
         let PreparedCheck { started, mode, mut spec, key, lock, _pin } = prepared;
         spec["timed_call"] = json!(timed_call);
-        let request = Request { mode, spec, env: vec![] };
+        let request = Request { mode, spec, env: vec![], limits: None };
         let outcome = self.stage(started, request, Some(lane)).await.map_err(|e| format!("{mode} stage: {e}"))?;
         if !outcome.ok() {
             let what = if mode == "reference" { "the reference failed" } else { "the checker failed" };
@@ -1090,17 +1114,8 @@ impl Evaluator {
         let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
-        let versions = python.versions_key();
-        let device_name = python.device_name(gpu);
-        let timing = serde_json::to_string(&inner.config.timing).unwrap_or_default();
         let with_compile = inner.config.baseline_torch_compile;
-        let key = cache::key(&[
-            job.task.as_bytes(),
-            device_name.as_bytes(),
-            versions.as_bytes(),
-            timing.as_bytes(),
-            &[u8::from(with_compile)],
-        ]);
+        let key = self.baseline_key(job, gpu);
         let parse = |text: &str| -> Result<Baseline, String> {
             let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("baseline cache: {e}"))?;
             let eager =
@@ -1142,8 +1157,10 @@ impl Evaluator {
                 "timing": timing_spec(&inner.config.timing),
                 "timing_seeds": timing_seeds,
                 "compile": with_compile,
+                "timing_cpu": python.timing_cpu.filter(|_| gpu.is_some()),
             }),
             env: vec![],
+            limits: None,
         };
         let outcome = self
             .stage(self.start(stage, cancel), request, Some(lane))
@@ -1168,6 +1185,35 @@ impl Evaluator {
             .map_err(|e| format!("baseline cache: {e}"))?;
         self.evict_later("baseline", &inner.baselines);
         parse(&text)
+    }
+
+    /// The baseline cache's key of `job`'s task on `gpu` (or the CPU).
+    fn baseline_key(&self, job: &Job, gpu: Option<usize>) -> String {
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+        let timing = serde_json::to_string(&inner.config.timing).unwrap_or_default();
+        cache::key(&[
+            job.task.as_bytes(),
+            python.device_name(gpu).as_bytes(),
+            python.versions_key().as_bytes(),
+            timing.as_bytes(),
+            &[u8::from(inner.config.baseline_torch_compile)],
+        ])
+    }
+
+    /// How long each call of `job`'s candidate may run on `gpu`: from the task's eager median where its baseline
+    /// is cached, else the limit for tasks not measured yet.
+    fn call_limits(&self, job: &Job, gpu: Option<usize>) -> CallLimits {
+        let config = &self.inner.config.call_limits;
+        let reference_ms = match self.inner.baselines.get(&self.baseline_key(job, gpu)) {
+            Some(Entry::Ready(text)) => serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|value| serde_json::from_value::<Vec<f64>>(value["eager_ms"].clone()).ok())
+                .and_then(timing_stats)
+                .map(|stats| stats.median_ms),
+            _ => None,
+        };
+        call_limits(config, reference_ms)
     }
 
     /// Starts a harness process for `stage` now; it waits for its request (see [`python::start`]).
@@ -1210,7 +1256,12 @@ impl Evaluator {
         {
             inner.lanes.after_fault(lane, &fault).await;
         }
-        outcome
+        // Only now may the others on the device run alone without this stage: a stage that was killed, hung or
+        // faulted leaves the device once it has been checked.
+        outcome.map(|mut outcome| {
+            outcome.leave_gate();
+            outcome
+        })
     }
 
     /// Evicts from `cache` in the background if it grew past its bound.
@@ -1352,12 +1403,34 @@ enum Trial {
     Timed,
 }
 
+/// A call's limits: `reference_factor` times the reference's eager median, at least `floor_secs`; without a
+/// measured reference, `unmeasured_secs`.
+fn call_limits(config: &CallLimitsConfig, reference_ms: Option<f64>) -> CallLimits {
+    let (call, basis) = match reference_ms {
+        Some(ms) => {
+            let secs = (config.reference_factor * ms / 1e3).max(config.floor_secs);
+            let basis = format!(
+                "limit: {} x the reference's {ms:.3} ms per call, at least {} s",
+                config.reference_factor, config.floor_secs
+            );
+            (secs, basis)
+        }
+        None => (config.unmeasured_secs, "limit for a task whose reference is not measured yet".to_owned()),
+    };
+    CallLimits {
+        call: Duration::from_secs_f64(call.max(0.001)),
+        busy: Duration::from_secs_f64(config.busy_secs.max(call)),
+        basis,
+    }
+}
+
 fn timing_spec(timing: &crate::config::TimingBudget) -> serde_json::Value {
     json!({
         "warmup_runs": timing.warmup_runs,
         "min_runs": timing.min_runs.max(2),
         "max_runs": timing.max_runs.max(timing.min_runs.max(2)),
         "max_seconds": timing.max_seconds,
+        "min_seconds": timing.min_seconds,
         "target_rel_error": timing.target_rel_error,
     })
 }
@@ -1385,6 +1458,10 @@ fn cached_compile(entry: Entry, response: &mut pb::EvaluateResponse) -> Option<p
 fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
     if outcome.ok() {
         return None;
+    }
+    if let Some(hung) = &outcome.hung {
+        response.error = format!("the candidate was stopped: {hung}");
+        return Some(pb::Verdict::Timeout);
     }
     let error = cap(&outcome.error_text(), 8000);
     let verdict = match outcome.finished.exit {

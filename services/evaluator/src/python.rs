@@ -64,6 +64,10 @@ pub struct PythonEnv {
     bindings_pch: Arc<OnceLock<PathBuf>>,
     /// CPU threads of each process on a GPU, where limited; see [`PythonEnv::limit_gpu_stage_threads`].
     gpu_stage_threads: Option<usize>,
+    /// The CPU kept for the thread that launches timed work; see [`PythonEnv::reserve_timing_cpu`].
+    pub timing_cpu: Option<usize>,
+    /// The CPUs every stage starts on: all of this process's but the timing CPU (empty: all).
+    stage_cpus: Vec<usize>,
 }
 
 const PROBE: &str = r#"
@@ -155,6 +159,8 @@ impl PythonEnv {
             stock_builds: false,
             bindings_pch: Arc::default(),
             gpu_stage_threads: None,
+            timing_cpu: None,
+            stage_cpus: Vec::new(),
         })
     }
 
@@ -196,6 +202,19 @@ impl PythonEnv {
     /// cores: the checker's processes spent 31.7 CPU-seconds each with a thread per core, 10.5 with two).
     pub fn limit_gpu_stage_threads(&mut self, threads: usize) {
         self.gpu_stage_threads = Some(threads.max(1));
+    }
+
+    /// Keeps the last of this process's CPUs for the thread that launches timed work: every stage starts on the
+    /// others, and a stage running alone on its device moves its launching thread there for the timed loop
+    /// (`spec.timing_cpu`), so compiles and host work never delay its launches. Only with at least four CPUs.
+    pub fn reserve_timing_cpu(&mut self) -> Option<usize> {
+        let mut cpus = kforge_sandbox::allowed_cpus();
+        if cpus.len() < 4 {
+            return None;
+        }
+        self.timing_cpu = cpus.pop();
+        self.stage_cpus = cpus;
+        self.timing_cpu
     }
 
     /// The software versions as one string, for cache keys.
@@ -326,6 +345,23 @@ pub struct Request {
     pub mode: &'static str,
     pub spec: serde_json::Value,
     pub env: Vec<(String, String)>,
+    /// How long each call into candidate code may run (stages that run candidate code); see [`converse`].
+    pub limits: Option<CallLimits>,
+}
+
+/// How long a call into candidate code may run before its stage is stopped as hung. A call is what follows the
+/// harness's `call` message up to its next message: loading the module, building the model, one forward call of
+/// a trial, a census mode's calls, one timed call. Its limit counts from the message, while the stage runs.
+#[derive(Debug, Clone)]
+pub struct CallLimits {
+    /// A call that waits (on its device, or asleep): a kernel that never ends uses no CPU time while the harness
+    /// waits for it (the harness waits for its GPU asleep).
+    pub call: Duration,
+    /// A call busy on the CPU for at least half of the time (JIT compiles, autotuning, host code): it may run
+    /// this long, checked every second.
+    pub busy: Duration,
+    /// How `call` was chosen, for the error a hung stage gets.
+    pub basis: String,
 }
 
 impl Request {
@@ -343,6 +379,11 @@ pub struct StageOutcome {
     pub result: Option<serde_json::Value>,
     /// How long it ran alone on its device and waited at the device's gate.
     pub gate: MemberTimes,
+    /// Why it was stopped as hung: a call into candidate code ran past its [`CallLimits`].
+    pub hung: Option<String>,
+    /// Its place at the device's gate, kept after the process ended until the caller lets it go
+    /// ([`StageOutcome::leave_gate`]): a device left in doubt (a kill, a fault) is checked first.
+    membership: Option<Arc<Member>>,
 }
 
 /// How a stage takes part in its device's [`Gate`].
@@ -366,6 +407,11 @@ impl Joining {
 }
 
 impl StageOutcome {
+    /// Leaves the device's gate: other members may run alone without this stage from now on.
+    pub fn leave_gate(&mut self) {
+        self.membership = None;
+    }
+
     /// The result's `ok` flag; false when there is no result.
     pub fn ok(&self) -> bool {
         self.finished.success()
@@ -402,9 +448,18 @@ impl StageOutcome {
 /// device's time. Dropped without a request, the process is killed.
 #[derive(Debug)]
 pub struct Started {
-    request: Option<tokio::sync::oneshot::Sender<(Vec<u8>, Option<Member>)>>,
+    request: Option<tokio::sync::oneshot::Sender<(Vec<u8>, Option<Conversation>)>>,
     finished: tokio::task::JoinHandle<Result<Finished, SandboxError>>,
     result_path: PathBuf,
+    /// Why the conversation stopped the stage as hung, if it did.
+    hung: Arc<Mutex<Option<String>>>,
+}
+
+/// What a stage's conversation serves: its place at the gate, and the limits of its calls.
+#[derive(Debug)]
+struct Conversation {
+    member: Arc<Member>,
+    limits: Option<CallLimits>,
 }
 
 /// Starts the harness for `stage`; its wall-clock limit counts from [`Started::run`].
@@ -426,67 +481,183 @@ pub fn start(
         scratch: stage.scratch,
         readable,
         writable: stage.writable,
-        limits: Limits { wall: stage.wall, nice: if stage.background { 10 } else { 0 }, ..Limits::default() },
+        limits: Limits {
+            wall: stage.wall,
+            nice: if stage.background { 10 } else { 0 },
+            cpus: python.stage_cpus.clone(),
+            ..Limits::default()
+        },
     };
-    let (request, delivered) = tokio::sync::oneshot::channel::<(Vec<u8>, Option<Member>)>();
+    let (request, delivered) = tokio::sync::oneshot::channel::<(Vec<u8>, Option<Conversation>)>();
     let sandbox = sandbox.clone();
-    // The gate membership comes with the request, and goes to the conversation once the request is delivered.
-    let member = Arc::new(Mutex::new(None));
+    // The conversation comes with the request, and goes to `converse` once the request is delivered.
+    let conversation = Arc::new(Mutex::new(None));
     let input = {
-        let member = member.clone();
+        let conversation = conversation.clone();
         async move {
             let (bytes, joined) = delivered.await.ok()?;
-            *member.lock().expect("never poisoned") = joined;
+            *conversation.lock().expect("never poisoned") = joined;
             Some(bytes)
         }
     };
-    let converse = move |control, socket| async move {
-        let joined = member.lock().expect("never poisoned").take();
-        if let Some(member) = joined {
-            converse(member, control, socket).await;
+    let hung = Arc::new(Mutex::new(None));
+    let converse = {
+        let hung = hung.clone();
+        move |control, socket| async move {
+            let joined = conversation.lock().expect("never poisoned").take();
+            if let Some(Conversation { member, limits }) = joined {
+                match converse(&member, &control, socket, limits.as_ref()).await {
+                    // The harness's socket closes as its interpreter shuts down; a stage that closed it and runs
+                    // on would use the device outside the gate.
+                    Ended::Closed => tokio::time::sleep(CLOSED_GRACE).await,
+                    Ended::Broken => {}
+                    Ended::Hung(reason) => {
+                        tracing::info!(%reason, "stopping a stage whose call never returned");
+                        *hung.lock().expect("never poisoned") = Some(reason);
+                    }
+                }
+                // Unless it ended meanwhile (this future is dropped then).
+                control.kill();
+            }
         }
     };
     let finished = tokio::spawn(async move { sandbox.run_with_control(job, input, converse, cancel).await });
-    Started { request: Some(request), finished, result_path }
+    Started { request: Some(request), finished, result_path, hung }
 }
 
 /// The longest message the harness sends on its control socket.
 const MESSAGE_BYTES: u64 = 64;
 
+/// How long a stage may run on after closing its control socket (its interpreter shutting down).
+const CLOSED_GRACE: Duration = Duration::from_secs(5);
+
+/// How a stage's conversation ended.
+#[derive(Debug)]
+enum Ended {
+    /// The stage closed its socket.
+    Closed,
+    /// The stage sent what the harness never sends.
+    Broken,
+    /// A call ran past its limit: why.
+    Hung(String),
+}
+
 /// Serves a stage's gate requests, one line each, answered with `go` once granted:
 ///
 /// - `alone`: run alone on the device; `share`: share it again (or start to, from idle);
 /// - `pause`: a pause point between steps of shared work; it pauses only while someone runs alone or waits to;
-/// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]).
+/// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]);
+///
+/// and one notice, not answered: `call`, a call into candidate code starts (see [`CallLimits`]). A call still
+/// running at its limit ends the conversation with the reason; the caller kills the stage.
 ///
 /// While it waits, the stage is stopped and its wall clock held: it is at a pause point, its device work
 /// synchronised, and it is not working. A message it does not know, or may not send, kills the stage: only
 /// candidate code forging the harness's messages sends one, and a stage left outside the gate could use the device
 /// while others run alone.
-async fn converse(member: Member, control: Control, socket: tokio::net::UnixStream) {
+async fn converse(
+    member: &Member,
+    control: &Control,
+    socket: tokio::net::UnixStream,
+    limits: Option<&CallLimits>,
+) -> Ended {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let (read, mut write) = socket.into_split();
     let mut read = BufReader::new(read);
+    let mut line = Vec::new();
+    let mut call: Option<Call> = None;
     loop {
-        let mut line = Vec::new();
-        match (&mut read).take(MESSAGE_BYTES).read_until(b'\n', &mut line).await {
-            Ok(n) if n > 0 && line.ends_with(b"\n") => {}
-            _ => return,
-        }
-        match &line[..] {
-            b"alone\n" => stopped(&control, member.alone()).await,
-            b"share\n" => stopped(&control, member.share()).await,
-            b"pause\n" if member.must_pause() => stopped(&control, member.share()).await,
-            b"pause\n" => {}
-            b"idle\n" if member.idle() => {}
-            _ => {
-                control.kill();
-                return;
+        let check_at = call.as_ref().map(|call| call.check_at);
+        // A message cut short by a check keeps its bytes in `line`; the limit counts over the whole message.
+        let mut message = (&mut read).take(MESSAGE_BYTES.saturating_sub(line.len() as u64));
+        tokio::select! {
+            read = message.read_until(b'\n', &mut line) => match read {
+                Ok(n) if n > 0 && line.ends_with(b"\n") => {}
+                Ok(0) if line.is_empty() => return Ended::Closed,
+                _ => return Ended::Broken,
+            },
+            () = sleep_until(check_at) => {
+                let (call, limits) = (call.as_mut().expect("a deadline comes with a call"), limits.expect("set"));
+                match call.check(limits, control.cpu_time()) {
+                    Ok(()) => continue,
+                    Err(reason) => return Ended::Hung(reason),
+                }
             }
         }
-        if write.write_all(b"go\n").await.is_err() {
-            return;
+        let message = std::mem::take(&mut line);
+        call = None;
+        match &message[..] {
+            b"call\n" => {
+                call = limits.map(|limits| Call::new(limits, control.cpu_time()));
+                continue;
+            }
+            b"alone\n" => stopped(control, member.alone()).await,
+            b"share\n" => stopped(control, member.share()).await,
+            b"pause\n" if member.must_pause() => stopped(control, member.share()).await,
+            b"pause\n" => {}
+            b"idle\n" if member.idle() => {}
+            _ => return Ended::Broken,
         }
+        if write.write_all(b"go\n").await.is_err() {
+            return Ended::Closed;
+        }
+    }
+}
+
+/// Resolves at `at`, or never.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A call into candidate code, as its conversation watches it.
+#[derive(Debug)]
+struct Call {
+    since: tokio::time::Instant,
+    /// When its CPU time was last read, and what it was.
+    checked: (tokio::time::Instant, Option<Duration>),
+    check_at: tokio::time::Instant,
+}
+
+impl Call {
+    fn new(limits: &CallLimits, cpu: Option<Duration>) -> Self {
+        let now = tokio::time::Instant::now();
+        Self { since: now, checked: (now, cpu), check_at: now + limits.call }
+    }
+
+    /// At `check_at`: `Ok` (checked again later) while the call is busy on the CPU and within the busy limit,
+    /// else why it is hung.
+    fn check(&mut self, limits: &CallLimits, cpu: Option<Duration>) -> Result<(), String> {
+        let now = tokio::time::Instant::now();
+        let ran = now - self.since;
+        let busy = match (self.checked.1, cpu) {
+            (Some(before), Some(after)) => {
+                let wall = (now - self.checked.0).as_secs_f64();
+                wall > 0.0 && after.saturating_sub(before).as_secs_f64() / wall >= 0.5
+            }
+            _ => false,
+        };
+        if busy && ran < limits.busy {
+            self.checked = (now, cpu);
+            self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.busy);
+            return Ok(());
+        }
+        Err(if busy {
+            format!(
+                "a call into the candidate's code was still running, busy on the CPU, after {:.1} s (the limit for \
+                 calls busy on the CPU)",
+                ran.as_secs_f64()
+            )
+        } else {
+            format!(
+                "a call into the candidate's code did not return within {:.1} s and was waiting, not computing on \
+                 the CPU: a kernel that never ends ({})",
+                ran.as_secs_f64(),
+                limits.basis
+            )
+        })
     }
 }
 
@@ -499,7 +670,7 @@ async fn stopped(control: &Control, turn: impl std::future::Future<Output = ()>)
 
 impl Started {
     /// Sends `request` and waits for the stage to end. With a `gate`, the stage joins its device as `Joining`
-    /// says and may ask to run alone (`spec.gate`).
+    /// says and may ask to run alone (`spec.gate`); it keeps its place there until the outcome leaves it.
     pub async fn run(
         mut self,
         request: Request,
@@ -512,16 +683,17 @@ impl Started {
             object.insert("gate".into(), joining);
         }
         let member = match gate {
-            Some((gate, Joining::Share { solo })) => Some(gate.join(solo).await),
-            Some((gate, Joining::Idle)) => Some(gate.join_idle()),
+            Some((gate, Joining::Share { solo })) => Some(Arc::new(gate.join(solo).await)),
+            Some((gate, Joining::Idle)) => Some(Arc::new(gate.join_idle())),
             None => None,
         };
-        let clock = member.as_ref().map(Member::clock).unwrap_or_default();
+        let clock = member.as_deref().map(Member::clock).unwrap_or_default();
         let env: serde_json::Map<String, serde_json::Value> =
             request.env.into_iter().map(|(k, v)| (k, v.into())).collect();
         let message = serde_json::json!({ "mode": request.mode, "spec": spec, "env": env });
+        let conversation = member.clone().map(|member| Conversation { member, limits: request.limits });
         if let Some(sender) = self.request.take() {
-            let _ = sender.send((serde_json::to_vec(&message).expect("a JSON value always serialises"), member));
+            let _ = sender.send((serde_json::to_vec(&message).expect("a JSON value always serialises"), conversation));
         }
         // If this future is dropped (the evaluation was cancelled), `self` goes with it and the child is killed.
         let finished = match (&mut self.finished).await {
@@ -539,7 +711,8 @@ impl Started {
             },
             Err(_) => None,
         };
-        Ok(StageOutcome { finished, result, gate: clock.times() })
+        let hung = self.hung.lock().expect("never poisoned").take();
+        Ok(StageOutcome { finished, result, gate: clock.times(), hung, membership: member })
     }
 }
 
@@ -566,6 +739,70 @@ mod tests {
             stock_builds: false,
             bindings_pch: Arc::default(),
             gpu_stage_threads: None,
+            timing_cpu: None,
+            stage_cpus: Vec::new(),
+        }
+    }
+
+    /// Runs `script` (sh) as a stage on `gate` with call limits of 1 s waiting and 2 s busy.
+    fn shell_stage(script: &str, gate: &Arc<Gate>) -> tokio::task::JoinHandle<Result<StageOutcome, SandboxError>> {
+        let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch");
+        let path = dir.join("stage.sh");
+        std::fs::write(&path, script).expect("script");
+        let env = PythonEnv { python: "/bin/sh".into(), ..env_with(None) };
+        let stage = Stage {
+            scratch: dir.clone(),
+            readable: vec![],
+            writable: vec![],
+            env: vec![],
+            wall: Duration::from_secs(600),
+            background: false,
+        };
+        let started = start(&Sandbox::basic(), &env, &path, stage, CancellationToken::new());
+        let limits = CallLimits { call: Duration::from_secs(1), busy: Duration::from_secs(2), basis: "test".into() };
+        let request = Request { mode: "candidate", spec: serde_json::json!({}), env: vec![], limits: Some(limits) };
+        let gate = gate.clone();
+        tokio::spawn(async move { started.run(request, Some((&gate, Joining::Share { solo: false }))).await })
+    }
+
+    /// Waits (polling) until `gate` has `members`.
+    async fn members(gate: &Gate, members: usize) {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while gate.members() != members {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("members joined");
+    }
+
+    #[tokio::test]
+    async fn a_call_that_never_returns_is_stopped_and_its_neighbour_then_runs_alone() {
+        // Asleep in its call (as a process waiting on a kernel that never ends), and spinning on the CPU.
+        let cases = [
+            ("printf 'call\\n' >&3; exec sleep 3600", "did not return within"),
+            ("printf 'call\\n' >&3; while :; do :; done", "busy on the CPU"),
+        ];
+        for (script, says) in cases {
+            let gate = Arc::new(Gate::default());
+            let hung = shell_stage(script, &gate);
+            members(&gate, 1).await;
+            // A neighbour that wants to run alone: the hung stage never reaches a pause point.
+            let neighbour = Arc::new(gate.join(false).await);
+            let alone = tokio::spawn({
+                let neighbour = neighbour.clone();
+                async move { neighbour.alone().await }
+            });
+            let outcome = hung.await.expect("task").expect("the stage ran");
+            let reason = outcome.hung.clone().expect("stopped as hung");
+            assert!(reason.contains(says), "{reason}");
+            assert_eq!(outcome.finished.exit, kforge_sandbox::Exit::Signal(9), "killed: {:?}", outcome.finished);
+            // Until the caller has checked the device and lets the stage go, nobody runs alone.
+            assert!(!alone.is_finished(), "the killed stage still holds its place");
+            drop(outcome);
+            tokio::time::timeout(Duration::from_secs(30), alone).await.expect("runs alone").expect("task");
         }
     }
 

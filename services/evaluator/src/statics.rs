@@ -5,9 +5,10 @@
 //! not. What cannot be seen in the source (work escaping the timer, memoisation, ...) is the run-time checks' job.
 //!
 //! Policies:
-//! - `permissive@1`: the candidate must define `ModelNew`; anything that attacks the harness is a hack
+//! - `permissive@2`: the candidate must define `ModelNew`; anything that attacks the harness is a hack
 //!   (process, thread, socket, ctypes, gc/inspect imports; patching torch or timers; `setattr` on torch; side
-//!   streams; `exec`/`eval`; precision switches); `ModelNew` that only inherits the reference is a hack.
+//!   streams; `exec`/`eval`; precision switches); `ModelNew` that only inherits the reference is a hack; at run
+//!   time, a kernel the candidate defines and never launches is a hack (version 1 reported it as a notice).
 //! - `kevin-strict@1`: permissive, plus no `try`/`except`, no inheriting the reference at all, imports only
 //!   from an allowlist, no files, no fast-math flags, and no torch compute in `ModelNew.forward` (torch ops,
 //!   `torch.nn.functional`, tensor compute methods, `@`, calls of torch layers built in `__init__`).
@@ -37,16 +38,26 @@ pub struct Policy {
     pub name: &'static str,
     pub version: u32,
     strict: bool,
+    /// Whether a candidate whose own kernels do not run in some census mode is only a notice (a decoy kernel,
+    /// the work done by torch or another path, is otherwise a hack). No shipped policy relaxes it.
+    unlaunched_kernels_allowed: bool,
 }
 
 impl Policy {
-    pub const PERMISSIVE: Policy = Policy { name: "permissive", version: 1, strict: false };
-    pub const KEVIN_STRICT: Policy = Policy { name: "kevin-strict", version: 1, strict: true };
+    pub const PERMISSIVE: Policy =
+        Policy { name: "permissive", version: 2, strict: false, unlaunched_kernels_allowed: false };
+    pub const KEVIN_STRICT: Policy =
+        Policy { name: "kevin-strict", version: 1, strict: true, unlaunched_kernels_allowed: false };
     pub const ALL: [Policy; 2] = [Self::PERMISSIVE, Self::KEVIN_STRICT];
 
     /// Whether the policy demands the candidate's own kernels do the work (Kevin's rules).
     pub fn strict(&self) -> bool {
         self.strict
+    }
+
+    /// Whether own kernels that never run are a hack (see `census::analyse`).
+    pub fn unlaunched_kernels_are_hacks(&self) -> bool {
+        !self.unlaunched_kernels_allowed
     }
 
     /// `name@version`.

@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use kforge_evaluator::config::CallLimitsConfig;
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics, RequestError};
 use kforge_proto::v1 as pb;
 
@@ -68,6 +69,19 @@ async fn a_compiled_kernel_is_correct_timed_and_cached() {
     let again = evaluator.evaluate(request(CPU_LOOP)).await.expect("evaluates");
     assert_eq!(verdict(&again), pb::Verdict::Correct);
     assert!(again.compile_cache_hit, "an identical candidate reuses its compiled artifact");
+}
+
+/// A call that never returns costs its call limit, not the stage's: asleep (as a process waiting on a kernel that
+/// never ends) or spinning on the CPU, the candidate is stopped, with a timeout that names why.
+#[tokio::test]
+async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
+    let limits = CallLimitsConfig { floor_secs: 1.0, unmeasured_secs: 1.0, busy_secs: 2.0, reference_factor: 100.0 };
+    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 600, call_limits: limits, ..config() }).await;
+    for (name, says) in [("sleeps_in_forward.py", "did not return within"), ("spins_in_forward.py", "busy on the CPU")] {
+        let response = evaluator.evaluate(request(&fixture(name))).await.expect("evaluates");
+        assert_eq!(verdict(&response), pb::Verdict::Timeout, "{name}: {response:#?}");
+        assert!(response.error.contains(says), "{name}: {}", response.error);
+    }
 }
 
 #[tokio::test]
@@ -196,7 +210,7 @@ async fn capabilities_report_backends_versions_and_the_sandbox() {
     let capabilities = evaluator.capabilities();
     assert!(capabilities.backends.contains(&(pb::Backend::Cpu as i32)));
     assert!(capabilities.versions.contains_key("torch"), "{:?}", capabilities.versions);
-    assert_eq!(capabilities.policies, vec!["permissive@1", "kevin-strict@1"]);
+    assert_eq!(capabilities.policies, vec!["permissive@2", "kevin-strict@1"]);
     for protection in ["process_group", "rlimits", "network_namespace", "landlock"] {
         assert!(capabilities.sandbox.iter().any(|p| p.name == protection), "{protection} not reported");
     }
