@@ -75,11 +75,57 @@ const IDEMPOTENCY_ENTRIES: usize = 4096;
 
 type Shared = Arc<OnceCell<Result<pb::EvaluateResponse, Status>>>;
 
-/// Recent idempotency keys: key -> (request fingerprint, the first call's result), oldest first in `order`.
+/// Whether `result` is final, so kept for its idempotency key and replayed to every later request with that key: any
+/// verdict but a retryable `VERDICT_INFRA_ERROR`. A status (the request was refused: a full queue, an invalid field,
+/// no backend) and a retryable infra error are not final: a retry with the same key evaluates afresh.
+fn is_final(result: &Result<pb::EvaluateResponse, Status>) -> bool {
+    match result {
+        Ok(response) => !(response.verdict == pb::Verdict::InfraError as i32 && response.retryable),
+        Err(_) => false,
+    }
+}
+
+/// Recent idempotency keys: key -> (request fingerprint, the evaluation of the key's request, in flight or final),
+/// oldest first in `order`; both hold the same keys.
 #[derive(Debug, Default)]
 struct Remembered {
     entries: HashMap<String, (String, Shared)>,
     order: VecDeque<String>,
+}
+
+impl Remembered {
+    /// The evaluation to share for `key`: the one in flight or final, or a new one. A key already used for another
+    /// fingerprint is INVALID_ARGUMENT. A non-final result still held (its caller is about to forget it) is not
+    /// shared: the key gets a new evaluation.
+    fn claim(&mut self, key: &str, fingerprint: String) -> Result<Shared, Status> {
+        if let Some((seen, shared)) = self.entries.get(key)
+            && shared.get().is_none_or(is_final)
+        {
+            if *seen != fingerprint {
+                return Err(Status::invalid_argument("idempotency_key: already used for a different request"));
+            }
+            return Ok(shared.clone());
+        }
+        let shared = Shared::default();
+        if self.entries.insert(key.to_owned(), (fingerprint, shared.clone())).is_none() {
+            if self.order.len() >= IDEMPOTENCY_ENTRIES
+                && let Some(oldest) = self.order.pop_front()
+            {
+                self.entries.remove(&oldest);
+            }
+            self.order.push_back(key.to_owned());
+        }
+        Ok(shared)
+    }
+
+    /// Forgets `key` if it still holds `shared` (not a newer evaluation claimed since), so that the next request
+    /// with the key evaluates afresh.
+    fn forget(&mut self, key: &str, shared: &Shared) {
+        if self.entries.get(key).is_some_and(|(_, held)| Arc::ptr_eq(held, shared)) {
+            self.entries.remove(key);
+            self.order.retain(|held| held != key);
+        }
+    }
 }
 
 /// The `kforge.v1.Evaluator` implementation.
@@ -94,7 +140,9 @@ impl EvaluatorService {
         Self { evaluator, idempotent: Arc::default() }
     }
 
-    /// Evaluates, or returns the result of the first request with the same idempotency key and content.
+    /// Evaluates, sharing one evaluation among the requests with the same idempotency key and content: concurrent
+    /// ones wait for it, later ones get its result replayed (with their own `request_id`) while it is final (see
+    /// [`is_final`]). A non-final result is forgotten once it is returned.
     async fn evaluate_once(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, Status> {
         if request.idempotency_key.is_empty() {
             return Ok(self.evaluator.evaluate(request).await?);
@@ -105,31 +153,16 @@ impl EvaluatorService {
             keyless.request_id.clear();
             cache::key(&[&prost::Message::encode_to_vec(&keyless)])
         };
-        let shared = {
-            let mut guard = self.idempotent.lock().expect("idempotency map lock is never poisoned");
-            let Remembered { entries, order } = &mut *guard;
-            match entries.get(&request.idempotency_key) {
-                Some((seen, _)) if *seen != fingerprint => {
-                    return Err(Status::invalid_argument("idempotency_key: already used for a different request"));
-                }
-                Some((_, shared)) => shared.clone(),
-                None => {
-                    if order.len() >= IDEMPOTENCY_ENTRIES
-                        && let Some(oldest) = order.pop_front()
-                    {
-                        entries.remove(&oldest);
-                    }
-                    let shared = Shared::default();
-                    entries.insert(request.idempotency_key.clone(), (fingerprint, shared.clone()));
-                    order.push_back(request.idempotency_key.clone());
-                    shared
-                }
-            }
-        };
+        let remembered = || self.idempotent.lock().expect("idempotency map lock is never poisoned");
+        let key = request.idempotency_key.clone();
+        let shared = remembered().claim(&key, fingerprint)?;
         let request_id = request.request_id.clone();
         let result =
-            shared.get_or_init(|| async { self.evaluator.evaluate(request).await.map_err(Status::from) }).await;
-        result.clone().map(|mut response| {
+            shared.get_or_init(|| async { self.evaluator.evaluate(request).await.map_err(Status::from) }).await.clone();
+        if !is_final(&result) {
+            remembered().forget(&key, &shared);
+        }
+        result.map(|mut response| {
             response.request_id = request_id;
             response
         })
@@ -193,5 +226,75 @@ impl EvaluatorRpc for EvaluatorService {
         _request: Request<pb::GetCapabilitiesRequest>,
     ) -> Result<Response<pb::GetCapabilitiesResponse>, Status> {
         Ok(Response::new(self.evaluator.capabilities()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response(verdict: pb::Verdict, retryable: bool) -> Result<pb::EvaluateResponse, Status> {
+        Ok(pb::EvaluateResponse { verdict: verdict.into(), retryable, ..Default::default() })
+    }
+
+    /// A claimed evaluation, completed with `result`.
+    fn completed(shared: &Shared, result: Result<pb::EvaluateResponse, Status>) {
+        shared.set(result).expect("not completed before");
+    }
+
+    #[test]
+    fn only_verdicts_but_a_retryable_infra_error_are_final() {
+        for verdict in [
+            pb::Verdict::Correct,
+            pb::Verdict::Incorrect,
+            pb::Verdict::CompileError,
+            pb::Verdict::RuntimeError,
+            pb::Verdict::Timeout,
+            pb::Verdict::Hack,
+            pb::Verdict::Rejected,
+        ] {
+            assert!(is_final(&response(verdict, false)), "{verdict:?}");
+        }
+        assert!(is_final(&response(pb::Verdict::InfraError, false)), "a non-retryable infra error is final");
+        assert!(!is_final(&response(pb::Verdict::InfraError, true)));
+        for status in [Status::resource_exhausted("queue full"), Status::invalid_argument("policy: unknown")] {
+            assert!(!is_final(&Err(status)));
+        }
+    }
+
+    #[test]
+    fn a_key_shares_its_evaluation_until_a_non_final_result_is_forgotten() {
+        let mut remembered = Remembered::default();
+        let first = remembered.claim("k", "a".into()).expect("a new key");
+        assert!(Arc::ptr_eq(&first, &remembered.claim("k", "a".into()).expect("the same request")));
+        let other = remembered.claim("k", "b".into()).expect_err("another request");
+        assert_eq!(other.code(), tonic::Code::InvalidArgument, "{other:?}");
+
+        // Completed with a status: no later request shares it, even before its caller forgets it.
+        completed(&first, Err(Status::resource_exhausted("queue full")));
+        let second = remembered.claim("k", "b".into()).expect("a refused key is free again");
+        assert!(!Arc::ptr_eq(&first, &second));
+        // The first caller forgets its result late: the newer evaluation stays.
+        remembered.forget("k", &first);
+        assert!(Arc::ptr_eq(&second, &remembered.claim("k", "b".into()).expect("still held")));
+        assert_eq!(remembered.order, ["k"], "one key, once");
+
+        completed(&second, response(pb::Verdict::InfraError, true));
+        remembered.forget("k", &second);
+        assert!(remembered.entries.is_empty() && remembered.order.is_empty(), "{remembered:?}");
+        let third = remembered.claim("k", "c".into()).expect("a forgotten key is free");
+        completed(&third, response(pb::Verdict::InfraError, false));
+        assert!(Arc::ptr_eq(&third, &remembered.claim("k", "c".into()).expect("a final result is kept")));
+    }
+
+    #[test]
+    fn the_oldest_key_is_evicted_past_the_limit() {
+        let mut remembered = Remembered::default();
+        for i in 0..=IDEMPOTENCY_ENTRIES {
+            let shared = remembered.claim(&i.to_string(), "f".into()).expect("a new key");
+            completed(&shared, response(pb::Verdict::Correct, false));
+        }
+        assert_eq!((remembered.entries.len(), remembered.order.len()), (IDEMPOTENCY_ENTRIES, IDEMPOTENCY_ENTRIES));
+        assert!(!remembered.entries.contains_key("0") && remembered.entries.contains_key("1"));
     }
 }

@@ -709,8 +709,7 @@ impl Evaluator {
                 }
             };
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
-            let candidate =
-                census::Candidate {
+            let candidate = census::Candidate {
                 kernels: &own_kernels,
                 compiles,
                 median_ms: median,
@@ -922,13 +921,12 @@ impl Evaluator {
             // Compiles fill every core; the stages holding a device go first.
             background: true,
         };
-        let request =
-            Request {
-                mode: "compile",
-                spec: json!({ "candidate_path": scratch.join("candidate.py") }),
-                env: vec![],
-                limits: None,
-            };
+        let request = Request {
+            mode: "compile",
+            spec: json!({ "candidate_path": scratch.join("candidate.py") }),
+            env: vec![],
+            limits: None,
+        };
         let outcome = match self.stage(self.start(stage, cancel), request, None).await {
             Ok(outcome) => outcome,
             Err(error) => return Some(infra(response, format!("compile stage: {error}"), true)),

@@ -77,7 +77,8 @@ async fn a_compiled_kernel_is_correct_timed_and_cached() {
 async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
     let limits = CallLimitsConfig { floor_secs: 1.0, unmeasured_secs: 1.0, busy_secs: 2.0, reference_factor: 100.0 };
     let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 600, call_limits: limits, ..config() }).await;
-    for (name, says) in [("sleeps_in_forward.py", "did not return within"), ("spins_in_forward.py", "busy on the CPU")] {
+    for (name, says) in [("sleeps_in_forward.py", "did not return within"), ("spins_in_forward.py", "busy on the CPU")]
+    {
         let response = evaluator.evaluate(request(&fixture(name))).await.expect("evaluates");
         assert_eq!(verdict(&response), pb::Verdict::Timeout, "{name}: {response:#?}");
         assert!(response.error.contains(says), "{name}: {}", response.error);
