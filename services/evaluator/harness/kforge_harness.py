@@ -239,11 +239,12 @@ class Gate:
             yield
         self.ask(b"share\n", device)
 
-    def call(self):
-        """Tells the evaluator that candidate code (or a timed call) starts now: it is stopped as hung if it runs
-        past its call limit before the next message. One way: no answer to wait for."""
+    def call(self, timed=False):
+        """Tells the evaluator that candidate code starts now: it is stopped as hung if it runs past its call limit
+        before the next message. A timed call waits for its GPU spinning, so its CPU use says nothing and its limit
+        does not stretch for it. One way: no answer to wait for."""
         if self.send is not None:
-            self.send(b"call\n")
+            self.send(b"timed\n" if timed else b"call\n")
 
     def pause(self, device):
         """A pause point between steps of shared work: stopped here while another process runs alone or waits to."""
@@ -293,6 +294,20 @@ def thread_cpu_wait():
         waited = None
     switches = _getrusage(resource.RUSAGE_THREAD).ru_nivcsw if hasattr(resource, "RUSAGE_THREAD") else None
     return waited, switches
+
+
+def set_sync(spin):
+    """Switches how this process waits for its GPU from now on: spinning (`spin`: the fastest wake-up, for the
+    timed loop on its reserved CPU, as an independent timer waits) or asleep (`blocking_sync`). Returns whether the
+    driver took it (cuCtxSetFlags, CUDA 12.1 and later)."""
+    import ctypes
+
+    if not BLOCKING_SYNC:
+        return False
+    try:
+        return ctypes.CDLL("libcuda.so.1").cuCtxSetFlags(ctypes.c_uint(1 if spin else 4)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def blocking_sync():
@@ -441,6 +456,7 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
     samples, host, launches, device_ms = [], [], [], []
     call = -1
     output = None
+    spinning = device.type == "cuda" and set_sync(spin=True)
     waited_before, switches_before = thread_cpu_wait()
     with torch.no_grad():
         started = None
@@ -449,7 +465,7 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
             which = call % len(input_sets)
             inputs = input_sets[which]
             perturb(inputs, set_seeds[which], call)
-            GATE.call()
+            GATE.call(timed=spinning)
             elapsed, host_elapsed, launch, output = timer.time_ms(lambda: fn_for_inputs(inputs),
                                                                    cover_ms(launches, device_ms))
             launches.append(launch)
@@ -470,7 +486,10 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
             if spent > budget["max_seconds"]:
                 break
     waited_after, switches_after = thread_cpu_wait()
+    if spinning:
+        set_sync(spin=False)
     cpu = {
+        "spin_wait": spinning,
         "cpu_wait_ms": (waited_after - waited_before) / 1e6 if waited_before is not None else None,
         "involuntary_switches": switches_after - switches_before if switches_before is not None else None,
         "calls": call + 1,

@@ -548,7 +548,8 @@ enum Ended {
 /// - `pause`: a pause point between steps of shared work; it pauses only while someone runs alone or waits to;
 /// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]);
 ///
-/// and one notice, not answered: `call`, a call into candidate code starts (see [`CallLimits`]). A call still
+/// and two notices, not answered: `call`, a call into candidate code starts (see [`CallLimits`]), and `timed`,
+/// a timed call starts (its process waits for the GPU spinning: no longer limit for CPU use). A call still
 /// running at its limit ends the conversation with the reason; the caller kills the stage.
 ///
 /// While it waits, the stage is stopped and its wall clock held: it is at a pause point, its device work
@@ -587,8 +588,9 @@ async fn converse(
         let message = std::mem::take(&mut line);
         call = None;
         match &message[..] {
-            b"call\n" => {
-                call = limits.map(|limits| Call::new(limits, control.cpu_time()));
+            b"call\n" | b"timed\n" => {
+                let spinning = message == b"timed\n";
+                call = limits.map(|limits| Call::new(limits, control.cpu_time(), spinning));
                 continue;
             }
             b"alone\n" => stopped(control, member.alone()).await,
@@ -619,12 +621,14 @@ struct Call {
     /// When its CPU time was last read, and what it was.
     checked: (tokio::time::Instant, Option<Duration>),
     check_at: tokio::time::Instant,
+    /// A timed call: it waits for its GPU spinning, so CPU use does not tell it from a hang.
+    spinning: bool,
 }
 
 impl Call {
-    fn new(limits: &CallLimits, cpu: Option<Duration>) -> Self {
+    fn new(limits: &CallLimits, cpu: Option<Duration>, spinning: bool) -> Self {
         let now = tokio::time::Instant::now();
-        Self { since: now, checked: (now, cpu), check_at: now + limits.call }
+        Self { since: now, checked: (now, cpu), check_at: now + limits.call, spinning }
     }
 
     /// At `check_at`: `Ok` (checked again later) while the call is busy on the CPU and within the busy limit,
@@ -633,6 +637,7 @@ impl Call {
         let now = tokio::time::Instant::now();
         let ran = now - self.since;
         let busy = match (self.checked.1, cpu) {
+            _ if self.spinning => false,
             (Some(before), Some(after)) => {
                 let wall = (now - self.checked.0).as_secs_f64();
                 wall > 0.0 && after.saturating_sub(before).as_secs_f64() / wall >= 0.5
@@ -644,7 +649,13 @@ impl Call {
             self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.busy);
             return Ok(());
         }
-        Err(if busy {
+        Err(if self.spinning {
+            format!(
+                "a timed call of the candidate did not return within {:.1} s: a kernel that never ends ({})",
+                ran.as_secs_f64(),
+                limits.basis
+            )
+        } else if busy {
             format!(
                 "a call into the candidate's code was still running, busy on the CPU, after {:.1} s (the limit for \
                  calls busy on the CPU)",
@@ -784,6 +795,8 @@ mod tests {
         let cases = [
             ("printf 'call\\n' >&3; exec sleep 3600", "did not return within"),
             ("printf 'call\\n' >&3; while :; do :; done", "busy on the CPU"),
+            // A timed call spins while it waits for its GPU: its CPU use earns it no longer limit.
+            ("printf 'timed\\n' >&3; while :; do :; done", "timed call of the candidate did not return within 1.0"),
         ];
         for (script, says) in cases {
             let gate = Arc::new(Gate::default());
