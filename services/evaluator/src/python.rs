@@ -578,7 +578,8 @@ async fn converse(
                 _ => return Ended::Broken,
             },
             () = sleep_until(check_at) => {
-                let (call, limits) = (call.as_mut().expect("a deadline comes with a call"), limits.expect("set"));
+                let call = call.as_mut().expect("a deadline comes with a call");
+                let limits = limits.expect("a call is watched only with limits");
                 match call.check(limits, control.cpu_time()) {
                     Ok(()) => continue,
                     Err(reason) => return Ended::Hung(reason),
