@@ -53,8 +53,8 @@ pub struct EvaluatorConfig {
     pub tolerances: Tolerances,
     /// How long and how precisely to time.
     pub timing: TimingBudget,
-    /// With at least four CPUs and a GPU: keep one CPU for the thread that launches timed work; every stage
-    /// starts on the others (docs/EVALUATOR.md, "Timing").
+    /// With at least four CPUs per GPU: keep one CPU per GPU for the thread that launches its timed work; every
+    /// stage starts on the others (docs/EVALUATOR.md, "Timing").
     pub reserve_timing_cpu: bool,
     /// A candidate faster than eager by more than this factor is timed again in a fresh process and the slower
     /// measurement counts; 0 turns the re-measurement off.

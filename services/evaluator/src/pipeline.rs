@@ -182,9 +182,9 @@ impl Evaluator {
                 env.limit_gpu_stage_threads(threads);
             }
             if config.reserve_timing_cpu && !env.gpus.is_empty() {
-                match env.reserve_timing_cpu() {
-                    Some(cpu) => tracing::info!(cpu, "one CPU is kept for launching timed work"),
-                    None => tracing::info!("fewer than four CPUs: timed work shares the CPUs with every stage"),
+                match env.reserve_timing_cpus() {
+                    [] => tracing::info!("fewer than four CPUs per GPU: timed work shares the CPUs with every stage"),
+                    cpus => tracing::info!(?cpus, "one CPU per GPU is kept for launching its timed work"),
                 }
             }
         }
@@ -796,7 +796,7 @@ impl Evaluator {
         spec["candidate_path"] = json!(dir.join("candidate.py"));
         spec["candidate_dir"] = json!(dir);
         spec["device"] = json!(lane.device());
-        spec["timing_cpu"] = json!(python.timing_cpu.filter(|_| lane.gpu().is_some()));
+        spec["timing_cpu"] = json!(python.timing_cpu(lane.gpu()));
         let request = Request { mode: "candidate", spec, env: python.device_env(lane.gpu()), limits: Some(limits) };
         self.stage(started, request, Some(lane)).await.map_err(|e| format!("candidate stage: {e}"))
     }
@@ -1155,7 +1155,7 @@ impl Evaluator {
                 "timing": timing_spec(&inner.config.timing),
                 "timing_seeds": timing_seeds,
                 "compile": with_compile,
-                "timing_cpu": python.timing_cpu.filter(|_| gpu.is_some()),
+                "timing_cpu": python.timing_cpu(gpu),
             }),
             env: vec![],
             limits: None,

@@ -64,9 +64,9 @@ pub struct PythonEnv {
     bindings_pch: Arc<OnceLock<PathBuf>>,
     /// CPU threads of each process on a GPU, where limited; see [`PythonEnv::limit_gpu_stage_threads`].
     gpu_stage_threads: Option<usize>,
-    /// The CPU kept for the thread that launches timed work; see [`PythonEnv::reserve_timing_cpu`].
-    pub timing_cpu: Option<usize>,
-    /// The CPUs every stage starts on: all of this process's but the timing CPU (empty: all).
+    /// Per GPU, the CPU kept for the thread that launches its timed work; see [`PythonEnv::reserve_timing_cpus`].
+    timing_cpus: Vec<usize>,
+    /// The CPUs every stage starts on: all of this process's but the timing CPUs (empty: all).
     stage_cpus: Vec<usize>,
 }
 
@@ -159,7 +159,7 @@ impl PythonEnv {
             stock_builds: false,
             bindings_pch: Arc::default(),
             gpu_stage_threads: None,
-            timing_cpu: None,
+            timing_cpus: Vec::new(),
             stage_cpus: Vec::new(),
         })
     }
@@ -204,17 +204,25 @@ impl PythonEnv {
         self.gpu_stage_threads = Some(threads.max(1));
     }
 
-    /// Keeps the last of this process's CPUs for the thread that launches timed work: every stage starts on the
-    /// others, and a stage running alone on its device moves its launching thread there for the timed loop
-    /// (`spec.timing_cpu`), so compiles and host work never delay its launches. Only with at least four CPUs.
-    pub fn reserve_timing_cpu(&mut self) -> Option<usize> {
+    /// Keeps one of this process's CPUs per GPU (the last ones) for the thread that launches that GPU's timed
+    /// work (each GPU's gate lets one stage run alone at a time, so GPUs never share one): every stage starts on
+    /// the others, and a stage running alone on its GPU moves its launching thread onto that GPU's CPU for the
+    /// timed loop (`spec.timing_cpu`), so compiles and host work never delay its launches. Only with at least
+    /// four CPUs per GPU. Returns the CPUs kept, by GPU.
+    pub fn reserve_timing_cpus(&mut self) -> &[usize] {
         let mut cpus = kforge_sandbox::allowed_cpus();
-        if cpus.len() < 4 {
-            return None;
+        let gpus = self.gpus.len();
+        if gpus == 0 || cpus.len() < 4 * gpus {
+            return &[];
         }
-        self.timing_cpu = cpus.pop();
+        self.timing_cpus = cpus.split_off(cpus.len() - gpus);
         self.stage_cpus = cpus;
-        self.timing_cpu
+        &self.timing_cpus
+    }
+
+    /// The CPU kept for `gpu`'s timed work, if any.
+    pub fn timing_cpu(&self, gpu: Option<usize>) -> Option<usize> {
+        gpu.and_then(|gpu| self.timing_cpus.get(gpu).copied())
     }
 
     /// The software versions as one string, for cache keys.
@@ -590,8 +598,10 @@ async fn converse(
         call = None;
         match &message[..] {
             b"call\n" | b"timed\n" => {
+                // A timed call's CPU use says nothing (it spins), so its CPU time is not read (a /proc scan).
                 let spinning = message == b"timed\n";
-                call = limits.map(|limits| Call::new(limits, control.cpu_time(), spinning));
+                let cpu = if spinning { None } else { control.cpu_time() };
+                call = limits.map(|limits| Call::new(limits, cpu, spinning));
                 continue;
             }
             b"alone\n" => stopped(control, member.alone()).await,
@@ -751,7 +761,7 @@ mod tests {
             stock_builds: false,
             bindings_pch: Arc::default(),
             gpu_stage_threads: None,
-            timing_cpu: None,
+            timing_cpus: Vec::new(),
             stage_cpus: Vec::new(),
         }
     }

@@ -374,8 +374,13 @@ pub fn own_kernel_names(source: &str) -> Vec<String> {
                 return;
             }
             let mut cursor = node.walk();
-            let jit =
-                node.children(&mut cursor).any(|child| child.kind() == "decorator" && src.text(child).contains("jit"));
+            // `torch.jit.script` and friends compile TorchScript, not a kernel of the candidate's own.
+            let jit = node.children(&mut cursor).any(|child| {
+                child.kind() == "decorator" && {
+                    let text = src.text(child);
+                    text.contains("jit") && !text.contains("torch.jit")
+                }
+            });
             if let Some(name) = node
                 .child_by_field_name("definition")
                 .filter(|_| jit)
@@ -893,6 +898,10 @@ def fused_kernel(x_ptr, n: tl.constexpr):
 
 def not_a_kernel():
     pass
+
+@torch.jit.script
+def torchscript_helper(x):
+    return x
 "#;
         assert_eq!(own_kernel_names(source), vec!["add_one", "fused_kernel", "scale_kernel"]);
     }
