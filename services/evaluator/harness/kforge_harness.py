@@ -26,6 +26,7 @@ and later, on CPU and CUDA.
 """
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -305,9 +306,17 @@ def set_sync(spin):
     if not BLOCKING_SYNC:
         return False
     try:
-        return ctypes.CDLL("libcuda.so.1").cuCtxSetFlags(ctypes.c_uint(1 if spin else 4)) == 0
+        return libcuda().cuCtxSetFlags(ctypes.c_uint(1 if spin else 4)) == 0
     except (OSError, AttributeError):
         return False
+
+
+@functools.cache
+def libcuda():
+    """The CUDA driver library, loaded once (the same library torch's runtime uses)."""
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def blocking_sync():
@@ -318,7 +327,7 @@ def blocking_sync():
     import ctypes
 
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda = libcuda()
         device = ctypes.c_int()
         return (cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
                 and cuda.cuDevicePrimaryCtxSetFlags_v2(device, 4) == 0)
@@ -385,8 +394,10 @@ class Timer:
         return host, host, host, result
 
 
+@functools.cache
 def spin_rate(device):
-    """Clock cycles per millisecond of `torch.cuda._sleep` on `device`, measured once (it spins for cycles)."""
+    """Clock cycles per millisecond of `torch.cuda._sleep` on `device`, measured once per process (it spins for
+    cycles)."""
     o = originals()
     cycles = 1_000_000
     o.sleep(cycles)  # its first launch loads the kernel

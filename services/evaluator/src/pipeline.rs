@@ -1114,24 +1114,14 @@ impl Evaluator {
         let python = inner.python.as_ref().expect("validate checked the environment");
         let with_compile = inner.config.baseline_torch_compile;
         let key = self.baseline_key(job, gpu);
-        let parse = |text: &str| -> Result<Baseline, String> {
-            let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("baseline cache: {e}"))?;
-            let eager =
-                serde_json::from_value(value["eager_ms"].clone()).map_err(|e| format!("baseline samples: {e}"))?;
-            Ok(Baseline {
-                eager,
-                eager_host: serde_json::from_value(value["eager_host_ms"].clone()).ok(),
-                compiled: serde_json::from_value(value["compile_ms"].clone()).ok(),
-            })
-        };
         if let Some(Entry::Ready(text)) = inner.baselines.get(&key) {
             inner.metrics.cache("baseline", true);
-            return parse(&text);
+            return Baseline::parse(&text);
         }
         let lock = inner.baselines.lock(&key).await.map_err(|e| format!("baseline lock: {e}"))?;
         if let Some(Entry::Ready(text)) = inner.baselines.get(&key) {
             inner.metrics.cache("baseline", true);
-            return parse(&text);
+            return Baseline::parse(&text);
         }
         inner.metrics.cache("baseline", false);
         std::fs::write(scratch.join("task.py"), &job.task).map_err(|e| format!("writing task.py: {e}"))?;
@@ -1182,7 +1172,7 @@ impl Evaluator {
             .complete(&key, &Entry::Ready(text.clone()), &lock)
             .map_err(|e| format!("baseline cache: {e}"))?;
         self.evict_later("baseline", &inner.baselines);
-        parse(&text)
+        Baseline::parse(&text)
     }
 
     /// The baseline cache's key of `job`'s task on `gpu` (or the CPU).
@@ -1204,11 +1194,9 @@ impl Evaluator {
     fn call_limits(&self, job: &Job, gpu: Option<usize>) -> CallLimits {
         let config = &self.inner.config.call_limits;
         let reference_ms = match self.inner.baselines.get(&self.baseline_key(job, gpu)) {
-            Some(Entry::Ready(text)) => serde_json::from_str::<serde_json::Value>(&text)
-                .ok()
-                .and_then(|value| serde_json::from_value::<Vec<f64>>(value["eager_ms"].clone()).ok())
-                .and_then(timing_stats)
-                .map(|stats| stats.median_ms),
+            Some(Entry::Ready(text)) => {
+                Baseline::parse(&text).ok().and_then(|baseline| timing_stats(baseline.eager)).map(|s| s.median_ms)
+            }
             _ => None,
         };
         call_limits(config, reference_ms)
@@ -1304,6 +1292,19 @@ struct Baseline {
     /// Absent in baselines cached before the host clock was recorded.
     eager_host: Option<Vec<f64>>,
     compiled: Option<Vec<f64>>,
+}
+
+impl Baseline {
+    /// A baseline as the cache holds it.
+    fn parse(text: &str) -> Result<Self, String> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("baseline cache: {e}"))?;
+        let eager = serde_json::from_value(value["eager_ms"].clone()).map_err(|e| format!("baseline samples: {e}"))?;
+        Ok(Self {
+            eager,
+            eager_host: serde_json::from_value(value["eager_host_ms"].clone()).ok(),
+            compiled: serde_json::from_value(value["compile_ms"].clone()).ok(),
+        })
+    }
 }
 
 /// A candidate's timing samples: by the events (or the clock on a CPU) and by the host clock.
