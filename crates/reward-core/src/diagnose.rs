@@ -2,7 +2,8 @@
 //!
 //! Definitions (also in docs/REWARDS.md):
 //! - **truncated**: the finish reason is `length` (or `max_tokens`);
-//! - **no kernel**: the answer has no fenced code block defining `class ModelNew` ([`extract_kernel`]);
+//! - **no kernel**: the answer has no fenced code block defining `class ModelNew`
+//!   ([`kforge_model_text::extract_kernel`], the rule the orchestrator extracts kernels by);
 //! - **degenerate**: [`repetition_ratio`] of the reasoning and answer above the threshold;
 //! - **junk**: any of the three; **not-okay**: the reasoning does not open with the expected opening;
 //! - **hack**: the outcome is `VERDICT_HACK` or a rejection with a hack-category finding.
@@ -97,7 +98,7 @@ pub fn diagnose(params: &DiagnoseParams, responses: &[ResponseInput]) -> Result<
 fn flag(params: &DiagnoseParams, response: &ResponseInput) -> ResponseFlags {
     let (reasoning, answer) = split_reasoning(response);
     let truncated = matches!(response.finish_reason.to_ascii_lowercase().as_str(), "length" | "max_tokens");
-    let no_kernel = extract_kernel(answer).is_none();
+    let no_kernel = kforge_model_text::extract_kernel(answer).is_none();
     let repetition = repetition_ratio(&format!("{reasoning}\n{answer}"));
     let degenerate = repetition > params.repetition_threshold;
     ResponseFlags {
@@ -112,58 +113,15 @@ fn flag(params: &DiagnoseParams, response: &ResponseInput) -> ResponseFlags {
     }
 }
 
-/// (reasoning, answer): the separate reasoning field if set; else a leading `<think>...</think>` block of the
-/// text; else the whole text is both (a model without a reasoning block is judged on how its text opens).
+/// (reasoning, answer): the separate reasoning field if set; else the text split by
+/// [`kforge_model_text::split_reasoning`]; else the whole text is both (a model without a reasoning block is judged
+/// on how its text opens).
 fn split_reasoning(response: &ResponseInput) -> (&str, &str) {
     if !response.reasoning.is_empty() {
         return (&response.reasoning, &response.text);
     }
-    let text = response.text.trim_start();
-    if let Some(rest) = text.strip_prefix("<think>") {
-        return match rest.find("</think>") {
-            Some(end) => (&rest[..end], &rest[end + "</think>".len()..]),
-            // Never closed: all reasoning, no answer.
-            None => (rest, ""),
-        };
-    }
-    (&response.text, &response.text)
-}
-
-/// The kernel source in an answer: the last fenced code block (```` ``` ```` or ```` ```python ````) that defines
-/// `class ModelNew`. An unclosed final block counts (a truncated answer may still hold a whole class).
-pub fn extract_kernel(answer: &str) -> Option<&str> {
-    let mut found = None;
-    let mut block_start: Option<usize> = None;
-    let mut offset = 0;
-    for line in answer.split_inclusive('\n') {
-        if line.trim_start().starts_with("```") {
-            match block_start.take() {
-                Some(start) => {
-                    let block = &answer[start..offset];
-                    if defines_model_new(block) {
-                        found = Some(block);
-                    }
-                }
-                None => block_start = Some(offset + line.len()),
-            }
-        }
-        offset += line.len();
-    }
-    if let Some(start) = block_start {
-        let block = &answer[start..];
-        if defines_model_new(block) {
-            found = Some(block);
-        }
-    }
-    found
-}
-
-fn defines_model_new(block: &str) -> bool {
-    block.lines().any(|line| {
-        line.trim_start()
-            .strip_prefix("class ModelNew")
-            .is_some_and(|rest| rest.starts_with('(') || rest.starts_with(':'))
-    })
+    let split = kforge_model_text::split_reasoning(&response.text);
+    if split.found { (split.reasoning, split.answer) } else { (&response.text, &response.text) }
 }
 
 /// `1 - distinct / total` over word 4-grams (words split on whitespace); 0 for texts under 50 words. A response
@@ -188,15 +146,6 @@ mod tests {
 
     fn response(text: &str) -> ResponseInput {
         ResponseInput { response_id: "r".into(), text: text.into(), finish_reason: "stop".into(), ..Default::default() }
-    }
-
-    #[test]
-    fn extracts_the_last_block_defining_model_new() {
-        let answer = "```python\nclass ModelNew(nn.Module): v1\n```\ntext\n```\nprint(1)\n```\n```py\nclass ModelNew(nn.Module): v2\n```";
-        assert_eq!(extract_kernel(answer), Some("class ModelNew(nn.Module): v2\n"));
-        assert_eq!(extract_kernel("class ModelNew(nn.Module): no fence"), None);
-        assert_eq!(extract_kernel("```\nclass ModelNewer(x): pass\n```"), None);
-        assert_eq!(extract_kernel("```python\nclass ModelNew:\n  x = 1"), Some("class ModelNew:\n  x = 1"));
     }
 
     #[test]

@@ -15,7 +15,7 @@ mod score;
 pub use advantages::{Estimator, compute_advantages};
 pub use diagnose::{
     DEFAULT_OPENING, DEFAULT_REPETITION_THRESHOLD, DiagnoseParams, Diagnosis, ResponseFlags, ResponseInput, diagnose,
-    extract_kernel, repetition_ratio,
+    repetition_ratio,
 };
 pub use outcome::{Outcome, Verdict};
 pub use rejection::{Decision, MrsParams, PrsParams, TokenLogprobs, mrs, prs, uniform_draw};

@@ -1,39 +1,33 @@
-//! The inference gateway: one gRPC front to many OpenAI-compatible backends (and replay files), with routing,
-//! affinity, retries, token ids, log-probabilities and cost. This crate serves the `kforge.v1.Gateway` contract;
-//! routing arrives with the gateway work, and until then every RPC answers UNIMPLEMENTED.
+//! The inference gateway: one gRPC front to many OpenAI-compatible backends (vLLM, SGLang, hosted APIs) and
+//! replay files, built for multi-turn RL rollouts.
+//!
+//! A request names a model; the model's pool picks a backend ([`routing`]: least outstanding, power of two
+//! choices, or episode affinity with bounded load), the [`dispatch`] loop attempts it with retries under a
+//! budget, each backend guarded by a [`breaker`], [`health`] checks and a concurrency limit; the [`backends`]
+//! speak OpenAI-compatible HTTP or read a replay file. [`control`] fans operator actions out to a pool;
+//! [`accounting`] turns usage into metrics and cost. `docs/GATEWAY.md` is the user's guide.
+
+pub mod accounting;
+pub mod backends;
+pub mod breaker;
+pub mod config;
+pub mod control;
+pub mod dispatch;
+pub mod error;
+pub mod health;
+pub mod pool;
+pub mod request;
+pub mod retry;
+pub mod routing;
+mod service;
 
 use std::future::Future;
 
-use kforge_proto::v1 as pb;
-use kforge_proto::v1::gateway_server::{Gateway, GatewayServer};
-use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig, not_yet_implemented};
-use serde::{Deserialize, Serialize};
+pub use config::GatewayConfig;
+use kforge_proto::v1::gateway_server::GatewayServer;
+use kforge_server::{Host, ServeError};
+pub use service::GatewayService;
 use tokio::net::TcpListener;
-use tonic::codegen::BoxStream;
-use tonic::{Request, Response, Status};
-
-/// What brings this service's behaviour.
-const CAPABILITY: &str = "the inference gateway";
-
-/// Configuration of the Gateway service (`[gateway]`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct GatewayConfig {
-    pub server: ServerConfig,
-}
-
-impl Default for GatewayConfig {
-    fn default() -> Self {
-        Self { server: ServerConfig::listening_on(([127, 0, 0, 1], 50054).into()) }
-    }
-}
-
-impl ServiceConfig for GatewayConfig {
-    const SECTION: &'static str = "gateway";
-    fn server(&self) -> &ServerConfig {
-        &self.server
-    }
-}
 
 /// Serves the Gateway service on `listener` until `shutdown` completes.
 pub async fn serve(
@@ -42,43 +36,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let mut host = Host::new("gateway", &config.server)?;
+    let service = GatewayService::new(&config, host.registry())
+        .map_err(|message| ServeError::Setup { service: "gateway", message })?;
     let limit = host.max_message_bytes();
-    host.add_service(
-        GatewayServer::new(GatewayService).max_decoding_message_size(limit).max_encoding_message_size(limit),
-    );
+    host.add_service(GatewayServer::new(service).max_decoding_message_size(limit).max_encoding_message_size(limit));
     host.serve(listener, shutdown).await
-}
-
-/// The `kforge.v1.Gateway` implementation.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct GatewayService;
-
-#[tonic::async_trait]
-impl Gateway for GatewayService {
-    async fn generate(&self, _request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
-        Err(not_yet_implemented("Gateway/Generate", CAPABILITY))
-    }
-
-    type GenerateStreamStream = BoxStream<pb::GenerateStreamResponse>;
-
-    async fn generate_stream(
-        &self,
-        _request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
-        Err(not_yet_implemented("Gateway/GenerateStream", CAPABILITY))
-    }
-
-    async fn list_models(
-        &self,
-        _request: Request<pb::ListModelsRequest>,
-    ) -> Result<Response<pb::ListModelsResponse>, Status> {
-        Err(not_yet_implemented("Gateway/ListModels", CAPABILITY))
-    }
-
-    async fn control_backends(
-        &self,
-        _request: Request<pb::ControlBackendsRequest>,
-    ) -> Result<Response<pb::ControlBackendsResponse>, Status> {
-        Err(not_yet_implemented("Gateway/ControlBackends", CAPABILITY))
-    }
 }

@@ -1,0 +1,188 @@
+//! The replay backend: recorded responses from a JSONL file, keyed by (task, trajectory, turn).
+//!
+//! A hash of the prompt cannot be the key: turn t+1's prompt holds the evaluator's measured timings of turn t,
+//! which differ run to run. One record per line:
+//!
+//! ```json
+//! {"task_id": "examples/relu", "trajectory": 0, "turn": 0,
+//!  "completions": [{"text": "...", "reasoning": "", "finish_reason": "stop", "token_ids": [], "logprobs": []}],
+//!  "prompt_token_ids": [], "usage": {"prompt_tokens": 0, "completion_tokens": 0}}
+//! ```
+//!
+//! Only `task_id`, `trajectory`, `turn` and `completions[].text` are required. The file is read once at start-up;
+//! a malformed line or a key recorded twice fails the start with the line's number. Every response served from
+//! it is labelled `replay` on the wire.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Deserialize;
+
+use super::{AttemptError, CompletionOut, Delta, DeltaSink, Generation, UsageOut};
+use crate::request::GenerateSpec;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Record {
+    task_id: String,
+    trajectory: u32,
+    turn: u32,
+    completions: Vec<RecordedCompletion>,
+    #[serde(default)]
+    prompt_token_ids: Vec<u32>,
+    #[serde(default)]
+    usage: Option<RecordedUsage>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecordedCompletion {
+    text: String,
+    #[serde(default)]
+    reasoning: String,
+    #[serde(default = "stop")]
+    finish_reason: String,
+    #[serde(default)]
+    token_ids: Vec<u32>,
+    #[serde(default)]
+    logprobs: Vec<f64>,
+}
+
+fn stop() -> String {
+    "stop".into()
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RecordedUsage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_prompt_tokens: u64,
+    reasoning_tokens: u64,
+}
+
+type Key = (String, u32, u32);
+
+/// Recorded responses, in memory.
+#[derive(Debug)]
+pub struct ReplayBackend {
+    file: PathBuf,
+    records: HashMap<Key, Record>,
+}
+
+impl ReplayBackend {
+    /// Reads `file`. Errors name the file and the line.
+    pub fn load(file: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(file).map_err(|e| format!("replay file {}: {e}", file.display()))?;
+        let mut records = HashMap::new();
+        for (number, line) in text.lines().enumerate() {
+            let number = number + 1;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let record: Record =
+                serde_json::from_str(line).map_err(|e| format!("replay file {} line {number}: {e}", file.display()))?;
+            if record.completions.is_empty() {
+                return Err(format!("replay file {} line {number}: no completions", file.display()));
+            }
+            let key = (record.task_id.clone(), record.trajectory, record.turn);
+            if records.insert(key.clone(), record).is_some() {
+                return Err(format!(
+                    "replay file {} line {number}: task {:?}, trajectory {}, turn {} is recorded twice",
+                    file.display(),
+                    key.0,
+                    key.1,
+                    key.2
+                ));
+            }
+        }
+        Ok(Self { file: file.to_owned(), records })
+    }
+
+    /// Records loaded.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    /// The record of `spec`'s keys, its first `n` completions.
+    pub async fn generate(&self, spec: &GenerateSpec, sink: &mut DeltaSink) -> Result<Generation, AttemptError> {
+        let keys = &spec.keys;
+        let key = (keys.task_id.clone(), keys.trajectory, keys.turn);
+        let record = self.records.get(&key).ok_or_else(|| AttemptError::NoRecord {
+            task_id: keys.task_id.clone(),
+            trajectory: keys.trajectory,
+            turn: keys.turn,
+        })?;
+        let n = spec.sampling.n;
+        if record.completions.len() < n as usize {
+            return Err(AttemptError::TooFewRecorded { recorded: record.completions.len(), asked: n });
+        }
+        let now = Instant::now();
+        let mut completions = Vec::with_capacity(n as usize);
+        for (index, recorded) in record.completions.iter().take(n as usize).enumerate() {
+            sink.send(Delta {
+                index: index as u32,
+                text: recorded.text.clone(),
+                reasoning: recorded.reasoning.clone(),
+            })
+            .await;
+            completions.push(CompletionOut {
+                text: recorded.text.clone(),
+                reasoning: recorded.reasoning.clone(),
+                finish_reason: recorded.finish_reason.clone(),
+                token_ids: if spec.return_token_ids { recorded.token_ids.clone() } else { Vec::new() },
+                logprobs: if spec.return_logprobs { recorded.logprobs.clone() } else { Vec::new() },
+                completion_tokens: (!recorded.token_ids.is_empty()).then_some(recorded.token_ids.len() as u64),
+                first_token_at: Some(now),
+                finished_at: Some(now),
+            });
+        }
+        let usage = record.usage.unwrap_or_default();
+        Ok(Generation {
+            completions,
+            prompt_token_ids: if spec.return_token_ids { record.prompt_token_ids.clone() } else { Vec::new() },
+            usage: UsageOut {
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                cached_prompt_tokens: usage.cached_prompt_tokens,
+                reasoning_tokens: usage.reasoning_tokens,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kforge-replay-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("replay.jsonl");
+        std::fs::write(&path, text).expect("write");
+        path
+    }
+
+    #[test]
+    fn malformed_lines_and_duplicates_name_the_line() {
+        let bad = write(
+            "bad",
+            "{\"task_id\":\"t\",\"trajectory\":0,\"turn\":0,\"completions\":[{\"text\":\"a\"}]}\nnot json\n",
+        );
+        let error = ReplayBackend::load(&bad).expect_err("malformed");
+        assert!(error.contains("line 2"), "{error}");
+        let line = "{\"task_id\":\"t\",\"trajectory\":0,\"turn\":0,\"completions\":[{\"text\":\"a\"}]}\n";
+        let twice = write("twice", &line.repeat(2));
+        let error = ReplayBackend::load(&twice).expect_err("duplicate");
+        assert!(error.contains("recorded twice"), "{error}");
+    }
+}

@@ -1,0 +1,366 @@
+//! The `kforge.v1.Gateway` handlers: validate (INVALID_ARGUMENT naming the field), find the pool, run the
+//! dispatch loop, and turn what the backend produced into the wire response (reasoning split, per-completion
+//! token counts and timings, usage and cost).
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::gateway_server::Gateway;
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::accounting::{Accounting, cost_usd};
+use crate::backends::{DeltaSink, UsageOut};
+use crate::config::{GatewayConfig, RetryConfig};
+use crate::control::{self, Action};
+use crate::dispatch::{self, Served};
+use crate::error::GatewayError;
+use crate::pool::Pool;
+use crate::request::{self, GenerateSpec, Input, InvalidField};
+
+/// What the handlers share.
+#[derive(Debug)]
+struct State {
+    pools: HashMap<String, Arc<Pool>>,
+    order: Vec<String>,
+    retry: RetryConfig,
+    accounting: Accounting,
+    /// Stops the health checks when the last handle goes; the set aborts any that did not stop.
+    _stop: DropGuard,
+    _health: Mutex<JoinSet<()>>,
+}
+
+/// The `kforge.v1.Gateway` implementation. Cheap to clone; the health checks run while a clone lives.
+#[derive(Debug, Clone)]
+pub struct GatewayService {
+    state: Arc<State>,
+}
+
+impl GatewayService {
+    /// Builds every pool (reading replay files and API keys now) and starts the health checks. Metrics join
+    /// `registry`. Must run inside a Tokio runtime.
+    pub fn new(config: &GatewayConfig, registry: &mut Registry) -> Result<Self, String> {
+        config.validate()?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
+            .tcp_nodelay(true)
+            .pool_max_idle_per_host(1024)
+            .build()
+            .map_err(|e| format!("http client: {e}"))?;
+        let mut pools = HashMap::new();
+        let mut order = Vec::new();
+        for pool in &config.pools {
+            pools.insert(pool.model.clone(), Arc::new(Pool::new(pool, config, &http)?));
+            order.push(pool.model.clone());
+        }
+        let stop = CancellationToken::new();
+        let all: Vec<Arc<Pool>> = order.iter().filter_map(|m| pools.get(m).cloned()).collect();
+        let health = crate::health::spawn(&all, &config.health, &stop);
+        Ok(Self {
+            state: Arc::new(State {
+                pools,
+                order,
+                retry: config.retry.clone(),
+                accounting: Accounting::register(registry),
+                _stop: stop.drop_guard(),
+                _health: Mutex::new(health),
+            }),
+        })
+    }
+
+    fn pool(&self, model: &str) -> Result<Arc<Pool>, InvalidField> {
+        if model.is_empty() {
+            return Err(InvalidField::new("model", "must be set"));
+        }
+        self.state.pools.get(model).cloned().ok_or_else(|| {
+            InvalidField::new("model", format!("unknown model `{model}` (routed: {})", self.state.order.join(", ")))
+        })
+    }
+
+    fn admit(&self, request: pb::GenerateRequest) -> Result<(Arc<Pool>, GenerateSpec), GatewayError> {
+        let pool = self.pool(&request.model)?;
+        let spec = request::validate(request, &pool.config)?;
+        Ok((pool, spec))
+    }
+
+    /// Runs one request to its wire response.
+    async fn run(
+        &self,
+        pool: &Pool,
+        spec: &GenerateSpec,
+        received: Instant,
+        deadline: Option<Instant>,
+        sink: &mut DeltaSink,
+    ) -> Result<pb::GenerateResponse, GatewayError> {
+        let accounting = &self.state.accounting;
+        let result = dispatch::generate(pool, &self.state.retry, accounting, spec, deadline, sink).await;
+        let code = match &result {
+            Ok(_) => "OK".to_owned(),
+            Err(error) => kforge_server::code_name(error.code()),
+        };
+        accounting.request(&pool.config.model, &code);
+        Ok(respond(pool, spec, result?, received, accounting))
+    }
+}
+
+/// The wire response of a served request.
+fn respond(
+    pool: &Pool,
+    spec: &GenerateSpec,
+    served: Served,
+    received: Instant,
+    accounting: &Accounting,
+) -> pb::GenerateResponse {
+    let Served { generation, backend, attempts } = served;
+    let now = Instant::now();
+    let millis = |at: Option<Instant>| at.unwrap_or(now).saturating_duration_since(received).as_secs_f64() * 1e3;
+    let n = generation.completions.len().max(1) as u64;
+    let mut usage: UsageOut = generation.usage;
+    let mut completions = Vec::with_capacity(generation.completions.len());
+    let mut timings = Vec::with_capacity(generation.completions.len());
+    for completion in generation.completions {
+        let (mut text, mut reasoning) = (completion.text, completion.reasoning);
+        if pool.config.split_reasoning && reasoning.is_empty() {
+            let split = kforge_model_text::split_reasoning(&text);
+            if split.found {
+                (reasoning, text) = (split.reasoning.to_owned(), split.answer.to_owned());
+            }
+        }
+        let counted = completion.completion_tokens.or_else(|| {
+            if !completion.token_ids.is_empty() {
+                Some(completion.token_ids.len() as u64)
+            } else if !completion.logprobs.is_empty() {
+                Some(completion.logprobs.len() as u64)
+            } else {
+                None
+            }
+        });
+        let completion_tokens = counted.unwrap_or(usage.completion_tokens / n);
+        let ttft_ms = millis(completion.first_token_at);
+        let latency_ms = millis(completion.finished_at);
+        timings.push((ttft_ms / 1e3, latency_ms / 1e3));
+        completions.push(pb::Completion {
+            text,
+            reasoning,
+            finish_reason: completion.finish_reason,
+            token_ids: if spec.return_token_ids { completion.token_ids } else { Vec::new() },
+            logprobs: if spec.return_logprobs { completion.logprobs } else { Vec::new() },
+            completion_tokens,
+            ttft_ms,
+            latency_ms,
+        });
+    }
+    if usage.completion_tokens == 0 {
+        usage.completion_tokens = completions.iter().map(|c| c.completion_tokens).sum();
+    }
+    let mut prompt_token_ids = generation.prompt_token_ids;
+    if let Input::PromptTokens(ids) = &spec.input
+        && prompt_token_ids.is_empty()
+    {
+        prompt_token_ids.clone_from(ids);
+    }
+    if usage.prompt_tokens == 0 {
+        usage.prompt_tokens = prompt_token_ids.len() as u64;
+    }
+    if !spec.return_token_ids {
+        prompt_token_ids.clear();
+    }
+    let cost = if backend.client.is_replay() { 0.0 } else { cost_usd(&pool.config.price, &usage) };
+    accounting.served(&pool.config.model, &backend.label, &spec.keys.job_id, &usage, &timings, cost);
+    pb::GenerateResponse {
+        completions,
+        usage: Some(pb::Usage {
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
+            cost_usd: cost,
+            cached_prompt_tokens: usage.cached_prompt_tokens,
+            reasoning_tokens: usage.reasoning_tokens,
+        }),
+        backend: backend.label.clone(),
+        replay: backend.client.is_replay(),
+        weight_version: backend.weight_version(),
+        prompt_token_ids,
+        attempts,
+        model: pool.config.model.clone(),
+    }
+}
+
+/// The caller's deadline from `grpc-timeout`, a little early so the gateway answers DEADLINE_EXCEEDED naming the
+/// backend before the server's own timeout drops the call.
+fn deadline_of(metadata: &tonic::metadata::MetadataMap, received: Instant) -> Option<Instant> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    let timeout = match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    };
+    let margin = (timeout / 50).min(Duration::from_millis(20));
+    Some(received + timeout.saturating_sub(margin))
+}
+
+fn span(spec: &GenerateSpec) -> tracing::Span {
+    let k = &spec.keys;
+    tracing::info_span!("generate", model = %spec.model, job_id = %k.job_id, episode_id = %k.episode_id,
+        task_id = %k.task_id, trajectory = k.trajectory, turn = k.turn)
+}
+
+/// A response stream that aborts its generation (and so the upstream request) when the caller drops it.
+struct GenerationStream {
+    events: ReceiverStream<Result<pb::GenerateStreamResponse, Status>>,
+    task: JoinHandle<()>,
+}
+
+impl Stream for GenerationStream {
+    type Item = Result<pb::GenerateStreamResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.events).poll_next(cx)
+    }
+}
+
+impl Drop for GenerationStream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tonic::async_trait]
+impl Gateway for GatewayService {
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
+        let received = Instant::now();
+        let deadline = deadline_of(request.metadata(), received);
+        let (pool, spec) = self.admit(request.into_inner())?;
+        let mut sink = DeltaSink::new(None);
+        let span = span(&spec);
+        let response = self.run(&pool, &spec, received, deadline, &mut sink).instrument(span).await?;
+        Ok(Response::new(response))
+    }
+
+    type GenerateStreamStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+
+    async fn generate_stream(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        let received = Instant::now();
+        let deadline = deadline_of(request.metadata(), received);
+        let (pool, spec) = self.admit(request.into_inner())?;
+        let (events, receiver) = mpsc::channel(64);
+        let service = self.clone();
+        let span = span(&spec);
+        let task = tokio::spawn(
+            async move {
+                let (deltas, mut delta_receiver) = mpsc::channel(64);
+                let forward_to = events.clone();
+                let forward = async move {
+                    while let Some(delta) = delta_receiver.recv().await {
+                        let crate::backends::Delta { index, text, reasoning } = delta;
+                        let event = pb::GenerateStreamResponse {
+                            event: Some(pb::generate_stream_response::Event::Delta(pb::TextDelta {
+                                index,
+                                text,
+                                reasoning,
+                            })),
+                        };
+                        if forward_to.send(Ok(event)).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                let run = async {
+                    let mut sink = DeltaSink::new(Some(deltas));
+                    service.run(&pool, &spec, received, deadline, &mut sink).await
+                };
+                let (result, ()) = tokio::join!(run, forward);
+                let last = result
+                    .map(|done| pb::GenerateStreamResponse {
+                        event: Some(pb::generate_stream_response::Event::Done(done)),
+                    })
+                    .map_err(Status::from);
+                let _ = events.send(last).await;
+            }
+            .instrument(span),
+        );
+        let stream = GenerationStream { events: ReceiverStream::new(receiver), task };
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let now = Instant::now();
+        let models = self
+            .state
+            .order
+            .iter()
+            .filter_map(|model| self.state.pools.get(model))
+            .map(|pool| pb::ModelPool {
+                model: pool.config.model.clone(),
+                policy: pool.config.policy.name().into(),
+                backends: pool
+                    .backends
+                    .iter()
+                    .map(|b| pb::BackendStatus {
+                        url: b.label.clone(),
+                        kind: b.kind.name().into(),
+                        healthy: b.healthy(),
+                        breaker: b.breaker.name(now).into(),
+                        outstanding: b.outstanding(),
+                        max_concurrency: b.max_concurrency,
+                        paused: b.paused(),
+                        sleep_level: b.sleep_level(),
+                        weight_version: b.weight_version(),
+                        routable: b.routable(now),
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+
+    async fn control_backends(
+        &self,
+        request: Request<pb::ControlBackendsRequest>,
+    ) -> Result<Response<pb::ControlBackendsResponse>, Status> {
+        let request = request.into_inner();
+        let pool = self.pool(&request.model).map_err(GatewayError::from)?;
+        let action = Action::from_request(&request).map_err(GatewayError::from)?;
+        tracing::info!(model = %request.model, ?action, "control");
+        let results = control::fan_out(&pool, action).await;
+        Ok(Response::new(pb::ControlBackendsResponse { results }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_becomes_a_slightly_earlier_deadline() {
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        let now = Instant::now();
+        assert_eq!(deadline_of(&metadata, now), None);
+        metadata.insert("grpc-timeout", "2S".parse().expect("ascii"));
+        let deadline = deadline_of(&metadata, now).expect("parsed");
+        assert_eq!(deadline, now + Duration::from_millis(1980));
+        metadata.insert("grpc-timeout", "bogus".parse().expect("ascii"));
+        assert_eq!(deadline_of(&metadata, now), None);
+    }
+}
