@@ -122,6 +122,9 @@ pub struct BackendConfig {
     /// Route of the active health check (a 2xx is healthy). Default `/health` for vLLM and SGLang, none for
     /// hosted APIs; `""` turns the check off.
     pub health_path: Option<String>,
+    /// Prompts given as token ids use the server's token-in-token-out route (vLLM `/inference/v1/generate`,
+    /// SGLang `/generate` with `input_ids` and `return_logprob`) instead of `/v1/completions`. Default false.
+    pub token_route: bool,
 }
 
 impl BackendConfig {

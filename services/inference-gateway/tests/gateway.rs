@@ -184,6 +184,40 @@ async fn token_prompts_use_the_completions_route_and_echo_their_ids() {
 }
 
 #[tokio::test]
+async fn token_routes_of_vllm_and_sglang() {
+    let (vllm_fake, sglang_fake) = (FakeUpstream::start().await, FakeUpstream::start().await);
+    let tokens = |model: &str| pb::GenerateRequest {
+        model: model.into(),
+        input: Some(pb::generate_request::Input::PromptTokenIds(pb::TokenIds { ids: vec![7, 8, 9] })),
+        ..chat_request("")
+    };
+    let vllm_pool = pool(vec![BackendConfig { token_route: true, ..vllm(&vllm_fake) }], Policy::Affinity);
+    let sglang_pool = PoolConfig {
+        model: "sglang".into(),
+        ..pool(
+            vec![BackendConfig { kind: BackendKind::Sglang, token_route: true, ..vllm(&sglang_fake) }],
+            Policy::Affinity,
+        )
+    };
+    let mut gateway = start(config(vec![vllm_pool, sglang_pool])).await;
+
+    let response = gateway.client.generate(tokens("qwen")).await.expect("vllm").into_inner();
+    assert_eq!(vllm_fake.last_path(), "/inference/v1/generate");
+    assert_eq!(vllm_fake.last_body()["token_ids"], serde_json::json!([7, 8, 9]));
+    assert_eq!(vllm_fake.last_body()["sampling_params"]["max_tokens"], 4096);
+    assert_eq!(response.completions[0].token_ids, vec![11, 12]);
+
+    let response = gateway.client.generate(tokens("sglang")).await.expect("sglang").into_inner();
+    assert_eq!(sglang_fake.last_path(), "/generate");
+    assert_eq!(sglang_fake.last_body()["input_ids"], serde_json::json!([7, 8, 9]));
+    assert_eq!(sglang_fake.last_body()["return_logprob"], true);
+    let completion = &response.completions[0];
+    assert_eq!((completion.token_ids.clone(), completion.logprobs.clone()), (vec![21, 22], vec![-0.125, -0.75]));
+    assert_eq!(response.prompt_token_ids, vec![7, 8, 9]);
+    assert_eq!(response.usage.expect("usage").cached_prompt_tokens, 2);
+}
+
+#[tokio::test]
 async fn a_server_that_does_not_stream_is_read_too() {
     let fake = FakeUpstream::start().await;
     fake.push(Behavior::Json);

@@ -7,6 +7,7 @@
 
 pub mod openai;
 pub mod replay;
+pub mod token_route;
 
 use std::time::{Duration, Instant};
 

@@ -16,6 +16,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio_stream::StreamExt;
 
+use super::token_route::{self, Answer};
 use super::{AttemptError, CompletionOut, Delta, DeltaSink, Generation, UsageOut};
 use crate::config::{BackendConfig, BackendKind};
 use crate::request::{GenerateSpec, Input};
@@ -45,6 +46,8 @@ pub struct OpenAiBackend {
     root: String,
     http: reqwest::Client,
     api_key: Option<ApiKey>,
+    /// Token prompts go to the server's token-in-token-out route.
+    token_route: bool,
 }
 
 impl OpenAiBackend {
@@ -70,7 +73,14 @@ impl OpenAiBackend {
         if api_key.as_ref().is_some_and(String::is_empty) {
             return Err(format!("the api key of {url} is empty"));
         }
-        Ok(Self { kind: config.kind, api_base, root, http, api_key: api_key.map(ApiKey) })
+        Ok(Self {
+            kind: config.kind,
+            api_base,
+            root,
+            http,
+            api_key: api_key.map(ApiKey),
+            token_route: config.token_route,
+        })
     }
 
     fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
@@ -109,8 +119,15 @@ impl OpenAiBackend {
         deadline: Option<Instant>,
         sink: &mut DeltaSink,
     ) -> Result<Generation, AttemptError> {
-        let (route, body) = request_body(self.kind, spec, upstream_model);
-        let mut request = self.authorized(self.http.post(format!("{}{route}", self.api_base))).json(&body);
+        let native = if self.token_route { token_route::request(self.kind, spec, upstream_model) } else { None };
+        let (url, body, answer) = match native {
+            Some(native) => (format!("{}{}", self.root, native.path), native.body, native.answer),
+            None => {
+                let (route, body) = request_body(self.kind, spec, upstream_model);
+                (format!("{}{route}", self.api_base), body, Answer::OpenAiChunks)
+            }
+        };
+        let mut request = self.authorized(self.http.post(url)).json(&body);
         if let Some(deadline) = deadline {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -131,6 +148,14 @@ impl OpenAiBackend {
                 retry_after,
                 body: error_body(response).await,
             });
+        }
+        if answer == Answer::SglangNative {
+            let body = read_body(response, sink).await?;
+            let generation = token_route::sglang_generation(&body, spec.sampling.n, Instant::now())?;
+            for (index, completion) in generation.completions.iter().enumerate() {
+                sink.send(Delta { index: index as u32, text: completion.text.clone(), reasoning: String::new() }).await;
+            }
+            return Ok(generation);
         }
         let is_sse = response
             .headers()

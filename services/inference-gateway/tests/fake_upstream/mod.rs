@@ -83,6 +83,8 @@ impl FakeUpstream {
         let app = Router::new()
             .route("/v1/chat/completions", post(generate))
             .route("/v1/completions", post(generate))
+            .route("/inference/v1/generate", post(generate))
+            .route("/generate", post(sglang_generate))
             .route("/health", get(health))
             .fallback(control)
             .with_state(self.shared.clone());
@@ -228,9 +230,9 @@ async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, body: Bytes) -> R
     *shared.last_body.lock().expect("body") = Some(request.clone());
     *shared.last_path.lock().expect("path") = uri.path().to_owned();
     let chat = uri.path().ends_with("/chat/completions");
-    let n = request["n"].as_u64().unwrap_or(1) as u32;
-    let prompt_ids = match &request["prompt"] {
-        Value::Array(ids) => Value::Array(ids.clone()),
+    let n = request["n"].as_u64().or_else(|| request["sampling_params"]["n"].as_u64()).unwrap_or(1) as u32;
+    let prompt_ids = match (&request["prompt"], &request["token_ids"]) {
+        (Value::Array(ids), _) | (_, Value::Array(ids)) => Value::Array(ids.clone()),
         _ => json!([1, 2, 3]),
     };
     let behavior = shared.script.lock().expect("script").pop_front().unwrap_or(Behavior::Stream);
@@ -332,4 +334,17 @@ async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, body: Bytes) -> R
             sse(rx)
         }
     }
+}
+
+/// SGLang's native `/generate`: one JSON body with output ids and per-token log-probabilities.
+async fn sglang_generate(State(shared): State<Arc<Shared>>, uri: Uri, body: Bytes) -> Response {
+    shared.attempts.fetch_add(1, Ordering::SeqCst);
+    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    *shared.last_body.lock().expect("body") = Some(request);
+    *shared.last_path.lock().expect("path") = uri.path().to_owned();
+    let answer = json!({"text": "Hello world", "output_ids": [21, 22], "meta_info": {
+        "prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 2,
+        "finish_reason": {"type": "stop"},
+        "output_token_logprobs": [[-0.125, 21, null], [-0.75, 22, null]]}});
+    (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], answer.to_string()).into_response()
 }
