@@ -7,9 +7,15 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    Closed { failures: u32 },
-    Open { until: Instant },
-    HalfOpen { probing: bool },
+    Closed {
+        failures: u32,
+    },
+    /// No request before `until`; then one probe, which moves `until` on by the open period while it runs, so a
+    /// probe whose caller went away (no outcome ever reported) frees the slot after that period.
+    Open {
+        until: Instant,
+        probing: bool,
+    },
 }
 
 /// The breaker of one backend.
@@ -34,18 +40,17 @@ impl Breaker {
     pub fn admits(&self, now: Instant) -> bool {
         match *self.lock() {
             State::Closed { .. } => true,
-            State::Open { until } => now >= until,
-            State::HalfOpen { probing } => !probing,
+            State::Open { until, .. } => now >= until,
         }
     }
 
-    /// A request is being sent: an expired open breaker becomes half-open with this request as its probe.
+    /// A request is being sent: past an open period, it is the probe.
     pub fn on_dispatch(&self, now: Instant) {
         let mut state = self.lock();
-        match *state {
-            State::Open { until } if now >= until => *state = State::HalfOpen { probing: true },
-            State::HalfOpen { .. } => *state = State::HalfOpen { probing: true },
-            State::Closed { .. } | State::Open { .. } => {}
+        if let State::Open { until, .. } = *state
+            && now >= until
+        {
+            *state = State::Open { until: now + self.open_for, probing: true };
         }
     }
 
@@ -58,26 +63,25 @@ impl Breaker {
         let mut state = self.lock();
         *state = match *state {
             State::Closed { failures } if failures + 1 < self.threshold => State::Closed { failures: failures + 1 },
-            State::Closed { .. } | State::HalfOpen { .. } | State::Open { .. } => {
-                State::Open { until: now + self.open_for }
-            }
+            State::Closed { .. } | State::Open { .. } => State::Open { until: now + self.open_for, probing: false },
         };
     }
 
-    /// An attempt that ended without a verdict on the backend (cancelled, a 4xx): a probe slot is freed.
-    pub fn on_neutral(&self) {
+    /// An attempt that ended without a verdict on the backend (a 4xx, a replay miss): a probe's slot is freed.
+    pub fn on_neutral(&self, now: Instant) {
         let mut state = self.lock();
-        if let State::HalfOpen { .. } = *state {
-            *state = State::HalfOpen { probing: false };
+        if let State::Open { probing: true, .. } = *state {
+            *state = State::Open { until: now, probing: false };
         }
     }
 
-    /// `closed`, `open` or `half_open`, as ListModels shows it.
+    /// `closed`, `open` or `half_open` (a probe may pass or is passing), as ListModels shows it.
     pub fn name(&self, now: Instant) -> &'static str {
         match *self.lock() {
             State::Closed { .. } => "closed",
-            State::Open { until } if now < until => "open",
-            State::Open { .. } | State::HalfOpen { .. } => "half_open",
+            State::Open { probing: true, .. } => "half_open",
+            State::Open { until, .. } if now < until => "open",
+            State::Open { .. } => "half_open",
         }
     }
 }
@@ -101,12 +105,27 @@ mod tests {
         assert!(breaker.admits(later));
         breaker.on_dispatch(later);
         assert!(!breaker.admits(later), "one probe at a time");
+        assert_eq!(breaker.name(later), "half_open");
         breaker.on_failure(later);
         assert!(!breaker.admits(later + Duration::from_secs(1)), "a failed probe re-opens");
         let again = later + Duration::from_secs(6);
         breaker.on_dispatch(again);
         breaker.on_success();
         assert_eq!(breaker.name(again), "closed");
+    }
+
+    #[test]
+    fn a_probe_that_never_reports_frees_its_slot_after_the_open_period() {
+        let breaker = Breaker::new(1, Duration::from_secs(5));
+        let t0 = Instant::now();
+        breaker.on_failure(t0);
+        let probe = t0 + Duration::from_secs(5);
+        breaker.on_dispatch(probe);
+        assert!(!breaker.admits(probe + Duration::from_secs(1)));
+        assert!(breaker.admits(probe + Duration::from_secs(5)), "the abandoned probe's slot is free again");
+        breaker.on_dispatch(probe + Duration::from_secs(5));
+        breaker.on_neutral(probe + Duration::from_secs(6));
+        assert!(breaker.admits(probe + Duration::from_secs(6)), "a neutral outcome frees the slot at once");
     }
 
     #[test]

@@ -109,7 +109,7 @@ pub async fn generate(
         if error.backend_fault() {
             backend.breaker.on_failure(now);
         } else {
-            backend.breaker.on_neutral();
+            backend.breaker.on_neutral(now);
         }
         if let AttemptError::Status { retry_after: Some(retry_after), .. } = &error {
             if *retry_after > Duration::from_secs(retry.max_retry_after_secs) {
