@@ -136,15 +136,12 @@ fn respond(
                 (reasoning, text) = (split.reasoning.to_owned(), split.answer.to_owned());
             }
         }
-        let counted = completion.completion_tokens.or_else(|| {
-            if !completion.token_ids.is_empty() {
-                Some(completion.token_ids.len() as u64)
-            } else if !completion.logprobs.is_empty() {
-                Some(completion.logprobs.len() as u64)
-            } else {
-                None
-            }
-        });
+        let counted = match (completion.completion_tokens, completion.token_ids.len(), completion.logprobs.len()) {
+            (Some(count), _, _) => Some(count),
+            (None, 0, 0) => None,
+            (None, 0, logprobs) => Some(logprobs as u64),
+            (None, ids, _) => Some(ids as u64),
+        };
         let completion_tokens = counted.unwrap_or(usage.completion_tokens / n);
         let ttft_ms = millis(completion.first_token_at);
         let latency_ms = millis(completion.finished_at);
