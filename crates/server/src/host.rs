@@ -8,6 +8,7 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::body::Body;
 use tonic::server::NamedService;
@@ -167,7 +168,15 @@ impl Host {
 
         let local = listener.local_addr()?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let mut server = tokio::spawn(router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+        // Nagle's algorithm would hold a response's last frames until the client acknowledges the first ones;
+        // tonic sets TCP_NODELAY only on listeners it binds itself.
+        let incoming = TcpListenerStream::new(listener).map(|stream| {
+            if let Ok(stream) = &stream {
+                let _ = stream.set_nodelay(true);
+            }
+            stream
+        });
+        let mut server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
             let _ = stopped.await;
         }));
         tracing::info!(service, addr = %local, "serving");
