@@ -122,7 +122,11 @@ pub async fn generate(
             backend.cool_down_until(now + *retry_after);
         }
         let retry_allowed = error.retryable() && !sink.streamed() && attempts < retry.max_attempts;
-        tracing::info!(model, backend = %backend.label, attempts, %error, retry = retry_allowed, "upstream attempt failed");
+        if error.backend_fault() {
+            tracing::warn!(model, backend = %backend.label, attempts, %error, retry = retry_allowed, "upstream attempt failed");
+        } else {
+            tracing::info!(model, backend = %backend.label, attempts, %error, retry = retry_allowed, "upstream attempt refused");
+        }
         if !(retry_allowed && pool.budget.withdraw()) {
             return Err(GatewayError::Upstream { backend: backend.label.clone(), attempts, error });
         }

@@ -1,24 +1,24 @@
 //! The inference gateway: one gRPC front to many OpenAI-compatible backends (vLLM, SGLang, hosted APIs) and
 //! replay files, built for multi-turn RL rollouts.
 //!
-//! A request names a model; the model's pool picks a backend ([`routing`]: least outstanding, power of two
-//! choices, or episode affinity with bounded load), the [`dispatch`] loop attempts it with retries under a
-//! budget, each backend guarded by a [`breaker`], [`health`] checks and a concurrency limit; the [`backends`]
-//! speak OpenAI-compatible HTTP or read a replay file. [`control`] fans operator actions out to a pool;
-//! [`accounting`] turns usage into metrics and cost. `docs/GATEWAY.md` is the user's guide.
+//! A request names a model; the model's pool picks a backend (`routing`: least outstanding, power of two
+//! choices, or episode affinity with bounded load), the `dispatch` loop attempts it with retries under a
+//! budget, each backend guarded by a `breaker`, `health` checks and a concurrency limit; the `backends`
+//! speak OpenAI-compatible HTTP or read a replay file. `control` fans operator actions out to a pool;
+//! `accounting` turns usage into metrics and cost. `docs/GATEWAY.md` is the user's guide.
 
-pub mod accounting;
-pub mod backends;
-pub mod breaker;
+mod accounting;
+mod backends;
+mod breaker;
 pub mod config;
-pub mod control;
-pub mod dispatch;
-pub mod error;
-pub mod health;
-pub mod pool;
-pub mod request;
-pub mod retry;
-pub mod routing;
+mod control;
+mod dispatch;
+mod error;
+mod health;
+mod pool;
+mod request;
+mod retry;
+mod routing;
 mod service;
 
 use std::future::Future;

@@ -14,7 +14,7 @@
 //! it is labelled `replay` on the wire.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use serde::Deserialize;
@@ -67,7 +67,6 @@ type Key = (String, u32, u32);
 /// Recorded responses, in memory.
 #[derive(Debug)]
 pub struct ReplayBackend {
-    file: PathBuf,
     records: HashMap<Key, Record>,
 }
 
@@ -97,20 +96,8 @@ impl ReplayBackend {
                 ));
             }
         }
-        Ok(Self { file: file.to_owned(), records })
-    }
-
-    /// Records loaded.
-    pub fn len(&self) -> usize {
-        self.records.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.records.is_empty()
-    }
-
-    pub fn file(&self) -> &Path {
-        &self.file
+        tracing::info!(file = %file.display(), records = records.len(), "replay file loaded");
+        Ok(Self { records })
     }
 
     /// The record of `spec`'s keys, its first `n` completions.
@@ -164,7 +151,7 @@ impl ReplayBackend {
 mod tests {
     use super::*;
 
-    fn write(name: &str, text: &str) -> PathBuf {
+    fn write(name: &str, text: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("kforge-replay-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("replay.jsonl");
