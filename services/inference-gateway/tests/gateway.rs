@@ -460,6 +460,56 @@ async fn a_backend_going_down_and_coming_back() {
 }
 
 #[tokio::test]
+async fn a_failing_health_check_takes_a_backend_out_of_routing() {
+    let (sick, well) = (FakeUpstream::start().await, FakeUpstream::start().await);
+    let mut gateway = start(config(vec![pool(vec![vllm(&sick), vllm(&well)], Policy::LeastOutstanding)])).await;
+    sick.set_healthy(false);
+    let label = sick.label();
+    wait_for("the health check to fail", || {
+        let mut client = gateway.client.clone();
+        let label = label.clone();
+        async move { !backend_status(&mut client, &label).await.routable }
+    })
+    .await;
+    for _ in 0..10 {
+        let response = gateway.client.generate(chat_request("hi")).await.expect("served").into_inner();
+        assert_eq!((response.backend.as_str(), response.attempts), (well.label().as_str(), 1));
+    }
+    assert_eq!(sick.attempts(), 0, "an unhealthy backend gets no request");
+    sick.set_healthy(true);
+    wait_for("the health check to pass again", || {
+        let mut client = gateway.client.clone();
+        let label = label.clone();
+        async move { backend_status(&mut client, &label).await.routable }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn consecutive_failures_open_the_breaker() {
+    let (failing, steady) = (FakeUpstream::start().await, FakeUpstream::start().await);
+    for _ in 0..100 {
+        failing.push(Behavior::Status(500, None));
+    }
+    let mut gateway = start(config(vec![pool(vec![vllm(&failing), vllm(&steady)], Policy::LeastOutstanding)])).await;
+    let label = failing.label();
+    let mut sent = 0;
+    while backend_status(&mut gateway.client, &label).await.breaker != "open" {
+        let response =
+            gateway.client.generate(chat_request("hi")).await.expect("retried on the steady one").into_inner();
+        assert_eq!(response.backend, steady.label());
+        sent += 1;
+        assert!(sent < 200, "the breaker never opened");
+    }
+    assert_eq!(failing.attempts(), 5, "the default threshold is five consecutive failures");
+    for _ in 0..20 {
+        let response = gateway.client.generate(chat_request("hi")).await.expect("served").into_inner();
+        assert_eq!(response.attempts, 1, "an open breaker keeps requests away");
+    }
+    assert_eq!(failing.attempts(), 5);
+}
+
+#[tokio::test]
 async fn mixed_faults_every_request_answers_within_the_retry_policy() {
     let (a, b) = (FakeUpstream::start().await, FakeUpstream::start().await);
     for (i, fake) in [&a, &b].into_iter().enumerate() {
