@@ -127,7 +127,10 @@ impl OpenAiBackend {
                 (format!("{}{route}", self.api_base), body, Answer::OpenAiChunks)
             }
         };
-        let mut request = self.authorized(self.http.post(url)).json(&body);
+        // The request's trace continues into servers that trace (vLLM with an OTLP endpoint reads `traceparent`).
+        let mut trace = tonic::metadata::MetadataMap::new();
+        kforge_telemetry::inject_context(&mut trace);
+        let mut request = self.authorized(self.http.post(url)).headers(trace.into_headers()).json(&body);
         if let Some(deadline) = deadline {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {

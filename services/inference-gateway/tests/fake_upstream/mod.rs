@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
@@ -56,6 +56,7 @@ struct Shared {
     max_in_flight: AtomicU32,
     last_body: Mutex<Option<Value>>,
     last_path: Mutex<String>,
+    last_traceparent: Mutex<Option<String>>,
     control_calls: Mutex<Vec<String>>,
     unhealthy: AtomicBool,
 }
@@ -145,6 +146,11 @@ impl FakeUpstream {
         self.shared.last_path.lock().expect("path").clone()
     }
 
+    /// The `traceparent` header of the last generation request, if it had one.
+    pub fn last_traceparent(&self) -> Option<String> {
+        self.shared.last_traceparent.lock().expect("traceparent").clone()
+    }
+
     pub fn control_calls(&self) -> Vec<String> {
         self.shared.control_calls.lock().expect("calls").clone()
     }
@@ -223,8 +229,10 @@ fn sse(rx: mpsc::Receiver<Result<Bytes, std::io::Error>>) -> Response {
         .expect("response")
 }
 
-async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, body: Bytes) -> Response {
+async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     shared.attempts.fetch_add(1, Ordering::SeqCst);
+    *shared.last_traceparent.lock().expect("traceparent") =
+        headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let in_flight = InFlight::new(&shared);
     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     *shared.last_body.lock().expect("body") = Some(request.clone());
