@@ -202,10 +202,6 @@ fn call_reaches_every_rpc_in_process() {
         "Profiler/Profile",
         "Profiler/SelectMetrics",
         "Profiler/GetDeviceSpec",
-        "Gateway/Generate",
-        "Gateway/GenerateStream",
-        "Gateway/ListModels",
-        "Gateway/ControlBackends",
         "Orchestrator/SubmitJob",
         "Orchestrator/GetJob",
         "Orchestrator/WatchJob",
@@ -221,6 +217,16 @@ fn call_reaches_every_rpc_in_process() {
         assert!(!output.status.success());
         assert!(stderr.contains(&format!("UNIMPLEMENTED: {target} is not implemented yet")), "{target}: {stderr}");
     }
+
+    // The gateway is served; with no pool configured it routes no model.
+    for target in ["Gateway/Generate", "Gateway/GenerateStream", "Gateway/ControlBackends"] {
+        let output = run_kforge(&["call", target], "{}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(stderr.contains("INVALID_ARGUMENT: model: must be set"), "{target}: {stderr}");
+    }
+    let models = run_kforge(&["call", "Gateway/ListModels"], "{}");
+    assert!(models.status.success(), "{}", String::from_utf8_lossy(&models.stderr));
 }
 
 fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
