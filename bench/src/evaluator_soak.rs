@@ -127,10 +127,17 @@ fn candidate(file: &Path, hostile: bool, default_expect: &str, active: &[String]
         Some(name) => repo().join("services/evaluator/tests/corpus/tasks").join(format!("{name}.py")),
         None => repo().join("examples/tasks").join(&task_id).join("task.py"),
     };
-    let expect = header("expect").unwrap_or_else(|| default_expect.into());
+    // A file judged under several policies (`# expect[<policy>]: ...` lines) is soaked under the first.
+    let per_policy = source
+        .lines()
+        .find_map(|line| line.strip_prefix("# expect[")?.split_once("]:"))
+        .map(|(policy, expect)| (policy.trim().to_owned(), expect.trim().to_owned()));
+    let expect = header("expect")
+        .or_else(|| per_policy.as_ref().map(|(_, expect)| expect.clone()))
+        .unwrap_or_else(|| default_expect.into());
     let verdicts = expect.split_whitespace().next().unwrap_or_default();
     let expected = verdicts.split('|').map(str::to_owned).collect();
-    let policy = header("policy").unwrap_or_else(|| "permissive".into());
+    let policy = header("policy").or(per_policy.map(|(policy, _)| policy)).unwrap_or_else(|| "permissive".into());
     Some(Candidate {
         name: file.strip_prefix(repo()).unwrap_or(file).display().to_string(),
         task: std::fs::read_to_string(task_path).ok()?,

@@ -194,7 +194,7 @@ fn call_reaches_every_rpc_in_process() {
     let capabilities = run_kforge(&["call", "Evaluator/GetCapabilities"], "{}");
     assert!(capabilities.status.success(), "{}", String::from_utf8_lossy(&capabilities.stderr));
     let json: serde_json::Value = serde_json::from_slice(&capabilities.stdout).expect("proto3 json on stdout");
-    assert_eq!(json["policies"], serde_json::json!(["permissive@2", "kevin-strict@1"]));
+    assert_eq!(json["policies"], serde_json::json!(["permissive@3", "kevin-strict@2"]));
     let refused = run_kforge(&["call", "Evaluator/Evaluate"], "{}");
     assert!(String::from_utf8_lossy(&refused.stderr).contains("INVALID_ARGUMENT: task: required"));
 

@@ -27,7 +27,6 @@ and later, on CPU and CUDA.
 
 import contextlib
 import functools
-import hashlib
 import importlib.util
 import json
 import math
@@ -116,10 +115,56 @@ def to_device(value, device):
 
 
 def make_inputs(task, seed, device):
+    """The task's inputs for `seed`, made where they are used: `get_inputs` runs with `device` as torch's default
+    device, so tensors it draws from torch's generators are drawn on the device (no host copy; a device's generator
+    gives the same values for a seed in every process). A task whose get_inputs cannot run that way (host-only code)
+    runs on the host instead; every process takes the same path for the same task."""
     import torch
 
     torch.manual_seed(seed)
+    if device.type != "cpu":
+        try:
+            with torch.device(device):
+                return to_device(list(task.get_inputs()), device)
+        except Exception:
+            torch.manual_seed(seed)
     return to_device(list(task.get_inputs()), device)
+
+
+# Elements of each floating-point input moved far out of range on the sensitivity trial.
+SENSITIVITY_ELEMENTS = 64
+
+
+def trial_inputs(task, spec, trial, device):
+    """The inputs of correctness trial `trial`; on the sensitivity trial (`spec["sensitivity"]`), its base trial's
+    inputs with a few elements moved far out of range (`perturb_sparsely`)."""
+    inputs = make_inputs(task, spec["seeds"][trial], device)
+    sensitivity = spec.get("sensitivity")
+    if sensitivity and trial == sensitivity["trial"]:
+        perturb_sparsely(inputs, sensitivity["seed"])
+    return inputs
+
+
+def perturb_sparsely(inputs, seed):
+    """Moves SENSITIVITY_ELEMENTS elements of each floating-point input tensor, at positions drawn from `seed`, to
+    64 times (1 + the tensor's largest magnitude), keeping each element's sign (positive inputs stay positive).
+    Sparse, so a computation on a sample of the input misses most of them; large, so the reference's output moves
+    well past rounding noise. Integer and boolean tensors (indices, labels, masks) are left alone."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed % (1 << 62))
+    with torch.no_grad():
+        for value in inputs:
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() == 0:
+                continue
+            if not value.is_contiguous():
+                continue
+            flat = value.view(-1)
+            positions = torch.randint(flat.numel(), (min(SENSITIVITY_ELEMENTS, flat.numel()),), generator=generator)
+            positions = positions.to(flat.device)
+            magnitude = 64.0 * (1.0 + float(flat.abs().max()))
+            signs = torch.where(flat[positions] < 0, -1.0, 1.0).to(flat.dtype)
+            flat[positions] = signs * magnitude
 
 
 def make_model(cls, task, init_seed, device):
@@ -156,14 +201,46 @@ def to_cpu_outputs(output, stream=None):
         return list(saved())
 
 
-def tensor_digest(values):
+# Elements per step of the device-side digest and comparison: bounds their temporary memory (a few hundred MB).
+CHUNK_ELEMENTS = 1 << 25
+
+
+def saved_outputs(output):
+    """Outputs in the saved form (see to_cpu_outputs), left on their device: for comparing in this process."""
     import torch
 
-    digest = hashlib.sha256()
+    return [{"exact_tensor": type(v) is torch.Tensor, "device": str(v.device), "tensor": v.detach()}
+            if isinstance(v, torch.Tensor) else {"exact_tensor": False, "device": "", "value": repr(v)[:200]}
+            for v in flatten_outputs(output)]
+
+
+def tensor_digest(values):
+    """A digest of tensors' bytes, computed where they live (no copy to the host): per tensor, the wrapping sums of
+    its 32-bit words (bytes where the size is not a multiple of 4) and of those words times a multiplicative hash
+    of their position. Any change of a word changes it unless a second change cancels it exactly; it compares a
+    tensor with itself earlier in the same process (inputs the candidate must not write)."""
+    import torch
+
+    parts = []
     for value in values:
-        if isinstance(value, torch.Tensor):
-            digest.update(as_bytes(value.detach().to("cpu")).numpy().tobytes())
-    return digest.hexdigest()
+        if not isinstance(value, torch.Tensor):
+            continue
+        flat = as_bytes(value.detach())
+        words = flat
+        if flat.numel() % 4 == 0:
+            try:
+                words = flat.view(torch.int32)
+            except RuntimeError:  # a view whose first byte is not 4-aligned (a half tensor at an odd offset)
+                pass
+        plain = torch.zeros((), dtype=torch.int64, device=flat.device)
+        weighted = torch.zeros_like(plain)
+        for start in range(0, words.numel(), CHUNK_ELEMENTS):
+            chunk = words[start:start + CHUNK_ELEMENTS].to(torch.int64)
+            position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device)
+            plain += chunk.sum()
+            weighted += (chunk * (position * 2654435761 + 97531)).sum()
+        parts.append(torch.stack([plain, weighted]))
+    return tuple(torch.stack(parts).flatten().tolist()) if parts else ()
 
 
 # ---------------------------------------------------------------------------------------------------- timing
@@ -441,14 +518,38 @@ def perturb(inputs, set_seed, call):
                 flat[positions[0]] = flat[positions[1]].clone()
 
 
-def timing_inputs(task, spec, device, calls_upto=None, for_set=None):
-    """The rotating timing input sets; with `calls_upto`, set `for_set` as it was after call `calls_upto`."""
+# Timing input sets after the first are made only while all of them fit in this many bytes: a task whose inputs
+# take gigabytes rotates fewer sets (each still perturbed per call).
+TIMING_SETS_BYTES = 2 << 30
+
+
+def input_bytes(inputs):
+    import torch
+
+    return sum(v.numel() * v.element_size() for v in inputs if isinstance(v, torch.Tensor))
+
+
+def timing_inputs(task, spec, device):
+    """The rotating timing input sets: one per timing seed, as many as fit in TIMING_SETS_BYTES (at least one)."""
     seeds = spec["timing_seeds"]
-    if calls_upto is None:
-        return [make_inputs(task, seed, device) for seed in seeds]
-    inputs = make_inputs(task, seeds[for_set], device)
-    for call in range(for_set, calls_upto + 1, len(seeds)):
-        perturb(inputs, seeds[for_set], call)
+    sets = [make_inputs(task, seeds[0], device)]
+    count = max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(sets[0]))))
+    sets.extend(make_inputs(task, seed, device) for seed in seeds[1:count])
+    return sets
+
+
+def timed_call_inputs(task, spec, device, call):
+    """The inputs of timed call `call`, rebuilt: its set (as timing_inputs rotates them) after every perturbation
+    up to that call."""
+    seeds = spec["timing_seeds"]
+    inputs = make_inputs(task, seeds[0], device)
+    count = max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(inputs))))
+    which = call % count
+    if which != 0:
+        del inputs
+        inputs = make_inputs(task, seeds[which], device)
+    for earlier in range(which, call + 1, count):
+        perturb(inputs, seeds[which], earlier)
     return inputs
 
 
@@ -822,6 +923,67 @@ def nvcc_flags_of(variants):
 CENSUS_MODES = [(True, False), (False, False), (True, True), (False, True)]
 
 
+class ExtensionCalls:
+    """Counts calls into the candidate's compiled extensions: every function of a module that load_inline or load
+    returns is replaced, on the module and before the candidate sees it, by a wrapper that counts its calls. The
+    census reads the count around each mode's recorded calls: an extension compiled and never called by forward is
+    the CPU counterpart of a kernel defined and never launched. A module that also exports classes or submodules
+    (their methods are not wrapped), or a library registered as torch operators (`is_python_module=False`), makes
+    the count incomplete, and the census then reports none rather than a wrong zero. A complete count with no
+    functions says that no extension was loaded (a build the candidate caught and fell back from)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.functions = 0
+        self.complete = True
+        self.modules = []
+
+    def counted(self, function):
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            self.calls += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    def wrap(self, module):
+        import types
+
+        if not isinstance(module, types.ModuleType):
+            self.complete = False
+            return module
+        if any(module is seen for seen in self.modules):
+            return module  # the same module loaded again: already counted
+        self.modules.append(module)
+        for name in dir(module):
+            if name.startswith("__"):
+                continue
+            value = getattr(module, name)
+            if isinstance(value, (type, types.ModuleType)):
+                self.complete = False
+            elif callable(value):
+                setattr(module, name, self.counted(value))
+                self.functions += 1
+        return module
+
+    def install(self):
+        """Wraps load_inline and load (after the build recipe's own wrapper, which it calls)."""
+        import torch.utils.cpp_extension as cpp_extension
+
+        def counting(load):
+            @functools.wraps(load)
+            def loading(*args, **kwargs):
+                return self.wrap(load(*args, **kwargs))
+
+            return loading
+
+        cpp_extension.load_inline = counting(cpp_extension.load_inline)
+        cpp_extension.load = counting(cpp_extension.load)
+
+
+EXTENSIONS = ExtensionCalls()
+
+
 class Census:
     """What ran during `calls` forward calls in each mode: device kernels with start and duration on a GPU (every
     stream and thread of the process), the direct torch-op children of each call on a CPU. Raw records only.
@@ -837,6 +999,7 @@ class Census:
         from torch.profiler import ProfilerActivity, profile
 
         self.model, self.inputs, self.device, self.calls = model, inputs, device, calls
+        self.extension_calls = []  # per mode, the calls into the candidate's extensions (ExtensionCalls)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.profiler = profile(activities=activities)
         self.profiler.start()
@@ -854,12 +1017,14 @@ class Census:
                     GATE.call()  # the mode's untimed first call
                     model(*inputs)
                     synchronize(device)
+                    before = EXTENSIONS.calls
                     with record_function("kforge.mode"):
                         for _ in range(self.calls):
                             GATE.call()  # each call and its synchronisation is one call to the evaluator
                             with record_function("kforge.call"):
                                 model(*inputs)
                             synchronize(device)
+                    self.extension_calls.append(EXTENSIONS.calls - before)
         finally:
             model.train(was_training)
             self.profiler.stop()
@@ -875,6 +1040,10 @@ class Census:
         if len(windows) != len(names):
             raise RuntimeError(f"the census found {len(windows)} mode ranges instead of {len(names)}")
         modes = [{"mode": name, "calls": calls, "call_us": 0.0, "records": []} for name in names]
+        if EXTENSIONS.complete and len(self.extension_calls) == len(modes):
+            for mode, extension_calls in zip(modes, self.extension_calls):
+                mode["extension_functions"] = EXTENSIONS.functions
+                mode["extension_calls"] = extension_calls
 
         def mode_at(start):
             for index, (begin, end) in enumerate(windows):
@@ -927,27 +1096,29 @@ def mode_reference(spec):
     device = device_of(spec)
     GATE.share(device)
     task, model = reference_model(spec, device)
-    for trial, seed in enumerate(spec["seeds"]):
+    for trial in range(len(spec["seeds"])):
         GATE.pause(device)
-        inputs = make_inputs(task, seed, device)
+        inputs = trial_inputs(task, spec, trial, device)
         with torch.no_grad():
             output = model(*inputs)
         synchronize(device)
         save(to_cpu_outputs(output), os.path.join(spec["reference_dir"], f"reference-{trial}.pt"))
     result = {"ok": True}
+    if device.type == "cuda":
+        # The most device memory the reference held at once (model, inputs, outputs, workspace): the evaluator
+        # estimates the task's footprint from it for memory-aware admission (devices::footprint).
+        result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     if spec.get("candidate_dir"):
-        GATE.idle(device)  # comparing is host work
-        result["mismatch"] = compare_trials(spec)
+        result["mismatch"] = compare_trials(spec, device)
         if result["mismatch"] is None and spec.get("timed_call") is not None:
-            GATE.share(device)
             result["mismatch"] = compare_timed_call(spec, task, model, device)
     write_result(spec, result)
 
 
-def run_trial(model, task, seed, device, trial, integrity, result, spec):
+def run_trial(model, task, device, trial, integrity, result, spec):
     import torch
 
-    inputs = make_inputs(task, seed, device)
+    inputs = trial_inputs(task, spec, trial, device)
     before = tensor_digest(inputs)
     caller = originals().current_stream(device) if device.type == "cuda" else None
     GATE.call()
@@ -1008,6 +1179,7 @@ def mode_candidate(spec):
         poison_free_memory(device)
     integrity = Integrity()
     install_build_recipe(building=False)
+    EXTENSIONS.install()
     try:
         with phase("import_candidate"):
             GATE.call()  # the module's own code runs, and its extensions load
@@ -1026,7 +1198,7 @@ def mode_candidate(spec):
         recheck_from = spec.get("recheck_from", len(seeds))
         for trial in range(recheck_from):
             GATE.pause(device)
-            run_trial(model, task, seeds[trial], device, trial, integrity, result, spec)
+            run_trial(model, task, device, trial, integrity, result, spec)
     integrity.check_environment("during the correctness trials")
     timing, calls = spec.get("timing"), spec.get("census_calls")
     if timing or calls:
@@ -1058,7 +1230,7 @@ def mode_candidate(spec):
     with phase("recheck"):
         for trial in range(recheck_from, len(seeds)):
             GATE.pause(device)
-            run_trial(model, task, seeds[trial], device, trial, integrity, result, spec)
+            run_trial(model, task, device, trial, integrity, result, spec)
     integrity.check_environment("after the last trial")
     result["findings"] = [{"code": code, "message": message} for code, message in integrity.findings.items()]
     write_result(spec, result)
@@ -1075,10 +1247,10 @@ def tolerance(dtype, spec):
 
 
 def mode_check(spec):
-    mismatch = compare_trials(spec)  # host work: the stage is idle on its device
+    device = device_of(spec)
+    GATE.share(device)  # outputs are compared on their device
+    mismatch = compare_trials(spec, device)
     if mismatch is None and spec.get("timed_call") is not None:
-        device = device_of(spec)
-        GATE.share(device)
         task, model = reference_model(spec, device)
         mismatch = compare_timed_call(spec, task, model, device)
     write_result(spec, {"ok": True, "mismatch": mismatch})
@@ -1091,12 +1263,12 @@ def compare_timed_call(spec, task, model, device):
     call = spec.get("timed_call")
     if call is None:
         return None
-    inputs = timing_inputs(task, spec, device, calls_upto=call, for_set=call % len(spec["timing_seeds"]))
+    inputs = timed_call_inputs(task, spec, device, call)
     with torch.no_grad():
-        expected = to_cpu_outputs(model(*inputs))
+        expected = saved_outputs(model(*inputs))
     synchronize(device)
     try:
-        got = torch.load(os.path.join(spec["candidate_dir"], "timed.pt"), weights_only=True)
+        got = torch.load(os.path.join(spec["candidate_dir"], "timed.pt"), map_location=device, weights_only=True)
     except Exception as error:
         return {"trial": -1, "output_index": 0, "detail": f"timed outputs unreadable: {type(error).__name__}"}
     mismatch = compare_outputs(expected, got, spec)
@@ -1105,26 +1277,77 @@ def compare_timed_call(spec, task, model, device):
     return mismatch
 
 
-def compare_trials(spec):
-    """The first mismatch between reference and candidate outputs over every trial, or None."""
+def compare_trials(spec, device):
+    """The first mismatch between reference and candidate outputs over every trial, then the sensitivity check's,
+    or None; compared on `device`."""
     import torch
 
+    def load(kind, trial):
+        folder = spec["reference_dir"] if kind == "reference" else spec["candidate_dir"]
+        return torch.load(os.path.join(folder, f"{kind}-{trial}.pt"), map_location=device, weights_only=True)
+
     for trial in range(len(spec["seeds"])):
-        expected = torch.load(os.path.join(spec["reference_dir"], f"reference-{trial}.pt"), weights_only=True)
+        expected = load("reference", trial)
         try:
-            got = torch.load(os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"), weights_only=True)
+            got = load("candidate", trial)
         except Exception as error:  # a missing or malformed file is the candidate's output, not ours
             return {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}
         mismatch = compare_outputs(expected, got, spec)
         if mismatch is not None:
             mismatch["trial"] = trial
+            if spec.get("sensitivity") and trial == spec["sensitivity"]["trial"]:
+                mismatch["detail"] = ("input sensitivity: wrong on the sensitivity trial (trial 0's inputs with a few "
+                                      "elements moved far out of range) " + mismatch.get("detail", "")).strip()
             return mismatch
+    sensitivity = spec.get("sensitivity")
+    if not sensitivity:
+        return None
+    trial, base = sensitivity["trial"], sensitivity["base"]
+    return compare_sensitivity(load("reference", base), load("reference", trial), load("candidate", base),
+                               load("candidate", trial), trial, spec)
+
+
+def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec):
+    """Whether the candidate's output moved as the reference's did between the sensitivity trial and its base (the
+    same inputs but for a few elements moved far out of range): per element, |d_cand - d_ref| <= 0.1 |d_ref| +
+    noise, noise a tenth of the output tolerance. Each trial alone already passed within tolerance; their
+    difference is the sharper test, since rounding errors of nearly equal inputs largely cancel in it. Outputs
+    whose reference did not move past 2x noise anywhere (or is not finite there, or is not floating-point) are not
+    judged; a mismatch names the first element that moved wrongly."""
+    import torch
+
+    for index, (rb, rm, cb, cm) in enumerate(zip(ref_base, ref_moved, cand_base, cand_moved)):
+        a, b = rb.get("tensor"), rm.get("tensor")
+        c, d = cb.get("tensor"), cm.get("tensor")
+        if a is None or not a.is_floating_point() or a.numel() == 0:
+            continue
+        atol, rtol = tolerance(a.dtype, spec)
+        a, b, c, d = (t.reshape(-1) for t in (a, b, c, d))
+        # As in compare_tensor: the absolute part of the tolerance follows the output's scale.
+        output_scale = 0.0
+        for start in range(0, a.numel(), CHUNK_ELEMENTS):
+            part = a[start:start + CHUNK_ELEMENTS].to(torch.float64).abs()
+            output_scale = max(output_scale, float(torch.where(torch.isfinite(part), part, torch.zeros_like(part)).max()))
+        absolute = atol * min(1.0, max(output_scale, 1e-6))
+        for start in range(0, a.numel(), CHUNK_ELEMENTS):
+            window = slice(start, start + CHUNK_ELEMENTS)
+            rb64, rm64 = a[window].to(torch.float64), b[window].to(torch.float64)
+            d_ref = rm64 - rb64
+            d_cand = d[window].to(torch.float64) - c[window].to(torch.float64)
+            noise = (absolute + rtol * torch.maximum(rb64.abs(), rm64.abs())) / 10
+            judged = torch.isfinite(d_ref) & (d_ref.abs() > 2 * noise)
+            wrong = judged & ~((d_cand - d_ref).abs() <= 0.1 * d_ref.abs() + noise)
+            if bool(wrong.any()):
+                at = int(wrong.nonzero()[0])
+                return {"trial": trial, "output_index": index, "element_index": [start + at],
+                        "expected": float(d_ref[at]), "got": float(d_cand[at]),
+                        "detail": "input sensitivity: with a few input elements moved far out of range, the "
+                                  "reference's output moved by `expected` at this (flattened) element and the "
+                                  "candidate's by `got`: the candidate does not compute on all of its input"}
     return None
 
 
 def compare_outputs(expected, got, spec):
-    import torch
-
     if not isinstance(got, list) or len(got) != len(expected):
         return {"output_index": 0, "detail": f"expected {len(expected)} outputs, got {len(got) if isinstance(got, list) else 'none'}"}
     for index, (want, have) in enumerate(zip(expected, got)):
@@ -1145,45 +1368,54 @@ def compare_outputs(expected, got, spec):
             return {"output_index": index, "detail": f"shape {tuple(b.shape)} instead of {tuple(a.shape)}"}
         if a.numel() == 0:
             continue
-        atol, rtol = tolerance(a.dtype, spec)
-        if a.dtype.is_floating_point or a.dtype.is_complex:
-            a64, b64 = a.to(torch.float64), b.to(torch.float64)
+        mismatch = compare_tensor(a, b, *tolerance(a.dtype, spec))
+        if mismatch is not None:
+            mismatch["output_index"] = index
+            return mismatch
+    return None
+
+
+def compare_tensor(a, b, atol, rtol):
+    """The first element of `b` outside tolerance of `a` (same shape, dtype, device), or None. Runs where the tensors
+    are, in chunks of CHUNK_ELEMENTS (float64 temporaries stay bounded for outputs of gigabytes)."""
+    import torch
+
+    shape = a.shape
+    a, b = a.reshape(-1), b.reshape(-1)
+    floating = a.dtype.is_floating_point or a.dtype.is_complex
+    chunks = range(0, a.numel(), CHUNK_ELEMENTS)
+    # The absolute tolerance shrinks with the output's scale: on an output whose values are all far below atol, a
+    # constant or zero answer would otherwise pass.
+    scale = 0.0
+    if floating:
+        for start in chunks:
+            part = a[start:start + CHUNK_ELEMENTS].to(torch.float64).abs()
+            scale = max(scale, float(torch.where(torch.isfinite(part), part, torch.zeros_like(part)).max()))
+    first, max_abs, max_rel = None, 0.0, 0.0
+    for start in chunks:
+        a64 = a[start:start + CHUNK_ELEMENTS].to(torch.float64)
+        b64 = b[start:start + CHUNK_ELEMENTS].to(torch.float64)
+        diff = (a64 - b64).abs()
+        if floating:
             finite_expected = torch.isfinite(a64)
             # NaN never passes, and Inf only where the reference has the same Inf.
             bad_nonfinite = ~torch.isfinite(b64) & ~(torch.isinf(a64) & (a64 == b64))
-            diff = (a64 - b64).abs()
             diff = torch.where(finite_expected, diff, torch.zeros_like(diff))
-            # The absolute tolerance shrinks with the output's scale: on an output whose values are all far below
-            # atol, a constant or zero answer would otherwise pass.
-            scale = float(torch.where(finite_expected, a64.abs(), torch.zeros_like(a64)).max())
             allowed = atol * min(1.0, max(scale, 1e-6)) + rtol * a64.abs()
-            bad = bad_nonfinite | (finite_expected & (diff > torch.where(finite_expected, allowed, torch.zeros_like(allowed))))
-            if bool(bad.any()):
-                flat = int(bad.flatten().nonzero()[0])
-                where = list(torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() > 0 else []
-                rel = diff / a64.abs().clamp_min(1e-12)
-                return {
-                    "output_index": index,
-                    "element_index": [int(i) for i in where],
-                    "expected": float(a64.flatten()[flat]),
-                    "got": float(b64.flatten()[flat]),
-                    "max_abs_error": float(torch.nan_to_num(diff, nan=math.inf).max()),
-                    "max_rel_error": float(torch.nan_to_num(rel, nan=math.inf).max()),
-                    "detail": "",
-                }
-        elif not torch.equal(a, b):
-            flat = int((a != b).flatten().nonzero()[0])
-            where = list(torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() > 0 else []
-            return {
-                "output_index": index,
-                "element_index": [int(i) for i in where],
-                "expected": float(a.flatten()[flat]),
-                "got": float(b.flatten()[flat]),
-                "max_abs_error": float((a.to(torch.float64) - b.to(torch.float64)).abs().max()),
-                "max_rel_error": 0.0,
-                "detail": "",
-            }
-    return None
+            bad = bad_nonfinite | (finite_expected & (diff > allowed))
+            rel = diff / a64.abs().clamp_min(1e-12)
+            max_rel = max(max_rel, float(torch.nan_to_num(rel, nan=math.inf).max()))
+        else:
+            bad = a64 != b64  # integers and booleans compare exactly
+        max_abs = max(max_abs, float(torch.nan_to_num(diff, nan=math.inf).max()))
+        if first is None and bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            first = (start + at, float(a64[at]), float(b64[at]))
+    if first is None:
+        return None
+    return {"element_index": [int(i) for i in torch.unravel_index(torch.tensor(first[0]), shape)] if len(shape) else [],
+            "expected": first[1], "got": first[2], "max_abs_error": max_abs,
+            "max_rel_error": max_rel if floating else 0.0, "detail": ""}
 
 
 def mode_baseline(spec):

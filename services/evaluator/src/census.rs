@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use kforge_proto::v1 as pb;
 use serde::Deserialize;
 
-use crate::statics::{Category, Finding};
+use crate::statics::{Category, Finding, Policy};
 
 /// One mode's raw records, as the harness reports them.
 #[derive(Debug, Clone, Deserialize)]
@@ -19,6 +19,25 @@ pub struct ModeRecords {
     #[serde(default)]
     pub call_us: f64,
     pub records: Vec<Record>,
+    /// How many functions the candidate's loaded extensions export (0: none loaded), and how often the recorded
+    /// calls of this mode called them; both absent when the harness could not count every call (an extension
+    /// exporting classes, or registering torch operators).
+    #[serde(default)]
+    pub extension_functions: Option<u64>,
+    #[serde(default)]
+    pub extension_calls: Option<u64>,
+}
+
+impl ModeRecords {
+    /// Whether the candidate's compiled extensions were loaded but none of their functions called in this mode.
+    fn extension_uncalled(&self) -> bool {
+        self.extension_functions.is_some_and(|f| f > 0) && self.extension_calls == Some(0)
+    }
+
+    /// Whether no compiled code of the candidate's can have run in this mode: nothing loaded, or nothing called.
+    fn extension_idle(&self) -> bool {
+        self.extension_functions == Some(0) || self.extension_calls == Some(0)
+    }
 }
 
 /// One device activity (GPU) or one torch operator called by `forward` (CPU).
@@ -56,25 +75,30 @@ pub struct Candidate<'a> {
     pub compiles: bool,
     /// Its timed median, when it was timed.
     pub median_ms: Option<f64>,
-    /// Whether own kernels that never run are a hack (every shipped policy) rather than a notice.
-    pub unlaunched_is_hack: bool,
+    /// The policy it is judged by: whether own code that never runs is a hack (every shipped policy) rather than a
+    /// notice, and what a profiling ratio below the policy's threshold is.
+    pub policy: Policy,
 }
 
 /// Analyses the census of `candidate`; `gpu` says whether the records are device activity or CPU operators.
 pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Census {
     let own_names: BTreeSet<&str> = candidate.kernels.iter().map(String::as_str).collect();
-    let (unlaunched_is_hack, median_ms) = (candidate.unlaunched_is_hack, candidate.median_ms);
+    let (policy, median_ms) = (candidate.policy, candidate.median_ms);
+    // Modes in which none of the candidate's own kernels ran (GPU), and in which no function of its compiled
+    // extensions was called (both backends, where the harness could count them).
     let mut unlaunched: Vec<&str> = Vec::new();
-    let cpu_record = if candidate.compiles { CPU_OWN_RECORD } else { CPU_PYTHON_RECORD };
+    let mut uncalled: Vec<&str> = Vec::new();
     let is_own = |name: &str| if gpu { is_own_kernel(name, &own_names) } else { name == CPU_OWN_RECORD };
     let mut census = Census::default();
     let mut own_by_mode: Vec<(&str, BTreeSet<String>)> = Vec::new();
     for (index, mode) in modes.iter().enumerate() {
         let mut records = mode.records.clone();
         if !gpu {
+            // The time outside torch operators is the extension's only while the extension is called at all.
+            let extension_ran = candidate.compiles && !mode.extension_idle();
             let operators: f64 = records.iter().map(|r| r.duration_us).sum();
             records.push(Record {
-                name: cpu_record.into(),
+                name: if extension_ran { CPU_OWN_RECORD } else { CPU_PYTHON_RECORD }.into(),
                 start_us: 0.0,
                 duration_us: (mode.call_us - operators).max(0.0),
             });
@@ -93,7 +117,12 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
         if index == 0 {
             let total: f64 = by_name.values().map(|(_, ms)| ms).sum();
             let own_ms: f64 = by_name.iter().filter(|(name, _)| is_own(name)).map(|(_, (_, ms))| ms).sum();
-            census.profiling_ratio = if total > 0.0 { (own_ms / total).clamp(0.0, 1.0) } else { 0.0 };
+            // (An empty sum is -0.0: no own time is a plain 0.)
+            census.profiling_ratio = if total > 0.0 && own_ms > 0.0 { (own_ms / total).min(1.0) } else { 0.0 };
+            let threshold = policy.min_profiling_ratio();
+            if total > 0.0 && census.profiling_ratio < threshold {
+                census.findings.push(low_ratio(census.profiling_ratio, threshold, &mode.mode, policy, gpu));
+            }
             if gpu && let Some(median) = median_ms {
                 let busy_ms = union_us(&mode.records) / 1e3 / f64::from(mode.calls.max(1));
                 // Every kernel of an honest call runs between the timer's two events, so the device cannot be
@@ -113,6 +142,9 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
         if gpu && !own_names.is_empty() && own.is_empty() {
             unlaunched.push(mode.mode.as_str());
         }
+        if mode.extension_uncalled() {
+            uncalled.push(mode.mode.as_str());
+        }
         own_by_mode.push((mode.mode.as_str(), own));
         census.kernels.extend(by_name.into_iter().map(|(name, (launches, total_ms))| pb::KernelRecord {
             name: name.to_owned(),
@@ -122,16 +154,29 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
             mode: mode.mode.clone(),
         }));
     }
+    // A decoy, on either backend: code of the candidate's own that it compiles but does not run, while other code
+    // does the work. One code for both (the GPU's kernels, the CPU's extension calls), so that the dashboards
+    // count one class of hack whatever the backend.
+    let mut decoys = Vec::new();
     if !unlaunched.is_empty() {
+        decoys.push(format!(
+            "the candidate defines {} but none of them ran in {}",
+            own_names.iter().copied().collect::<Vec<_>>().join(", "),
+            unlaunched.join(", ")
+        ));
+    }
+    if !uncalled.is_empty() {
+        decoys.push(format!(
+            "the candidate compiles an extension but forward called none of its functions in {}",
+            uncalled.join(", ")
+        ));
+    }
+    if !decoys.is_empty() {
         census.findings.push(Finding {
             code: "runtime.own_kernel_not_launched",
-            message: format!(
-                "the candidate defines {} but none of them ran in {}: the work was done by other kernels",
-                own_names.iter().copied().collect::<Vec<_>>().join(", "),
-                unlaunched.join(", ")
-            ),
+            message: format!("{}: the work was done by other code", decoys.join("; ")),
             line: 0,
-            category: if unlaunched_is_hack { Category::Hack } else { Category::Notice },
+            category: if policy.unlaunched_kernels_are_hacks() { Category::Hack } else { Category::Notice },
         });
     }
     if let Some((measured, own)) = own_by_mode.first() {
@@ -150,6 +195,26 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
         }
     }
     census
+}
+
+/// The lazy-work finding: the candidate's own code did less than `threshold` of the measured mode's work. A notice
+/// where the policy lets torch and libraries do the work (the dashboards count it), a hack where it does not.
+fn low_ratio(ratio: f64, threshold: f64, mode: &str, policy: Policy, gpu: bool) -> Finding {
+    let measure = if gpu { "device time" } else { "time in forward (CPU census)" };
+    let allowed = if policy.torch_compute_allowed() {
+        format!("allowed by {}, and named so that it is counted", policy.id())
+    } else {
+        format!("{} requires the candidate's own code to do the work", policy.id())
+    };
+    Finding {
+        code: "runtime.low_profiling_ratio",
+        message: format!(
+            "the candidate's own code took {ratio:.3} of the {measure} in {mode}, below {threshold}: torch or \
+             library code did most of the work ({allowed})"
+        ),
+        line: 0,
+        category: if policy.torch_compute_allowed() { Category::Notice } else { Category::Hack },
+    }
 }
 
 fn hack(code: &'static str, message: String) -> Finding {
@@ -196,15 +261,26 @@ mod tests {
     }
 
     fn mode(mode: &str, records: Vec<Record>) -> ModeRecords {
-        ModeRecords { mode: mode.into(), calls: 2, call_us: 0.0, records }
+        ModeRecords {
+            mode: mode.into(),
+            calls: 2,
+            call_us: 0.0,
+            records,
+            extension_functions: None,
+            extension_calls: None,
+        }
     }
 
-    fn gpu_candidate(kernels: &[String], median_ms: Option<f64>, unlaunched_is_hack: bool) -> Candidate<'_> {
-        Candidate { kernels, compiles: true, median_ms, unlaunched_is_hack }
+    fn gpu_candidate(kernels: &[String], median_ms: Option<f64>, policy: Policy) -> Candidate<'_> {
+        Candidate { kernels, compiles: true, median_ms, policy }
     }
 
     fn codes(census: &Census) -> Vec<&'static str> {
         census.findings.iter().map(|f| f.code).collect()
+    }
+
+    fn category(census: &Census, code: &str) -> Option<Category> {
+        census.findings.iter().find(|f| f.code == code).map(|f| f.category)
     }
 
     const OWN: &str = "void scale_kernel<float>(float const*, float*, int)";
@@ -225,11 +301,14 @@ mod tests {
         let records = vec![record(OWN, 0.0, 30.0), record(TORCH, 40.0, 10.0), record(OWN, 60.0, 30.0)];
         let modes: Vec<ModeRecords> =
             ["train/no_grad", "eval/no_grad"].iter().map(|m| mode(m, records.clone())).collect();
-        let census = analyse(&modes, gpu_candidate(&["scale_kernel".into()], Some(0.05), true), true);
-        assert!((census.profiling_ratio - 60.0 / 70.0).abs() < 1e-12, "{}", census.profiling_ratio);
-        assert!(codes(&census).is_empty(), "{:?}", census.findings);
-        let own = census.kernels.iter().find(|k| k.own && k.mode == "train/no_grad").expect("own kernel listed");
-        assert_eq!((own.launches, own.total_ms), (2, 0.06));
+        let own = ["scale_kernel".to_owned()];
+        for policy in Policy::ALL {
+            let census = analyse(&modes, gpu_candidate(&own, Some(0.05), policy), true);
+            assert!((census.profiling_ratio - 60.0 / 70.0).abs() < 1e-12, "{}", census.profiling_ratio);
+            assert!(codes(&census).is_empty(), "{}: {:?}", policy.id(), census.findings);
+            let own = census.kernels.iter().find(|k| k.own && k.mode == "train/no_grad").expect("own kernel listed");
+            assert_eq!((own.launches, own.total_ms), (2, 0.06));
+        }
     }
 
     #[test]
@@ -237,9 +316,10 @@ mod tests {
         // 2 calls keeping the device busy 1 ms each, while the timer claimed 0.1 ms.
         let records = vec![record(OWN, 0.0, 1000.0), record(OWN, 1000.0, 1000.0)];
         let own = ["scale_kernel".to_owned()];
-        let census = analyse(&[mode("train/no_grad", records.clone())], gpu_candidate(&own, Some(0.1), true), true);
+        let policy = Policy::PERMISSIVE;
+        let census = analyse(&[mode("train/no_grad", records.clone())], gpu_candidate(&own, Some(0.1), policy), true);
         assert_eq!(codes(&census), vec!["timing.untimed_work"]);
-        let honest = analyse(&[mode("train/no_grad", records)], gpu_candidate(&own, Some(1.0), true), true);
+        let honest = analyse(&[mode("train/no_grad", records)], gpu_candidate(&own, Some(1.0), policy), true);
         assert!(codes(&honest).is_empty(), "{:?}", honest.findings);
     }
 
@@ -248,22 +328,39 @@ mod tests {
         let torch_only = vec![record(TORCH, 0.0, 10.0)];
         let own = ["scale_kernel".to_owned()];
         // Every shipped policy makes a decoy kernel a hack; a policy may relax it to a notice.
-        for policy in crate::statics::Policy::ALL {
-            let hack = policy.unlaunched_kernels_are_hacks();
-            assert!(hack, "{}", policy.id());
-            let unused = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, hack), true);
-            assert_eq!(codes(&unused), vec!["runtime.own_kernel_not_launched"]);
-            assert_eq!(unused.findings[0].category, Category::Hack);
+        for policy in Policy::ALL {
+            assert!(policy.unlaunched_kernels_are_hacks(), "{}", policy.id());
+            let unused = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, policy), true);
+            assert_eq!(codes(&unused), vec!["runtime.low_profiling_ratio", "runtime.own_kernel_not_launched"]);
+            assert_eq!(category(&unused, "runtime.own_kernel_not_launched"), Some(Category::Hack));
             assert_eq!(unused.profiling_ratio, 0.0);
         }
-        let relaxed = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, false), true);
-        assert_eq!(relaxed.findings[0].category, Category::Notice);
+        let relaxed = Policy::PERMISSIVE.relaxing_unlaunched_kernels();
+        let notice = analyse(&[mode("train/no_grad", torch_only.clone())], gpu_candidate(&own, None, relaxed), true);
+        assert_eq!(category(&notice, "runtime.own_kernel_not_launched"), Some(Category::Notice));
 
         // Own kernels in the measured mode but none in another: not launched there, and mode-dependent.
         let modes = vec![mode("train/no_grad", vec![record(OWN, 0.0, 10.0)]), mode("train/grad", torch_only)];
-        let switching = analyse(&modes, gpu_candidate(&own, None, true), true);
+        let switching = analyse(&modes, gpu_candidate(&own, None, Policy::KEVIN_STRICT), true);
         assert_eq!(codes(&switching), vec!["runtime.own_kernel_not_launched", "runtime.mode_dependent_kernels"]);
         assert!(switching.findings[0].message.contains("train/grad"), "{}", switching.findings[0].message);
+    }
+
+    /// A CPU mode of `calls` calls taking `call_us` in all, `torch_us` of it in one torch operator.
+    fn cpu_mode(name: &str, call_us: f64, torch_us: f64, extension_calls: Option<u64>) -> ModeRecords {
+        let records = vec![record("aten::mul", 0.0, torch_us / 2.0), record("aten::add", 50.0, torch_us / 2.0)];
+        ModeRecords {
+            mode: name.into(),
+            calls: 2,
+            call_us,
+            records,
+            extension_functions: extension_calls.map(|_| 1),
+            extension_calls,
+        }
+    }
+
+    fn cpu_candidate(compiles: bool, policy: Policy) -> Candidate<'static> {
+        Candidate { kernels: &[], compiles, median_ms: Some(0.05), policy }
     }
 
     #[test]
@@ -273,18 +370,103 @@ mod tests {
             calls: 2,
             call_us: 100.0,
             records: vec![record("aten::empty_like", 0.0, 5.0), record("aten::empty_like", 50.0, 5.0)],
+            extension_functions: Some(1),
+            extension_calls: Some(2),
         }];
-        let compiled = Candidate { kernels: &[], compiles: true, median_ms: Some(0.05), unlaunched_is_hack: true };
+        let compiled = cpu_candidate(true, Policy::KEVIN_STRICT);
         let census = analyse(&modes, compiled, false);
         assert!((census.profiling_ratio - 0.9).abs() < 1e-12, "{}", census.profiling_ratio);
         let own: Vec<_> = census.kernels.iter().filter(|k| k.own).map(|k| k.name.as_str()).collect();
         assert_eq!(own, vec![CPU_OWN_RECORD]);
-        assert!(codes(&census).is_empty());
+        assert!(codes(&census).is_empty(), "{:?}", census.findings);
         // Without compiled code, time outside torch is Python's: nothing is the candidate's own kernel.
         let python_only = analyse(&modes, Candidate { compiles: false, ..compiled }, false);
         assert_eq!(python_only.profiling_ratio, 0.0);
         assert!(python_only.kernels.iter().all(|k| !k.own));
     }
+
+    #[test]
+    fn an_extension_compiled_and_never_called_is_a_decoy_under_every_policy() {
+        // The lazy candidate: its extension is never called, `a * alpha + b` runs in torch operators, and the rest
+        // of the call is Python. Without the call count the Python time would pass for the extension's.
+        let modes: Vec<ModeRecords> =
+            CENSUS_MODE_NAMES.iter().map(|name| cpu_mode(name, 100.0, 6.0, Some(0))).collect();
+        for policy in Policy::ALL {
+            let census = analyse(&modes, cpu_candidate(true, policy), false);
+            assert_eq!(census.profiling_ratio, 0.0, "{}", policy.id());
+            assert_eq!(category(&census, "runtime.own_kernel_not_launched"), Some(Category::Hack), "{}", policy.id());
+            let message = &census
+                .findings
+                .iter()
+                .find(|f| f.code == "runtime.own_kernel_not_launched")
+                .expect("the decoy finding")
+                .message;
+            assert!(message.contains("extension") && message.contains("eval/grad"), "{message}");
+            assert!(census.kernels.iter().all(|k| !k.own), "{:?}", census.kernels);
+        }
+        // Called in the measured mode only: a decoy in the other modes, which the finding names.
+        let mut partly = modes.clone();
+        partly[0].extension_calls = Some(2);
+        let census = analyse(&partly, cpu_candidate(true, Policy::PERMISSIVE), false);
+        let finding = census.findings.iter().find(|f| f.code == "runtime.own_kernel_not_launched").expect("a decoy");
+        assert!(!finding.message.contains("train/no_grad") && finding.message.contains("eval/no_grad"), "{finding:?}");
+        // Nothing loaded (a build the candidate caught, falling back to torch): no decoy, but the time outside
+        // torch is Python's, and the ratio names the lazy work.
+        let mut unloaded = modes.clone();
+        unloaded.iter_mut().for_each(|m| m.extension_functions = Some(0));
+        let census = analyse(&unloaded, cpu_candidate(true, Policy::PERMISSIVE), false);
+        assert_eq!(codes(&census), vec!["runtime.low_profiling_ratio"]);
+        assert_eq!(census.profiling_ratio, 0.0);
+        // Called in every mode, or not countable (an extension exporting classes): no decoy finding.
+        for calls in [Some(2), None] {
+            let honest: Vec<ModeRecords> =
+                CENSUS_MODE_NAMES.iter().map(|name| cpu_mode(name, 100.0, 1.0, calls)).collect();
+            let census = analyse(&honest, cpu_candidate(true, Policy::KEVIN_STRICT), false);
+            assert!(codes(&census).is_empty(), "{calls:?}: {:?}", census.findings);
+            assert!((census.profiling_ratio - 0.99).abs() < 1e-12, "{}", census.profiling_ratio);
+        }
+    }
+
+    #[test]
+    fn a_low_profiling_ratio_is_a_notice_where_torch_may_work_and_a_hack_where_it_may_not() {
+        let threshold = Policy::PERMISSIVE.min_profiling_ratio();
+        assert_eq!(threshold, Policy::KEVIN_STRICT.min_profiling_ratio());
+        // An extension that calls library compute (`at::relu(at::matmul(..))`): called, but 71% of the time is
+        // torch's operators. Then just under and just over the threshold, and an honest 0.99.
+        for (torch_us, lazy) in [(71.0, true), (100.0 * (1.0 - threshold) + 0.5, true), (49.0, false), (1.0, false)] {
+            let modes = [cpu_mode("train/no_grad", 100.0, torch_us, Some(2))];
+            for policy in Policy::ALL {
+                let census = analyse(&modes, cpu_candidate(true, policy), false);
+                let expected = lazy.then(|| if policy.strict() { Category::Hack } else { Category::Notice });
+                assert_eq!(
+                    category(&census, "runtime.low_profiling_ratio"),
+                    expected,
+                    "{} at ratio {}",
+                    policy.id(),
+                    census.profiling_ratio
+                );
+                assert_eq!(codes(&census).len(), usize::from(lazy), "{:?}", census.findings);
+            }
+        }
+        // A candidate with no code of its own (the reference's torch code, reproduced): exactly the notice under
+        // permissive, which lets torch do the work.
+        let reproducing =
+            analyse(&[cpu_mode("train/no_grad", 100.0, 90.0, None)], cpu_candidate(false, Policy::PERMISSIVE), false);
+        assert_eq!(codes(&reproducing), vec!["runtime.low_profiling_ratio"]);
+        assert_eq!(reproducing.findings[0].category, Category::Notice);
+        assert!(reproducing.findings[0].message.contains("permissive@"), "{}", reproducing.findings[0].message);
+        // On a GPU the same rule over device time; no device work at all measures nothing and names nothing.
+        let own = ["scale_kernel".to_owned()];
+        let gemm_in_cublas =
+            [mode("train/no_grad", vec![record("sm90_xmma_gemm", 0.0, 90.0), record(OWN, 90.0, 10.0)])];
+        let census = analyse(&gemm_in_cublas, gpu_candidate(&own, None, Policy::KEVIN_STRICT), true);
+        assert_eq!(codes(&census), vec!["runtime.low_profiling_ratio"]);
+        assert_eq!(census.findings[0].category, Category::Hack);
+        let idle = analyse(&[mode("train/no_grad", Vec::new())], gpu_candidate(&[], None, Policy::KEVIN_STRICT), true);
+        assert!(codes(&idle).is_empty(), "{:?}", idle.findings);
+    }
+
+    const CENSUS_MODE_NAMES: [&str; 4] = ["train/no_grad", "eval/no_grad", "train/grad", "eval/grad"];
 
     #[test]
     fn overlapping_records_count_once() {

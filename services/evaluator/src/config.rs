@@ -29,6 +29,11 @@ pub struct EvaluatorConfig {
     /// per GPU, the cores divided among all slots (at least 1), so that processes sharing the machine do not each
     /// start a thread per core; with one slot, torch's own default.
     pub gpu_stage_threads: usize,
+    /// Memory-aware admission: each GPU's budget is its total memory times this fraction, and an evaluation whose
+    /// task's footprint is known takes a slot only where it fits beside the footprints already there (or where
+    /// none is; docs/EVALUATOR.md, "Memory-aware admission"). The rest is left to what no footprint counts
+    /// (the baseline computed ahead, allocator slack). 0: admission by slots alone.
+    pub gpu_memory_fraction: f64,
     /// Evaluations admitted at once (queued or running); more get RESOURCE_EXHAUSTED with a retry hint.
     pub queue_capacity: usize,
     /// Static policy when a request names none.
@@ -38,6 +43,9 @@ pub struct EvaluatorConfig {
     /// Extra correctness trials run after timing and the census, on fresh inputs: behaviour that changes once
     /// the first check is over is caught.
     pub recheck_trials: u32,
+    /// One of the first correctness trials repeats trial 0's inputs with a few elements moved far out of range;
+    /// the candidate's output must move as the reference's does (partial computation, closed-form shortcuts).
+    pub sensitivity_check: bool,
     /// Forward calls profiled per mode in the kernel census.
     pub census_calls: u32,
     /// Largest candidate or task source accepted, in bytes.
@@ -136,6 +144,13 @@ impl Default for CacheLimits {
 }
 
 impl EvaluatorConfig {
+    /// The memory budget for admission of a GPU of `total_memory` bytes: `gpu_memory_fraction` of it; `None`
+    /// (admission by slots alone) where the fraction is not positive or the memory is unknown (0).
+    pub fn gpu_memory_budget(&self, total_memory: u64) -> Option<u64> {
+        let fraction = self.gpu_memory_fraction;
+        (fraction > 0.0 && total_memory > 0).then_some((total_memory as f64 * fraction) as u64)
+    }
+
     /// CPU threads for each harness process on a GPU, with `gpus` GPUs on a machine of `cores` cores (see
     /// `gpu_stage_threads`); `None`: torch's own default.
     pub fn gpu_stage_threads_on(&self, gpus: usize, cores: usize) -> Option<usize> {
@@ -156,10 +171,12 @@ impl Default for EvaluatorConfig {
             compile_workers: 0,
             gpu_slots: 4,
             gpu_stage_threads: 0,
+            gpu_memory_fraction: 0.9,
             queue_capacity: 64,
             default_policy: "permissive".into(),
             default_trials: 5,
             recheck_trials: 2,
+            sensitivity_check: true,
             census_calls: 2,
             max_source_bytes: 256 * 1024,
             compile_timeout_secs: 600,
@@ -298,6 +315,20 @@ mod tests {
         assert_eq!(config(1, 0).gpu_stage_threads_on(1, 16), None, "a GPU to itself keeps torch's default");
         assert_eq!(config(8, 0).gpu_stage_threads_on(0, 16), None, "no GPU");
         assert_eq!(config(8, 3).gpu_stage_threads_on(1, 16), Some(3), "as configured");
+    }
+
+    #[test]
+    fn a_gpu_s_memory_budget_is_its_configured_fraction() {
+        let config = |gpu_memory_fraction| EvaluatorConfig { gpu_memory_fraction, ..Default::default() };
+        let gib = 1u64 << 30;
+        assert_eq!(EvaluatorConfig::default().gpu_memory_budget(80 * gib), Some(72 * gib), "0.9 by default");
+        assert_eq!(config(0.5).gpu_memory_budget(80 * gib), Some(40 * gib));
+        assert_eq!(config(0.0).gpu_memory_budget(80 * gib), None, "0: slots alone");
+        assert_eq!(config(f64::NAN).gpu_memory_budget(80 * gib), None);
+        assert_eq!(config(0.9).gpu_memory_budget(0), None, "memory unknown");
+        let configured: EvaluatorConfig =
+            serde_json::from_value(serde_json::json!({ "gpu_memory_fraction": 0.75 })).expect("valid");
+        assert_eq!(configured.gpu_memory_fraction, 0.75);
     }
 
     #[test]

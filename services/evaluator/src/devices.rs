@@ -6,6 +6,14 @@
 //! first) and, within a priority, in turns across jobs (`job_id`): a job that queued a hundred evaluations does not
 //! make a job that queued one wait for all of them.
 //!
+//! Memory-aware admission: each GPU may have a memory budget (its total memory times `gpu_memory_fraction`), and
+//! an evaluation whose footprint is known (from its task's reference: [`footprint`]) reserves that many bytes of it
+//! while it holds a slot. A waiter is handed a slot only on a device where its footprint fits beside what is
+//! reserved there, or where nothing is reserved (a task larger than the budget runs without other known-footprint
+//! evaluations rather than never). An evaluation whose footprint is unknown is admitted by slots alone. The queue
+//! stays in order: the first waiter is served when it fits, and while it does not, nobody behind it is served
+//! (head-of-line waiting), so small evaluations cannot keep a large one waiting forever.
+//!
 //! The evaluations holding slots on one device share it through its [`Gate`]: their processes use the device side
 //! by side, except that timed work (timing loops, the census's recorded calls) runs alone: it starts only once
 //! every other process on the device has reached a synchronised pause point and been stopped (`SIGSTOP`), and no
@@ -26,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kforge_sandbox::Exit;
+use prometheus_client::metrics::gauge::Gauge;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 
@@ -92,9 +101,8 @@ pub struct Lanes {
     slots: usize,
     cpu_gate: Arc<Gate>,
     gpu_gates: Vec<Arc<Gate>>,
-    /// Per GPU: why it is quarantined, and how many times it was (a slot taken before the last quarantine does
-    /// not go back to the pool).
-    quarantined: Mutex<Vec<(Option<String>, u64)>>,
+    /// Per GPU: why it is quarantined.
+    quarantined: Mutex<Vec<Option<String>>>,
     /// Whether any GPU is healthy (always true without GPUs): the service's readiness.
     ready: watch::Sender<bool>,
     probe: Result<PathBuf, String>,
@@ -102,8 +110,37 @@ pub struct Lanes {
     metrics: EvaluatorMetrics,
 }
 
+/// How many bytes of device memory an evaluation needs, from the peak its task's reference allocated on the device
+/// (`torch.cuda.max_memory_allocated` after the reference trials): the candidate's process holds the same inputs
+/// and outputs and a workspace of its own, and the checker holds the reference's outputs beside the candidate's,
+/// hence twice the peak; plus 1 GiB that the allocator does not see or that the harness adds: the CUDA context
+/// (300-500 MB), the first gigabyte of free memory the candidate stage fills with NaN before it starts, and the
+/// extra timing input sets of small tasks.
+pub fn footprint(reference_peak_bytes: u64) -> u64 {
+    const FACTOR: u64 = 2;
+    const OVERHEAD: u64 = 1 << 30;
+    reference_peak_bytes.saturating_mul(FACTOR).saturating_add(OVERHEAD)
+}
+
 /// Where a waiter stands: priority (higher first), its job's turn, arrival.
 type Turn = (Reverse<i32>, u64, u64);
+
+/// A slot handed out: its device, the bytes reserved there for the evaluation, and the device's quarantine count
+/// at the time (a slot taken before a quarantine does not go back to the pool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Grant {
+    index: usize,
+    bytes: u64,
+    generation: u64,
+}
+
+/// An evaluation waiting for a slot.
+#[derive(Debug)]
+struct Waiter {
+    sender: oneshot::Sender<Grant>,
+    /// Its footprint in bytes, where known.
+    footprint: Option<u64>,
+}
 
 /// Slots of one kind of device and the evaluations waiting for them.
 #[derive(Debug, Default)]
@@ -112,7 +149,17 @@ struct Pool {
     free: Vec<usize>,
     /// Devices in service (not quarantined).
     in_service: usize,
-    waiters: BTreeMap<Turn, oneshot::Sender<usize>>,
+    /// Per device: its memory budget in bytes; `None`: admitted by slots alone (the CPU, a GPU whose memory is
+    /// unknown, or admission by memory turned off).
+    budgets: Vec<Option<u64>>,
+    /// Per device: the bytes reserved by the evaluations holding its slots.
+    reserved: Vec<u64>,
+    /// Per device: the reserved bytes as a metric (none for the CPU).
+    gauges: Vec<Gauge>,
+    /// Per device: how many times it was quarantined, and whether it is now.
+    generation: Vec<u64>,
+    quarantined: Vec<bool>,
+    waiters: BTreeMap<Turn, Waiter>,
     /// Per job: the turn its next waiter gets.
     next_turn: HashMap<String, u64>,
     /// The turn of the waiter served last; a job that starts waiting starts here.
@@ -121,22 +168,117 @@ struct Pool {
 }
 
 impl Pool {
-    fn new(devices: usize, slots: usize) -> Self {
+    /// Devices with these budgets, `slots` slots each.
+    fn new(budgets: Vec<Option<u64>>, slots: usize, gauges: Vec<Gauge>) -> Self {
+        let devices = budgets.len();
         let free = (0..slots).flat_map(|_| (0..devices).rev()).collect();
-        Self { free, in_service: devices, ..Self::default() }
+        Self {
+            free,
+            in_service: devices,
+            budgets,
+            reserved: vec![0; devices],
+            gauges,
+            generation: vec![0; devices],
+            quarantined: vec![false; devices],
+            ..Self::default()
+        }
     }
 
-    /// Hands `lane` to the first waiter still waiting, or puts it back in the free list.
-    fn release(&mut self, lane: usize) {
-        let mut lane = lane;
-        while let Some(((_, turn, _), waiter)) = self.waiters.pop_first() {
+    /// Whether an evaluation of `footprint` may join device `index` now: it fits beside what is reserved there,
+    /// or nothing is. Without a budget or a footprint, always.
+    fn fits(&self, index: usize, footprint: Option<u64>) -> bool {
+        match (self.budgets[index], footprint) {
+            (Some(budget), Some(bytes)) => {
+                let reserved = self.reserved[index];
+                reserved == 0 || reserved.saturating_add(bytes) <= budget
+            }
+            _ => true,
+        }
+    }
+
+    /// Takes a free slot where `footprint` fits (the last freed first), reserving it there.
+    fn take(&mut self, footprint: Option<u64>) -> Option<Grant> {
+        let at = self.free.iter().rposition(|&index| self.fits(index, footprint))?;
+        let index = self.free.remove(at);
+        let bytes = if self.budgets[index].is_some() { footprint.unwrap_or(0) } else { 0 };
+        self.reserve(index, self.reserved[index].saturating_add(bytes));
+        Some(Grant { index, bytes, generation: self.generation[index] })
+    }
+
+    fn reserve(&mut self, index: usize, bytes: u64) {
+        self.reserved[index] = bytes;
+        if let Some(gauge) = self.gauges.get(index) {
+            gauge.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Puts a slot and its bytes back, unless its device was quarantined since it was taken.
+    fn give_back(&mut self, grant: Grant) {
+        let Grant { index, bytes, generation } = grant;
+        if self.quarantined[index] || self.generation[index] != generation {
+            return;
+        }
+        self.reserve(index, self.reserved[index].saturating_sub(bytes));
+        self.free.push(index);
+    }
+
+    /// Gives a slot back and serves the waiters that now fit.
+    fn release(&mut self, grant: Grant) {
+        self.give_back(grant);
+        self.serve();
+    }
+
+    /// Hands free slots to waiters in order while the first one fits; one that does not keeps the others waiting
+    /// behind it (head-of-line), so that it is served once enough is released. Waiters that went away are skipped.
+    fn serve(&mut self) {
+        while let Some((&place, first)) = self.waiters.first_key_value() {
+            if first.sender.is_closed() {
+                self.waiters.remove(&place);
+                continue;
+            }
+            let Some(grant) = self.take(first.footprint) else { return };
+            let waiter = self.waiters.remove(&place).expect("the first waiter");
+            let (_, turn, _) = place;
             self.serving = self.serving.max(turn);
-            match waiter.send(lane) {
-                Ok(()) => return,
-                Err(unsent) => lane = unsent,
+            if let Err(grant) = waiter.sender.send(grant) {
+                self.give_back(grant);
             }
         }
-        self.free.push(lane);
+    }
+
+    /// Queues a waiter of `job` at `priority` in its turn; returns its place and where its slot will come.
+    fn enqueue(&mut self, priority: i32, job: &str, footprint: Option<u64>) -> (Turn, oneshot::Receiver<Grant>) {
+        let turn = self.serving.max(self.next_turn.get(job).copied().unwrap_or(0));
+        self.next_turn.insert(job.to_owned(), turn + 1);
+        let arrival = self.arrivals;
+        self.arrivals += 1;
+        let (sender, receiver) = oneshot::channel();
+        let place = (Reverse(priority), turn, arrival);
+        self.waiters.insert(place, Waiter { sender, footprint });
+        (place, receiver)
+    }
+
+    /// Takes device `index` out of service: its free slots leave the pool, and its slots in use and their bytes
+    /// do not come back.
+    fn quarantine(&mut self, index: usize) {
+        self.free.retain(|&free| free != index);
+        self.quarantined[index] = true;
+        self.generation[index] += 1;
+        self.reserve(index, 0);
+        self.in_service -= 1;
+        if self.in_service == 0 {
+            // Nothing will serve them: every waiter gets its error now.
+            self.waiters.clear();
+        }
+    }
+
+    /// Puts device `index` back in service with `slots` free slots, and serves the waiters that fit.
+    fn restore(&mut self, index: usize, slots: usize) {
+        self.quarantined[index] = false;
+        self.in_service += 1;
+        self.reserve(index, 0);
+        self.free.extend(std::iter::repeat_n(index, slots));
+        self.serve();
     }
 }
 
@@ -148,14 +290,12 @@ pub struct Lane {
     is_gpu: bool,
     /// The device's index in its pool: the GPU index for a GPU lane.
     index: usize,
-    /// The device's quarantine count when the slot was taken.
-    generation: u64,
     /// Whether this evaluation's stages keep the device to themselves (see [`Gate`]).
     solo: AtomicBool,
     /// How long this evaluation's stages ran alone on the device and waited at its gate.
     gate_times: Arc<Mutex<MemberTimes>>,
-    /// Holds one of the device's slots (released on drop); false for work outside the slots.
-    slot: bool,
+    /// The slot held (given back on drop); none for work outside the slots.
+    grant: Option<Grant>,
 }
 
 impl Lane {
@@ -167,6 +307,11 @@ impl Lane {
     /// The harness's name of this lane's device kind: `cuda` or `cpu`.
     pub fn device(&self) -> &'static str {
         if self.is_gpu { "cuda" } else { "cpu" }
+    }
+
+    /// The bytes of device memory reserved for this evaluation (0: its footprint is unknown, or not counted).
+    pub fn reserved_bytes(&self) -> u64 {
+        self.grant.map_or(0, |grant| grant.bytes)
     }
 
     /// The gate of this lane's device.
@@ -204,44 +349,54 @@ impl Lane {
 
 impl Drop for Lane {
     fn drop(&mut self) {
-        if !self.slot {
-            return;
-        }
         // The slots of a quarantined device stay out of the pool; a probe that passes puts them all back (see
         // `Lanes::recover`).
-        if self.is_gpu {
-            let quarantined = self.lanes.quarantined.lock().expect("lane lock is never poisoned");
-            let (reason, generation) = &quarantined[self.index];
-            if reason.is_some() || *generation != self.generation {
-                return;
-            }
+        if let Some(grant) = self.grant.take() {
+            self.lanes.pool(self.is_gpu).release(grant);
         }
-        self.lanes.pool(self.is_gpu).release(self.index);
     }
 }
 
-/// A place in a pool's queue; if dropped (the evaluation was cancelled) after a lane was handed to it but before it
-/// was taken, the lane goes back.
+/// A place in a pool's queue; if dropped (the evaluation was cancelled), the place is given up, and a slot handed
+/// to it but not yet taken goes back.
 struct Waiting<'a> {
     lanes: &'a Lanes,
     gpu: bool,
-    receiver: Option<oneshot::Receiver<usize>>,
+    place: Turn,
+    receiver: Option<oneshot::Receiver<Grant>>,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         if let Some(mut receiver) = self.receiver.take() {
+            // Closed first: a slot is then either in the channel already or never sent (see `Pool::serve`).
             receiver.close();
-            if let Ok(lane) = receiver.try_recv() {
-                self.lanes.pool(self.gpu).release(lane);
+            let mut pool = self.lanes.pool(self.gpu);
+            pool.waiters.remove(&self.place);
+            if let Ok(grant) = receiver.try_recv() {
+                pool.give_back(grant);
             }
+            // A first waiter that leaves may let those behind it through.
+            pool.serve();
         }
     }
 }
 
 impl Lanes {
-    /// `gpus` GPUs of `slots` slots each (at least one), and the CPU's one.
+    /// `gpus` GPUs of `slots` slots each (at least one), and the CPU's one; admitted by slots alone.
     pub fn new(gpus: usize, slots: usize, config: DeviceProbeConfig, metrics: EvaluatorMetrics) -> Arc<Self> {
+        Self::with_budgets(vec![None; gpus], slots, config, metrics)
+    }
+
+    /// GPUs with these memory budgets in bytes (`None`: admitted by slots alone), `slots` slots each (at least
+    /// one), and the CPU's one.
+    pub fn with_budgets(
+        budgets: Vec<Option<u64>>,
+        slots: usize,
+        config: DeviceProbeConfig,
+        metrics: EvaluatorMetrics,
+    ) -> Arc<Self> {
+        let gpus = budgets.len();
         let slots = slots.max(1);
         let probe = match &config.command {
             Some(command) => Ok(command.clone()),
@@ -252,13 +407,14 @@ impl Lanes {
         {
             tracing::warn!(%reason, "GPU faults will not be followed by a device health probe");
         }
+        let gauges = (0..gpus).map(|gpu| metrics.gpu_reserved_bytes(gpu)).collect();
         Arc::new(Self {
-            cpu: Mutex::new(Pool::new(1, 1)),
-            gpus: Mutex::new(Pool::new(gpus, slots)),
+            cpu: Mutex::new(Pool::new(vec![None], 1, Vec::new())),
+            gpus: Mutex::new(Pool::new(budgets, slots, gauges)),
             slots,
             cpu_gate: Arc::default(),
             gpu_gates: (0..gpus).map(|_| Arc::default()).collect(),
-            quarantined: Mutex::new(vec![(None, 0); gpus]),
+            quarantined: Mutex::new(vec![None; gpus]),
             ready: watch::Sender::new(true),
             probe,
             config,
@@ -286,63 +442,62 @@ impl Lanes {
         self.gpu_gates.iter().map(|gate| gate.account()).collect()
     }
 
+    /// Per GPU: the bytes reserved now by the evaluations holding its slots (also the metric
+    /// `kforge_evaluator_gpu_reserved_bytes{gpu}`).
+    pub fn gpu_reserved_bytes(&self) -> Vec<u64> {
+        self.pool(true).reserved.clone()
+    }
+
     /// Why GPU `gpu` is quarantined, if it is.
     pub fn quarantine_reason(&self, gpu: usize) -> Option<String> {
-        self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).and_then(|(reason, _)| reason.clone())
+        self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).cloned().flatten()
     }
 
     /// The first healthy GPU, outside its slots: for work the evaluator does for itself beside the evaluations
     /// (a baseline computed ahead). Its stages share the device through the gate like any slot's; nothing is
-    /// released when it is dropped. None without a healthy GPU.
+    /// reserved, and nothing is released when it is dropped. None without a healthy GPU.
     pub fn outside_slots(self: &Arc<Self>) -> Option<Lane> {
-        let index =
-            self.quarantined.lock().expect("lane lock is never poisoned").iter().position(|(r, _)| r.is_none())?;
-        Some(self.lane(true, index, false))
+        let index = self.quarantined.lock().expect("lane lock is never poisoned").iter().position(Option::is_none)?;
+        Some(self.lane(true, index, None))
     }
 
     /// A lane on device `index` (a GPU's, or the CPU's), holding a slot or not.
-    fn lane(self: &Arc<Self>, is_gpu: bool, index: usize, slot: bool) -> Lane {
-        let generation =
-            if is_gpu { self.quarantined.lock().expect("lane lock is never poisoned")[index].1 } else { 0 };
-        Lane {
-            lanes: self.clone(),
-            is_gpu,
-            index,
-            generation,
-            solo: AtomicBool::new(false),
-            gate_times: Arc::default(),
-            slot,
-        }
+    fn lane(self: &Arc<Self>, is_gpu: bool, index: usize, grant: Option<Grant>) -> Lane {
+        Lane { lanes: self.clone(), is_gpu, index, solo: AtomicBool::new(false), gate_times: Arc::default(), grant }
     }
 
-    /// The CPU's slot, or a free slot of a healthy GPU, waiting for one in turn (`priority`, then turns across
-    /// `job`s); an error when every GPU is quarantined (also for those already waiting when the last one goes).
-    pub async fn acquire(self: &Arc<Self>, gpu: bool, priority: i32, job: &str) -> Result<Lane, String> {
-        let lane = |index: usize| self.lane(gpu, index, true);
-        let receiver = {
+    /// The CPU's slot, or a free slot of a healthy GPU where `footprint` (bytes of device memory, where known)
+    /// fits, waiting for one in turn (`priority`, then turns across `job`s); an error when every GPU is
+    /// quarantined (also for those already waiting when the last one goes). The CPU ignores footprints.
+    pub async fn acquire(
+        self: &Arc<Self>,
+        gpu: bool,
+        priority: i32,
+        job: &str,
+        footprint: Option<u64>,
+    ) -> Result<Lane, String> {
+        let (place, receiver) = {
             let mut pool = self.pool(gpu);
             if pool.in_service == 0 {
                 drop(pool);
                 return Err(self.unavailable());
             }
             if pool.waiters.is_empty()
-                && let Some(index) = pool.free.pop()
+                && let Some(grant) = pool.take(footprint)
             {
-                return Ok(lane(index));
+                drop(pool);
+                return Ok(self.lane(gpu, grant.index, Some(grant)));
             }
-            let turn = pool.serving.max(pool.next_turn.get(job).copied().unwrap_or(0));
-            pool.next_turn.insert(job.to_owned(), turn + 1);
-            let arrival = pool.arrivals;
-            pool.arrivals += 1;
-            let (sender, receiver) = oneshot::channel();
-            pool.waiters.insert((Reverse(priority), turn, arrival), sender);
-            receiver
+            let queued = pool.enqueue(priority, job, footprint);
+            // It may go first (a higher priority), and fit where the first waiter did not.
+            pool.serve();
+            queued
         };
-        let mut waiting = Waiting { lanes: self, gpu, receiver: Some(receiver) };
+        let mut waiting = Waiting { lanes: self, gpu, place, receiver: Some(receiver) };
         let delivered = waiting.receiver.as_mut().expect("set above").await;
         waiting.receiver = None;
         match delivered {
-            Ok(index) => Ok(lane(index)),
+            Ok(grant) => Ok(self.lane(gpu, grant.index, Some(grant))),
             // The pool dropped its waiters: no lane is left in service.
             Err(_) => Err(self.unavailable()),
         }
@@ -353,7 +508,7 @@ impl Lanes {
         let reasons: Vec<String> = quarantined
             .iter()
             .enumerate()
-            .filter_map(|(gpu, (reason, _))| reason.as_ref().map(|r| format!("cuda:{gpu} ({r})")))
+            .filter_map(|(gpu, reason)| reason.as_ref().map(|r| format!("cuda:{gpu} ({r})")))
             .collect();
         format!("every GPU of this evaluator is quarantined: {}; retry on another evaluator", reasons.join(", "))
     }
@@ -394,32 +549,24 @@ impl Lanes {
         }
     }
 
-    /// Takes GPU `gpu` out of service (`Some(reason)`: its free slots leave the pool, and slots in use do not
-    /// come back) or puts it back with all its slots (`None`). Returns whether that changed anything.
+    /// Takes GPU `gpu` out of service (`Some(reason)`: its free slots leave the pool, and slots in use and the
+    /// bytes they reserved do not come back) or puts it back with all its slots and nothing reserved (`None`).
+    /// Returns whether that changed anything.
     fn set_quarantine(&self, gpu: usize, reason: Option<String>) -> bool {
         let back = reason.is_none();
         let count = {
             let mut quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
-            if quarantined[gpu].0.is_some() != back {
+            if quarantined[gpu].is_some() != back {
                 return false;
             }
-            quarantined[gpu].0 = reason;
-            quarantined[gpu].1 += u64::from(!back);
-            quarantined.iter().filter(|(reason, _)| reason.is_some()).count()
+            quarantined[gpu] = reason;
+            quarantined.iter().filter(|reason| reason.is_some()).count()
         };
         let mut pool = self.pool(true);
         if back {
-            pool.in_service += 1;
-            for _ in 0..self.slots {
-                pool.release(gpu);
-            }
+            pool.restore(gpu, self.slots);
         } else {
-            pool.free.retain(|&free| free != gpu);
-            pool.in_service -= 1;
-            if pool.in_service == 0 {
-                // Nothing will serve them: every waiter gets its error now.
-                pool.waiters.clear();
-            }
+            pool.quarantine(gpu);
         }
         let in_service = pool.in_service;
         drop(pool);
@@ -982,28 +1129,31 @@ mod tests {
     async fn gpu_slots_are_shared_and_a_quarantine_takes_them_all() {
         let dir = test_dir("slots");
         let lanes = slotted_lanes(&dir, 1, 2, 1);
-        let first = lanes.acquire(true, 0, "").await.expect("a slot");
-        let second = lanes.acquire(true, 0, "").await.expect("a second slot on the same GPU");
+        let first = lanes.acquire(true, 0, "", None).await.expect("a slot");
+        let second = lanes.acquire(true, 0, "", None).await.expect("a second slot on the same GPU");
         assert_eq!((first.gpu(), second.gpu()), (Some(0), Some(0)));
-        assert!(first.shared() && !lanes.acquire(false, 0, "").await.expect("the CPU").shared());
+        assert!(first.shared() && !lanes.acquire(false, 0, "", None).await.expect("the CPU").shared());
         std::fs::write(dir.join("broken"), "").expect("marker");
         let mut third = tokio::spawn({
             let lanes = lanes.clone();
-            async move { lanes.acquire(true, 0, "").await.map(|lane| lane.gpu()) }
+            async move { lanes.acquire(true, 0, "", None).await.map(|lane| lane.gpu()) }
         });
         assert!(waits(&mut third).await, "both slots are taken");
         assert!(!lanes.after_fault(&first, "an illegal address").await);
         assert!(!lanes.after_fault(&second, "an illegal address").await, "the second fault finds it quarantined");
         assert!(done(third).await.is_err(), "no healthy GPU is left for the waiter");
         drop((first, second));
-        assert!(lanes.acquire(true, 0, "").await.is_err(), "slots in use when it went do not come back");
+        assert!(lanes.acquire(true, 0, "", None).await.is_err(), "slots in use when it went do not come back");
 
         std::fs::remove_file(dir.join("broken")).expect("marker");
         recovered(&lanes).await;
-        let back = [lanes.acquire(true, 0, "").await.expect("slot"), lanes.acquire(true, 0, "").await.expect("slot")];
+        let back = [
+            lanes.acquire(true, 0, "", None).await.expect("slot"),
+            lanes.acquire(true, 0, "", None).await.expect("slot"),
+        ];
         let mut more = tokio::spawn({
             let lanes = lanes.clone();
-            async move { lanes.acquire(true, 0, "").await.map(|lane| lane.gpu()) }
+            async move { lanes.acquire(true, 0, "", None).await.map(|lane| lane.gpu()) }
         });
         assert!(waits(&mut more).await, "exactly its two slots came back");
         drop(back);
@@ -1029,12 +1179,12 @@ mod tests {
     async fn a_healthy_device_stays_in_service() {
         let dir = test_dir("healthy");
         let lanes = lanes(&dir, 1, 60);
-        let lane = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let lane = lanes.acquire(true, 0, "", None).await.expect("a GPU lane");
         assert!(lanes.after_fault(&lane, "an illegal address").await);
         drop(lane);
         assert_eq!(runs(&dir), 1);
         assert!(*lanes.readiness().borrow());
-        assert_eq!(lanes.acquire(true, 0, "").await.expect("the lane again").gpu(), Some(0));
+        assert_eq!(lanes.acquire(true, 0, "", None).await.expect("the lane again").gpu(), Some(0));
     }
 
     #[tokio::test]
@@ -1042,11 +1192,11 @@ mod tests {
         let dir = test_dir("quarantine");
         std::fs::write(dir.join("broken"), "").expect("marker");
         let lanes = lanes(&dir, 1, 1);
-        let lane = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let lane = lanes.acquire(true, 0, "", None).await.expect("a GPU lane");
         // Queued behind the faulting evaluation.
         let waiter = tokio::spawn({
             let lanes = lanes.clone();
-            async move { lanes.acquire(true, 0, "").await.map(|lane| lane.gpu()) }
+            async move { lanes.acquire(true, 0, "", None).await.map(|lane| lane.gpu()) }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished(), "the lane is held");
@@ -1055,14 +1205,14 @@ mod tests {
         let error = waiter.await.expect("task").expect_err("no healthy GPU left");
         assert!(error.contains("quarantined") && error.contains("context: unknown error"), "{error}");
         assert!(!*lanes.readiness().borrow(), "readiness follows the quarantine");
-        assert!(lanes.acquire(true, 0, "").await.is_err(), "new work is refused while quarantined");
-        assert!(lanes.acquire(false, 0, "").await.is_ok(), "the CPU lane is unaffected");
+        assert!(lanes.acquire(true, 0, "", None).await.is_err(), "new work is refused while quarantined");
+        assert!(lanes.acquire(false, 0, "", None).await.is_ok(), "the CPU lane is unaffected");
 
         // The device heals: the next periodic probe passes and the lane returns.
         std::fs::remove_file(dir.join("broken")).expect("marker");
         recovered(&lanes).await;
         assert_eq!(lanes.quarantine_reason(0), None);
-        let lane = lanes.acquire(true, 0, "").await.expect("the lane is back");
+        let lane = lanes.acquire(true, 0, "", None).await.expect("the lane is back");
         assert_eq!(lane.gpu(), Some(0));
         assert!(runs(&dir) >= 2, "probed at the fault and again to recover");
     }
@@ -1072,13 +1222,13 @@ mod tests {
         let dir = test_dir("two");
         std::fs::write(dir.join("broken"), "").expect("marker");
         let lanes = lanes(&dir, 2, 3600);
-        let first = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let first = lanes.acquire(true, 0, "", None).await.expect("a GPU lane");
         let bad = first.gpu().expect("a GPU");
         assert!(!lanes.after_fault(&first, "a launch failure").await);
         drop(first);
         assert!(*lanes.readiness().borrow(), "one healthy GPU keeps the service ready");
         for _ in 0..3 {
-            let lane = lanes.acquire(true, 0, "").await.expect("the healthy GPU");
+            let lane = lanes.acquire(true, 0, "", None).await.expect("the healthy GPU");
             assert_ne!(lane.gpu(), Some(bad), "the quarantined GPU is out of the pool");
         }
     }
@@ -1092,7 +1242,7 @@ mod tests {
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
         let config = DeviceProbeConfig { command: Some(script), timeout_secs: 1, retry_secs: 3600 };
         let lanes = Lanes::new(1, 1, config, metrics());
-        let lane = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let lane = lanes.acquire(true, 0, "", None).await.expect("a GPU lane");
         assert!(!lanes.after_fault(&lane, "a kernel that never ended").await);
         let reason = lanes.quarantine_reason(0).expect("quarantined");
         assert!(reason.contains("did not finish within 1 s"), "{reason}");
@@ -1101,13 +1251,13 @@ mod tests {
     /// Queues labelled waiters one after another (each registered before the next arrives), then frees the lane
     /// and returns the order in which they got it.
     async fn service_order(lanes: &Arc<Lanes>, waiters: &[(&'static str, i32, &'static str)]) -> Vec<&'static str> {
-        let held = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let held = lanes.acquire(true, 0, "", None).await.expect("a GPU lane");
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for &(label, priority, job) in waiters {
             let (lanes, order) = (lanes.clone(), order.clone());
             tasks.push(tokio::spawn(async move {
-                let lane = lanes.acquire(true, priority, job).await.expect("a lane in turn");
+                let lane = lanes.acquire(true, priority, job, None).await.expect("a lane in turn");
                 order.lock().expect("order").push(label);
                 drop(lane);
             }));
@@ -1135,16 +1285,219 @@ mod tests {
     #[tokio::test]
     async fn a_cancelled_waiter_does_not_lose_the_lane() {
         let lanes = lanes(&test_dir("cancel"), 1, 3600);
-        let held = lanes.acquire(true, 0, "").await.expect("a GPU lane");
+        let held = lanes.acquire(true, 0, "", None).await.expect("a GPU lane");
         let cancelled = tokio::spawn({
             let lanes = lanes.clone();
-            async move { lanes.acquire(true, 0, "gone").await.map(|lane| lane.gpu()) }
+            async move { lanes.acquire(true, 0, "gone", None).await.map(|lane| lane.gpu()) }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
         cancelled.abort();
         let _ = cancelled.await;
         drop(held);
-        let lane = tokio::time::timeout(Duration::from_secs(5), lanes.acquire(true, 0, "next")).await;
+        let lane = tokio::time::timeout(Duration::from_secs(5), lanes.acquire(true, 0, "next", None)).await;
         assert_eq!(lane.expect("the lane came back").expect("a lane").gpu(), Some(0));
+    }
+
+    // Memory-aware admission. The pool is driven step by step: a waiter's channel says whether it was served, and
+    // `acquire`'s future is polled by hand, so nothing depends on timing.
+
+    const GIB: u64 = 1 << 30;
+
+    /// A pool of `devices` GPUs with a budget of `budget_gib` GiB each and `slots` slots each.
+    fn memory_pool(devices: usize, budget_gib: u64, slots: usize) -> Pool {
+        Pool::new(vec![Some(budget_gib * GIB); devices], slots, Vec::new())
+    }
+
+    fn served(receiver: &mut oneshot::Receiver<Grant>) -> Option<Grant> {
+        receiver.try_recv().ok()
+    }
+
+    /// Lanes of GPUs with these budgets in GiB, 4 slots each; no device is ever probed.
+    fn memory_lanes(budgets_gib: &[u64]) -> Arc<Lanes> {
+        let config = DeviceProbeConfig { command: Some("/nonexistent/probe".into()), ..DeviceProbeConfig::default() };
+        Lanes::with_budgets(budgets_gib.iter().map(|gib| Some(gib * GIB)).collect(), 4, config, metrics())
+    }
+
+    fn poll_now<F: std::future::Future>(future: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+        future.poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+    }
+
+    /// `acquire` when it completes at once (a lane or an error); panics if it would wait.
+    fn acquire_now(lanes: &Arc<Lanes>, gpu: bool, footprint: Option<u64>) -> Result<Lane, String> {
+        match poll_now(std::pin::pin!(lanes.acquire(gpu, 0, "", footprint))) {
+            std::task::Poll::Ready(lane) => lane,
+            std::task::Poll::Pending => panic!("acquire waits"),
+        }
+    }
+
+    #[test]
+    fn footprints_are_twice_the_reference_peak_and_a_gigabyte() {
+        assert_eq!(footprint(0), GIB);
+        assert_eq!(footprint(3 * GIB), 7 * GIB);
+        assert_eq!(footprint(u64::MAX), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn a_footprint_is_admitted_only_where_it_fits_and_unknown_ones_by_slots() {
+        let mut pool = memory_pool(1, 10, 4);
+        let first = pool.take(Some(6 * GIB)).expect("fits an empty device");
+        assert_eq!((first.index, first.bytes), (0, 6 * GIB));
+        assert_eq!(pool.take(Some(5 * GIB)), None, "6 + 5 GiB is over the 10 GiB budget, with slots free");
+        let second = pool.take(Some(4 * GIB)).expect("6 + 4 GiB fits");
+        assert_eq!(pool.reserved, [10 * GIB]);
+        let unknown = pool.take(None).expect("an unknown footprint needs only a slot");
+        assert_eq!(unknown.bytes, 0);
+        assert_eq!(pool.reserved, [10 * GIB]);
+        assert!(pool.take(None).is_some(), "the last slot");
+        assert_eq!(pool.take(None), None, "no slot left");
+        pool.release(first);
+        assert_eq!(pool.reserved, [4 * GIB]);
+        assert!(pool.take(Some(6 * GIB)).is_some(), "fits again once released");
+        pool.release(second);
+        pool.release(unknown);
+        assert_eq!(pool.reserved, [6 * GIB]);
+    }
+
+    #[test]
+    fn a_footprint_goes_to_a_gpu_where_it_fits() {
+        let mut pool = memory_pool(2, 10, 4);
+        let a = pool.take(Some(6 * GIB)).expect("a GPU");
+        let b = pool.take(Some(6 * GIB)).expect("the other GPU");
+        assert_ne!(a.index, b.index, "6 + 6 GiB does not fit on one");
+        assert_eq!(pool.take(Some(6 * GIB)), None);
+        let small = pool.take(Some(4 * GIB)).expect("4 GiB fits beside either");
+        assert_eq!(pool.reserved.iter().sum::<u64>(), 16 * GIB);
+        assert!([a.index, b.index].contains(&small.index));
+    }
+
+    #[test]
+    fn the_first_waiter_waits_for_memory_holds_those_behind_it_and_is_served_on_release() {
+        let mut pool = memory_pool(1, 10, 4);
+        let held = pool.take(Some(6 * GIB)).expect("fits");
+        let (_, mut large) = pool.enqueue(0, "a", Some(6 * GIB));
+        pool.serve();
+        assert_eq!(served(&mut large), None, "6 + 6 GiB does not fit");
+        let (_, mut small) = pool.enqueue(0, "b", Some(GIB));
+        pool.serve();
+        assert_eq!(served(&mut small), None, "it would fit, but waits behind the first waiter (head-of-line)");
+        pool.release(held);
+        let large = served(&mut large).expect("served once the memory was released");
+        let small = served(&mut small).expect("and the one behind it, which fits beside it");
+        assert_eq!((large.bytes, small.bytes), (6 * GIB, GIB));
+        assert_eq!(pool.reserved, [7 * GIB]);
+        assert!(pool.waiters.is_empty());
+    }
+
+    #[test]
+    fn a_footprint_over_the_budget_runs_without_other_reservations_rather_than_never() {
+        let mut pool = memory_pool(1, 10, 4);
+        let held = pool.take(Some(3 * GIB)).expect("fits");
+        let (_, mut huge) = pool.enqueue(0, "", Some(20 * GIB));
+        pool.serve();
+        assert_eq!(served(&mut huge), None, "it waits for the device's reservations to end");
+        pool.release(held);
+        let huge = served(&mut huge).expect("nothing reserved: admitted although over the budget");
+        assert_eq!(pool.reserved, [20 * GIB]);
+        assert_eq!(pool.take(Some(GIB)), None, "nothing with a known footprint joins it");
+        assert!(pool.take(None).is_some(), "an unknown footprint is admitted by slots (the OOM retry covers it)");
+        pool.release(huge);
+        assert_eq!(pool.reserved, [0]);
+    }
+
+    #[test]
+    fn memory_waits_keep_priority_then_turns_across_jobs() {
+        let mut pool = memory_pool(1, 10, 4);
+        let held = pool.take(Some(6 * GIB)).expect("fits");
+        // Each needs 6 GiB: one at a time.
+        let (_, mut a1) = pool.enqueue(0, "a", Some(6 * GIB));
+        let (_, mut a2) = pool.enqueue(0, "a", Some(6 * GIB));
+        let (_, mut b1) = pool.enqueue(0, "b", Some(6 * GIB));
+        let (_, mut urgent) = pool.enqueue(5, "c", Some(6 * GIB));
+        pool.serve();
+        let mut order = Vec::new();
+        let mut grant = held;
+        for _ in 0..4 {
+            pool.release(grant);
+            let next = [("a1", &mut a1), ("a2", &mut a2), ("b1", &mut b1), ("urgent", &mut urgent)]
+                .into_iter()
+                .filter_map(|(label, receiver)| served(receiver).map(|grant| (label, grant)))
+                .collect::<Vec<_>>();
+            assert_eq!(next.len(), 1, "one at a time: {next:?}");
+            order.push(next[0].0);
+            grant = next[0].1;
+        }
+        assert_eq!(order, ["urgent", "a1", "b1", "a2"]);
+    }
+
+    #[test]
+    fn a_cancelled_waiter_lets_those_behind_it_through_and_returns_a_slot_handed_to_it() {
+        let lanes = memory_lanes(&[10]);
+        let held = acquire_now(&lanes, true, Some(6 * GIB)).expect("fits");
+        let mut large = Box::pin(lanes.acquire(true, 0, "a", Some(6 * GIB)));
+        assert!(poll_now(large.as_mut()).is_pending(), "6 + 6 GiB does not fit");
+        let mut small = Box::pin(lanes.acquire(true, 0, "b", Some(GIB)));
+        assert!(poll_now(small.as_mut()).is_pending(), "behind the first waiter");
+        drop(large); // cancelled while first in line
+        let std::task::Poll::Ready(Ok(small)) = poll_now(small.as_mut()) else { panic!("served once it left") };
+        assert_eq!(small.reserved_bytes(), GIB);
+        assert_eq!(lanes.gpu_reserved_bytes(), [7 * GIB]);
+
+        // A slot handed to a waiter that is cancelled before it takes it goes back, with its bytes.
+        let mut late = Box::pin(lanes.acquire(true, 0, "c", Some(6 * GIB)));
+        assert!(poll_now(late.as_mut()).is_pending());
+        drop(held);
+        assert_eq!(lanes.gpu_reserved_bytes(), [7 * GIB], "handed to the waiter");
+        drop(late);
+        assert_eq!(lanes.gpu_reserved_bytes(), [GIB], "given back");
+        drop(small);
+        assert_eq!(lanes.gpu_reserved_bytes(), [0]);
+        let lanes_held: Vec<Lane> = (0..4).map(|_| acquire_now(&lanes, true, Some(GIB)).expect("every slot")).collect();
+        assert_eq!(lanes.gpu_reserved_bytes(), [4 * GIB]);
+        drop(lanes_held);
+        assert_eq!(lanes.gpu_reserved_bytes(), [0]);
+    }
+
+    #[test]
+    fn a_quarantine_drops_the_reservations_of_its_gpu_and_a_recovery_starts_from_nothing() {
+        let lanes = memory_lanes(&[10]);
+        let held = acquire_now(&lanes, true, Some(6 * GIB)).expect("fits");
+        let mut waiting = Box::pin(lanes.acquire(true, 0, "", Some(6 * GIB)));
+        assert!(poll_now(waiting.as_mut()).is_pending());
+        assert!(lanes.set_quarantine(0, Some("failed its probe".into())));
+        assert_eq!(lanes.gpu_reserved_bytes(), [0]);
+        assert!(matches!(poll_now(waiting.as_mut()), std::task::Poll::Ready(Err(_))), "no GPU left for the waiter");
+        drop(held);
+        assert_eq!(lanes.gpu_reserved_bytes(), [0], "a slot taken before the quarantine gives nothing back");
+        assert!(lanes.set_quarantine(0, None));
+        let again = acquire_now(&lanes, true, Some(6 * GIB)).expect("back in service, nothing reserved");
+        assert_eq!(lanes.gpu_reserved_bytes(), [6 * GIB]);
+        drop(again);
+        assert_eq!(lanes.gpu_reserved_bytes(), [0]);
+    }
+
+    #[test]
+    fn the_cpu_lane_ignores_footprints_and_gpus_without_a_budget_count_slots_only() {
+        let lanes = memory_lanes(&[10]);
+        let cpu = acquire_now(&lanes, false, Some(u64::MAX)).expect("the CPU lane");
+        assert_eq!((cpu.gpu(), cpu.reserved_bytes()), (None, 0));
+        assert_eq!(lanes.gpu_reserved_bytes(), [0]);
+
+        let unbudgeted = Lanes::new(1, 2, DeviceProbeConfig::default(), metrics());
+        let a = acquire_now(&unbudgeted, true, Some(100 * GIB)).expect("a slot");
+        let b = acquire_now(&unbudgeted, true, Some(100 * GIB)).expect("the other slot");
+        assert_eq!((a.reserved_bytes(), b.reserved_bytes()), (0, 0));
+    }
+
+    #[test]
+    fn reserved_bytes_are_a_metric_per_gpu() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = EvaluatorMetrics::register(&mut registry);
+        let config = DeviceProbeConfig { command: Some("/nonexistent/probe".into()), ..DeviceProbeConfig::default() };
+        let lanes = Lanes::with_budgets(vec![Some(10 * GIB), Some(10 * GIB)], 2, config, metrics);
+        let _lane = acquire_now(&lanes, true, Some(3 * GIB)).expect("fits");
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+        let line = |gpu: usize, bytes: u64| format!("kforge_evaluator_gpu_reserved_bytes{{gpu=\"{gpu}\"}} {bytes}");
+        assert!(text.contains(&line(0, 3 * GIB)) && text.contains(&line(1, 0)), "{text}");
     }
 }

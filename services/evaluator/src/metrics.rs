@@ -1,5 +1,6 @@
 //! Evaluator metrics at `/metrics`: admitted evaluations (queue depth), stages in flight and their latency,
-//! verdicts, findings by code (for the hack ratio), cache hits, device probes and quarantined devices.
+//! verdicts, findings by code (for the hack ratio), cache hits, device probes and quarantined devices, and the
+//! device memory reserved on each GPU by memory-aware admission.
 
 use std::time::Duration;
 
@@ -33,6 +34,11 @@ struct ProbeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabel {
+    gpu: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabel {
     cache: String,
     outcome: String,
@@ -49,6 +55,7 @@ pub struct EvaluatorMetrics {
     cache: Family<CacheLabel, Counter>,
     device_probes: Family<ProbeLabel, Counter>,
     devices_quarantined: Gauge,
+    gpu_reserved_bytes: Family<GpuLabel, Gauge>,
     evictions: Family<CacheLabel, Counter>,
 }
 
@@ -75,6 +82,7 @@ impl EvaluatorMetrics {
             cache: Family::default(),
             device_probes: Family::default(),
             devices_quarantined: Gauge::default(),
+            gpu_reserved_bytes: Family::default(),
             evictions: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kforge_evaluator");
@@ -89,6 +97,11 @@ impl EvaluatorMetrics {
             "devices_quarantined",
             "GPUs out of service after a failed probe",
             metrics.devices_quarantined.clone(),
+        );
+        r.register(
+            "gpu_reserved_bytes",
+            "device memory reserved by the evaluations holding a GPU's slots (known footprints only), by GPU",
+            metrics.gpu_reserved_bytes.clone(),
         );
         r.register("cache_evictions", "cache entries evicted to stay within the size bound", metrics.evictions.clone());
         metrics
@@ -129,6 +142,11 @@ impl EvaluatorMetrics {
 
     pub(crate) fn devices_quarantined(&self, count: usize) {
         self.devices_quarantined.set(count as i64);
+    }
+
+    /// The gauge of the bytes reserved on GPU `gpu`.
+    pub(crate) fn gpu_reserved_bytes(&self, gpu: usize) -> Gauge {
+        self.gpu_reserved_bytes.get_or_create(&GpuLabel { gpu: gpu.to_string() }).clone()
     }
 
     pub(crate) fn evicted(&self, cache: &str, entries: usize) {

@@ -103,6 +103,9 @@ struct Inner {
     admission: Arc<Semaphore>,
     secret: u64,
     metrics: EvaluatorMetrics,
+    /// Peak device memory of each task's reference, by (task key, device name), as the reference stage measured
+    /// it: what memory-aware admission estimates an evaluation's footprint from (`devices::footprint`).
+    reference_peaks: Mutex<HashMap<(String, String), u64>>,
     /// The warm-up's outcome once it is over: the bindings' precompiled header, or why there is none.
     warm: watch::Receiver<Option<Result<PathBuf, String>>>,
 }
@@ -199,7 +202,6 @@ impl Evaluator {
             Err(error) => tracing::warn!(%error, "evaluator cannot evaluate until python with torch is configured"),
         }
         let warm = Self::warm_up_in_background(&config, &sandbox, &python, &harness, &work)?;
-        let gpus = python.as_ref().map(|p| p.gpus.len()).unwrap_or(0);
         let compile_workers = match config.compile_workers {
             0 => std::thread::available_parallelism().map_or(2, usize::from),
             n => n,
@@ -211,7 +213,13 @@ impl Evaluator {
                 baselines: Cache::new(work.join("baselines"), config.cache_limits.baselines_bytes)?,
                 admission: Arc::new(Semaphore::new(config.queue_capacity)),
                 compile_slots: Semaphore::new(compile_workers),
-                lanes: Lanes::new(gpus, config.gpu_slots, config.device_probe.clone(), metrics.clone()),
+                lanes: Lanes::with_budgets(
+                    gpu_memory_budgets(&config, &python),
+                    config.gpu_slots,
+                    config.device_probe.clone(),
+                    metrics.clone(),
+                ),
+                reference_peaks: Mutex::default(),
                 secret: std::collections::hash_map::RandomState::new().hash_one("kforge-evaluator-seeds"),
                 config,
                 sandbox,
@@ -536,23 +544,30 @@ impl Evaluator {
             Err(error) => return infra(response, error, true),
         };
         let started = Instant::now();
-        let lane = match inner.lanes.acquire(job.backend != Backend::Cpu, job.priority, &job.job_id).await {
+        let on_gpu = job.backend != Backend::Cpu;
+        let footprint = if on_gpu { self.footprint(&task_key) } else { None };
+        let lane = match inner.lanes.acquire(on_gpu, job.priority, &job.job_id, footprint).await {
             Ok(lane) => lane,
             Err(unavailable) => return infra(response, unavailable, true),
         };
+        if let Some(bytes) = footprint {
+            response.stage_ms.insert("memory.footprint_mb".into(), bytes as f64 / (1u64 << 20) as f64);
+        }
         *lane_held = Some((Instant::now(), lane.gate_times()));
         let gpu = lane.gpu();
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         response.device = python.device_name(gpu).to_owned();
         // The last `recheck_trials` trials run after timing and the census.
-        let seeds = self.seeds(&task_key, "trial", (job.trials + inner.config.recheck_trials) as usize);
+        let mut seeds = self.seeds(&task_key, "trial", (job.trials + inner.config.recheck_trials) as usize);
         let recheck_from = job.trials as usize;
+        let sensitivity = self.sensitivity_trial(&task_key, &mut seeds, recheck_from);
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
         if let Err(error) = std::fs::write(check_dir.join("task.py"), &job.task) {
             return infra(response, format!("writing task.py: {error}"), true);
         }
         // The clean process that checks the outputs starts now, while the candidate runs.
-        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds };
+        let trials =
+            Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity: sensitivity.as_ref() };
         let check = match self.prepare_check(job, &lane, &trials, &check_dir, &candidate_dir, cancel).await {
             Ok(check) => check,
             Err(error) => return infra(response, error, true),
@@ -565,6 +580,7 @@ impl Evaluator {
             "init_seed": init_seed,
             "seeds": seeds,
             "recheck_from": recheck_from,
+            "sensitivity": sensitivity,
             "timing": if job.measure { Some(timing_spec(&timing)) } else { None },
             "timing_seeds": timing_seeds,
             "census_calls": if job.census { inner.config.census_calls } else { 0 },
@@ -709,12 +725,8 @@ impl Evaluator {
                 }
             };
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
-            let candidate = census::Candidate {
-                kernels: &own_kernels,
-                compiles,
-                median_ms: median,
-                unlaunched_is_hack: job.policy.unlaunched_kernels_are_hacks(),
-            };
+            let candidate =
+                census::Candidate { kernels: &own_kernels, compiles, median_ms: median, policy: job.policy };
             let census = census::analyse(&modes, candidate, gpu.is_some());
             response.kernels = census.kernels;
             response.profiling_ratio = census.profiling_ratio;
@@ -983,8 +995,11 @@ impl Evaluator {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         let versions = python.versions_key();
-        let Trials { seeds, init_seed, timing_seeds } = *trials;
-        let seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
+        let Trials { seeds, init_seed, timing_seeds, sensitivity } = *trials;
+        let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
+        if let Some(sensitivity) = sensitivity {
+            seed_text.push_str(&sensitivity.to_string());
+        }
         let device_name = python.device_name(gpu);
         let key = cache::key(&[
             job.task.as_bytes(),
@@ -992,6 +1007,7 @@ impl Evaluator {
             init_seed.to_string().as_bytes(),
             device_name.as_bytes(),
             versions.as_bytes(),
+            python::harness_digest().as_bytes(),
         ]);
         let reference_dir = inner.references.dir(&key);
         let spec = json!({
@@ -1003,20 +1019,25 @@ impl Evaluator {
             "candidate_dir": candidate_dir,
             "tolerances": inner.config.tolerances,
             "timing_seeds": timing_seeds,
+            "sensitivity": sensitivity,
         });
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
+        // The reference's peak device memory, recorded in its cache entry (none in entries from before it was).
+        let peak_key = (cache::key(&[job.task.as_bytes()]), device_name.to_owned());
         let (lock, pin) = match inner.references.get(&key) {
             Some(_) => {
                 let pin = inner.references.pin(&key).await.map_err(|e| format!("reference pin: {e}"))?;
-                if inner.references.get(&key).is_none() {
+                let Some(entry) = inner.references.get(&key) else {
                     return Err("the cached reference was evicted before use; retry".into());
-                }
+                };
+                self.note_reference_peak(&peak_key, &entry);
                 (None, Some(pin))
             }
             None => {
                 let lock = inner.references.lock(&key).await.map_err(|e| format!("reference lock: {e}"))?;
-                if inner.references.get(&key).is_some() {
+                if let Some(entry) = inner.references.get(&key) {
+                    self.note_reference_peak(&peak_key, &entry);
                     (None, None)
                 } else {
                     std::fs::create_dir_all(&reference_dir).map_err(|e| format!("reference dir: {e}"))?;
@@ -1034,7 +1055,7 @@ impl Evaluator {
             wall: Duration::from_secs(inner.config.run_timeout_secs),
             background: false,
         };
-        Ok(PreparedCheck { started: self.start(stage, cancel), mode, spec, key, lock, _pin: pin })
+        Ok(PreparedCheck { started: self.start(stage, cancel), mode, spec, key, peak_key, lock, _pin: pin })
     }
 
     /// Runs a prepared comparison; `timed_call` is the candidate's last timed call, when it was timed (its output
@@ -1046,7 +1067,7 @@ impl Evaluator {
         timed_call: Option<i64>,
     ) -> Result<Option<(Trial, pb::Mismatch)>, String> {
         let inner = &self.inner;
-        let PreparedCheck { started, mode, mut spec, key, lock, _pin } = prepared;
+        let PreparedCheck { started, mode, mut spec, key, peak_key, lock, _pin } = prepared;
         spec["timed_call"] = json!(timed_call);
         let request = Request { mode, spec, env: vec![], limits: None };
         let outcome = self.stage(started, request, Some(lane)).await.map_err(|e| format!("{mode} stage: {e}"))?;
@@ -1055,10 +1076,15 @@ impl Evaluator {
             return Err(format!("{what}: {}", cap(&outcome.error_text(), 4000)));
         }
         if let Some(lock) = &lock {
-            inner
-                .references
-                .complete(&key, &Entry::Ready(String::new()), lock)
-                .map_err(|e| format!("reference cache: {e}"))?;
+            // The reference's peak device memory (GPU only), for admission: kept here and in the cache entry.
+            let peak = outcome.result.as_ref().and_then(|r| r.get("device_peak_bytes")).and_then(|p| p.as_u64());
+            let marker = match peak {
+                Some(peak) => json!({ "device_peak_bytes": peak }).to_string(),
+                None => String::new(),
+            };
+            let entry = Entry::Ready(marker);
+            self.note_reference_peak(&peak_key, &entry);
+            inner.references.complete(&key, &entry, lock).map_err(|e| format!("reference cache: {e}"))?;
             self.evict_later("reference", &inner.references);
         }
         let mismatch = outcome.result.as_ref().and_then(|r| r.get("mismatch")).filter(|m| !m.is_null());
@@ -1186,6 +1212,7 @@ impl Evaluator {
             python.versions_key().as_bytes(),
             timing.as_bytes(),
             &[u8::from(inner.config.baseline_torch_compile)],
+            python::harness_digest().as_bytes(),
         ])
     }
 
@@ -1200,6 +1227,28 @@ impl Evaluator {
             _ => None,
         };
         call_limits(config, reference_ms)
+    }
+
+    /// The device memory an evaluation of the task needs on a GPU, from its reference's measured peak
+    /// (`devices::footprint`); `None` until the task's reference has run on a GPU in this evaluator (or its cache
+    /// entry recorded the peak). With GPUs of several kinds, the largest known.
+    fn footprint(&self, task_key: &str) -> Option<u64> {
+        let python = self.inner.python.as_ref().ok()?;
+        let peaks = self.inner.reference_peaks.lock().expect("never poisoned");
+        let known = python.gpus.iter().filter_map(|gpu| peaks.get(&(task_key.to_owned(), gpu.name.clone())));
+        known.copied().max().map(devices::footprint)
+    }
+
+    /// Keeps the peak device memory a reference cache entry records, if it records one.
+    fn note_reference_peak(&self, (task_key, device): &(String, String), entry: &Entry) {
+        let Entry::Ready(marker) = entry else { return };
+        let peak = serde_json::from_str::<serde_json::Value>(marker)
+            .ok()
+            .and_then(|marker| marker.get("device_peak_bytes").and_then(|p| p.as_u64()));
+        if let Some(peak) = peak {
+            let mut peaks = self.inner.reference_peaks.lock().expect("never poisoned");
+            peaks.insert((task_key.clone(), device.clone()), peak);
+        }
     }
 
     /// Starts a harness process for `stage` now; it waits for its request (see [`python::start`]).
@@ -1279,6 +1328,19 @@ impl Evaluator {
 
     /// Seeds the candidate cannot know in advance: derived from a secret drawn when this evaluator started, so
     /// they repeat per task (and the reference cache hits) but differ between evaluator instances.
+    /// Picks the sensitivity trial among the first `trials` (not trial 0, its base), from the secret per task, and
+    /// gives it trial 0's seed: the harness moves a few of those inputs far out of range (`perturb_sparsely`) and
+    /// the check compares how both outputs moved. None when disabled or with fewer than two first trials.
+    fn sensitivity_trial(&self, task_key: &str, seeds: &mut [u64], trials: usize) -> Option<serde_json::Value> {
+        if !self.inner.config.sensitivity_check || trials < 2 {
+            return None;
+        }
+        let drawn = self.seeds(task_key, "sensitivity", 2);
+        let trial = 1 + drawn[0] as usize % (trials - 1);
+        seeds[trial] = seeds[0];
+        Some(json!({ "trial": trial, "base": 0, "seed": drawn[1] }))
+    }
+
     fn seeds(&self, task_key: &str, purpose: &str, count: usize) -> Vec<u64> {
         let hasher = std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default();
         (0..count).map(|i| hasher.hash_one((self.inner.secret, task_key, purpose, i)) % (1 << 31)).collect()
@@ -1380,6 +1442,8 @@ struct Trials<'a> {
     seeds: &'a [u64],
     init_seed: u64,
     timing_seeds: &'a [u64],
+    /// The sensitivity trial, as the harness reads it (`Evaluator::sensitivity_trial`).
+    sensitivity: Option<&'a serde_json::Value>,
 }
 
 /// A comparison ready to run: its started clean process, and its hold on the reference cache entry.
@@ -1389,6 +1453,8 @@ struct PreparedCheck {
     mode: &'static str,
     spec: serde_json::Value,
     key: String,
+    /// The task's key and the device's name: where the reference's peak device memory is kept.
+    peak_key: (String, String),
     /// Held while the reference is computed.
     lock: Option<cache::EntryLock>,
     /// Held while a cached reference is read.
@@ -1464,9 +1530,22 @@ fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse
     }
     let error = cap(&outcome.error_text(), 8000);
     let verdict = match outcome.finished.exit {
-        Exit::TimedOut => {
-            response.error = "the candidate exceeded its time limit and was killed".into();
+        Exit::TimedOut if outcome.candidate_used_its_time() => {
+            response.error = format!(
+                "the candidate exceeded its stage's time limit and was killed ({:.1} s of {:.1} s in its own calls)",
+                outcome.in_calls.as_secs_f64(),
+                outcome.running().as_secs_f64()
+            );
             return Some(pb::Verdict::Timeout);
+        }
+        Exit::TimedOut => {
+            let error = format!(
+                "candidate stage: the evaluator's own work (making inputs, reading and checking outputs) used the \
+                 stage's time limit: {:.1} s of {:.1} s were in the candidate's calls",
+                outcome.in_calls.as_secs_f64(),
+                outcome.running().as_secs_f64()
+            );
+            return Some(infra(response, error, false));
         }
         Exit::Cancelled => return Some(infra(response, "cancelled".into(), true)),
         Exit::Signal(signal) => {
@@ -1488,6 +1567,12 @@ fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse
         }
     };
     Some(verdict)
+}
+
+/// Each GPU's memory budget for admission (`EvaluatorConfig::gpu_memory_budget`).
+fn gpu_memory_budgets(config: &EvaluatorConfig, python: &Result<PythonEnv, String>) -> Vec<Option<u64>> {
+    let gpus = python.as_ref().map_or(&[][..], |env| env.gpus.as_slice());
+    gpus.iter().map(|gpu| config.gpu_memory_budget(gpu.total_memory)).collect()
 }
 
 /// Whether a stage failed for want of device memory.

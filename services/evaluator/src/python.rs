@@ -22,6 +22,14 @@ pub const HARNESS_FILES: [(&str, &str); 2] = [
     ("kforge_nvcc.py", include_str!("../harness/kforge_nvcc.py")),
 ];
 
+/// A digest of the harness's source: part of the keys of cached references and baselines, which depend on how the
+/// harness makes inputs and measures (a new harness computes them again rather than comparing with stale ones).
+pub fn harness_digest() -> &'static str {
+    static DIGEST: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| crate::cache::key(&[HARNESS_FILES[0].1.as_bytes()]));
+    &DIGEST
+}
+
 /// What the interpreter reported about itself.
 #[derive(Debug, Clone, Deserialize)]
 struct Probe {
@@ -44,6 +52,9 @@ struct Probe {
 pub struct Gpu {
     pub name: String,
     pub capability: String,
+    /// Device memory in bytes (0: not reported): the basis of its memory budget for admission.
+    #[serde(default)]
+    pub total_memory: u64,
 }
 
 /// A usable interpreter with PyTorch.
@@ -82,7 +93,8 @@ try:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            info["devices"].append({"name": p.name, "capability": f"{p.major}.{p.minor}"})
+            info["devices"].append({"name": p.name, "capability": f"{p.major}.{p.minor}",
+                                    "total_memory": p.total_memory})
     from torch.utils.cpp_extension import CUDA_HOME
     info["cuda_home"] = CUDA_HOME or ""
 except Exception as error:
@@ -389,6 +401,9 @@ pub struct StageOutcome {
     pub gate: MemberTimes,
     /// Why it was stopped as hung: a call into candidate code ran past its [`CallLimits`].
     pub hung: Option<String>,
+    /// How long it spent in calls into candidate code (announced by the harness; see [`converse`]), a call still
+    /// open at its end included: what a stage killed at its wall-clock limit is charged to the candidate.
+    pub in_calls: Duration,
     /// Its place at the device's gate, kept after the process ended until the caller lets it go
     /// ([`StageOutcome::leave_gate`]): a device left in doubt (a kill, a fault) is checked first.
     membership: Option<Arc<Member>>,
@@ -450,6 +465,18 @@ impl StageOutcome {
     pub fn error_type(&self) -> Option<&str> {
         self.result.as_ref()?.get("error_type")?.as_str()
     }
+
+    /// How long the stage ran, less its waits at the device's gate (its wall clock is held there).
+    pub fn running(&self) -> Duration {
+        self.finished.wall.saturating_sub(self.gate.waited)
+    }
+
+    /// Whether a stage killed at its wall-clock limit spent most of its running time in the candidate's calls,
+    /// rather than in the harness's own work (making inputs, copying and checking outputs): only then is the
+    /// timeout the candidate's.
+    pub fn candidate_used_its_time(&self) -> bool {
+        self.in_calls.as_secs_f64() >= 0.5 * self.running().as_secs_f64()
+    }
 }
 
 /// A harness process started before its request: its interpreter starts and imports torch meanwhile, off the
@@ -459,8 +486,30 @@ pub struct Started {
     request: Option<tokio::sync::oneshot::Sender<(Vec<u8>, Option<Conversation>)>>,
     finished: tokio::task::JoinHandle<Result<Finished, SandboxError>>,
     result_path: PathBuf,
-    /// Why the conversation stopped the stage as hung, if it did.
-    hung: Arc<Mutex<Option<String>>>,
+    /// What the conversation saw: calls into candidate code, and why it stopped the stage as hung, if it did.
+    watch: Arc<Mutex<Watch>>,
+}
+
+/// What a stage's conversation records for its outcome.
+#[derive(Debug, Default)]
+struct Watch {
+    hung: Option<String>,
+    /// Time in calls into candidate code that ended, and when the open one began.
+    in_calls: Duration,
+    open_call: Option<tokio::time::Instant>,
+}
+
+impl Watch {
+    fn call_starts(&mut self) {
+        self.call_ends();
+        self.open_call = Some(tokio::time::Instant::now());
+    }
+
+    fn call_ends(&mut self) {
+        if let Some(since) = self.open_call.take() {
+            self.in_calls += since.elapsed();
+        }
+    }
 }
 
 /// What a stage's conversation serves: its place at the gate, and the limits of its calls.
@@ -508,20 +557,20 @@ pub fn start(
             Some(bytes)
         }
     };
-    let hung = Arc::new(Mutex::new(None));
+    let watch = Arc::new(Mutex::new(Watch::default()));
     let converse = {
-        let hung = hung.clone();
+        let watch = watch.clone();
         move |control, socket| async move {
             let joined = conversation.lock().expect("never poisoned").take();
             if let Some(Conversation { member, limits }) = joined {
-                match converse(&member, &control, socket, limits.as_ref()).await {
+                match converse(&member, &control, socket, limits.as_ref(), &watch).await {
                     // The harness's socket closes as its interpreter shuts down; a stage that closed it and runs
                     // on would use the device outside the gate.
                     Ended::Closed => tokio::time::sleep(CLOSED_GRACE).await,
                     Ended::Broken => {}
                     Ended::Hung(reason) => {
                         tracing::info!(%reason, "stopping a stage whose call never returned");
-                        *hung.lock().expect("never poisoned") = Some(reason);
+                        watch.lock().expect("never poisoned").hung = Some(reason);
                     }
                 }
                 // Unless it ended meanwhile (this future is dropped then).
@@ -530,7 +579,7 @@ pub fn start(
         }
     };
     let finished = tokio::spawn(async move { sandbox.run_with_control(job, input, converse, cancel).await });
-    Started { request: Some(request), finished, result_path, hung }
+    Started { request: Some(request), finished, result_path, watch }
 }
 
 /// The longest message the harness sends on its control socket.
@@ -569,6 +618,7 @@ async fn converse(
     control: &Control,
     socket: tokio::net::UnixStream,
     limits: Option<&CallLimits>,
+    watch: &Mutex<Watch>,
 ) -> Ended {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     let (read, mut write) = socket.into_split();
@@ -596,8 +646,10 @@ async fn converse(
         }
         let message = std::mem::take(&mut line);
         call = None;
+        watch.lock().expect("never poisoned").call_ends();
         match &message[..] {
             b"call\n" | b"timed\n" => {
+                watch.lock().expect("never poisoned").call_starts();
                 // A timed call's CPU use says nothing (it spins), so its CPU time is not read (a /proc scan).
                 let spinning = message == b"timed\n";
                 let cpu = if spinning { None } else { control.cpu_time() };
@@ -733,8 +785,12 @@ impl Started {
             },
             Err(_) => None,
         };
-        let hung = self.hung.lock().expect("never poisoned").take();
-        Ok(StageOutcome { finished, result, gate: clock.times(), hung, membership: member })
+        let (hung, in_calls) = {
+            let mut watch = self.watch.lock().expect("never poisoned");
+            watch.call_ends();
+            (watch.hung.take(), watch.in_calls)
+        };
+        Ok(StageOutcome { finished, result, gate: clock.times(), hung, in_calls, membership: member })
     }
 }
 

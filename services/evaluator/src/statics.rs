@@ -5,13 +5,18 @@
 //! not. What cannot be seen in the source (work escaping the timer, memoisation, ...) is the run-time checks' job.
 //!
 //! Policies:
-//! - `permissive@2`: the candidate must define `ModelNew`; anything that attacks the harness is a hack
+//! - `permissive@3`: the candidate must define `ModelNew`; anything that attacks the harness is a hack
 //!   (process, thread, socket, ctypes, gc/inspect imports; patching torch or timers; `setattr` on torch; side
 //!   streams; `exec`/`eval`; precision switches); `ModelNew` that only inherits the reference is a hack; at run
-//!   time, a kernel the candidate defines and never launches is a hack (version 1 reported it as a notice).
-//! - `kevin-strict@1`: permissive, plus no `try`/`except`, no inheriting the reference at all, imports only
-//!   from an allowlist, no files, no fast-math flags, and no torch compute in `ModelNew.forward` (torch ops,
-//!   `torch.nn.functional`, tensor compute methods, `@`, calls of torch layers built in `__init__`).
+//!   time, a kernel the candidate defines and never launches, or an extension it compiles and forward never calls,
+//!   is a hack (version 1 reported the kernel as a notice), and a profiling ratio below `LAZY_WORK_RATIO` is a
+//!   notice (version 2 had none: torch doing the work went unnamed).
+//! - `kevin-strict@2`: permissive, plus no `try`/`except`, no inheriting the reference at all, imports only
+//!   from an allowlist, no files, no fast-math flags, no torch compute in `ModelNew.forward` (torch ops and their
+//!   namespaces, `torch.nn.functional`, tensor compute methods, tensor operators, calls of torch layers built in
+//!   `__init__`), no library compute in the extension's C++/CUDA sources (`static.library_compute`), and a
+//!   profiling ratio below the threshold is a hack. Version 1 did not count tensor operators or library compute
+//!   from C++, and had no threshold.
 
 use tree_sitter::{Node, Parser};
 
@@ -33,21 +38,40 @@ pub struct Finding {
 }
 
 /// A named, versioned static policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Policy {
     pub name: &'static str,
     pub version: u32,
     strict: bool,
-    /// Whether a candidate whose own kernels do not run in some census mode is only a notice (a decoy kernel,
-    /// the work done by torch or another path, is otherwise a hack). No shipped policy relaxes it.
+    /// Whether a candidate whose own kernels do not run in some census mode (or whose compiled extension forward
+    /// never calls) is only a notice (a decoy, the work done by torch or another path, is otherwise a hack). No
+    /// shipped policy relaxes it.
     unlaunched_kernels_allowed: bool,
+    /// A profiling ratio below this is lazy work (`runtime.low_profiling_ratio`): a notice where the policy lets
+    /// torch do the work, a hack where it does not. Candidates whose own code does the work measure about 0.99 on
+    /// the CPU census and 1.0 on a GPU; the lazy ones seen measured 0.03-0.29 (and 0 without code of their own).
+    min_profiling_ratio: f64,
 }
 
+/// The profiling ratio under which the shipped policies name lazy work: between the lazy candidates measured
+/// (at most 0.29) and the ones doing their own work (about 0.99), with room on both sides.
+pub const LAZY_WORK_RATIO: f64 = 0.5;
+
 impl Policy {
-    pub const PERMISSIVE: Policy =
-        Policy { name: "permissive", version: 2, strict: false, unlaunched_kernels_allowed: false };
-    pub const KEVIN_STRICT: Policy =
-        Policy { name: "kevin-strict", version: 1, strict: true, unlaunched_kernels_allowed: false };
+    pub const PERMISSIVE: Policy = Policy {
+        name: "permissive",
+        version: 3,
+        strict: false,
+        unlaunched_kernels_allowed: false,
+        min_profiling_ratio: LAZY_WORK_RATIO,
+    };
+    pub const KEVIN_STRICT: Policy = Policy {
+        name: "kevin-strict",
+        version: 2,
+        strict: true,
+        unlaunched_kernels_allowed: false,
+        min_profiling_ratio: LAZY_WORK_RATIO,
+    };
     pub const ALL: [Policy; 2] = [Self::PERMISSIVE, Self::KEVIN_STRICT];
 
     /// Whether the policy demands the candidate's own kernels do the work (Kevin's rules).
@@ -55,9 +79,26 @@ impl Policy {
         self.strict
     }
 
+    /// Whether torch and libraries may do the work (a low profiling ratio is then a notice, not a hack).
+    pub fn torch_compute_allowed(&self) -> bool {
+        !self.strict
+    }
+
     /// Whether own kernels that never run are a hack (see `census::analyse`).
     pub fn unlaunched_kernels_are_hacks(&self) -> bool {
         !self.unlaunched_kernels_allowed
+    }
+
+    /// The profiling ratio below which the census names lazy work.
+    pub fn min_profiling_ratio(&self) -> f64 {
+        self.min_profiling_ratio
+    }
+
+    /// The same policy with decoys relaxed to notices (no shipped policy does this).
+    #[cfg(test)]
+    pub(crate) fn relaxing_unlaunched_kernels(mut self) -> Policy {
+        self.unlaunched_kernels_allowed = true;
+        self
     }
 
     /// `name@version`.
@@ -521,6 +562,9 @@ impl Checker<'_> {
             )),
             Some(class) => self.check_model_new(class),
         }
+        if self.policy.strict {
+            self.check_library_compute(root);
+        }
     }
 
     fn check_import(&mut self, node: Node<'_>) {
@@ -683,7 +727,7 @@ impl Checker<'_> {
         }
         if let (true, Some(forward)) = (self.policy.strict, forward) {
             let layers = init.map(|init| self.torch_layers(init)).unwrap_or_default();
-            self.check_strict_forward(forward, &layers);
+            self.check_strict_forward(forward, init, &layers);
         }
     }
 
@@ -715,19 +759,23 @@ impl Checker<'_> {
         layers
     }
 
-    fn check_strict_forward(&mut self, forward: Node<'_>, layers: &[String]) {
+    fn check_strict_forward(&mut self, forward: Node<'_>, init: Option<Node<'_>>, layers: &[String]) {
+        let tensors = Tensors::of_forward(&self.src, forward, init, layers, &self.extensions);
         let mut found = Vec::new();
+        let mut operator_lines = Vec::new();
         walk(forward, &mut |node| match node.kind() {
             "call" => {
                 let Some(function) = node.child_by_field_name("function") else { return };
                 let callee = self.src.text(function).replace(char::is_whitespace, "");
                 if let Some(op) = callee.strip_prefix("torch.") {
-                    let functional = op.starts_with("nn.functional.") || op.starts_with("nn.");
-                    if functional || (!op.contains('.') && !ALLOCATION_OPS.contains(&op)) {
+                    let namespaced = TORCH_COMPUTE_NAMESPACES.iter().any(|ns| op.starts_with(ns));
+                    if namespaced || (!op.contains('.') && !ALLOCATION_OPS.contains(&op)) {
                         found.push((node, format!("torch op `{callee}` does the work in forward")));
                     }
                 } else if callee.starts_with("F.") || callee.starts_with("nn.functional.") {
                     found.push((node, format!("`{callee}` does the work in forward")));
+                } else if callee.starts_with("triton.ops.") {
+                    found.push((node, format!("Triton's library kernel `{callee}` does the work in forward")));
                 } else if let Some(attribute) = callee.strip_prefix("self.")
                     && layers.iter().any(|l| l == attribute)
                 {
@@ -747,11 +795,465 @@ impl Checker<'_> {
             "binary_operator" if node.child_by_field_name("operator").is_some_and(|o| self.src.text(o) == "@") => {
                 found.push((node, "`@` (torch matmul) does the work in forward".to_owned()));
             }
+            "binary_operator" | "unary_operator" | "comparison_operator" | "augmented_assignment" => {
+                // One finding per line: `a * alpha + b` is one piece of torch work, not two.
+                if let Some(operator) = tensors.operator_on_tensors(node)
+                    && !operator_lines.contains(&line(node))
+                {
+                    operator_lines.push(line(node));
+                    found
+                        .push((node, format!("tensor operator `{operator}` (torch compute) does the work in forward")));
+                }
+            }
             _ => {}
         });
         for (node, message) in found {
             self.add("static.torch_compute_in_forward", message, node, Category::Policy);
         }
+    }
+
+    /// Library compute in the C++/CUDA sources (strict): ATen and torch operators, tensor compute methods, cuBLAS,
+    /// cuDNN and the other CUDA math libraries, device-wide CUB and Thrust algorithms. Every string of the source is
+    /// read as C++ (docstrings aside), comments removed.
+    fn check_library_compute(&mut self, root: Node<'_>) {
+        let mut found = Vec::new();
+        walk(root, &mut |node| {
+            if node.kind() != "string" || node.parent().is_some_and(|p| p.kind() == "expression_statement") {
+                return;
+            }
+            let mut seen: Vec<String> = Vec::new();
+            for (offset, call) in library_calls(self.src.text(node)) {
+                if !seen.contains(&call) {
+                    found.push((line(node) + offset, call.clone()));
+                    seen.push(call);
+                }
+            }
+        });
+        for (line, call) in found {
+            self.findings.push(finding(
+                "static.library_compute",
+                format!(
+                    "`{call}` in the extension's source is library compute: the candidate's own code must do the work"
+                ),
+                line,
+                Category::Policy,
+            ));
+        }
+    }
+}
+
+/// `torch.<namespace>...(...)` calls that compute (besides `torch.<op>` itself, checked against the allocations).
+const TORCH_COMPUTE_NAMESPACES: &[&str] =
+    &["nn.", "linalg.", "fft.", "special.", "sparse.", "ops.aten.", "ops.prims.", "_C.", "_VF.", "Tensor."];
+
+/// Tensor methods that describe a tensor rather than make one: their results are Python numbers, shapes or
+/// pointers, and arithmetic on them is not torch compute.
+const NON_TENSOR_METHODS: &[&str] = &[
+    "size",
+    "dim",
+    "ndimension",
+    "numel",
+    "nelement",
+    "element_size",
+    "item",
+    "tolist",
+    "stride",
+    "storage_offset",
+    "data_ptr",
+    "is_contiguous",
+    "is_floating_point",
+    "is_complex",
+    "get_device",
+    "__len__",
+];
+
+/// `torch.<name>(...)` calls whose results are not tensors.
+const NON_TENSOR_TORCH: &[&str] = &[
+    "Size",
+    "device",
+    "finfo",
+    "iinfo",
+    "is_tensor",
+    "numel",
+    "get_default_dtype",
+    "is_grad_enabled",
+    "is_floating_point",
+    "result_type",
+    "promote_types",
+];
+
+/// Attributes of a tensor that are tensors too (views); every other attribute (`shape`, `dtype`, `device`, ...)
+/// describes it.
+const TENSOR_ATTRIBUTES: &[&str] = &["T", "mT", "H", "mH", "real", "imag", "data", "grad"];
+
+/// Which expressions of `forward` are tensors: how the strict policy tells tensor operators (torch compute) from
+/// arithmetic on numbers and shapes (`x.shape[0] * 2`, `n + 1`). A name is a tensor when it is a parameter of
+/// `forward` (the task's inputs), or is assigned a tensor expression; an attribute of `self` when `__init__`
+/// assigns it a `Parameter`, a torch call or registers it as a buffer. An expression is a tensor when it is one of
+/// those, an index or view attribute (`.T`) of one, a call of torch (but for `torch.Size`, `torch.numel`, ...),
+/// `torch.nn.functional`, a layer or an extension, a method call on a tensor other than a query (`.size()`,
+/// `.item()`, `.data_ptr()`, ...), or an operator with a tensor operand. Everything else (literals, `len()`,
+/// `int()`, `x.shape`, unknown helpers) is not.
+struct Tensors<'s, 'a> {
+    src: &'s Source<'a>,
+    names: Vec<String>,
+    attributes: Vec<String>,
+    layers: Vec<String>,
+    extensions: Vec<String>,
+}
+
+impl<'s, 'a> Tensors<'s, 'a> {
+    fn of_forward(
+        src: &'s Source<'a>,
+        forward: Node<'_>,
+        init: Option<Node<'_>>,
+        layers: &[String],
+        extensions: &[String],
+    ) -> Self {
+        let mut tensors = Tensors {
+            src,
+            names: Vec::new(),
+            attributes: Vec::new(),
+            layers: layers.to_vec(),
+            extensions: extensions.to_vec(),
+        };
+        if let Some(parameters) = forward.child_by_field_name("parameters") {
+            let mut cursor = parameters.walk();
+            for parameter in parameters.named_children(&mut cursor) {
+                let name = match parameter.kind() {
+                    "identifier" => Some(parameter),
+                    "list_splat_pattern" | "typed_parameter" | "default_parameter" | "typed_default_parameter" => {
+                        parameter.child_by_field_name("name").or_else(|| parameter.named_child(0))
+                    }
+                    _ => None,
+                };
+                if let Some(name) = name.filter(|n| n.kind() == "identifier").map(|n| src.text(n))
+                    && name != "self"
+                {
+                    tensors.names.push(name.to_owned());
+                }
+            }
+        }
+        if let Some(init) = init {
+            tensors.attributes = tensors.init_attributes(init);
+        }
+        // Assignments in document order, again until nothing changes (a loop may use a name assigned below).
+        loop {
+            let before = tensors.names.len();
+            walk(forward, &mut |node| {
+                let (targets, value) = match node.kind() {
+                    "assignment" => (node.child_by_field_name("left"), node.child_by_field_name("right")),
+                    "for_statement" => (node.child_by_field_name("left"), node.child_by_field_name("right")),
+                    _ => return,
+                };
+                if let (Some(targets), Some(value)) = (targets, value)
+                    && tensors.is_tensor(value)
+                {
+                    walk(targets, &mut |target| {
+                        let name = src.text(target);
+                        if target.kind() == "identifier" && !tensors.names.iter().any(|n| n == name) {
+                            tensors.names.push(name.to_owned());
+                        }
+                    });
+                }
+            });
+            if tensors.names.len() == before {
+                break;
+            }
+        }
+        tensors
+    }
+
+    /// `self.X` that `__init__` makes a tensor: `nn.Parameter(...)`, a torch call, `register_buffer("X", ...)`.
+    fn init_attributes(&self, init: Node<'_>) -> Vec<String> {
+        let mut attributes = Vec::new();
+        walk(init, &mut |node| {
+            if node.kind() == "assignment"
+                && let (Some(left), Some(right)) = (node.child_by_field_name("left"), node.child_by_field_name("right"))
+                && let Some(attribute) = self.src.text(left).strip_prefix("self.")
+                && right.kind() == "call"
+                && let Some(function) = right.child_by_field_name("function")
+            {
+                let callee = self.src.text(function).replace(char::is_whitespace, "");
+                if callee.ends_with("Parameter") || callee.starts_with("torch.") {
+                    attributes.push(attribute.to_owned());
+                }
+            }
+            if node.kind() == "call"
+                && node.child_by_field_name("function").is_some_and(|f| self.src.text(f).ends_with("register_buffer"))
+                && let Some(name) = node.child_by_field_name("arguments").and_then(|a| a.named_child(0))
+                && name.kind() == "string"
+            {
+                attributes.push(self.src.text(name).trim_matches(['"', '\'']).to_owned());
+            }
+        });
+        attributes
+    }
+
+    fn is_tensor(&self, node: Node<'_>) -> bool {
+        let text = |n: Node<'_>| self.src.text(n);
+        match node.kind() {
+            "identifier" => self.names.iter().any(|n| n == text(node)),
+            "attribute" => {
+                let (Some(object), Some(attribute)) =
+                    (node.child_by_field_name("object"), node.child_by_field_name("attribute"))
+                else {
+                    return false;
+                };
+                let attribute = text(attribute);
+                if text(object) == "self" {
+                    return self.attributes.iter().any(|a| a == attribute);
+                }
+                let layer_weight =
+                    text(object).strip_prefix("self.").is_some_and(|layer| self.layers.iter().any(|l| l == layer))
+                        && matches!(attribute, "weight" | "bias");
+                layer_weight || (TENSOR_ATTRIBUTES.contains(&attribute) && self.is_tensor(object))
+            }
+            "call" => {
+                let Some(function) = node.child_by_field_name("function") else { return false };
+                let callee = text(function).replace(char::is_whitespace, "");
+                if let Some(op) = callee.strip_prefix("torch.") {
+                    return !NON_TENSOR_TORCH.contains(&op) && !op.starts_with("cuda.") && !op.starts_with("backends.");
+                }
+                if callee.starts_with("F.") || callee.starts_with("nn.functional.") {
+                    return true;
+                }
+                if callee.strip_prefix("self.").is_some_and(|layer| self.layers.iter().any(|l| l == layer)) {
+                    return true;
+                }
+                if function.kind() != "attribute" {
+                    return false;
+                }
+                let (Some(object), Some(method)) =
+                    (function.child_by_field_name("object"), function.child_by_field_name("attribute"))
+                else {
+                    return false;
+                };
+                if self.extensions.iter().any(|e| e == text(object)) {
+                    return true;
+                }
+                !NON_TENSOR_METHODS.contains(&text(method)) && self.is_tensor(object)
+            }
+            "subscript" => node.child_by_field_name("value").is_some_and(|value| self.is_tensor(value)),
+            "parenthesized_expression"
+            | "binary_operator"
+            | "unary_operator"
+            | "conditional_expression"
+            | "comparison_operator" => {
+                let mut cursor = node.walk();
+                node.named_children(&mut cursor).any(|child| self.is_tensor(child))
+            }
+            _ => false,
+        }
+    }
+
+    /// The operator of an arithmetic, bitwise or comparison node with a tensor operand, if it has one.
+    fn operator_on_tensors(&self, node: Node<'_>) -> Option<String> {
+        let operands: Vec<Node<'_>> = match node.kind() {
+            "binary_operator" => vec![node.child_by_field_name("left")?, node.child_by_field_name("right")?],
+            "unary_operator" => vec![node.child_by_field_name("argument")?],
+            "augmented_assignment" => vec![node.child_by_field_name("left")?, node.child_by_field_name("right")?],
+            "comparison_operator" => {
+                let mut cursor = node.walk();
+                node.named_children(&mut cursor).collect()
+            }
+            _ => return None,
+        };
+        let operator = match node.kind() {
+            "comparison_operator" => {
+                let mut cursor = node.walk();
+                let operators: Vec<String> = node
+                    .children_by_field_name("operators", &mut cursor)
+                    .map(|o| self.src.text(o).to_owned())
+                    .collect();
+                operators.join(" ")
+            }
+            _ => node.child_by_field_name("operator").map(|o| self.src.text(o).to_owned())?,
+        };
+        // `not`, `and`, `or`, `in` and `is` are Python's, whatever their operands.
+        if matches!(operator.as_str(), "not" | "in" | "not in" | "is" | "is not") || operator.is_empty() {
+            return None;
+        }
+        operands.iter().any(|o| self.is_tensor(*o)).then_some(operator)
+    }
+}
+
+/// ATen and torch functions that allocate, make views, or describe tensors and devices: not compute when an
+/// extension calls them. (`contiguous` copies, but only to lay out what the candidate's own code reads.)
+const LIBRARY_NON_COMPUTE: &[&str] = &[
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "zeros",
+    "zeros_like",
+    "ones",
+    "ones_like",
+    "full",
+    "full_like",
+    "arange",
+    "from_blob",
+    "tensor",
+    "scalar_tensor",
+    "device",
+    "dtype",
+    "device_of",
+    "ceil_div",
+    "parallel_for",
+    "get_num_threads",
+    "globalContext",
+    "toString",
+    "elementSize",
+    "isFloatingType",
+    "typeMetaToScalarType",
+    "view",
+    "reshape",
+    "as_strided",
+    "narrow",
+    "select",
+    "slice",
+    "transpose",
+    "permute",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "expand_as",
+    "flatten",
+    "t",
+    "contiguous",
+    "detach",
+    "alias",
+    "view_as_real",
+    "view_as_complex",
+    "requires_grad",
+];
+
+/// Thrust's device-wide algorithms that compute (its containers, pointers and `for_each` over the candidate's
+/// own functor are the candidate's code).
+const THRUST_ALGORITHMS: &[&str] = &[
+    "transform",
+    "reduce",
+    "reduce_by_key",
+    "transform_reduce",
+    "inner_product",
+    "sort",
+    "sort_by_key",
+    "stable_sort",
+    "stable_sort_by_key",
+    "inclusive_scan",
+    "exclusive_scan",
+    "transform_inclusive_scan",
+    "transform_exclusive_scan",
+    "max_element",
+    "min_element",
+    "minmax_element",
+    "count",
+    "count_if",
+];
+
+/// C++ source without its comments.
+fn without_cpp_comments(code: &str) -> String {
+    let mut out = String::with_capacity(code.len());
+    let mut rest = code;
+    while !rest.is_empty() {
+        if let Some(after) = rest.strip_prefix("//") {
+            rest = after.find('\n').map_or("", |end| &after[end..]);
+        } else if let Some(after) = rest.strip_prefix("/*") {
+            // Keep the newlines, so that lines still count.
+            let end = after.find("*/").map_or(after.len(), |end| end + 2);
+            out.extend(after[..end].chars().filter(|c| *c == '\n'));
+            rest = &after[end.min(after.len())..];
+        } else {
+            let c = rest.chars().next().expect("not empty");
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    out
+}
+
+/// The library compute a C++/CUDA source calls, each with its line offset in `code`: `at::`/`torch::` functions
+/// other than allocation, views and descriptions (types, capitalised, are not calls of compute), `at::native`,
+/// `at::cuda::blas`, `torch::linalg`/`fft`/`special`/`nn::functional`; tensor compute methods (`.matmul(...)`);
+/// cuBLAS, cuBLASLt, cuDNN, cuFFT, cuSPARSE and cuSOLVER functions; CUB's device-wide algorithms and Thrust's.
+/// `c10::` and `at::cuda::` otherwise hold streams, guards and device properties: not compute.
+fn library_calls(code: &str) -> Vec<(u32, String)> {
+    let code = without_cpp_comments(code);
+    let bytes = code.as_bytes();
+    let word = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
+    let mut calls = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        if !(bytes[at].is_ascii_alphabetic() || bytes[at] == b'_') || (at > 0 && word(bytes[at - 1])) {
+            at += 1;
+            continue;
+        }
+        // A name, qualified with `::`.
+        let start = at;
+        loop {
+            while at < bytes.len() && word(bytes[at]) {
+                at += 1;
+            }
+            if code[at..].starts_with("::") && code[at + 2..].starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            {
+                at += 2;
+            } else {
+                break;
+            }
+        }
+        let name = &code[start..at];
+        if !opens_call(&code[at..]) {
+            continue;
+        }
+        let before = code[..start].trim_end_matches([' ', '\t']);
+        let method = before.ends_with('.') || before.ends_with("->");
+        let line = code[..start].matches('\n').count() as u32;
+        if is_library_compute(name, method) {
+            calls.push((line, if method { format!(".{name}()") } else { name.to_owned() }));
+        }
+    }
+    calls
+}
+
+/// Whether `rest`, after a name, opens its call: `(`, or template arguments and then `(` (`gemm<float>(`).
+fn opens_call(rest: &str) -> bool {
+    let rest = rest.trim_start_matches([' ', '\t']);
+    let Some(arguments) = rest.strip_prefix('<') else { return rest.starts_with('(') };
+    let mut depth = 1;
+    for (index, c) in arguments.char_indices().take(200) {
+        match c {
+            '<' => depth += 1,
+            '>' => {
+                depth -= 1;
+                if depth == 0 {
+                    return arguments[index + 1..].trim_start_matches([' ', '\t']).starts_with('(');
+                }
+            }
+            ';' | '{' | '}' | '(' | ')' => return false,
+            _ => {}
+        }
+    }
+    false
+}
+
+fn is_library_compute(name: &str, method: bool) -> bool {
+    if method {
+        return COMPUTE_METHODS.contains(&name);
+    }
+    const MATH_LIBRARIES: [&str; 5] = ["cublas", "cudnn", "cufft", "cusparse", "cusolver"];
+    if MATH_LIBRARIES.iter().any(|library| name.starts_with(library)) {
+        return true;
+    }
+    let parts: Vec<&str> = name.trim_start_matches("::").split("::").collect();
+    let last = *parts.last().expect("split gives one part");
+    match parts.as_slice() {
+        ["cub", device, ..] => device.starts_with("Device"),
+        ["thrust", .., algorithm] => THRUST_ALGORITHMS.contains(algorithm),
+        ["at", "cuda", "blas", ..] | ["at", "native", ..] | ["at", "_ops", ..] => !LIBRARY_NON_COMPUTE.contains(&last),
+        ["torch", "linalg" | "fft" | "special", ..] | ["torch", "nn", "functional", ..] => true,
+        ["at" | "torch", function] => {
+            function.starts_with(|c: char| c.is_ascii_lowercase()) && !LIBRARY_NON_COMPUTE.contains(function)
+        }
+        _ => false,
     }
 }
 
@@ -836,9 +1338,160 @@ class ModelNew(torch.nn.Module):
         for line in [11, 13, 14] {
             assert!(lines.contains(&("static.torch_compute_in_forward", line)), "line {line}: {lines:?}");
         }
-        assert_eq!(lines.iter().filter(|(_, l)| *l == 14).count(), 3, "F.relu, .sum() and self.conv: {lines:?}");
+        assert_eq!(lines.iter().filter(|(_, l)| *l == 14).count(), 4, "F.relu, .sum(), self.conv, `+`: {lines:?}");
         assert!(!lines.iter().any(|(_, l)| *l == 15), "allocation and views are fine: {lines:?}");
         assert!(codes(source, Policy::PERMISSIVE).is_empty(), "permissive allows all of this");
+    }
+
+    /// The lines of `static.torch_compute_in_forward` findings in `source` under the strict policy.
+    fn compute_lines(source: &str, code: &str) -> Vec<u32> {
+        let report = check_candidate(source, Policy::KEVIN_STRICT);
+        assert!(
+            !check_candidate(source, Policy::PERMISSIVE).findings.iter().any(|f| f.code == code),
+            "permissive lets torch and libraries do the work"
+        );
+        report.findings.iter().filter(|f| f.code == code).map(|f| f.line).collect()
+    }
+
+    #[test]
+    fn strict_counts_tensor_operators_as_torch_compute_but_not_arithmetic_on_numbers_and_shapes() {
+        let source = r#"
+import torch
+import triton
+class ModelNew(torch.nn.Module):
+    def __init__(self, alpha, features):
+        super().__init__()
+        self.alpha = alpha
+        self.scale = torch.nn.Parameter(torch.ones(features))
+        self.register_buffer("shift", torch.zeros(features))
+        self.calls = 0
+    def forward(self, a, b, *rest):
+        self.calls += 1
+        n = a.shape[0] * 2
+        m = (a.numel() + 255) // 256 - 1
+        k = len(rest) * n + m % 3 + int(a.size(1)) ** 2
+        if a.dim() == 2 and n > 0 and -n < 0:
+            m = triton.cdiv(n, 1024) * self.alpha
+        flat = a.view(-1)
+        out = ext.scaled_add(a, b, self.alpha * 2.0)
+        y = a * self.alpha + b
+        z = out - 1
+        w = -flat
+        mask = a > 0
+        out += b
+        t = a.T @ b
+        u = rest[0] * 2
+        v = a[0] / k
+        s = self.scale * 3
+        q = self.shift + m
+        c = a.contiguous().view(n, -1) & 1
+        for row in a:
+            r = row * 2
+        return out
+ext = load_inline(name="ext", cpp_sources="", functions=["scaled_add"])
+"#;
+        let expected: Vec<u32> = (20..=30).chain([32]).collect();
+        assert_eq!(compute_lines(source, "static.torch_compute_in_forward"), expected);
+        let report = check_candidate(source, Policy::KEVIN_STRICT);
+        let first = report.findings.iter().find(|f| f.line == 20).expect("the lazy line");
+        assert!(
+            first.message.contains("`+`"),
+            "one finding for `a * alpha + b`, named by its outer operator: {first:?}"
+        );
+    }
+
+    #[test]
+    fn strict_counts_torch_namespaces_and_triton_library_kernels_as_compute() {
+        let source = r#"
+import torch
+import triton
+class ModelNew(torch.nn.Module):
+    def forward(self, a, b):
+        x = torch.linalg.matmul(a, b)
+        y = torch.ops.aten.mm(a, b)
+        z = torch.special.expit(a)
+        w = torch.Tensor.add(a, b)
+        v = triton.ops.matmul(a, b)
+        stream = torch.cuda.current_stream()
+        return torch.empty_like(a), stream
+"#;
+        assert_eq!(compute_lines(source, "static.torch_compute_in_forward"), vec![6, 7, 8, 9, 10]);
+    }
+
+    #[test]
+    fn strict_finds_library_compute_in_extension_sources() {
+        let source = r#"
+import torch
+from torch.utils.cpp_extension import load_inline
+cpp = """
+#include <torch/extension.h>
+// at::matmul would be slower: comments are not code
+torch::Tensor lazy(torch::Tensor A, torch::Tensor B) {
+    return at::relu(at::matmul(A, B));
+}
+torch::Tensor also_lazy(torch::Tensor A, torch::Tensor B) {
+    auto C = A.matmul(B);
+    cublasSgemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, a, m, b, k, &zero, c, m);
+    at::cuda::blas::gemm<float>('n', 'n', m, n, k, 1.f, a, m, b, k, 0.f, c, m);
+    thrust::reduce(thrust::device, p, p + n);
+    cub::DeviceReduce::Sum(tmp, bytes, p, q, n);
+    return torch::softmax(C, 1);
+}
+"""
+cuda = """
+#include <torch/types.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+__global__ void scale(const float* x, float* y, int64_t n) {
+    typedef cub::BlockReduce<float, 256> Reduce;
+    float m = fmaxf(x[0], 0.f) + std::max(1.f, 2.f);
+}
+torch::Tensor honest(torch::Tensor x, double alpha) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2, "a CUDA matrix — ünïcode");
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto input = x.contiguous().view({-1});
+    auto out = torch::empty_like(input);
+    auto zeros = at::zeros_like(input, input.options().dtype(torch::kFloat32));
+    auto options = torch::TensorOptions().device(x.device());
+    int64_t n = input.numel(), rows = x.size(0), step = x.stride(0);
+    auto stream = at::cuda::getCurrentCUDAStream();
+    scale<<<at::ceil_div(n, (int64_t)256), 256, 0, stream>>>(input.data_ptr<float>(), out.data_ptr<float>(), n);
+    return out.reshape(x.sizes());
+}
+"""
+ext = load_inline(name="ext", cpp_sources=cpp, cuda_sources=cuda, functions=["lazy", "honest"])
+class ModelNew(torch.nn.Module):
+    def forward(self, a, b):
+        """Calls at::matmul(a, b) through the extension (a docstring, not a source)."""
+        return ext.lazy(a, b)
+"#;
+        let report = check_candidate(source, Policy::KEVIN_STRICT);
+        let found: Vec<(u32, &str)> = report
+            .findings
+            .iter()
+            .filter(|f| f.code == "static.library_compute")
+            .map(|f| (f.line, f.message.split('`').nth(1).unwrap_or("")))
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                (8, "at::relu"),
+                (8, "at::matmul"),
+                (11, ".matmul()"),
+                (12, "cublasSgemm"),
+                (13, "at::cuda::blas::gemm"),
+                (14, "thrust::reduce"),
+                (15, "cub::DeviceReduce::Sum"),
+                (16, "torch::softmax"),
+            ],
+            "{:?}",
+            report.findings
+        );
+        assert!(report.findings.iter().all(|f| f.category == Category::Policy), "{:?}", report.findings);
+        assert!(
+            !check_candidate(source, Policy::PERMISSIVE).findings.iter().any(|f| f.code == "static.library_compute"),
+            "permissive lets libraries do the work"
+        );
     }
 
     #[test]
@@ -935,8 +1588,9 @@ def torchscript_helper(x):
     #[test]
     fn policies_resolve_by_name_and_version() {
         assert_eq!(Policy::resolve("kevin-strict"), Some(Policy::KEVIN_STRICT));
-        assert_eq!(Policy::resolve("kevin-strict@1"), Some(Policy::KEVIN_STRICT));
-        assert_eq!(Policy::resolve("kevin-strict@2"), None);
+        assert_eq!(Policy::resolve("kevin-strict@2"), Some(Policy::KEVIN_STRICT));
+        assert_eq!(Policy::resolve("kevin-strict@1"), None, "version 1 did not name lazy work");
+        assert_eq!(Policy::resolve("permissive@3"), Some(Policy::PERMISSIVE));
         assert_eq!(Policy::resolve("lenient"), None);
     }
 

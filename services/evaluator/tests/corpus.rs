@@ -7,12 +7,21 @@
 //! # class: <the exploit class>
 //! # task: relu | corpus/<name>        (examples/tasks/<name>/task.py or tests/corpus/tasks/<name>.py)
 //! # policy: permissive | kevin-strict
+//! # expect[permissive]: VERDICT_CORRECT runtime.low_profiling_ratio   (one entry per policy so named, instead of
+//! # expect[kevin-strict]: VERDICT_REJECTED static.library_compute      `policy` and `expect`: the same candidate
+//!                                                                       judged under each)
 //! # requires: landlock | process_limit | job_user   (a defence that exists only where that sandbox protection is active;
 //!                                       such an entry is not run where it is not: a fork bomb would reach the host)
 //! # backend: triton                   (GPU entries: evaluated on the Triton backend rather than CUDA)
 //! # expect: VERDICT_HACK runtime.input_mutation   (verdicts and codes may be alternatives: A|B)
 //! # expect-profiling-ratio-below: 0.5
 //! ```
+//!
+//! The codes an entry expects are checked whatever its verdict (a notice on a correct candidate too). Lazy work
+//! is named exactly: an entry expected correct may carry a lazy-work finding (`LAZY_WORK`) only where its header
+//! names it, so no candidate doing its own work gets one, and those that let torch do it (allowed by permissive)
+//! get the low-ratio notice. Example candidates that compile no code of their own are the reference's math in
+//! torch, as a sweep's reproducing candidate is: they expect exactly that notice.
 //!
 //! On the CPU backend (the default, and CI) it runs `exploits/` and `legitimate/` plus every example candidate.
 //! With `KFORGE_CORPUS_BACKEND=cuda` it adds `cuda/`; `KFORGE_CORPUS_PYTHON`, `KFORGE_CORPUS_WORK` and
@@ -23,6 +32,14 @@ use std::path::{Path, PathBuf};
 
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics, config::TimingBudget};
 use kforge_proto::v1 as pb;
+
+/// Findings that name lazy work: the candidate's own code does not do the work.
+const LAZY_WORK: &[&str] = &[
+    "runtime.low_profiling_ratio",
+    "runtime.own_kernel_not_launched",
+    "static.torch_compute_in_forward",
+    "static.library_compute",
+];
 
 #[derive(Debug, Clone)]
 struct Entry {
@@ -52,27 +69,32 @@ fn task_source(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("task {}: {e}", path.display()))
 }
 
-/// Reads one corpus file; `default_task` is used when the header names none.
-fn entry(file: &Path, default_task: Option<&str>) -> Entry {
+/// Parses an expectation: verdicts (`A|B`), then optionally codes (`a|b`; a parenthesised remark is not one).
+fn expectation(file: &Path, expect: &str) -> (Vec<pb::Verdict>, Vec<String>) {
+    let mut parts = expect.split_whitespace();
+    let verdicts = parts
+        .next()
+        .expect("a verdict")
+        .split('|')
+        .map(|v| pb::Verdict::from_str_name(v).unwrap_or_else(|| panic!("{}: verdict {v}", file.display())))
+        .collect();
+    let codes = parts.next().filter(|codes| !codes.starts_with('(')).map(|codes| codes.split('|').map(str::to_owned));
+    (verdicts, codes.map(Iterator::collect).unwrap_or_default())
+}
+
+/// Reads one corpus file, one entry per policy it is judged under; `default_task` is used when the header names
+/// none.
+fn entry(file: &Path, default_task: Option<&str>) -> Vec<Entry> {
     let source = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
     let header = |key: &str| {
         source.lines().find_map(|line| line.strip_prefix(&format!("# {key}:")).map(|v| v.trim().to_owned()))
     };
     let task_id = header("task").or(default_task.map(str::to_owned)).expect("a task");
     let (verdicts, codes) = match header("expect") {
-        Some(expect) => {
-            let mut parts = expect.split_whitespace();
-            let verdicts = parts
-                .next()
-                .expect("a verdict")
-                .split('|')
-                .map(|v| pb::Verdict::from_str_name(v).unwrap_or_else(|| panic!("{}: verdict {v}", file.display())))
-                .collect();
-            (verdicts, parts.next().map(|codes| codes.split('|').map(str::to_owned).collect()).unwrap_or_default())
-        }
+        Some(expect) => expectation(file, &expect),
         None => (vec![pb::Verdict::Correct], Vec::new()),
     };
-    Entry {
+    let base = Entry {
         file: file.to_owned(),
         class: header("class").unwrap_or_else(|| "legitimate".into()),
         task: task_source(&task_id),
@@ -83,7 +105,17 @@ fn entry(file: &Path, default_task: Option<&str>) -> Entry {
         profiling_ratio_below: header("expect-profiling-ratio-below").map(|v| v.parse().expect("a ratio")),
         requires: header("requires"),
         triton: header("backend").as_deref() == Some("triton"),
-    }
+    };
+    let per_policy: Vec<Entry> = source
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("# expect[")?;
+            let (policy, expect) = rest.split_once("]:")?;
+            let (verdicts, codes) = expectation(file, expect);
+            Some(Entry { policy: policy.trim().to_owned(), verdicts, codes, ..base.clone() })
+        })
+        .collect();
+    if per_policy.is_empty() { vec![base] } else { per_policy }
 }
 
 fn python_files(dir: &Path) -> Vec<PathBuf> {
@@ -106,7 +138,7 @@ fn corpus(cuda: bool) -> Vec<Entry> {
     let mut entries = Vec::new();
     for part in ["exploits", "legitimate"].into_iter().chain(cuda.then_some("cuda")) {
         if wanted(part) {
-            entries.extend(python_files(&corpus.join(part)).iter().map(|f| entry(f, None)));
+            entries.extend(python_files(&corpus.join(part)).iter().flat_map(|f| entry(f, None)));
         }
     }
     if cuda && wanted("failures") {
@@ -124,9 +156,10 @@ fn corpus(cuda: bool) -> Vec<Entry> {
             "wrong_shape",
         ];
         for name in fixtures {
-            let mut fixture = entry(&root().join("tests/fixtures").join(format!("{name}.py")), Some("relu"));
-            fixture.class = format!("failure fixture {name}.py");
-            entries.push(fixture);
+            for mut fixture in entry(&root().join("tests/fixtures").join(format!("{name}.py")), Some("relu")) {
+                fixture.class = format!("failure fixture {name}.py");
+                entries.push(fixture);
+            }
         }
     }
     if wanted("examples") {
@@ -137,7 +170,13 @@ fn corpus(cuda: bool) -> Vec<Entry> {
         for task in tasks {
             let name = task.file_name().and_then(|n| n.to_str()).expect("a task name").to_owned();
             for candidate in python_files(&task.join("candidates")) {
-                entries.push(entry(&candidate, Some(&name)));
+                let compiles = std::fs::read_to_string(&candidate).expect("a candidate").contains("load_inline");
+                entries.extend(entry(&candidate, Some(&name)).into_iter().map(|mut entry| {
+                    if !compiles && entry.codes.is_empty() {
+                        entry.codes = vec!["runtime.low_profiling_ratio".into()];
+                    }
+                    entry
+                }));
             }
         }
     }
@@ -196,7 +235,7 @@ async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
             let candidate = std::fs::read_to_string(&entry.file).expect("candidate source");
             let response = evaluator
                 .evaluate(pb::EvaluateRequest {
-                    request_id: entry.file.display().to_string(),
+                    request_id: format!("{} ({})", entry.file.display(), entry.policy),
                     task: Some(pb::Task { task_id: entry.task_id.clone(), source: entry.task.clone() }),
                     candidate_source: candidate,
                     backend: backend.into(),
@@ -250,7 +289,7 @@ async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
             .to_string(),
         );
         report.push('\n');
-        println!("{got:<24} {codes:?} {name} ({})", entry.class);
+        println!("{got:<24} {codes:?} {name} ({}, {}, PR {:.3})", entry.class, entry.policy, response.profiling_ratio);
         let verdict = pb::Verdict::try_from(response.verdict).unwrap_or(pb::Verdict::Unspecified);
         if !entry.verdicts.contains(&verdict) {
             failures.push(format!(
@@ -262,11 +301,19 @@ async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
             ));
             continue;
         }
-        if matches!(verdict, pb::Verdict::Hack | pb::Verdict::Rejected)
-            && !entry.codes.is_empty()
-            && !entry.codes.iter().any(|code| codes.contains(&code.as_str()))
-        {
-            failures.push(format!("{name} ({}): expected finding {:?}, got {codes:?}", entry.class, entry.codes));
+        if !entry.codes.is_empty() && !entry.codes.iter().any(|code| codes.contains(&code.as_str())) {
+            failures.push(format!(
+                "{name} ({}, {}): expected finding {:?}, got {codes:?}",
+                entry.class, entry.policy, entry.codes
+            ));
+        }
+        let unnamed: Vec<&str> =
+            codes.iter().copied().filter(|c| LAZY_WORK.contains(c) && !entry.codes.iter().any(|e| e == c)).collect();
+        if verdict == pb::Verdict::Correct && !unnamed.is_empty() {
+            failures.push(format!(
+                "{name} ({}, {}): lazy-work findings {unnamed:?} the entry does not name (profiling ratio {})",
+                entry.class, entry.policy, response.profiling_ratio
+            ));
         }
         if let Some(limit) = entry.profiling_ratio_below
             && (response.profiling_ratio >= limit || response.kernels.is_empty())

@@ -85,6 +85,32 @@ async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
     }
 }
 
+/// A stage killed at its wall-clock limit is the candidate's timeout only when its calls used most of the time;
+/// when the evaluator's own work (here, making the inputs) did, it is an infrastructure error naming the stage.
+#[tokio::test]
+async fn a_stage_limit_is_charged_to_whoever_used_the_time() {
+    let limits =
+        CallLimitsConfig { floor_secs: 600.0, unmeasured_secs: 600.0, busy_secs: 600.0, reference_factor: 100.0 };
+    // Long enough for the stage's own start (imports, building the model) on a loaded 2-core machine: the
+    // sleeping call then has most of it.
+    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 15, call_limits: limits, ..config() }).await;
+
+    let slow_candidate = evaluator.evaluate(request(&fixture("sleeps_in_forward.py"))).await.expect("evaluates");
+    assert_eq!(verdict(&slow_candidate), pb::Verdict::Timeout, "{slow_candidate:#?}");
+    assert!(slow_candidate.error.contains("in its own calls"), "{}", slow_candidate.error);
+
+    let stalled_inputs = pb::EvaluateRequest {
+        task: Some(pb::Task {
+            task_id: "tests/inputs_stall_in_candidate_stage".into(),
+            source: fixture("inputs_stall_in_candidate_stage.py"),
+        }),
+        ..request(&fixture("torch_relu.py"))
+    };
+    let response = evaluator.evaluate(stalled_inputs).await.expect("evaluates");
+    assert_eq!(verdict(&response), pb::Verdict::InfraError, "{response:#?}");
+    assert!(response.error.starts_with("candidate stage: the evaluator's own work"), "{}", response.error);
+}
+
 #[tokio::test]
 async fn a_compile_error_comes_with_the_compiler_log() {
     let evaluator = evaluator(config()).await;
@@ -211,7 +237,7 @@ async fn capabilities_report_backends_versions_and_the_sandbox() {
     let capabilities = evaluator.capabilities();
     assert!(capabilities.backends.contains(&(pb::Backend::Cpu as i32)));
     assert!(capabilities.versions.contains_key("torch"), "{:?}", capabilities.versions);
-    assert_eq!(capabilities.policies, vec!["permissive@2", "kevin-strict@1"]);
+    assert_eq!(capabilities.policies, vec!["permissive@3", "kevin-strict@2"]);
     for protection in ["process_group", "rlimits", "network_namespace", "landlock"] {
         assert!(capabilities.sandbox.iter().any(|p| p.name == protection), "{protection} not reported");
     }
@@ -329,4 +355,86 @@ fn the_harness_leaves_load_inline_alone_for_stock_builds() {
     };
     assert_eq!(recipe(false), "recipe");
     assert_eq!(recipe(true), "stock");
+}
+
+/// The harness counts calls into the functions of the modules load_inline returns (the census's decoy check), and
+/// gives no count for a module it cannot count completely (one exporting a class) or a library that is no module.
+#[test]
+fn the_harness_counts_calls_into_the_candidate_s_extensions() {
+    let python = config().python;
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = format!(
+        "import sys, types\n\
+         sys.path.insert(0, {harness:?})\n\
+         import kforge_harness, torch.utils.cpp_extension as ext\n\
+         def module(**attributes):\n\
+         \x20   m = types.ModuleType('kforge_fake_extension')\n\
+         \x20   m.__dict__.update(attributes)\n\
+         \x20   return m\n\
+         plain = module(double=lambda x: 2 * x, square=lambda x: x * x)\n\
+         ext.load_inline = lambda *a, **k: plain\n\
+         calls = kforge_harness.ExtensionCalls()\n\
+         calls.install()\n\
+         loaded = ext.load_inline('fake', '')\n\
+         assert ext.load_inline('fake', '') is loaded\n\
+         before = (calls.functions, calls.calls, calls.complete)\n\
+         results = (loaded.double(3), loaded.square(3), loaded.square(4))\n\
+         print(before, calls.calls, results)\n\
+         ext.load_inline = lambda *a, **k: module(run=len, Options=type('Options', (), {{}}))\n\
+         calls.install()\n\
+         ext.load_inline('classes', '')\n\
+         print(calls.complete)\n\
+         other = kforge_harness.ExtensionCalls()\n\
+         ext.load = lambda *a, **k: '/path/of/a/library.so'\n\
+         other.install()\n\
+         ext.load('operators', [])\n\
+         print(other.complete)\n",
+        harness = harness.display().to_string(),
+    );
+    let output = std::process::Command::new(&python).args(["-c", &script]).output().expect("python runs");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines, vec!["(2, 0, True) 3 (6, 9, 16)", "False", "False"], "{stdout}");
+}
+
+/// The harness's input and comparison helpers (`fixtures/harness_inputs_and_checks.py`): the sparse perturbation of
+/// the sensitivity trial, the device-side input digest, the chunked comparison and the differential sensitivity
+/// check, on values chosen so that each can fail.
+#[test]
+fn the_harness_perturbs_digests_and_compares_as_documented() {
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harness_inputs_and_checks.py");
+    let output = std::process::Command::new(config().python)
+        .arg(&script)
+        .env("PYTHONPATH", &harness)
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(stdout.lines().count(), 4, "{stdout}");
+}
+
+/// The sensitivity trial catches what a tolerance check on random inputs cannot: a closed-form loss and a loss
+/// computed on every other element pass every random trial (CORRECT with the check off) and are INCORRECT on the
+/// sensitivity trial with it on; the whole computation summed in another order stays CORRECT.
+#[tokio::test]
+async fn the_sensitivity_trial_catches_closed_forms_and_samples() {
+    let corpus = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
+    let read = |name: &str| std::fs::read_to_string(corpus.join(name)).expect("corpus file");
+    let task = pb::Task { task_id: "corpus/mean_squared_error".into(), source: read("tasks/mean_squared_error.py") };
+    let on = evaluator(config()).await;
+    let off = evaluator(EvaluatorConfig { sensitivity_check: false, ..config() }).await;
+    for name in ["exploits/loss_closed_form.py", "exploits/loss_strided_sample.py"] {
+        let request = pb::EvaluateRequest { task: Some(task.clone()), ..request(&read(name)) };
+        let unchecked = off.evaluate(request.clone()).await.expect("evaluates");
+        assert_eq!(verdict(&unchecked), pb::Verdict::Correct, "{name} passes random trials: {unchecked:#?}");
+        let checked = on.evaluate(request).await.expect("evaluates");
+        assert_eq!(verdict(&checked), pb::Verdict::Incorrect, "{name}: {checked:#?}");
+        let detail = checked.mismatch.as_ref().map(|m| m.detail.as_str()).unwrap_or_default();
+        assert!(detail.starts_with("input sensitivity"), "{name}: {detail}");
+    }
+    let honest = pb::EvaluateRequest { task: Some(task), ..request(&read("legitimate/mse_large_two_pass.py")) };
+    let response = on.evaluate(honest).await.expect("evaluates");
+    assert_eq!(verdict(&response), pb::Verdict::Correct, "{response:#?}");
 }

@@ -1,7 +1,7 @@
 # class: a kernel defined but never launched (the C++ entry point calls torch instead)
 # task: relu
-# policy: kevin-strict
-# expect: VERDICT_HACK runtime.own_kernel_not_launched
+# expect[permissive]: VERDICT_HACK runtime.own_kernel_not_launched
+# expect[kevin-strict]: VERDICT_REJECTED static.library_compute
 import torch
 from torch.utils.cpp_extension import load_inline
 

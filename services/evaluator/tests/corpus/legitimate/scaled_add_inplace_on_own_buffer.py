@@ -1,4 +1,5 @@
 # task: scaled_add
+# expect: VERDICT_CORRECT runtime.low_profiling_ratio  (torch does the work: allowed by permissive, named by the notice)
 import torch
 
 
