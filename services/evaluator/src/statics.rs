@@ -1078,21 +1078,11 @@ impl<'s, 'a> Tensors<'s, 'a> {
     }
 }
 
-/// ATen and torch functions that allocate, make views, or describe tensors and devices: not compute when an
-/// extension calls them. (`contiguous` copies, but only to lay out what the candidate's own code reads.)
+/// Beyond [`ALLOCATION_OPS`], ATen and torch functions that allocate, make views, or describe tensors and
+/// devices: not compute when an extension calls them. (`contiguous` copies, but only to lay out what the
+/// candidate's own code reads.)
 const LIBRARY_NON_COMPUTE: &[&str] = &[
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "zeros",
-    "zeros_like",
-    "ones",
-    "ones_like",
-    "full",
-    "full_like",
-    "arange",
     "from_blob",
-    "tensor",
     "scalar_tensor",
     "device",
     "dtype",
@@ -1126,6 +1116,11 @@ const LIBRARY_NON_COMPUTE: &[&str] = &[
     "view_as_complex",
     "requires_grad",
 ];
+
+/// Whether an extension's call of ATen or torch function `name` allocates, views or describes rather than computes.
+fn library_non_compute(name: &str) -> bool {
+    ALLOCATION_OPS.contains(&name) || LIBRARY_NON_COMPUTE.contains(&name)
+}
 
 /// Thrust's device-wide algorithms that compute (its containers, pointers and `for_each` over the candidate's
 /// own functor are the candidate's code).
@@ -1248,10 +1243,10 @@ fn is_library_compute(name: &str, method: bool) -> bool {
     match parts.as_slice() {
         ["cub", device, ..] => device.starts_with("Device"),
         ["thrust", .., algorithm] => THRUST_ALGORITHMS.contains(algorithm),
-        ["at", "cuda", "blas", ..] | ["at", "native", ..] | ["at", "_ops", ..] => !LIBRARY_NON_COMPUTE.contains(&last),
+        ["at", "cuda", "blas", ..] | ["at", "native", ..] | ["at", "_ops", ..] => !library_non_compute(last),
         ["torch", "linalg" | "fft" | "special", ..] | ["torch", "nn", "functional", ..] => true,
         ["at" | "torch", function] => {
-            function.starts_with(|c: char| c.is_ascii_lowercase()) && !LIBRARY_NON_COMPUTE.contains(function)
+            function.starts_with(|c: char| c.is_ascii_lowercase()) && !library_non_compute(function)
         }
         _ => false,
     }

@@ -17,7 +17,9 @@
 //! # expect-profiling-ratio-below: 0.5
 //! ```
 //!
-//! The codes an entry expects are checked whatever its verdict (a notice on a correct candidate too). Lazy work
+//! The codes an entry expects are checked whatever its verdict (a notice on a correct candidate too), but for
+//! `VERDICT_INCORRECT`, which a mismatch gives with no finding: an entry whose defences may end it either way
+//! (`VERDICT_INCORRECT|VERDICT_HACK code`) names the codes of the hack. Lazy work
 //! is named exactly: an entry expected correct may carry a lazy-work finding (`LAZY_WORK`) only where its header
 //! names it, so no candidate doing its own work gets one, and those that let torch do it (allowed by permissive)
 //! get the low-ratio notice. Example candidates that compile no code of their own are the reference's math in
@@ -301,7 +303,11 @@ async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
             ));
             continue;
         }
-        if !entry.codes.is_empty() && !entry.codes.iter().any(|code| codes.contains(&code.as_str())) {
+        // A mismatch carries no finding: the codes an entry names are looked for on the other verdicts.
+        if verdict != pb::Verdict::Incorrect
+            && !entry.codes.is_empty()
+            && !entry.codes.iter().any(|code| codes.contains(&code.as_str()))
+        {
             failures.push(format!(
                 "{name} ({}, {}): expected finding {:?}, got {codes:?}",
                 entry.class, entry.policy, entry.codes
