@@ -526,8 +526,8 @@ fn truncate(text: &str) -> String {
     format!("{}...", &text[..end])
 }
 
-/// `Retry-After` in seconds (the form inference servers and hosted APIs send); an HTTP date is not honoured
-/// and the gateway's own backoff applies.
+/// `Retry-After` in seconds (the form inference servers and hosted APIs send) or as an HTTP date (RFC 9110: the
+/// time until then, nothing for a date already past).
 pub fn parse_retry_after(value: &str) -> Option<Duration> {
     let value = value.trim();
     value
@@ -535,6 +535,10 @@ pub fn parse_retry_after(value: &str) -> Option<Duration> {
         .ok()
         .map(Duration::from_secs)
         .or_else(|| value.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).map(Duration::from_secs_f64))
+        .or_else(|| {
+            let at = httpdate::parse_http_date(value).ok()?;
+            Some(at.duration_since(std::time::SystemTime::now()).unwrap_or_default())
+        })
 }
 
 #[cfg(test)]
@@ -611,10 +615,14 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_in_seconds() {
+    fn retry_after_in_seconds_or_as_an_http_date() {
         assert_eq!(parse_retry_after("2"), Some(Duration::from_secs(2)));
         assert_eq!(parse_retry_after("0.5"), Some(Duration::from_millis(500)));
-        assert_eq!(parse_retry_after("Wed, 21 Oct 2026 07:28:00 GMT"), None);
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO), "a date past");
+        let later = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(60));
+        let wait = parse_retry_after(&later).expect("an HTTP date");
+        assert!(wait > Duration::from_secs(30) && wait <= Duration::from_secs(60), "{wait:?}");
+        assert_eq!(parse_retry_after("soon"), None);
         assert_eq!(parse_retry_after("-1"), None);
     }
 
