@@ -154,6 +154,38 @@ impl Control {
         self.signal(libc::SIGKILL);
     }
 
+    /// How long the job's process group has wanted a CPU so far: the CPU time it used (its processes' own, and
+    /// that of the children they waited for) plus the time its threads waited runnable in a run queue
+    /// (`/proc/<pid>/task/<tid>/schedstat`), so that a process starved by others on a loaded machine still counts
+    /// as busy, not as waiting. `None` where `/proc` does not say.
+    pub fn cpu_demand(&self) -> Option<Duration> {
+        let cpu = self.cpu_time()?;
+        let mut waited_ns = 0u64;
+        for pid in self.pids() {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+            for task in tasks.flatten() {
+                let Ok(schedstat) = std::fs::read_to_string(task.path().join("schedstat")) else { continue };
+                // on-CPU ns, run-queue wait ns, time slices
+                waited_ns += schedstat.split_whitespace().nth(1).and_then(|w| w.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        Some(cpu + Duration::from_nanos(waited_ns))
+    }
+
+    /// The processes of the job's group now.
+    fn pids(&self) -> Vec<i32> {
+        let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+        entries
+            .flatten()
+            .filter_map(|entry| {
+                let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
+                let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+                let (_, fields) = stat.rsplit_once(')')?;
+                (fields.split_whitespace().nth(2)?.parse::<i32>().ok()? == self.group).then_some(pid)
+            })
+            .collect()
+    }
+
     /// CPU time the job's process group has used so far: its processes' own, and that of the children they
     /// waited for. `None` where `/proc` does not say.
     pub fn cpu_time(&self) -> Option<Duration> {

@@ -1294,6 +1294,7 @@ def compare_trials(spec, device):
         return torch.load(os.path.join(folder, f"{kind}-{trial}.pt"), map_location=device, weights_only=True)
 
     for trial in range(len(spec["seeds"])):
+        GATE.pause(device)  # comparing shares the device: timed work elsewhere waits for no more than one trial
         expected = load("reference", trial)
         try:
             got = load("candidate", trial)
@@ -1310,6 +1311,7 @@ def compare_trials(spec, device):
     if not sensitivity:
         return None
     trial, base = sensitivity["trial"], sensitivity["base"]
+    GATE.pause(device)
     return compare_sensitivity(load("reference", base), load("reference", trial), load("candidate", base),
                                load("candidate", trial), trial, spec)
 

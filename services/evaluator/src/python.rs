@@ -377,7 +377,8 @@ pub struct CallLimits {
     /// A call that waits (on its device, or asleep): a kernel that never ends uses no CPU time while the harness
     /// waits for it (the harness waits for its GPU asleep).
     pub call: Duration,
-    /// A call busy on the CPU for at least half of the time (JIT compiles, autotuning, host code): it may run
+    /// A call busy on the CPU for at least half of the time (JIT compiles, autotuning, host code; running or
+    /// runnable, so a call starved by a loaded machine counts: `Control::cpu_demand`): it may run
     /// this long, checked every second.
     pub busy: Duration,
     /// How `call` was chosen, for the error a hung stage gets.
@@ -638,7 +639,7 @@ async fn converse(
             () = sleep_until(check_at) => {
                 let call = call.as_mut().expect("a deadline comes with a call");
                 let limits = limits.expect("a call is watched only with limits");
-                match call.check(limits, control.cpu_time()) {
+                match call.check(limits, control.cpu_demand()) {
                     Ok(()) => continue,
                     Err(reason) => return Ended::Hung(reason),
                 }
@@ -652,7 +653,7 @@ async fn converse(
                 watch.lock().expect("never poisoned").call_starts();
                 // A timed call's CPU use says nothing (it spins), so its CPU time is not read (a /proc scan).
                 let spinning = message == b"timed\n";
-                let cpu = if spinning { None } else { control.cpu_time() };
+                let cpu = if spinning { None } else { control.cpu_demand() };
                 call = limits.map(|limits| Call::new(limits, cpu, spinning));
                 continue;
             }
