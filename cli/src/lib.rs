@@ -1,7 +1,9 @@
 //! The library behind the `kforge` command, also used by the cross-service tests.
 //!
 //! - [`mesh`]: start any set of the five services in this process, on their configured or ephemeral ports.
+//! - [`run`]: the main job's embedded default (the replay model), its progress and its report.
 //! - [`call`]: call any RPC of the contract with proto3 JSON in and out, through reflection-free descriptors.
 
 pub mod call;
 pub mod mesh;
+pub mod run;

@@ -97,20 +97,21 @@ impl BackendArg {
 
 #[derive(Debug, Args)]
 struct RunArgs {
-    /// Recipe: kevin, drkernel, cudaforge or single-turn.
-    #[arg(long, default_value = "kevin")]
+    /// Recipe: single-turn or kevin (drkernel and cudaforge are not built yet).
+    #[arg(long, default_value = "single-turn")]
     recipe: String,
-    /// Task set: `examples` (built in), a KernelBench directory, or a JSONL file.
+    /// Task set: `examples` (built in) or a KernelBench directory (level1/, level2/, ...).
     #[arg(long, default_value = "examples")]
     tasks: String,
-    /// Model name as routed by the gateway; the embedded default replays recorded responses.
-    #[arg(long, default_value = "replay")]
+    /// Model name as routed by the gateway; `replay` with no such pool configured replays the embedded responses
+    /// (one per example task and candidate, at turn 0).
+    #[arg(long, default_value = kforge::run::DEFAULT_MODEL)]
     model: String,
     /// Parallel trajectories per task (m).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 1)]
     trajectories: u32,
     /// Refinement turns per trajectory (n).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 1)]
     turns: u32,
     /// Evaluation backend; by default cuda when a GPU is present, cpu otherwise.
     #[arg(long, value_enum)]
@@ -118,6 +119,18 @@ struct RunArgs {
     /// Take at most this many tasks (0: all).
     #[arg(long, default_value_t = 0)]
     max_tasks: u32,
+    /// Correctness trials per evaluation (0: the evaluator's default).
+    #[arg(long, default_value_t = 0)]
+    correctness_trials: u32,
+    /// Episodes run at once (0: the orchestrator's configured limit).
+    #[arg(long, default_value_t = 0)]
+    concurrency: u32,
+    /// Seed of the job (sampling seeds are derived from it per trajectory); 0 leaves sampling unseeded.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also time torch.compile baselines in the in-process evaluator (minutes per task on a CPU; scores use eager).
+    #[arg(long)]
+    compile_baseline: bool,
     #[command(flatten)]
     remote: Remote,
 }
@@ -164,7 +177,7 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let config = MeshConfig::load(cli.config.as_deref())?;
     // Servers log at info; commands whose stdout is the product stay quiet unless RUST_LOG says otherwise.
-    let quiet = matches!(cli.command, Command::Call { .. } | Command::Eval(_));
+    let quiet = matches!(cli.command, Command::Call { .. } | Command::Eval(_) | Command::Run(_));
     let _telemetry = kforge_telemetry::init("kforge", if quiet { "warn" } else { "info" })?;
     match cli.command {
         Command::Serve { service } => {
@@ -234,19 +247,73 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         backend: BackendArg::proto(args.backend).into(),
         prompt_dir: String::new(),
         max_tasks: args.max_tasks,
+        sampling: None,
+        seed: args.seed,
+        tasks: Vec::new(),
+        policy: String::new(),
+        correctness_trials: args.correctness_trials,
+        measure_performance: None,
+        max_concurrent_episodes: args.concurrency,
     };
-    let (channel, mesh) = connect(config, &Service::ALL, Service::Orchestrator, &args.remote).await?;
+    let mut config = config.clone();
+    let scratch = std::env::temp_dir().join(format!("kforge-run-{}", std::process::id()));
+    if args.remote.addr.is_none() {
+        kforge::run::route_default_replay(&mut config, &spec.model, &scratch)
+            .with_context(|| format!("writing the embedded replay file under {}", scratch.display()))?;
+        kforge::run::evaluator_for_one_job(&mut config, args.compile_baseline);
+    }
+    let (channel, mesh) = connect(&config, &Service::ALL, Service::Orchestrator, &args.remote).await?;
     if let Some(mesh) = &mesh {
         for (service, address) in mesh.addresses() {
             eprintln!("{:<13} {address}", service.name());
         }
     }
     let mut orchestrator = pb::orchestrator_client::OrchestratorClient::new(channel);
-    let submitted =
-        orchestrator.submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() }).await;
+    let outcome = async {
+        let job = orchestrator
+            .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+            .await
+            .map_err(CallError::from)
+            .context("submitting the job")?
+            .into_inner();
+        eprintln!("job {} submitted: {} episodes, {} turns", job.job_id, job.episodes_total, job.turns_total);
+        let mut shown = None;
+        let mut watcher = orchestrator.clone();
+        let follow = kforge::run::follow(&mut watcher, &job.job_id, |job| {
+            if shown != Some(job.turns_done) {
+                shown = Some(job.turns_done);
+                eprintln!("{}", kforge::run::progress_line(job));
+            }
+        });
+        tokio::pin!(follow);
+        // Ctrl-C or SIGTERM cancels the job (its evaluations stop with their requests) and the report still prints.
+        let followed = tokio::select! {
+            followed = &mut follow => followed,
+            () = kforge_server::shutdown_signal() => {
+                eprintln!("interrupted: cancelling job {}", job.job_id);
+                orchestrator
+                    .cancel_job(pb::CancelJobRequest { job_id: job.job_id.clone() })
+                    .await
+                    .map_err(CallError::from)
+                    .context("cancelling the job")?;
+                follow.await
+            }
+        };
+        let job = followed.map_err(CallError::from).context("following the job")?;
+        let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id)
+            .await
+            .map_err(CallError::from)
+            .context("reading the job's trajectories")?;
+        anyhow::Ok((job, trajectories))
+    }
+    .await;
     drain(mesh).await?;
-    let job = submitted.map_err(CallError::from).context("submitting the job")?.into_inner();
-    println!("job {} submitted ({} episodes)", job.job_id, job.episodes_total);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let (job, trajectories) = outcome?;
+    print!("{}", kforge::run::report(&job, &trajectories));
+    if job.state != pb::JobState::Succeeded as i32 {
+        bail!("job {} did not succeed", job.job_id);
+    }
     Ok(())
 }
 

@@ -124,7 +124,8 @@ pub struct Mesh {
 
 impl Mesh {
     /// Binds every listener first (so a port conflict fails before anything serves), then starts each service.
-    /// With `ephemeral`, every service listens on a free loopback port instead of its configured address.
+    /// With `ephemeral`, every service listens on a free loopback port instead of its configured address. An
+    /// orchestrator started here is handed the addresses of the gateway, evaluator and reward started with it.
     pub async fn start(services: &[Service], config: &MeshConfig, ephemeral: bool) -> Result<Self, ServeError> {
         let mut bound = Vec::with_capacity(services.len());
         for &service in services {
@@ -132,12 +133,25 @@ impl Mesh {
             let listener = TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })?;
             bound.push((service, listener));
         }
+        let mut addresses = Vec::with_capacity(bound.len());
+        for (service, listener) in &bound {
+            let scheme = if config.tls(*service) { "https" } else { "http" };
+            addresses.push((*service, format!("{scheme}://{}", listener.local_addr()?)));
+        }
+        // The orchestrator calls the peers that run beside it here, wherever they listen (ports may be ephemeral).
+        let mut config = config.clone();
+        let peers = &mut config.orchestrator.peers;
+        for (service, address) in &addresses {
+            match service {
+                Service::Gateway => peers.gateway.clone_from(address),
+                Service::Evaluator => peers.evaluator.clone_from(address),
+                Service::Reward => peers.reward.clone_from(address),
+                Service::Profiler | Service::Orchestrator => {}
+            }
+        }
         let stop = CancellationToken::new();
         let mut tasks = JoinSet::new();
-        let mut addresses = Vec::with_capacity(bound.len());
         for (service, listener) in bound {
-            let scheme = if config.tls(service) { "https" } else { "http" };
-            addresses.push((service, format!("{scheme}://{}", listener.local_addr()?)));
             let config = config.clone();
             let shutdown = stop.clone().cancelled_owned();
             tasks.spawn(async move { (service, serve(service, &config, listener, shutdown).await) });

@@ -202,11 +202,6 @@ fn call_reaches_every_rpc_in_process() {
         "Profiler/Profile",
         "Profiler/SelectMetrics",
         "Profiler/GetDeviceSpec",
-        "Orchestrator/SubmitJob",
-        "Orchestrator/GetJob",
-        "Orchestrator/WatchJob",
-        "Orchestrator/CancelJob",
-        "Orchestrator/ListTrajectories",
         "Orchestrator/ExportSamples",
         "Orchestrator/StartEpisode",
         "Orchestrator/Step",
@@ -216,6 +211,21 @@ fn call_reaches_every_rpc_in_process() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success());
         assert!(stderr.contains(&format!("UNIMPLEMENTED: {target} is not implemented yet")), "{target}: {stderr}");
+    }
+
+    // The orchestrator's job RPCs are served: an empty request names its missing field.
+    let orchestrator_calls = [
+        ("Orchestrator/SubmitJob", "INVALID_ARGUMENT: spec: required"),
+        ("Orchestrator/GetJob", "INVALID_ARGUMENT: job_id: required"),
+        ("Orchestrator/WatchJob", "INVALID_ARGUMENT: job_id: required"),
+        ("Orchestrator/CancelJob", "INVALID_ARGUMENT: job_id: required"),
+        ("Orchestrator/ListTrajectories", "INVALID_ARGUMENT: job_id: required"),
+    ];
+    for (target, expected) in orchestrator_calls {
+        let output = run_kforge(&["call", target], "{}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(stderr.contains(expected), "{target}: {stderr}");
     }
 
     // The gateway is served; with no pool configured it routes no model.

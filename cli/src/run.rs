@@ -1,0 +1,225 @@
+//! `kforge run`: the main job. The embedded default is the example tasks answered by the `replay` model from a
+//! replay file built into this binary (cli/build.rs derives it from examples/tasks/*/candidates/); this module
+//! hands it to the gateway, follows the job through WatchJob, and renders the final report.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use kforge_server::client::Channel;
+use tokio_stream::StreamExt as _;
+
+use crate::mesh::MeshConfig;
+
+/// The model name of the embedded default.
+pub const DEFAULT_MODEL: &str = "replay";
+
+/// One turn-0 record per example task and candidate (trajectory = the candidate's index).
+pub const DEFAULT_REPLAY: &str = include_str!(concat!(env!("OUT_DIR"), "/default_replay.jsonl"));
+
+/// When the job's model is [`DEFAULT_MODEL`] and the config routes no pool of that name, writes the embedded
+/// replay file into `dir` and routes the model to it. Returns the file written, if any.
+pub fn route_default_replay(config: &mut MeshConfig, model: &str, dir: &Path) -> std::io::Result<Option<PathBuf>> {
+    if model != DEFAULT_MODEL || config.gateway.pools.iter().any(|pool| pool.model == model) {
+        return Ok(None);
+    }
+    std::fs::create_dir_all(dir)?;
+    let file = dir.join("default_replay.jsonl");
+    std::fs::write(&file, DEFAULT_REPLAY)?;
+    config.gateway.pools.push(PoolConfig {
+        model: model.to_owned(),
+        backends: vec![BackendConfig { kind: BackendKind::Replay, file: Some(file.clone()), ..Default::default() }],
+        ..Default::default()
+    });
+    Ok(Some(file))
+}
+
+/// Tunes the in-process evaluator of `kforge run` for one job in a short-lived process: no torch.compile
+/// baseline unless asked (this slice scores against eager; on a CPU, compiling the baseline takes minutes per
+/// task), and no precompiled bindings header (its warm-up keeps two compilers busy for minutes, which a 13-task
+/// job on two cores cannot spare, and the process would often end with it half built).
+pub fn evaluator_for_one_job(config: &mut MeshConfig, compile_baseline: bool) {
+    config.evaluator.baseline_torch_compile = compile_baseline;
+    config.evaluator.bindings_pch = false;
+}
+
+/// Follows the job until it ends, calling `progress` with each new state; returns the last.
+pub async fn follow(
+    client: &mut OrchestratorClient<Channel>,
+    job_id: &str,
+    mut progress: impl FnMut(&pb::Job),
+) -> Result<pb::Job, tonic::Status> {
+    let mut stream = client.watch_job(pb::GetJobRequest { job_id: job_id.to_owned() }).await?.into_inner();
+    let mut last = None;
+    while let Some(job) = stream.next().await {
+        let job = job?;
+        progress(&job);
+        last = Some(job);
+    }
+    match last {
+        Some(job) => Ok(job),
+        None => client.get_job(pb::GetJobRequest { job_id: job_id.to_owned() }).await.map(tonic::Response::into_inner),
+    }
+}
+
+/// Every trajectory of the job, all pages.
+pub async fn trajectories(
+    client: &mut OrchestratorClient<Channel>,
+    job_id: &str,
+) -> Result<Vec<pb::Trajectory>, tonic::Status> {
+    let mut all = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_trajectories(pb::ListTrajectoriesRequest {
+                job_id: job_id.to_owned(),
+                task_id: String::new(),
+                page_size: 0,
+                page_token,
+            })
+            .await?
+            .into_inner();
+        all.extend(page.trajectories);
+        if page.next_page_token.is_empty() {
+            return Ok(all);
+        }
+        page_token = page.next_page_token;
+    }
+}
+
+/// A verdict as the report prints it: `correct`, `compile_error`, ...; `-` when nothing was evaluated.
+pub fn verdict_name(verdict: i32) -> String {
+    match pb::Verdict::try_from(verdict) {
+        Ok(pb::Verdict::Unspecified) | Err(_) => "-".into(),
+        Ok(verdict) => verdict.as_str_name().trim_start_matches("VERDICT_").to_ascii_lowercase(),
+    }
+}
+
+/// One progress line.
+pub fn progress_line(job: &pb::Job) -> String {
+    let metrics = job.metrics.clone().unwrap_or_default();
+    format!(
+        "[{}/{} turns, {}/{} episodes] correct {}/{} evaluated",
+        job.turns_done, job.turns_total, job.episodes_done, job.episodes_total, metrics.correct, metrics.evaluated
+    )
+}
+
+/// The final report: per task, each trajectory's verdicts by turn and the best speedup; then the totals.
+pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
+    let mut out = String::new();
+    let state = pb::JobState::try_from(job.state).map_or("unknown", |s| s.as_str_name());
+    let _ = writeln!(out, "job {} {}", job.job_id, state.trim_start_matches("JOB_STATE_").to_ascii_lowercase());
+    let _ = writeln!(out, "{:<28} {:<44} {:>8}", "task", "verdicts by trajectory (turn 0, 1, ...)", "best");
+    let mut tasks: Vec<&str> = Vec::new();
+    for trajectory in trajectories {
+        if !tasks.contains(&trajectory.task_id.as_str()) {
+            tasks.push(&trajectory.task_id);
+        }
+    }
+    for task in tasks {
+        let of_task: Vec<&pb::Trajectory> = trajectories.iter().filter(|t| t.task_id == task).collect();
+        let verdicts: Vec<String> = of_task
+            .iter()
+            .map(|t| t.turns.iter().map(|turn| verdict_name(turn.verdict)).collect::<Vec<_>>().join(","))
+            .collect();
+        let best = of_task
+            .iter()
+            .flat_map(|t| &t.turns)
+            .filter(|turn| turn.verdict == pb::Verdict::Correct as i32)
+            .filter_map(|turn| turn.speedup)
+            .fold(None, |best: Option<f64>, s| Some(best.map_or(s, |b| b.max(s))));
+        let best = best.map_or("-".into(), |s| format!("{s:.2}x"));
+        let _ = writeln!(out, "{task:<28} {:<44} {best:>8}", verdicts.join(" | "));
+        for turn in of_task.iter().flat_map(|t| &t.turns).filter(|turn| !turn.error.is_empty()) {
+            let _ = writeln!(out, "{:<28}   trajectory {} turn {}: {}", "", turn.trajectory, turn.turn, turn.error);
+        }
+    }
+    let m = job.metrics.clone().unwrap_or_default();
+    let percent = |ratio: f64| format!("{:.1}%", ratio * 100.0);
+    let _ = writeln!(
+        out,
+        "totals: {} turns, {} evaluated, {} correct ({}), fast_1 {}, mean speedup {:.2}x (geomean {:.2}x), \
+         compile errors {}, hacks {}, junk {}, not-okay {}, no kernel {}, infra errors {}, wall {:.1} s",
+        m.turns,
+        m.evaluated,
+        m.correct,
+        percent(m.correctness),
+        percent(m.fast_p.get("1").copied().unwrap_or_default()),
+        m.mean_speedup,
+        m.geomean_speedup,
+        percent(m.compile_error_rate),
+        m.hacks,
+        m.junk,
+        m.not_okay,
+        m.no_kernel,
+        m.infra_errors,
+        m.wall_time_s,
+    );
+    if !job.error.is_empty() {
+        let _ = writeln!(out, "error: {}", job.error);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_replay_answers_every_example_candidate_at_turn_0() {
+        let records: Vec<serde_json::Value> =
+            DEFAULT_REPLAY.lines().map(|l| serde_json::from_str(l).expect("a json line")).collect();
+        assert_eq!(records.len(), 13, "one candidate per example task today");
+        let relu = records.iter().find(|r| r["task_id"] == "examples/relu").expect("relu is answered");
+        assert_eq!((relu["trajectory"].as_u64(), relu["turn"].as_u64()), (Some(0), Some(0)));
+        let completion = &relu["completions"][0];
+        assert!(completion["reasoning"].as_str().is_some_and(|r| r.starts_with("Okay")), "{completion}");
+        let text = completion["text"].as_str().expect("text");
+        let kernel = kforge_model_text::extract_kernel(text).expect("the orchestrator finds the kernel");
+        assert_eq!(kernel.trim_end(), include_str!("../../examples/tasks/relu/candidates/cpu_loop.py").trim_end());
+    }
+
+    #[test]
+    fn the_default_pool_is_added_only_when_the_config_has_none() {
+        let dir = std::env::temp_dir().join(format!("kforge-run-unit-{}", std::process::id()));
+        let mut config = MeshConfig::default();
+        let file = route_default_replay(&mut config, "replay", &dir).expect("written").expect("a file");
+        assert_eq!(std::fs::read_to_string(&file).expect("read"), DEFAULT_REPLAY);
+        assert_eq!(config.gateway.pools.len(), 1);
+        assert_eq!(route_default_replay(&mut config, "replay", &dir).expect("ok"), None, "already routed");
+        assert_eq!(route_default_replay(&mut MeshConfig::default(), "gpt", &dir).expect("ok"), None);
+        std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+
+    #[test]
+    fn the_report_lists_verdicts_by_trajectory_and_the_best_speedup() {
+        let turn = |trajectory, turn, verdict: pb::Verdict, speedup| pb::TurnRecord {
+            task_id: "examples/relu".into(),
+            trajectory,
+            turn,
+            verdict: verdict as i32,
+            speedup,
+            ..Default::default()
+        };
+        let trajectories = [
+            pb::Trajectory {
+                trajectory_id: "j/examples/relu/0".into(),
+                task_id: "examples/relu".into(),
+                turns: vec![turn(0, 0, pb::Verdict::Incorrect, None), turn(0, 1, pb::Verdict::Correct, Some(1.5))],
+            },
+            pb::Trajectory {
+                trajectory_id: "j/examples/relu/1".into(),
+                task_id: "examples/relu".into(),
+                turns: vec![turn(1, 0, pb::Verdict::Unspecified, None)],
+            },
+        ];
+        let job = pb::Job { job_id: "j".into(), state: pb::JobState::Succeeded as i32, ..Default::default() };
+        let text = report(&job, &trajectories);
+        assert!(text.starts_with("job j succeeded\n"), "{text}");
+        let row = text.lines().find(|l| l.starts_with("examples/relu")).expect("a row per task");
+        assert!(row.contains("incorrect,correct | -") && row.trim_end().ends_with("1.50x"), "{row}");
+        assert!(text.contains("totals: 0 turns"), "{text}");
+    }
+}

@@ -1,0 +1,252 @@
+//! The main job end to end: the gateway (replay), evaluator (CPU backend, the repository's venv), reward and
+//! orchestrator services in this process on ephemeral ports, driven through the orchestrator's gRPC API as
+//! `kforge run` drives it; and `kforge run` itself, the real binary on the embedded default.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The repository's venv (scripts/setup.sh --test): these tests fail, naming it, where it is missing.
+fn python() -> PathBuf {
+    let python = root().join(".venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    python
+}
+
+/// The evaluator's caches for one test, under cargo's target directory.
+fn evaluator_work_dir(test: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-run-evaluator-{test}"))
+}
+
+const RELU_TIMES_TWO: &str =
+    "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n";
+const RELU_TORCH: &str =
+    "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n";
+const GELU_TANH: &str = include_str!("../../examples/tasks/gelu_tanh/candidates/builtin.py");
+
+/// A replay record: (task, trajectory, turn) answered with `reasoning` and `text`.
+fn record(task: &str, trajectory: u32, turn: u32, reasoning: &str, text: &str) -> String {
+    serde_json::json!({
+        "task_id": task, "trajectory": trajectory, "turn": turn,
+        "completions": [{"reasoning": reasoning, "text": text}],
+    })
+    .to_string()
+}
+
+fn fenced(kernel: &str) -> String {
+    format!("Here is ModelNew.\n\n```python\n{kernel}```\n")
+}
+
+/// relu/0: a wrong kernel, then a fix; relu/1: no kernel (and a reasoning without the expected opening), then a
+/// kernel; gelu_tanh/0: correct, then wrong; gelu_tanh/1: wrong, then no record at all (the gateway's NOT_FOUND is
+/// recorded in the turn and ends that episode, not the job).
+fn replay_file(dir: &Path) -> PathBuf {
+    let lines = [
+        record("examples/relu", 0, 0, "Okay, relu.", &fenced(RELU_TIMES_TWO)),
+        record("examples/relu", 0, 1, "Okay, fix it.", &fenced(RELU_TORCH)),
+        record("examples/relu", 1, 0, "Hmm.", "I am not sure how to write this."),
+        record("examples/relu", 1, 1, "Okay, now with code.", &fenced(RELU_TORCH)),
+        record("examples/gelu_tanh", 0, 0, "Okay, gelu.", &fenced(GELU_TANH)),
+        record("examples/gelu_tanh", 0, 1, "Okay, faster.", &fenced(RELU_TIMES_TWO)),
+        record("examples/gelu_tanh", 1, 0, "Okay, gelu.", &fenced(RELU_TIMES_TWO)),
+    ];
+    std::fs::create_dir_all(dir).expect("replay dir");
+    let file = dir.join("replay.jsonl");
+    std::fs::write(&file, lines.join("\n") + "\n").expect("replay written");
+    file
+}
+
+fn mesh_config(replay: PathBuf) -> MeshConfig {
+    let mut config = MeshConfig::default();
+    config.evaluator.python = python();
+    config.evaluator.work_dir = evaluator_work_dir("mesh");
+    kforge::run::evaluator_for_one_job(&mut config, false);
+    config.gateway.pools.push(PoolConfig {
+        model: "recorded".into(),
+        backends: vec![BackendConfig { kind: BackendKind::Replay, file: Some(replay), ..Default::default() }],
+        ..Default::default()
+    });
+    config
+}
+
+fn verdicts(trajectory: &pb::Trajectory) -> Vec<String> {
+    trajectory.turns.iter().map(|t| kforge::run::verdict_name(t.verdict)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metrics() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-kevin");
+    let config = mesh_config(replay_file(&dir));
+    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
+    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
+    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
+    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
+    let mut orchestrator = OrchestratorClient::new(channel);
+
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Evaluation.into(),
+        recipe: "kevin".into(),
+        task_set: "examples".into(),
+        model: "recorded".into(),
+        trajectories_per_task: 2,
+        turns: 2,
+        backend: pb::Backend::Cpu.into(),
+        max_tasks: 2,
+        correctness_trials: 2,
+        ..Default::default()
+    };
+    let submitted = orchestrator
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec.clone()), idempotency_key: "kevin-test".into() })
+        .await
+        .expect("submitted")
+        .into_inner();
+    assert_eq!((submitted.episodes_total, submitted.turns_total), (4, 8));
+    let again = orchestrator
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: "kevin-test".into() })
+        .await
+        .expect("resubmitted")
+        .into_inner();
+    assert_eq!(again.job_id, submitted.job_id, "the idempotency key returns the existing job");
+
+    let mut seen = Vec::new();
+    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |job| seen.push(job.turns_done))
+        .await
+        .expect("watched to the end");
+    assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "progress never goes back: {seen:?}");
+    assert_eq!((job.turns_done, job.episodes_done), (8, 4));
+
+    let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
+    let ids: Vec<&str> = trajectories.iter().map(|t| t.trajectory_id.as_str()).collect();
+    let id = |rest: &str| format!("{}/{rest}", job.job_id);
+    assert_eq!(
+        ids,
+        [id("examples/relu/0"), id("examples/relu/1"), id("examples/gelu_tanh/0"), id("examples/gelu_tanh/1")]
+    );
+    let by_verdict: Vec<Vec<String>> = trajectories.iter().map(verdicts).collect();
+    assert_eq!(
+        by_verdict,
+        [["incorrect", "correct"], ["-", "correct"], ["correct", "incorrect"], ["incorrect", "-"]],
+        "{trajectories:#?}"
+    );
+
+    let relu = &trajectories[0].turns;
+    assert_eq!(relu[0].kernel, RELU_TIMES_TWO);
+    assert_eq!(relu[0].score, Some(0.0), "a wrong kernel scores 0");
+    assert!(relu[0].feedback.starts_with("incorrect"), "{}", relu[0].feedback);
+    // Kevin's second turn shows the first kernel and its evaluation.
+    let second_prompt = &relu[1].prompt.last().expect("a user message").content;
+    assert!(second_prompt.contains("Attempt 1:") && second_prompt.contains("return x * 2"), "{second_prompt}");
+    assert!(second_prompt.contains(&relu[0].feedback), "{second_prompt}");
+    for turn in trajectories.iter().flat_map(|t| &t.turns).filter(|t| t.verdict == pb::Verdict::Correct as i32) {
+        let speedup = turn.speedup.expect("a correct kernel is timed");
+        assert!(speedup > 0.0);
+        assert!(turn.score.is_some_and(|s| s >= 0.3), "Kevin's score of a correct kernel: {:?}", turn.score);
+        assert_eq!(turn.flags.as_ref().map(|f| (f.junk, f.not_okay)), Some((false, false)));
+    }
+    let no_kernel = &trajectories[1].turns[0];
+    assert_eq!((no_kernel.kernel.as_str(), no_kernel.evaluation.is_none(), no_kernel.score), ("", true, None));
+    let flags = no_kernel.flags.clone().expect("diagnosed");
+    assert!(flags.junk && flags.no_kernel && flags.not_okay, "{flags:?}");
+    let missing = &trajectories[3].turns[1];
+    assert!(
+        missing.error.starts_with("gateway: NotFound")
+            || missing.error.contains("NOT_FOUND")
+            || missing.error.contains("not found"),
+        "{}",
+        missing.error
+    );
+
+    let metrics = job.metrics.expect("metrics");
+    assert_eq!((metrics.turns, metrics.evaluated, metrics.correct, metrics.no_kernel), (8, 6, 3, 2));
+    assert_eq!(metrics.correctness, 0.5);
+    assert_eq!((metrics.junk, metrics.not_okay, metrics.hacks, metrics.infra_errors), (1, 1, 0, 0));
+    assert_eq!(metrics.junk_ratio, 1.0 / 8.0);
+    let fast_1 = trajectories
+        .iter()
+        .flat_map(|t| &t.turns)
+        .filter(|t| t.verdict == pb::Verdict::Correct as i32 && t.speedup.is_some_and(|s| s > 1.0))
+        .count();
+    assert_eq!(metrics.fast_p["1"], fast_1 as f64 / 6.0);
+    assert!(metrics.mean_speedup > 0.0 && metrics.wall_time_s > 0.0);
+
+    let report = kforge::run::report(&job_snapshot(&mut orchestrator, &job.job_id).await, &trajectories);
+    assert!(report.contains("incorrect,correct | -,correct"), "{report}");
+    mesh.shutdown().await.expect("drains");
+}
+
+async fn job_snapshot(client: &mut OrchestratorClient<kforge_server::client::Channel>, job_id: &str) -> pb::Job {
+    client.get_job(pb::GetJobRequest { job_id: job_id.into() }).await.expect("get").into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_jobs_are_refused_naming_the_field() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-refused");
+    let mut config = mesh_config(replay_file(&dir));
+    // Only the orchestrator runs here, and its peers' address is a port just freed: nothing listens there.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address");
+    config.orchestrator.peers.gateway = format!("http://{closed}");
+    let mesh = Mesh::start(&[Service::Orchestrator], &config, true).await.expect("the mesh starts");
+    let channel =
+        kforge_server::client::connect(mesh.address(Service::Orchestrator).expect("runs"), &Default::default())
+            .await
+            .expect("connects");
+    let mut orchestrator = OrchestratorClient::new(channel);
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Evaluation.into(),
+        recipe: "single-turn".into(),
+        task_set: "examples".into(),
+        model: "recorded".into(),
+        trajectories_per_task: 1,
+        turns: 1,
+        ..Default::default()
+    };
+    let refused = |spec: pb::JobSpec| {
+        let mut client = orchestrator.clone();
+        async move { client.submit_job(pb::SubmitJobRequest { spec: Some(spec), ..Default::default() }).await }
+    };
+    let status = refused(pb::JobSpec { turns: 0, ..spec.clone() }).await.expect_err("n = 0");
+    assert_eq!((status.code(), status.message()), (tonic::Code::InvalidArgument, "spec.turns: must be at least 1"));
+    let status = refused(pb::JobSpec { recipe: "nope".into(), ..spec.clone() }).await.expect_err("unknown recipe");
+    assert!(status.message().starts_with("spec.recipe: unknown recipe"), "{status:?}");
+    let status = refused(spec).await.expect_err("no peers");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().starts_with(&format!("gateway at http://{closed} is unavailable")), "{status:?}");
+    let status = orchestrator.get_job(pb::GetJobRequest { job_id: "job-none".into() }).await.expect_err("unknown");
+    assert_eq!(status.code(), tonic::Code::NotFound);
+    mesh.shutdown().await.expect("drains");
+}
+
+/// `kforge run` as a new user runs it (two example tasks to keep the test short): the embedded replay through
+/// every service, a progress line per turn, the report on stdout, exit 0.
+#[test]
+fn kforge_run_on_the_embedded_default_reports_every_task() {
+    let output = Command::new(env!("CARGO_BIN_EXE_kforge"))
+        .args(["run", "--max-tasks", "2", "--backend", "cpu"])
+        .env("KFORGE__EVALUATOR__PYTHON", python())
+        .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
+        .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
+        .output()
+        .expect("kforge runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("[2/2 turns, 2/2 episodes] correct 2/2 evaluated"), "{stderr}");
+    assert!(
+        stdout.starts_with("job job-") && stdout.lines().next().is_some_and(|l| l.ends_with(" succeeded")),
+        "{stdout}"
+    );
+    for task in ["examples/relu", "examples/gelu_tanh"] {
+        let row = stdout.lines().find(|l| l.starts_with(task)).unwrap_or_else(|| panic!("no row for {task}: {stdout}"));
+        assert!(row.contains(" correct "), "{row}");
+        assert!(row.trim_end().ends_with('x'), "a best speedup: {row}");
+    }
+    assert!(stdout.contains("totals: 2 turns, 2 evaluated, 2 correct (100.0%)"), "{stdout}");
+}

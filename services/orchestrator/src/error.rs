@@ -1,0 +1,34 @@
+//! The orchestrator's errors and their one mapping to gRPC codes.
+
+use tonic::{Code, Status};
+
+/// Why an orchestrator call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    /// The request is malformed; `field` names what to fix.
+    #[error("{field}: {message}")]
+    InvalidArgument { field: String, message: String },
+    /// No job has this id.
+    #[error("job `{0}` not found")]
+    JobNotFound(String),
+    /// A peer service could not be reached.
+    #[error("{peer} at {url} is unavailable: {message}")]
+    PeerUnavailable { peer: &'static str, url: String, message: String },
+}
+
+impl OrchestratorError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidArgument { field: field.into(), message: message.into() }
+    }
+}
+
+impl From<OrchestratorError> for Status {
+    fn from(error: OrchestratorError) -> Self {
+        let code = match &error {
+            OrchestratorError::InvalidArgument { .. } => Code::InvalidArgument,
+            OrchestratorError::JobNotFound(_) => Code::NotFound,
+            OrchestratorError::PeerUnavailable { .. } => Code::Unavailable,
+        };
+        Status::new(code, error.to_string())
+    }
+}
