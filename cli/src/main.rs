@@ -280,8 +280,9 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         let mut shown = None;
         let mut watcher = orchestrator.clone();
         let follow = kforge::run::follow(&mut watcher, &job.job_id, |job| {
-            if shown != Some(job.turns_done) {
-                shown = Some(job.turns_done);
+            // A turn's record and its episode's end are separate updates: either one is progress.
+            if shown != Some((job.turns_done, job.episodes_done)) {
+                shown = Some((job.turns_done, job.episodes_done));
                 eprintln!("{}", kforge::run::progress_line(job));
             }
         });
