@@ -82,7 +82,7 @@ fn one_trace_spans_the_caller_and_both_services() {
                 .get_job(job)
                 .await
                 .expect_err("no jobs yet");
-            assert_eq!(status.code(), tonic::Code::Unimplemented);
+            assert_eq!(status.code(), tonic::Code::NotFound);
         }
         .instrument(step)
         .await;
