@@ -536,11 +536,16 @@ def input_bytes(inputs):
     return sum(v.numel() * v.element_size() for v in inputs if isinstance(v, torch.Tensor))
 
 
+def timing_set_count(first, seeds):
+    """How many timing input sets rotate, given the first: one per seed, as many as fit in TIMING_SETS_BYTES."""
+    return max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(first))))
+
+
 def timing_inputs(task, spec, device):
-    """The rotating timing input sets: one per timing seed, as many as fit in TIMING_SETS_BYTES (at least one)."""
+    """The rotating timing input sets (`timing_set_count` of them)."""
     seeds = spec["timing_seeds"]
     sets = [make_inputs(task, seeds[0], device)]
-    count = max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(sets[0]))))
+    count = timing_set_count(sets[0], seeds)
     sets.extend(make_inputs(task, seed, device) for seed in seeds[1:count])
     return sets
 
@@ -550,7 +555,7 @@ def timed_call_inputs(task, spec, device, call):
     up to that call."""
     seeds = spec["timing_seeds"]
     inputs = make_inputs(task, seeds[0], device)
-    count = max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(inputs))))
+    count = timing_set_count(inputs, seeds)
     which = call % count
     if which != 0:
         del inputs
@@ -1293,6 +1298,8 @@ def compare_trials(spec, device):
         folder = spec["reference_dir"] if kind == "reference" else spec["candidate_dir"]
         return torch.load(os.path.join(folder, f"{kind}-{trial}.pt"), map_location=device, weights_only=True)
 
+    sensitivity = spec.get("sensitivity")
+    kept = {}  # the base and sensitivity trials' outputs, for the sensitivity check after the loop
     for trial in range(len(spec["seeds"])):
         GATE.pause(device)  # comparing shares the device: timed work elsewhere waits for no more than one trial
         expected = load("reference", trial)
@@ -1301,19 +1308,19 @@ def compare_trials(spec, device):
         except Exception as error:  # a missing or malformed file is the candidate's output, not ours
             return {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}
         mismatch = compare_outputs(expected, got, spec)
+        if mismatch is None and sensitivity and trial in (sensitivity["base"], sensitivity["trial"]):
+            kept[trial] = (expected, got)
         if mismatch is not None:
             mismatch["trial"] = trial
-            if spec.get("sensitivity") and trial == spec["sensitivity"]["trial"]:
+            if sensitivity and trial == sensitivity["trial"]:
                 mismatch["detail"] = ("input sensitivity: wrong on the sensitivity trial (trial 0's inputs with a few "
                                       "elements moved far out of range) " + mismatch.get("detail", "")).strip()
             return mismatch
-    sensitivity = spec.get("sensitivity")
     if not sensitivity:
         return None
-    trial, base = sensitivity["trial"], sensitivity["base"]
+    (ref_base, cand_base), (ref_moved, cand_moved) = kept[sensitivity["base"]], kept[sensitivity["trial"]]
     GATE.pause(device)
-    return compare_sensitivity(load("reference", base), load("reference", trial), load("candidate", base),
-                               load("candidate", trial), trial, spec)
+    return compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, sensitivity["trial"], spec)
 
 
 def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec):
@@ -1333,11 +1340,7 @@ def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec)
         atol, rtol = tolerance(a.dtype, spec)
         a, b, c, d = (t.reshape(-1) for t in (a, b, c, d))
         # As in compare_tensor: the absolute part of the tolerance follows the output's scale.
-        output_scale = 0.0
-        for start in range(0, a.numel(), CHUNK_ELEMENTS):
-            part = a[start:start + CHUNK_ELEMENTS].to(torch.float64).abs()
-            output_scale = max(output_scale, float(torch.where(torch.isfinite(part), part, torch.zeros_like(part)).max()))
-        absolute = atol * min(1.0, max(output_scale, 1e-6))
+        absolute = atol * min(1.0, max(finite_scale(a), 1e-6))
         for start in range(0, a.numel(), CHUNK_ELEMENTS):
             window = slice(start, start + CHUNK_ELEMENTS)
             rb64, rm64 = a[window].to(torch.float64), b[window].to(torch.float64)
@@ -1384,6 +1387,17 @@ def compare_outputs(expected, got, spec):
     return None
 
 
+def finite_scale(flat):
+    """The largest finite |value| of a flat floating-point tensor, read in chunks of CHUNK_ELEMENTS."""
+    import torch
+
+    scale = 0.0
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = flat[start:start + CHUNK_ELEMENTS].to(torch.float64).abs()
+        scale = max(scale, float(torch.where(torch.isfinite(part), part, torch.zeros_like(part)).max()))
+    return scale
+
+
 def compare_tensor(a, b, atol, rtol):
     """The first element of `b` outside tolerance of `a` (same shape, dtype, device), or None. Runs where the tensors
     are, in chunks of CHUNK_ELEMENTS (float64 temporaries stay bounded for outputs of gigabytes)."""
@@ -1395,11 +1409,7 @@ def compare_tensor(a, b, atol, rtol):
     chunks = range(0, a.numel(), CHUNK_ELEMENTS)
     # The absolute tolerance shrinks with the output's scale: on an output whose values are all far below atol, a
     # constant or zero answer would otherwise pass.
-    scale = 0.0
-    if floating:
-        for start in chunks:
-            part = a[start:start + CHUNK_ELEMENTS].to(torch.float64).abs()
-            scale = max(scale, float(torch.where(torch.isfinite(part), part, torch.zeros_like(part)).max()))
+    scale = finite_scale(a) if floating else 0.0
     first, max_abs, max_rel = None, 0.0, 0.0
     for start in chunks:
         a64 = a[start:start + CHUNK_ELEMENTS].to(torch.float64)
