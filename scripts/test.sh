@@ -4,6 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh --test
+# Set-up installed every tool the tests use, so a test that finds one missing fails instead of skipping.
+export KFORGE_CI=1
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
