@@ -5,12 +5,16 @@
 //! - **no kernel**: the answer has no fenced code block defining `class ModelNew`
 //!   ([`kforge_model_text::extract_kernel`], the rule the orchestrator extracts kernels by);
 //! - **degenerate**: [`repetition_ratio`] of the reasoning and answer above the threshold;
-//! - **junk**: any of the three; **not-okay**: the reasoning does not open with the expected opening;
+//! - **junk**: any of the three; **not-okay**: the reasoning does not open with the expected opening (off for
+//!   models without a fixed opening);
 //! - **hack**: the outcome is `VERDICT_HACK` or a rejection with a hack-category finding.
+//!
+//! An outcome with `VERDICT_INFRA_ERROR` is the evaluator's failure, not the candidate's: it is outside the hack
+//! ratio (numerator and denominator). Junk and not-okay are read from the text alone, so they count every response.
 
 use std::collections::HashSet;
 
-use crate::{InvalidInput, Outcome, non_empty, within};
+use crate::{InvalidInput, Outcome, Verdict, non_empty, within};
 
 /// Kevin's expected opening of QwQ-style reasoning.
 pub const DEFAULT_OPENING: &str = "Okay";
@@ -22,13 +26,15 @@ const MIN_WORDS_FOR_REPETITION: usize = 50;
 /// Parameters of [`diagnose`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct DiagnoseParams {
-    pub opening: String,
+    /// The expected opening of the reasoning; `None` switches not-okay detection off (a model without a fixed
+    /// opening would otherwise be flagged on every response).
+    pub opening: Option<String>,
     pub repetition_threshold: f64,
 }
 
 impl Default for DiagnoseParams {
     fn default() -> Self {
-        Self { opening: DEFAULT_OPENING.into(), repetition_threshold: DEFAULT_REPETITION_THRESHOLD }
+        Self { opening: Some(DEFAULT_OPENING.into()), repetition_threshold: DEFAULT_REPETITION_THRESHOLD }
     }
 }
 
@@ -51,6 +57,7 @@ pub struct ResponseFlags {
     pub no_kernel: bool,
     pub degenerate: bool,
     pub junk: bool,
+    /// Always false when not-okay detection is off.
     pub not_okay: bool,
     pub hack: bool,
     pub repetition_ratio: f64,
@@ -62,17 +69,19 @@ pub struct Diagnosis {
     pub flags: Vec<ResponseFlags>,
     /// junk / all responses.
     pub junk_ratio: f64,
-    /// not-okay / all responses.
-    pub not_okay_ratio: f64,
-    /// hacks / responses with an outcome; 0 when none has one.
+    /// not-okay / all responses; `None` when not-okay detection is off.
+    pub not_okay_ratio: Option<f64>,
+    /// hacks / evaluated responses; 0 when none was evaluated.
     pub hack_ratio: f64,
-    /// Responses with an outcome.
+    /// Responses with an outcome other than an infrastructure error: the hack ratio's denominator.
     pub evaluated: u64,
+    /// Responses whose outcome is an infrastructure error.
+    pub infra_errors: u64,
 }
 
 /// Diagnoses a batch of responses.
 pub fn diagnose(params: &DiagnoseParams, responses: &[ResponseInput]) -> Result<Diagnosis, InvalidInput> {
-    if params.opening.is_empty() {
+    if params.opening.as_ref().is_some_and(String::is_empty) {
         return Err(InvalidInput::new("params.opening", "must not be empty"));
     }
     within(|| "params.repetition_threshold".into(), params.repetition_threshold, 0.0, 1.0)?;
@@ -84,13 +93,17 @@ pub fn diagnose(params: &DiagnoseParams, responses: &[ResponseInput]) -> Result<
     }
     let flags: Vec<ResponseFlags> = responses.iter().map(|r| flag(params, r)).collect();
     let total = flags.len() as f64;
-    let evaluated = responses.iter().filter(|r| r.outcome.is_some()).count();
+    let infra = |r: &ResponseInput| r.outcome.as_ref().is_some_and(|o| o.verdict == Verdict::InfraError);
+    let infra_errors = responses.iter().filter(|r| infra(r)).count();
+    let evaluated = responses.iter().filter(|r| r.outcome.is_some()).count() - infra_errors;
+    // A hack verdict is never an infrastructure error, so every flagged hack is in the evaluated denominator.
     let hacks = flags.iter().filter(|f| f.hack).count();
     Ok(Diagnosis {
         junk_ratio: flags.iter().filter(|f| f.junk).count() as f64 / total,
-        not_okay_ratio: flags.iter().filter(|f| f.not_okay).count() as f64 / total,
+        not_okay_ratio: params.opening.is_some().then(|| flags.iter().filter(|f| f.not_okay).count() as f64 / total),
         hack_ratio: if evaluated == 0 { 0.0 } else { hacks as f64 / evaluated as f64 },
         evaluated: evaluated as u64,
+        infra_errors: infra_errors as u64,
         flags,
     })
 }
@@ -107,7 +120,7 @@ fn flag(params: &DiagnoseParams, response: &ResponseInput) -> ResponseFlags {
         no_kernel,
         degenerate,
         junk: truncated || no_kernel || degenerate,
-        not_okay: !reasoning.trim_start().starts_with(params.opening.as_str()),
+        not_okay: params.opening.as_ref().is_some_and(|opening| !reasoning.trim_start().starts_with(opening.as_str())),
         hack: response.outcome.as_ref().is_some_and(Outcome::is_hack),
         repetition_ratio: repetition,
     }
@@ -139,7 +152,6 @@ pub fn repetition_ratio(text: &str) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Verdict;
 
     const KERNEL_ANSWER: &str =
         "Here is the kernel.\n```python\nimport torch\nclass ModelNew(torch.nn.Module):\n    pass\n```\n";
@@ -182,12 +194,40 @@ mod tests {
                 (false, false, false, true)
             ]
         );
-        assert_eq!((d.junk_ratio, d.not_okay_ratio, d.hack_ratio, d.evaluated), (0.5, 0.25, 0.5, 2));
+        assert_eq!((d.junk_ratio, d.not_okay_ratio, d.hack_ratio, d.evaluated), (0.5, Some(0.25), 0.5, 2));
+    }
+
+    #[test]
+    fn infra_errors_are_outside_the_hack_ratio() {
+        let with = |verdict| ResponseInput {
+            outcome: Some(Outcome { verdict, ..Outcome::default() }),
+            ..response(&format!("<think>Okay.</think>{KERNEL_ANSWER}"))
+        };
+        let d = diagnose(
+            &DiagnoseParams::default(),
+            &[with(Verdict::Hack), with(Verdict::InfraError), with(Verdict::Correct)],
+        )
+        .expect("valid");
+        assert_eq!((d.evaluated, d.infra_errors, d.hack_ratio), (2, 1, 0.5));
+        assert_eq!(d.junk_ratio, 0.0, "all three responses count for junk: the text is the model's either way");
+        let all_infra = diagnose(&DiagnoseParams::default(), &[with(Verdict::InfraError)]).expect("valid");
+        assert_eq!((all_infra.evaluated, all_infra.hack_ratio), (0, 0.0));
+    }
+
+    #[test]
+    fn not_okay_detection_can_be_off() {
+        let params = DiagnoseParams { opening: None, ..DiagnoseParams::default() };
+        let d =
+            diagnose(&params, &[response("Hmm, no opening here."), response("<think>Sure.</think>x")]).expect("valid");
+        assert!(d.flags.iter().all(|f| !f.not_okay));
+        assert_eq!(d.not_okay_ratio, None);
+        let on = diagnose(&DiagnoseParams::default(), &[response("Hmm, no opening here.")]).expect("valid");
+        assert_eq!(on.not_okay_ratio, Some(1.0));
     }
 
     #[test]
     fn custom_opening_and_bad_params() {
-        let params = DiagnoseParams { opening: "Alright".into(), ..DiagnoseParams::default() };
+        let params = DiagnoseParams { opening: Some("Alright".into()), ..DiagnoseParams::default() };
         let d = diagnose(&params, &[response("Alright, the task is...")]).expect("valid");
         assert!(!d.flags[0].not_okay);
         let bad = DiagnoseParams { repetition_threshold: 2.0, ..DiagnoseParams::default() };

@@ -1,8 +1,9 @@
 //! Rejection sampling: profiling-based (PRS) and mismatch (MRS).
 
-use crate::{InvalidInput, Outcome, finite, non_empty, positive};
+use crate::{InvalidInput, Outcome, Verdict, finite, non_empty, positive};
 
-/// PRS: a correct sample is kept with probability `clip((PR - tau) / scale, 0, 1)`; others are always kept.
+/// PRS: a correct sample is kept with probability `clip((PR - tau) / scale, 0, 1)`; an infrastructure error is
+/// always dropped (it has no score to train on); others are always kept.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PrsParams {
     pub tau: f64,
@@ -78,6 +79,16 @@ pub fn prs(params: &PrsParams, outcomes: &[Outcome]) -> Result<Vec<Decision>, In
         .map(|(i, outcome)| {
             let path = format!("outcomes[{i}]");
             outcome.validate(&path)?;
+            if outcome.verdict == Verdict::InfraError {
+                return Ok(Decision {
+                    id: outcome.sample_id.clone(),
+                    keep: false,
+                    keep_probability: 0.0,
+                    importance_weight: 0.0,
+                    min_token_ratio: 0.0,
+                    reason: "infrastructure error: not scored, so not a training sample".into(),
+                });
+            }
             let keep_probability = if outcome.is_correct() {
                 let pr = outcome.profiling_ratio.ok_or_else(|| {
                     InvalidInput::new(format!("{path}.profiling_ratio"), "required by prs for a correct outcome")
@@ -166,7 +177,6 @@ pub fn mrs(params: &MrsParams, trajectories: &[TokenLogprobs]) -> Result<Vec<Dec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Verdict;
 
     fn correct(id: &str, pr: f64) -> Outcome {
         Outcome { sample_id: id.into(), verdict: Verdict::Correct, profiling_ratio: Some(pr), ..Outcome::default() }
@@ -179,12 +189,14 @@ mod tests {
             correct("mid", 0.35),
             correct("high", 0.9),
             Outcome { sample_id: "wrong".into(), verdict: Verdict::Incorrect, ..Outcome::default() },
+            Outcome { sample_id: "infra".into(), verdict: Verdict::InfraError, ..Outcome::default() },
         ];
         let decisions = prs(&PrsParams::default(), &outcomes).expect("valid");
         let probabilities: Vec<f64> = decisions.iter().map(|d| d.keep_probability).collect();
         assert!((probabilities[1] - 0.5).abs() < 1e-12);
-        assert_eq!([probabilities[0], probabilities[2], probabilities[3]], [0.0, 1.0, 1.0]);
-        assert!(!decisions[0].keep && decisions[2].keep && decisions[3].keep);
+        assert_eq!([probabilities[0], probabilities[2], probabilities[3], probabilities[4]], [0.0, 1.0, 1.0, 0.0]);
+        assert!(!decisions[0].keep && decisions[2].keep && decisions[3].keep && !decisions[4].keep);
+        assert!(decisions[4].reason.starts_with("infrastructure error"), "{:?}", decisions[4]);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Scores of evaluated kernels: the Kevin score and the Dr. Kernel reward.
 
-use crate::{InvalidInput, Outcome, finite, non_empty};
+use crate::{InvalidInput, Outcome, Verdict, finite, non_empty};
 
 /// Which baseline the speedup is measured against.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -39,15 +39,22 @@ pub struct ScoreParams {
 /// The score of one outcome.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Score {
-    pub score: f64,
+    /// `None` for an infrastructure error: the evaluator failed, so there is nothing to score (retry it instead).
+    pub score: Option<f64>,
     /// Whether the outcome was a hack and scored the penalty.
     pub hack: bool,
-    /// The speedup used (after deriving it from times); 0 for non-correct outcomes.
+    /// The speedup used (after deriving it from times); 0 for non-correct outcomes and when it is missing.
     pub speedup: f64,
+    /// A correct outcome without a speedup against the chosen baseline (torch.compile failed on the task, or the
+    /// kernel was not timed): it scores without its speedup term.
+    pub speedup_missing: bool,
 }
 
-/// Scores each outcome. Non-correct outcomes score 0, hacks score `hack_penalty`. A correct outcome needs a speedup
-/// against `params.baseline`: given directly, or derived as baseline median / candidate median.
+/// Scores each outcome. Non-correct outcomes score 0, hacks score `hack_penalty`, infrastructure errors get no
+/// score. A correct outcome's speedup against `params.baseline` is given directly or derived as baseline median /
+/// candidate median; when neither is possible its speedup term is 0 and `speedup_missing` says so. The baseline is
+/// a property of the task, so every correct candidate of a task loses the same term: a group still ranks them by
+/// correctness (and PR), and no speed is invented for a kernel nobody could compare.
 pub fn score_kernels(params: &ScoreParams, outcomes: &[Outcome]) -> Result<Vec<Score>, InvalidInput> {
     validate_params(params)?;
     non_empty("outcomes", outcomes)?;
@@ -72,13 +79,18 @@ fn validate_params(params: &ScoreParams) -> Result<(), InvalidInput> {
 
 fn score_one(params: &ScoreParams, outcome: &Outcome, path: &str) -> Result<Score, InvalidInput> {
     outcome.validate(path)?;
+    let unscored = |score| Score { score, hack: false, speedup: 0.0, speedup_missing: false };
+    if outcome.verdict == Verdict::InfraError {
+        return Ok(unscored(None));
+    }
     if outcome.is_hack() {
-        return Ok(Score { score: params.hack_penalty, hack: true, speedup: 0.0 });
+        return Ok(Score { hack: true, ..unscored(Some(params.hack_penalty)) });
     }
     if !outcome.is_correct() {
-        return Ok(Score { score: 0.0, hack: false, speedup: 0.0 });
+        return Ok(unscored(Some(0.0)));
     }
-    let speedup = speedup(outcome, params.baseline, path)?;
+    let found = speedup(outcome, params.baseline, path)?;
+    let speedup = found.unwrap_or(0.0);
     let score = match params.formula {
         Formula::Kevin { correctness_weight } => correctness_weight + speedup,
         Formula::DrKernel { correctness_weight, speedup_weight, profiling_weight, speedup_cap } => {
@@ -93,40 +105,35 @@ fn score_one(params: &ScoreParams, outcome: &Outcome, path: &str) -> Result<Scor
             correctness_weight + speedup_weight * speedup.min(speedup_cap) + profiling
         }
     };
-    Ok(Score { score, hack: false, speedup })
+    Ok(Score { score: Some(score), hack: false, speedup, speedup_missing: found.is_none() })
 }
 
-/// The outcome's speedup against `baseline`: the given one, or baseline median / candidate median.
-fn speedup(outcome: &Outcome, baseline: Baseline, path: &str) -> Result<f64, InvalidInput> {
-    let (given, baseline_ms, name, time_name) = match baseline {
-        Baseline::Eager => (outcome.speedup_eager, outcome.eager_median_ms, "speedup_eager", "eager_median_ms"),
-        Baseline::Compile => {
-            (outcome.speedup_compile, outcome.compile_median_ms, "speedup_compile", "compile_median_ms")
-        }
+/// The outcome's speedup against `baseline`: the given one, or baseline median / candidate median; `None` when
+/// neither is there.
+fn speedup(outcome: &Outcome, baseline: Baseline, path: &str) -> Result<Option<f64>, InvalidInput> {
+    let (given, baseline_ms) = match baseline {
+        Baseline::Eager => (outcome.speedup_eager, outcome.eager_median_ms),
+        Baseline::Compile => (outcome.speedup_compile, outcome.compile_median_ms),
     };
-    if let Some(speedup) = given {
-        return Ok(speedup);
+    if given.is_some() {
+        return Ok(given);
     }
     match (baseline_ms, outcome.candidate_median_ms) {
         (Some(base), Some(candidate)) => {
             let speedup = base / candidate;
             if speedup.is_finite() {
-                Ok(speedup)
+                Ok(Some(speedup))
             } else {
                 Err(InvalidInput::new(format!("{path}.candidate_median_ms"), "too small: the speedup overflows"))
             }
         }
-        _ => Err(InvalidInput::new(
-            format!("{path}.{name}"),
-            format!("required for a correct outcome (or both {time_name} and candidate_median_ms)"),
-        )),
+        _ => Ok(None),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Verdict;
 
     fn correct(speedup: f64, pr: f64) -> Outcome {
         Outcome {
@@ -142,7 +149,7 @@ mod tests {
     }
 
     fn scores(params: &ScoreParams, outcomes: &[Outcome]) -> Vec<f64> {
-        score_kernels(params, outcomes).expect("valid").iter().map(|s| s.score).collect()
+        score_kernels(params, outcomes).expect("valid").iter().map(|s| s.score.expect("scored")).collect()
     }
 
     #[test]
@@ -175,8 +182,23 @@ mod tests {
         let policy_reject = Outcome { verdict: Verdict::Rejected, ..Outcome::default() };
         let infra = Outcome { verdict: Verdict::InfraError, ..Outcome::default() };
         let result = score_kernels(&p, &[hack, static_hack, policy_reject, infra]).expect("valid");
-        let got: Vec<(f64, bool)> = result.iter().map(|s| (s.score, s.hack)).collect();
-        assert_eq!(got, vec![(-1.0, true), (-1.0, true), (0.0, false), (0.0, false)]);
+        let got: Vec<(Option<f64>, bool)> = result.iter().map(|s| (s.score, s.hack)).collect();
+        assert_eq!(got, vec![(Some(-1.0), true), (Some(-1.0), true), (Some(0.0), false), (None, false)]);
+    }
+
+    #[test]
+    fn a_missing_baseline_drops_only_the_speedup_term() {
+        // torch.compile failed on the task: no compile speedup and no compile time.
+        let outcome = Outcome { speedup_compile: None, compile_median_ms: None, ..correct(2.0, 0.5) };
+        let compile = ScoreParams { baseline: Baseline::Compile, ..params(Formula::DRKERNEL) };
+        let got = score_kernels(&compile, &[outcome.clone(), correct(2.0, 0.5)]).expect("valid");
+        assert_eq!((got[0].score, got[0].speedup, got[0].speedup_missing), (Some(1.0 + 0.5), 0.0, true));
+        assert!(got[1].speedup_missing, "the second lacks the compile baseline too");
+        let kevin = ScoreParams { baseline: Baseline::Compile, ..params(Formula::KEVIN) };
+        assert_eq!(score_kernels(&kevin, std::slice::from_ref(&outcome)).expect("valid")[0].score, Some(0.3));
+        // Against eager the same outcome has its speedup.
+        let eager = score_kernels(&params(Formula::KEVIN), &[outcome]).expect("valid");
+        assert_eq!((eager[0].score, eager[0].speedup_missing), (Some(2.3), false));
     }
 
     #[test]
@@ -205,7 +227,6 @@ mod tests {
                 Outcome { verdict: Verdict::Incorrect, speedup_eager: Some(f64::NAN), ..Outcome::default() },
                 "outcomes[1].speedup_eager",
             ),
-            (Outcome { speedup_eager: None, ..correct(1.0, 0.5) }, "outcomes[1].speedup_eager"),
             (Outcome { profiling_ratio: None, ..correct(1.0, 0.5) }, "outcomes[1].profiling_ratio"),
         ];
         for (bad, field) in cases {

@@ -80,7 +80,14 @@ pub(crate) fn score_kernels(request: pb::ScoreKernelsRequest) -> Result<pb::Scor
         scores: outcomes
             .into_iter()
             .zip(scores)
-            .map(|(o, s)| pb::KernelScore { sample_id: o.sample_id, score: s.score, hack: s.hack, speedup: s.speedup })
+            .map(|(o, s)| pb::KernelScore {
+                sample_id: o.sample_id,
+                score: s.score.unwrap_or(0.0),
+                hack: s.hack,
+                speedup: s.speedup,
+                speedup_missing: s.speedup_missing,
+                unscored: s.score.is_none(),
+            })
             .collect(),
     })
 }
@@ -200,10 +207,17 @@ pub(crate) fn rejection_sample(
 
 pub(crate) fn diagnose(request: pb::DiagnoseRequest) -> Result<pb::DiagnoseResponse, InvalidInput> {
     let pb::DiagnoseRequest { params, responses } = request;
-    let pb::DiagnoseParams { opening, repetition_threshold } = params.unwrap_or_default();
+    let pb::DiagnoseParams { opening, repetition_threshold, not_okay_off } = params.unwrap_or_default();
     let defaults = core::DiagnoseParams::default();
+    let opening = match (not_okay_off, opening) {
+        (true, Some(_)) => {
+            return Err(InvalidInput::new("params.opening", "must be unset when not_okay_off is true"));
+        }
+        (true, None) => None,
+        (false, opening) => opening.or(defaults.opening),
+    };
     let params = core::DiagnoseParams {
-        opening: opening.unwrap_or(defaults.opening),
+        opening,
         repetition_threshold: repetition_threshold.unwrap_or(defaults.repetition_threshold),
     };
     let responses = responses
@@ -222,9 +236,11 @@ pub(crate) fn diagnose(request: pb::DiagnoseRequest) -> Result<pb::DiagnoseRespo
     let diagnosis = core::diagnose(&params, &responses)?;
     Ok(pb::DiagnoseResponse {
         junk_ratio: diagnosis.junk_ratio,
-        not_okay_ratio: diagnosis.not_okay_ratio,
+        not_okay_ratio: diagnosis.not_okay_ratio.unwrap_or(0.0),
         hack_ratio: diagnosis.hack_ratio,
         evaluated: diagnosis.evaluated,
+        infra_errors: diagnosis.infra_errors,
+        not_okay_off: diagnosis.not_okay_ratio.is_none(),
         flags: diagnosis
             .flags
             .into_iter()
