@@ -12,6 +12,29 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::sys;
+
+/// Why this host gives jobs no pids cgroup (the protection's report says so).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CgroupUnavailable {
+    #[error("{}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("no cgroup hierarchy with the pids controller is mounted")]
+    NoPidsHierarchy,
+    #[error("cgroup v2: the pids controller is not available to {}", dir.display())]
+    PidsNotAvailable { dir: PathBuf },
+    #[error("{}: {source}", dir.display())]
+    Leaf { dir: PathBuf, source: std::io::Error },
+    #[error("cgroup v2: enabling pids for the children of {}: {source}", dir.display())]
+    Enable { dir: PathBuf, source: std::io::Error },
+    #[error("cannot create a cgroup in {}: {source}", dir.display())]
+    Create { dir: PathBuf, source: std::io::Error },
+}
+
+fn read(path: &Path) -> Result<String, CgroupUnavailable> {
+    std::fs::read_to_string(path).map_err(|source| CgroupUnavailable::Read { path: path.to_owned(), source })
+}
+
 /// Where this process may create job cgroups: the directory of its own cgroup in a hierarchy with `pids`.
 #[derive(Debug, Clone)]
 pub(crate) struct PidsCgroups {
@@ -29,9 +52,8 @@ pub(crate) struct JobCgroup {
 
 impl PidsCgroups {
     /// Finds the pids hierarchy of this process and checks that a job cgroup can be made there.
-    pub(crate) fn detect() -> Result<Self, String> {
-        let read = |path: &str| std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"));
-        let (own, mounts) = (read("/proc/self/cgroup")?, read("/proc/self/mountinfo")?);
+    pub(crate) fn detect() -> Result<Self, CgroupUnavailable> {
+        let (own, mounts) = (read(Path::new("/proc/self/cgroup"))?, read(Path::new("/proc/self/mountinfo"))?);
         let (parent, version) = own_dir(&own, &mounts)?;
         if version == 2 {
             enable_pids_v2(&parent)?;
@@ -39,7 +61,8 @@ impl PidsCgroups {
         let cgroups = Self { parent, version };
         cgroups.remove_stale();
         // A real job cgroup, made and removed: creating and limiting are what jobs need.
-        drop(cgroups.create(16).map_err(|e| format!("cannot create a cgroup in {}: {e}", cgroups.parent.display()))?);
+        let made = cgroups.create(16);
+        drop(made.map_err(|source| CgroupUnavailable::Create { dir: cgroups.parent.clone(), source })?);
         Ok(cgroups)
     }
 
@@ -52,11 +75,7 @@ impl PidsCgroups {
             else {
                 continue;
             };
-            // SAFETY: kill with signal 0 only checks whether the process exists.
-            #[allow(unsafe_code)]
-            let gone = unsafe { libc::kill(owner, 0) } != 0
-                && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-            if gone {
+            if sys::process_gone(owner) {
                 let (dir, procs) = (entry.path(), std::fs::File::open(entry.path().join("cgroup.procs")));
                 if let Ok(procs) = procs {
                     drop(JobCgroup { dir, procs: procs.into() });
@@ -117,11 +136,7 @@ impl JobCgroup {
                 return;
             }
             for pid in pids {
-                // SAFETY: kill takes plain integers; a process that is gone returns ESRCH.
-                #[allow(unsafe_code)]
-                unsafe {
-                    libc::kill(pid, libc::SIGKILL);
-                }
+                sys::signal_process(pid, libc::SIGKILL);
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -144,7 +159,7 @@ impl Drop for JobCgroup {
 
 /// The directory of this process's cgroup in a hierarchy with the pids controller, and the cgroup version, from
 /// `/proc/self/cgroup` and `/proc/self/mountinfo`.
-fn own_dir(own: &str, mountinfo: &str) -> Result<(PathBuf, u8), String> {
+fn own_dir(own: &str, mountinfo: &str) -> Result<(PathBuf, u8), CgroupUnavailable> {
     // Mount point, root within the hierarchy, file system type and super options of each cgroup mount.
     let mounts: Vec<(&str, &str, &str, &str)> = mountinfo
         .lines()
@@ -176,7 +191,7 @@ fn own_dir(own: &str, mountinfo: &str) -> Result<(PathBuf, u8), String> {
     let mount = mounts.iter().find(|(_, _, fstype, _)| *fstype == "cgroup2");
     match (v2, mount) {
         (Some(path), Some((mount, root, _, _))) => Ok((under(mount, root, path), 2)),
-        _ => Err("no cgroup hierarchy with the pids controller is mounted".into()),
+        _ => Err(CgroupUnavailable::NoPidsHierarchy),
     }
 }
 
@@ -184,17 +199,16 @@ fn own_dir(own: &str, mountinfo: &str) -> Result<(PathBuf, u8), String> {
 /// controllers for its children may hold no processes itself: the processes of `dir` (this evaluator, and
 /// whatever shares its cgroup, such as a container's other processes) move to a leaf `kforge-evaluator` beside
 /// the jobs first. They stay inside `dir`, under its limits.
-fn enable_pids_v2(dir: &Path) -> Result<(), String> {
-    let read =
-        |name: &str| std::fs::read_to_string(dir.join(name)).map_err(|e| format!("{}: {e}", dir.join(name).display()));
+fn enable_pids_v2(dir: &Path) -> Result<(), CgroupUnavailable> {
+    let read = |name: &str| read(&dir.join(name));
     if read("cgroup.subtree_control")?.split_whitespace().any(|c| c == "pids") {
         return Ok(());
     }
     if !read("cgroup.controllers")?.split_whitespace().any(|c| c == "pids") {
-        return Err(format!("cgroup v2: the pids controller is not available to {}", dir.display()));
+        return Err(CgroupUnavailable::PidsNotAvailable { dir: dir.to_owned() });
     }
     let leaf = dir.join("kforge-evaluator");
-    std::fs::create_dir_all(&leaf).map_err(|e| format!("{}: {e}", leaf.display()))?;
+    std::fs::create_dir_all(&leaf).map_err(|source| CgroupUnavailable::Leaf { dir: leaf.clone(), source })?;
     for _ in 0..10 {
         let pids = read("cgroup.procs")?;
         if pids.trim().is_empty() {
@@ -212,7 +226,7 @@ fn enable_pids_v2(dir: &Path) -> Result<(), String> {
         .write(true)
         .open(dir.join("cgroup.subtree_control"))
         .and_then(|mut control| control.write_all(b"+pids"))
-        .map_err(|e| format!("cgroup v2: enabling pids for the children of {}: {e}", dir.display()))
+        .map_err(|source| CgroupUnavailable::Enable { dir: dir.to_owned(), source })
 }
 
 #[cfg(test)]
@@ -224,19 +238,25 @@ mod tests {
         let v1_own = "9:name=systemd:/\n8:pids:/jobs/evaluator\n4:memory:/x\n0::/\n";
         let v1_mounts = "30 25 0:26 / /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids\n\
                          31 25 0:27 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
-        assert_eq!(own_dir(v1_own, v1_mounts), Ok((PathBuf::from("/sys/fs/cgroup/pids/jobs/evaluator"), 1)));
+        assert_eq!(own_dir(v1_own, v1_mounts).ok(), Some((PathBuf::from("/sys/fs/cgroup/pids/jobs/evaluator"), 1)));
         // A container sees its own cgroup as the mount's root.
         let nested = "30 25 0:26 /kubepods/pod1 /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n";
-        assert_eq!(own_dir("8:pids:/kubepods/pod1/c\n", nested), Ok((PathBuf::from("/sys/fs/cgroup/pids/c"), 1)));
+        assert_eq!(
+            own_dir("8:pids:/kubepods/pod1/c\n", nested).ok(),
+            Some((PathBuf::from("/sys/fs/cgroup/pids/c"), 1))
+        );
         // cgroup v2: the process's own cgroup.
         let v2_mounts = "32 23 0:28 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
         assert_eq!(
-            own_dir("0::/process_api/0ea5\n", v2_mounts),
-            Ok((PathBuf::from("/sys/fs/cgroup/process_api/0ea5"), 2))
+            own_dir("0::/process_api/0ea5\n", v2_mounts).ok(),
+            Some((PathBuf::from("/sys/fs/cgroup/process_api/0ea5"), 2))
         );
-        assert!(own_dir("0::/\n", "1 0 8:1 / / rw - ext4 /dev/root rw\n").is_err());
+        assert!(matches!(
+            own_dir("0::/\n", "1 0 8:1 / / rw - ext4 /dev/root rw\n"),
+            Err(CgroupUnavailable::NoPidsHierarchy)
+        ));
         // A v2 cgroup that cannot have pids: a reason, not a limit.
-        let reason = enable_pids_v2(Path::new("/nonexistent-cgroup")).expect_err("no such cgroup");
+        let reason = enable_pids_v2(Path::new("/nonexistent-cgroup")).expect_err("no such cgroup").to_string();
         assert!(reason.contains("/nonexistent-cgroup"), "{reason}");
     }
 }

@@ -15,10 +15,22 @@
 //! job's group with `setsid` dies too. The id returns to the pool only then.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+
+use crate::sys;
+
+/// Why jobs cannot run as users of their own on this host (the protection's report says so).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum JobUsersUnavailable {
+    #[error("the evaluator runs as user {euid}, not root: jobs run as its user")]
+    NotRoot { euid: u32 },
+    #[error("job user ids from {base} are out of range")]
+    OutOfRange { base: u32 },
+    #[error("job users' lock directory {}: {source}", dir.display())]
+    LockDirectory { dir: PathBuf, source: std::io::Error },
+}
 
 /// How many job users exist: more than jobs ever run at once.
 pub const JOB_USERS: u32 = 4096;
@@ -44,18 +56,16 @@ pub struct JobUser {
 
 impl JobUsers {
     /// The pool, when this process may switch to other users (it runs as root); otherwise why not.
-    pub fn detect(base: u32) -> Result<Arc<Self>, String> {
-        // SAFETY: geteuid has no arguments and cannot fail.
-        #[allow(unsafe_code)]
-        let euid = unsafe { libc::geteuid() };
+    pub fn detect(base: u32) -> Result<Arc<Self>, JobUsersUnavailable> {
+        let euid = sys::effective_uid();
         if euid != 0 {
-            return Err(format!("the evaluator runs as user {euid}, not root: jobs run as its user"));
+            return Err(JobUsersUnavailable::NotRoot { euid });
         }
         if base == 0 || base.checked_add(JOB_USERS).is_none_or(|end| end > i32::MAX as u32) {
-            return Err(format!("job user ids from {base} are out of range"));
+            return Err(JobUsersUnavailable::OutOfRange { base });
         }
         let locks = std::env::temp_dir().join(format!("kforge-job-users-{base}"));
-        private_dir(&locks).map_err(|e| format!("job users' lock directory {}: {e}", locks.display()))?;
+        private_dir(&locks).map_err(|source| JobUsersUnavailable::LockDirectory { dir: locks.clone(), source })?;
         Ok(Arc::new(Self { base, locks, free: Mutex::new((base..base + JOB_USERS).collect()) }))
     }
 
@@ -75,10 +85,8 @@ impl JobUsers {
                 .mode(0o600)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(self.locks.join(uid.to_string()));
-            // SAFETY: flock on a descriptor the file owns.
-            #[allow(unsafe_code)]
             match lock {
-                Ok(file) if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 => {
+                Ok(file) if sys::try_lock_exclusive(&file) => {
                     return Some(JobUser { uid, gid: self.base, held: Some((Arc::clone(self), file)) });
                 }
                 // Another evaluator's job runs as it: tried again later.
@@ -116,7 +124,7 @@ fn release(uid: u32, gid: u32, held: Option<(Arc<JobUsers>, std::fs::File)>) {
             users.free.lock().unwrap_or_else(|e| e.into_inner()).push_back(uid);
             return;
         }
-        signal_all_of(uid, gid, libc::SIGKILL);
+        sys::signal_all_as_user(uid, gid, libc::SIGKILL);
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     // The lock is kept for the life of this evaluator: no job of any evaluator runs as this user again meanwhile.
@@ -162,52 +170,13 @@ fn any_process_of(uid: u32) -> bool {
 /// this process owns it. Only `dir` itself: what the evaluator made inside it stays as it is, and what a job made
 /// has the group already. A directory with the sticky bit (`/tmp`) is writable by everyone and left alone. Opened
 /// without following a link, so a job that swapped the directory for a link cannot redirect this elsewhere.
-pub fn share_with_group(dir: &Path, gid: u32) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let check = |result: libc::c_int| if result == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
-    // SAFETY: open with a C string that lives across the call; the descriptor is owned at once; fstat, fchown and
-    // fchmod on it with a struct this function owns.
-    #[allow(unsafe_code)]
-    unsafe {
-        let fd = libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let dir = OwnedFd::from_raw_fd(fd);
-        let mut stat: libc::stat = std::mem::zeroed();
-        check(libc::fstat(dir.as_raw_fd(), &mut stat))?;
-        if stat.st_uid != libc::geteuid() || stat.st_mode & libc::S_ISVTX != 0 {
-            return Ok(());
-        }
-        check(libc::fchown(dir.as_raw_fd(), u32::MAX, gid))?;
-        check(libc::fchmod(dir.as_raw_fd(), (stat.st_mode & 0o7777) | 0o2070))
+pub(crate) fn share_with_group(dir: &Path, gid: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW).open(dir)?;
+    let meta = dir.metadata()?;
+    if meta.uid() != sys::effective_uid() || meta.mode() & libc::S_ISVTX != 0 {
+        return Ok(());
     }
-}
-
-/// Sends `signal` to every process of `uid`, from a child that becomes that user: `kill(-1, signal)` reaches all
-/// processes the caller may signal, which for a user without privileges are its own. Blocking for the child's
-/// life (a fork, three system calls, an exit).
-pub fn signal_all_of(uid: u32, gid: u32, signal: libc::c_int) {
-    // SAFETY: after fork, the child makes only async-signal-safe system calls on integers and leaves with _exit;
-    // the parent waits for it.
-    #[allow(unsafe_code)]
-    unsafe {
-        let pid = libc::fork();
-        if pid == 0 {
-            if libc::setgroups(0, std::ptr::null()) == 0
-                && libc::setresgid(gid, gid, gid) == 0
-                && libc::setresuid(uid, uid, uid) == 0
-            {
-                libc::kill(-1, signal);
-            }
-            libc::_exit(0);
-        }
-        if pid > 0 {
-            let mut status = 0;
-            while libc::waitpid(pid, &mut status, 0) < 0
-                && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
-            {}
-        }
-    }
+    std::os::unix::fs::fchown(&dir, None, Some(gid))?;
+    dir.set_permissions(std::fs::Permissions::from_mode((meta.mode() & 0o7777) | 0o2070))
 }

@@ -1,0 +1,148 @@
+//! The caller's hold on a running job in a conversation (see [`crate::Sandbox::run_with_control`]): stopping and
+//! continuing its process group, reading how much CPU it has used or wanted, and its wall clock, which does not run
+//! while the caller holds the job stopped.
+
+use std::time::{Duration, Instant};
+
+use crate::sys;
+
+/// The caller's hold on a running job in a conversation (see [`crate::Sandbox::run_with_control`]).
+#[derive(Debug)]
+pub struct Control {
+    /// The job's process group, to stop and continue it.
+    pub group: libc::pid_t,
+    /// The job's own user and group, when it has one: its signals reach every process of that user too (one that
+    /// left the group with `setsid`).
+    user: Option<(u32, u32)>,
+    clock: tokio::sync::watch::Sender<Clock>,
+}
+
+/// The job's wall clock: time spent stopped by the caller does not count against its limit.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Clock {
+    held_since: Option<Instant>,
+    held: Duration,
+}
+
+impl Control {
+    pub(crate) fn new(group: libc::pid_t, user: Option<(u32, u32)>, clock: tokio::sync::watch::Sender<Clock>) -> Self {
+        Self { group, user, clock }
+    }
+
+    /// Stops the job's process group (`SIGSTOP`) and its wall clock: it waits for the caller and does no work.
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        self.clock.send_if_modified(|clock| {
+            let starts = clock.held_since.is_none();
+            clock.held_since.get_or_insert_with(Instant::now);
+            starts
+        });
+    }
+
+    /// Restarts the job's wall clock and continues its process group (`SIGCONT`) after [`Control::stop`].
+    pub fn resume(&self) {
+        self.clock.send_if_modified(|clock| match clock.held_since.take() {
+            Some(since) => {
+                clock.held += since.elapsed();
+                true
+            }
+            None => false,
+        });
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Kills the job's process group (`SIGKILL`): for a job that broke the conversation's protocol. Only while the
+    /// job is known to be running (it has just spoken), so the group cannot have been reused.
+    pub fn kill(&self) {
+        self.signal(libc::SIGKILL);
+    }
+
+    /// How long the job's process group has wanted a CPU so far: the CPU time it used (its processes' own, and
+    /// that of the children they waited for) plus the time its threads waited runnable in a run queue
+    /// (`/proc/<pid>/task/<tid>/schedstat`), so that a process starved by others on a loaded machine still counts
+    /// as busy, not as waiting. `None` where `/proc` does not say.
+    pub fn cpu_demand(&self) -> Option<Duration> {
+        let cpu = self.cpu_time()?;
+        let mut waited_ns = 0u64;
+        for pid in self.pids() {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+            for task in tasks.flatten() {
+                let Ok(schedstat) = std::fs::read_to_string(task.path().join("schedstat")) else { continue };
+                // on-CPU ns, run-queue wait ns, time slices
+                waited_ns += schedstat.split_whitespace().nth(1).and_then(|w| w.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        Some(cpu + Duration::from_nanos(waited_ns))
+    }
+
+    /// The processes of the job's group now.
+    fn pids(&self) -> Vec<i32> {
+        let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+        entries
+            .flatten()
+            .filter_map(|entry| {
+                let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
+                let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+                let (_, fields) = stat.rsplit_once(')')?;
+                (fields.split_whitespace().nth(2)?.parse::<i32>().ok()? == self.group).then_some(pid)
+            })
+            .collect()
+    }
+
+    /// CPU time the job's process group has used so far: its processes' own, and that of the children they
+    /// waited for. `None` where `/proc` does not say.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        let ticks = sys::clock_ticks()?;
+        let mut total = 0u64;
+        let mut found = false;
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<i32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+            // The command name is in parentheses and may hold spaces; the fields after it are numbers.
+            let Some((_, fields)) = stat.rsplit_once(')') else { continue };
+            let fields: Vec<&str> = fields.split_whitespace().collect();
+            // state ppid pgrp ... utime(11) stime(12) cutime(13) cstime(14), counted from the state.
+            if fields.len() < 15 || fields[2].parse::<i32>() != Ok(self.group) {
+                continue;
+            }
+            let field = |index: usize| fields[index].parse::<u64>().unwrap_or(0);
+            total += field(11) + field(12);
+            if pid == self.group {
+                total += field(13) + field(14);
+            }
+            found = true;
+        }
+        found.then(|| Duration::from_secs_f64(total as f64 / ticks as f64))
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        // A group already gone is fine.
+        sys::signal_group(self.group, signal);
+        if let Some((uid, gid)) = self.user {
+            sys::signal_all_as_user(uid, gid, signal);
+        }
+    }
+}
+
+/// Resolves when the job has run `wall` since `started`, not counting the time its clock was held.
+pub(crate) async fn deadline(wall: Duration, started: Instant, mut clock: tokio::sync::watch::Receiver<Clock>) {
+    loop {
+        let now = *clock.borrow_and_update();
+        if now.held_since.is_some() {
+            if clock.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            continue;
+        }
+        tokio::select! {
+            () = tokio::time::sleep_until((started + wall + now.held).into()) => return,
+            changed = clock.changed() => {
+                if changed.is_err() {
+                    // The caller's side is gone: the clock runs on as it stood.
+                    tokio::time::sleep_until((started + wall + now.held).into()).await;
+                    return;
+                }
+            }
+        }
+    }
+}
