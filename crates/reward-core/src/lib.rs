@@ -1,4 +1,5 @@
-//! kforge's reward math: pure, deterministic functions from evaluation outcomes to training signals.
+//! kforge's reward math: pure, deterministic functions from evaluation outcomes to training signals, and the job
+//! metrics computed from a job's recorded turns.
 //!
 //! The Reward service exposes these over gRPC and the orchestrator calls them in-process; both see the same
 //! results. Every function validates its whole input first and returns [`InvalidInput`] naming the offending field
@@ -7,6 +8,7 @@
 
 mod advantages;
 mod diagnose;
+mod metrics;
 mod outcome;
 mod rejection;
 mod returns;
@@ -16,6 +18,10 @@ pub use advantages::{Estimator, compute_advantages};
 pub use diagnose::{
     DEFAULT_OPENING, DEFAULT_REPETITION_THRESHOLD, DiagnoseParams, Diagnosis, ResponseFlags, ResponseInput, diagnose,
     repetition_ratio,
+};
+pub use metrics::{
+    AtK, AtKValue, Cost, DEFAULT_FAST_P, DEFAULT_QUANTILES, FastP, JobMetrics, MetricsParams, Rates, Ratio,
+    ResponseSample, SpeedupStats, Spend, TurnSample, Usage, expected_best_of, job_metrics, quantile,
 };
 pub use outcome::{Outcome, Verdict};
 pub use rejection::{Decision, MrsParams, PrsParams, TokenLogprobs, mrs, prs, uniform_draw};
