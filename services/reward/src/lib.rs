@@ -2,9 +2,11 @@
 //!
 //! Each handler converts the request to domain types (failing with INVALID_ARGUMENT that names the field), runs
 //! the pure function on the blocking pool (a million-sample batch is CPU work the async workers should not hold),
-//! and converts the result back. Nothing here decides a number; `kforge-reward-core` does.
+//! and converts the result back. Nothing here decides a number; `kforge-reward-core` does. [`metrics`] converts
+//! the job metrics the orchestrator computes with reward-core to their wire form.
 
 mod convert;
+pub mod metrics;
 
 use std::future::Future;
 
