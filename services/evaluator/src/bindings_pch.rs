@@ -18,21 +18,32 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kforge_sandbox::Sandbox;
+use kforge_sandbox::{Sandbox, tail};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::{self, Cache, Entry, EntryLock};
-use crate::pipeline::cap;
 use crate::python::{self, PythonEnv, Request, Stage};
 
 /// The extra flags (load_inline's `extra_cflags`) precompiled for: none, torch's default and the kernels in the
 /// benchmark's set, and `-O3`, the most common choice of generated candidates. About 0.8 GB each.
 pub const VARIANTS: [(&str, &[&str]); 2] = [("default", &[]), ("O3", &["-O3"])];
 
+/// Why there is no precompiled bindings header; compiles then read the header as load_inline does.
+#[derive(Debug, thiserror::Error)]
+pub enum Unavailable {
+    #[error("bindings header cache: {0}")]
+    Cache(#[from] std::io::Error),
+    /// The build failed: the harness's report (remembered in the cache), or why the stage gave none.
+    #[error("{0}")]
+    Failed(String),
+    #[error("evicted as soon as it was built")]
+    Evicted,
+}
+
 /// Builds the precompiled header into `cache` (or finds it built, by an earlier start or another evaluator sharing
 /// the work directory) and returns its directory, pinned while the returned lock is held. `Err` says why there is
-/// none; compiles then read the header as load_inline does.
+/// none.
 pub async fn build(
     sandbox: &Sandbox,
     python: &PythonEnv,
@@ -40,7 +51,7 @@ pub async fn build(
     cache: &Cache,
     scratch: &Path,
     wall: Duration,
-) -> Result<(PathBuf, EntryLock), String> {
+) -> Result<(PathBuf, EntryLock), Unavailable> {
     let variants: Vec<String> = VARIANTS.iter().map(|(name, flags)| format!("{name}={};", flags.join(" "))).collect();
     // The entry holds the starts of nvcc's host compile too (kforge_nvcc.HostPch, `nvcc-host/`).
     let key = cache::key(&[python.versions_key().as_bytes(), variants.concat().as_bytes(), b"nvcc-host"]);
@@ -49,32 +60,31 @@ pub async fn build(
         Some(Entry::Failed(reason)) => Some(Err(reason)),
         None => None,
     };
-    let io = |error: std::io::Error| format!("bindings header cache: {error}");
     if ready(cache.get(&key)).is_none() {
-        let lock = cache.lock(&key).await.map_err(io)?;
+        let lock = cache.lock(&key).await?;
         if ready(cache.get(&key)).is_none() {
             let dir = cache.dir(&key);
-            std::fs::create_dir_all(&dir).map_err(io)?;
+            std::fs::create_dir_all(&dir)?;
             let started = Instant::now();
             match run(sandbox, python, harness, &dir, scratch, wall).await {
                 Ok(built) => {
                     tracing::info!(dir = %dir.display(), ?built, seconds = started.elapsed().as_secs_f64(), "bindings header precompiled");
-                    cache.complete(&key, &Entry::Ready(built.join(" ")), &lock).map_err(io)?;
+                    cache.complete(&key, &Entry::Ready(built.join(" ")), &lock)?;
                 }
                 // The harness reported it (no compiler, a header that does not build): the same next time.
-                Err(Failure::Reported(reason)) => cache.complete(&key, &Entry::Failed(reason), &lock).map_err(io)?,
+                Err(Failure::Reported(reason)) => cache.complete(&key, &Entry::Failed(reason), &lock)?,
                 Err(Failure::Other(reason)) => {
                     cache.discard(&key, &lock);
-                    return Err(reason);
+                    return Err(Unavailable::Failed(reason));
                 }
             }
         }
     }
-    let pin = cache.pin(&key).await.map_err(io)?;
+    let pin = cache.pin(&key).await?;
     match ready(cache.get(&key)) {
         Some(Ok(())) => Ok((cache.dir(&key), pin)),
-        Some(Err(reason)) => Err(reason),
-        None => Err("evicted as soon as it was built".into()),
+        Some(Err(reason)) => Err(Unavailable::Failed(reason)),
+        None => Err(Unavailable::Evicted),
     }
 }
 
@@ -116,15 +126,15 @@ async fn run(
     let Some(result) = outcome.result.clone() else {
         return Err(Failure::Other(format!(
             "the bindings_pch stage ended without a result: {}",
-            cap(&outcome.error_text(), 4000)
+            tail(&outcome.error_text(), 4000)
         )));
     };
     if !outcome.ok() {
         let detail = result.get("failed").map(|f| f.to_string()).unwrap_or_else(|| outcome.error_text());
-        return Err(Failure::Reported(format!("the bindings header did not precompile: {}", cap(&detail, 4000))));
+        return Err(Failure::Reported(format!("the bindings header did not precompile: {}", tail(&detail, 4000))));
     }
     if let Some(failed) = result.get("failed").and_then(|f| f.as_object()).filter(|f| !f.is_empty()) {
-        tracing::warn!(failed = %cap(&serde_json::Value::Object(failed.clone()).to_string(), 4000), "some bindings headers were not precompiled");
+        tracing::warn!(failed = %tail(&serde_json::Value::Object(failed.clone()).to_string(), 4000), "some bindings headers were not precompiled");
     }
     // The starts of nvcc's host compile (GPU machines with kforge's nvcc): without one, builds parse it as before.
     if let Some(host) = result.get("host").and_then(|h| h.as_object()).filter(|h| !h.is_empty()) {
@@ -133,7 +143,7 @@ async fn run(
         if failed.is_empty() {
             tracing::info!(variants = host.len(), "nvcc's host compile precompiled");
         } else {
-            tracing::warn!(failed = %cap(&serde_json::Value::Object(failed).to_string(), 4000), "some starts of nvcc's host compile were not precompiled");
+            tracing::warn!(failed = %tail(&serde_json::Value::Object(failed).to_string(), 4000), "some starts of nvcc's host compile were not precompiled");
         }
     }
     let built = result.get("built").and_then(|b| b.as_array()).cloned().unwrap_or_default();

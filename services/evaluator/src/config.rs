@@ -6,8 +6,6 @@ use kforge_sandbox::SandboxOptions;
 use kforge_server::{ServerConfig, ServiceConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::devices::DeviceProbeConfig;
-
 /// Configuration of the Evaluator service.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -46,6 +44,10 @@ pub struct EvaluatorConfig {
     /// One of the first correctness trials repeats trial 0's inputs with a few elements moved far out of range;
     /// the candidate's output must move as the reference's does (partial computation, closed-form shortcuts).
     pub sensitivity_check: bool,
+    /// The most bytes of outputs one evaluation saves for its check, per side (candidate and reference): a task
+    /// whose outputs are larger than this over all its trials keeps as many trials as fit, at least two (trial 0
+    /// and the sensitivity trial; docs/EVALUATOR.md, "Large outputs"). 0: every trial, whatever its size.
+    pub output_bytes_budget: u64,
     /// Forward calls profiled per mode in the kernel census.
     pub census_calls: u32,
     /// Largest candidate or task source accepted, in bytes.
@@ -85,6 +87,24 @@ pub struct EvaluatorConfig {
     pub device_probe: DeviceProbeConfig,
     /// Size bounds of the on-disk caches.
     pub cache_limits: CacheLimits,
+}
+
+/// How GPUs are health-probed (`[evaluator.device_probe]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeviceProbeConfig {
+    /// The probe program. Default: `kforge-device-probe` next to this executable, else on PATH.
+    pub command: Option<PathBuf>,
+    /// A probe that has not finished after this many seconds failed (a wedged device hangs driver calls).
+    pub timeout_secs: u64,
+    /// While a device is quarantined, it is probed again this often, in seconds.
+    pub retry_secs: u64,
+}
+
+impl Default for DeviceProbeConfig {
+    fn default() -> Self {
+        Self { command: None, timeout_secs: 30, retry_secs: 15 }
+    }
 }
 
 /// How candidates' extensions are built (`build_recipe`).
@@ -177,6 +197,7 @@ impl Default for EvaluatorConfig {
             default_trials: 5,
             recheck_trials: 2,
             sensitivity_check: true,
+            output_bytes_budget: 12 << 30,
             census_calls: 2,
             max_source_bytes: 256 * 1024,
             compile_timeout_secs: 600,

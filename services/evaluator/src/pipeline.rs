@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kforge_proto::v1 as pb;
-use kforge_sandbox::{Exit, Sandbox};
+use kforge_sandbox::{Exit, Sandbox, tail as cap};
 use serde_json::json;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
@@ -271,7 +271,7 @@ impl Evaluator {
                 }
                 Err(reason) => {
                     tracing::warn!(%reason, "building without a precompiled bindings header");
-                    done.send_replace(Some(Err(reason)));
+                    done.send_replace(Some(Err(reason.to_string())));
                     None
                 }
             };
@@ -332,7 +332,7 @@ impl Evaluator {
                 detail: format!("{} after each device fault; a failing GPU is quarantined", program.display()),
             },
             (true, Err(reason)) => {
-                pb::SandboxProtection { name: "device_health_probe".into(), active: false, detail: reason.into() }
+                pb::SandboxProtection { name: "device_health_probe".into(), active: false, detail: reason.to_string() }
             }
         });
         pb::GetCapabilitiesResponse {
@@ -548,7 +548,7 @@ impl Evaluator {
         let footprint = if on_gpu { self.footprint(&task_key) } else { None };
         let lane = match inner.lanes.acquire(on_gpu, job.priority, &job.job_id, footprint).await {
             Ok(lane) => lane,
-            Err(unavailable) => return infra(response, unavailable, true),
+            Err(unavailable) => return infra(response, unavailable.to_string(), true),
         };
         if let Some(bytes) = footprint {
             response.stage_ms.insert("memory.footprint_mb".into(), bytes as f64 / (1u64 << 20) as f64);
@@ -1651,18 +1651,6 @@ fn mismatch_proto(value: &serde_json::Value) -> pb::Mismatch {
 
 fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1e3
-}
-
-/// At most `limit` bytes of `text`, cut at a character boundary, keeping the end (where errors are).
-pub(crate) fn cap(text: &str, limit: usize) -> String {
-    if text.len() <= limit {
-        return text.to_owned();
-    }
-    let mut start = text.len() - limit;
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    format!("[...]{}", &text[start..])
 }
 
 struct RemoveOnDrop(PathBuf);

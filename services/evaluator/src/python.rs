@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError};
+use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError, resolve_on_path};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
@@ -332,18 +332,6 @@ pub async fn sandbox_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path
     }
     let stderr = finished.stderr_tail(2000);
     Err(stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no error text").trim().to_owned())
-}
-
-/// `program` itself when it names a path, otherwise the first executable of that name on PATH.
-pub(crate) fn resolve_on_path(program: &Path) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    if program.components().count() > 1 {
-        return Some(program.to_owned());
-    }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join(program)).find(|candidate| {
-        std::fs::metadata(candidate).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    })
 }
 
 /// The process of one harness stage: where it runs and what it may touch, fixed when it starts.
