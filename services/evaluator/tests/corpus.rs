@@ -1,6 +1,11 @@
 //! The integrity corpus: every exploit gets its expected verdict and finding code, and every legitimate candidate
 //! stays `VERDICT_CORRECT` with all the run-time checks on (timing, census, re-checks).
 //!
+//! Each corpus entry is a test of its own (this is a `harness = false` test run by libtest-mimic), named by its file
+//! (and policy, where one file is judged under several): one entry can be run and retried alone, e.g.
+//! `cargo test -p kforge-evaluator --test corpus -- exploits/input_mutation.py`. The entries of one process share one
+//! evaluator; a run under cargo-nextest starts one per entry, sharing the caches in the work directory.
+//!
 //! Each corpus file says what it is in its header comments:
 //!
 //! ```text
@@ -25,15 +30,23 @@
 //! get the low-ratio notice. Example candidates that compile no code of their own are the reference's math in
 //! torch, as a sweep's reproducing candidate is: they expect exactly that notice.
 //!
+//! An entry that needs a sandbox protection this host lacks fails on the CPU backend (CI's host has them all) and
+//! is a `SKIP:` on a GPU host (some run jobs without one; GetCapabilities says why). Without the Python environment
+//! every entry is a `SKIP:`, or a failure under `KFORGE_CI=1` (set-up installs it).
+//!
 //! On the CPU backend (the default, and CI) it runs `exploits/` and `legitimate/` plus every example candidate.
 //! With `KFORGE_CORPUS_BACKEND=cuda` it adds `cuda/`; `KFORGE_CORPUS_PYTHON`, `KFORGE_CORPUS_WORK` and
-//! `KFORGE_CORPUS_REPORT` (a JSON-lines file of every result), `KFORGE_CORPUS_ONLY` and
-//! `KFORGE_CORPUS_RUN_TIMEOUT` (seconds per run stage) and `KFORGE_CORPUS_ROOT` let the same binary run on a GPU machine.
+//! `KFORGE_CORPUS_REPORT` (a JSON-lines file each result is appended to), `KFORGE_CORPUS_ONLY` and
+//! `KFORGE_CORPUS_RUN_TIMEOUT` (seconds per run stage) and `KFORGE_CORPUS_ROOT` let the same binary run on a GPU
+//! machine. Entries run 16 at a time unless `--test-threads` says otherwise.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics, config::TimingBudget};
 use kforge_proto::v1 as pb;
+use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Findings that name lazy work: the candidate's own code does not do the work.
 const LAZY_WORK: &[&str] = &[
@@ -56,6 +69,19 @@ struct Entry {
     /// The sandbox protection the defence needs (`landlock`, `process_limit`, `job_user`).
     requires: Option<String>,
     triton: bool,
+}
+
+impl Entry {
+    /// The test's name: the file from the repository root (examples) or the corpus directory, and the policy where
+    /// the file is judged under several.
+    fn name(&self, several_policies: bool) -> String {
+        let file = self.file.strip_prefix(root().join("tests/corpus")).unwrap_or(&self.file);
+        let file = file.strip_prefix(root().join("tests")).unwrap_or(file);
+        let file = file
+            .strip_prefix(root().join("../../examples/tasks"))
+            .map_or(file.to_owned(), |f| Path::new("examples").join(f.to_string_lossy().replace("/candidates/", "/")));
+        if several_policies { format!("{}[{}]", file.display(), self.policy) } else { file.display().to_string() }
+    }
 }
 
 /// The evaluator's package directory (`KFORGE_CORPUS_ROOT` where the binary runs from another checkout).
@@ -189,14 +215,36 @@ fn verdict_name(verdict: i32) -> &'static str {
     pb::Verdict::try_from(verdict).map_or("?", |v| v.as_str_name())
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
+/// What every entry of this process shares: one runtime and one evaluator, started by the first entry that runs
+/// (so that listing the entries starts nothing), with the sandbox protections it has.
+struct Shared {
+    runtime: tokio::runtime::Runtime,
+    evaluator: Evaluator,
+    active: Vec<String>,
+    cuda: bool,
+}
+
+/// The shared evaluator, or why the entries cannot run: `Ok(None)` says SKIP (no Python environment, and none
+/// expected).
+fn shared() -> Result<Option<&'static Shared>, Failed> {
+    static SHARED: OnceLock<Result<Option<Shared>, String>> = OnceLock::new();
+    match SHARED.get_or_init(start) {
+        Ok(shared) => Ok(shared.as_ref()),
+        Err(error) => Err(error.into()),
+    }
+}
+
+fn start() -> Result<Option<Shared>, String> {
     let backend = std::env::var("KFORGE_CORPUS_BACKEND").unwrap_or_else(|_| "cpu".into());
-    let cuda = backend == "cuda";
-    let python = std::env::var_os("KFORGE_CORPUS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("../../.venv/bin/python"));
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let named = std::env::var_os("KFORGE_CORPUS_PYTHON").map(PathBuf::from);
+    let python = named.clone().unwrap_or_else(|| root().join("../../.venv/bin/python"));
+    if !python.exists() {
+        let missing = format!("{} is missing: run scripts/setup.sh --test", python.display());
+        if named.is_some() || std::env::var_os("KFORGE_CI").is_some_and(|ci| ci == "1") {
+            return Err(missing);
+        }
+        return Ok(None);
+    }
     let work_dir = std::env::var_os("KFORGE_CORPUS_WORK")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("evaluator-cache"));
@@ -212,133 +260,122 @@ async fn exploits_get_their_verdicts_and_legitimate_candidates_stay_correct() {
         run_timeout_secs: std::env::var("KFORGE_CORPUS_RUN_TIMEOUT").ok().and_then(|t| t.parse().ok()).unwrap_or(120),
         ..EvaluatorConfig::default()
     };
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| format!("a tokio runtime: {e}"))?;
     let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());
-    let evaluator = Evaluator::new(config, metrics).await.expect("evaluator starts");
+    let evaluator = runtime.block_on(Evaluator::new(config, metrics)).map_err(|e| format!("evaluator start: {e}"))?;
     let sandbox = evaluator.capabilities().sandbox;
     for protection in &sandbox {
         println!("SANDBOX {} {}: {}", protection.name, if protection.active { "on" } else { "off" }, protection.detail);
     }
-    let active: Vec<String> = sandbox.iter().filter(|p| p.active).map(|p| p.name.clone()).collect();
-    let unprotected = |entry: &Entry| entry.requires.as_ref().filter(|name| !active.contains(name)).cloned();
+    let active = sandbox.iter().filter(|p| p.active).map(|p| p.name.clone()).collect();
+    Ok(Some(Shared { runtime, evaluator, active, cuda: backend == "cuda" }))
+}
 
-    let entries = corpus(cuda);
-    let mut runs = tokio::task::JoinSet::new();
-    for (index, entry) in entries.iter().cloned().enumerate() {
-        if unprotected(&entry).is_some() {
-            continue;
-        }
-        let evaluator = evaluator.clone();
-        let backend = match (cuda, entry.triton) {
-            (false, _) => pb::Backend::Cpu,
-            (true, false) => pb::Backend::Cuda,
-            (true, true) => pb::Backend::Triton,
-        };
-        runs.spawn(async move {
-            let candidate = std::fs::read_to_string(&entry.file).expect("candidate source");
-            let response = evaluator
-                .evaluate(pb::EvaluateRequest {
-                    request_id: format!("{} ({})", entry.file.display(), entry.policy),
-                    task: Some(pb::Task { task_id: entry.task_id.clone(), source: entry.task.clone() }),
-                    candidate_source: candidate,
-                    backend: backend.into(),
-                    policy: entry.policy.clone(),
-                    correctness_trials: 3,
-                    measure_performance: true,
-                    census: true,
-                    ..Default::default()
-                })
-                .await;
-            (index, response)
-        });
-    }
-    let mut results = Vec::new();
-    while let Some(joined) = runs.join_next().await {
-        results.push(joined.expect("evaluation task"));
-    }
-    results.sort_by_key(|(index, _)| *index);
-
-    let mut failures = Vec::new();
-    let mut report = String::new();
-    for entry in &entries {
-        let Some(protection) = unprotected(entry) else { continue };
-        let name = entry.file.display();
-        if cuda {
+/// Evaluates one entry and checks its verdict, findings and profiling ratio.
+fn run(entry: &Entry, name: &str) -> Result<(), Failed> {
+    let Some(shared) = shared()? else {
+        println!("SKIP: {name}: the Python environment (.venv) is missing: run scripts/setup.sh --test");
+        return Ok(());
+    };
+    if let Some(protection) = entry.requires.as_ref().filter(|name| !shared.active.contains(name)) {
+        if shared.cuda {
             // Recorded, not asserted: some GPU hosts run jobs without a protection (GetCapabilities says why).
-            println!("NOT RUN {name}: {protection} is inactive on this host, so its defence is absent");
-        } else {
-            failures.push(format!("{name}: needs {protection}, which is inactive on this host"));
+            println!("SKIP: {name}: {protection} is inactive on this host, so its defence is absent");
+            return Ok(());
         }
+        return Err(format!("needs {protection}, which is inactive on this host").into());
     }
-    for (index, response) in results {
-        let entry = &entries[index];
-        let name = entry.file.strip_prefix(root().join("../..")).unwrap_or(&entry.file).display().to_string();
-        let response = match response {
-            Ok(response) => response,
-            Err(error) => {
-                failures.push(format!("{name}: refused: {error}"));
-                continue;
-            }
-        };
-        let codes: Vec<&str> = response.findings.iter().map(|f| f.code.as_str()).collect();
-        let got = verdict_name(response.verdict);
-        report.push_str(
-            &serde_json::json!({
-                "file": name, "class": entry.class, "policy": entry.policy, "got": got, "findings": codes,
-                "expected": entry.verdicts.iter().map(|v| v.as_str_name()).collect::<Vec<_>>(), "codes": entry.codes,
-                "profiling_ratio": response.profiling_ratio, "error": response.error.chars().take(300).collect::<String>(),
-                "mismatch": response.mismatch.as_ref().map(|m| m.detail.clone()),
-            })
-            .to_string(),
-        );
-        report.push('\n');
-        println!("{got:<24} {codes:?} {name} ({}, {}, PR {:.3})", entry.class, entry.policy, response.profiling_ratio);
-        let verdict = pb::Verdict::try_from(response.verdict).unwrap_or(pb::Verdict::Unspecified);
-        if !entry.verdicts.contains(&verdict) {
-            failures.push(format!(
-                "{name} ({}): expected {:?}, got {got}; findings {codes:?}; error {}; mismatch {:?}",
-                entry.class,
-                entry.verdicts,
-                response.error.chars().take(600).collect::<String>(),
-                response.mismatch
-            ));
-            continue;
-        }
-        // A mismatch carries no finding: the codes an entry names are looked for on the other verdicts.
-        if verdict != pb::Verdict::Incorrect
-            && !entry.codes.is_empty()
-            && !entry.codes.iter().any(|code| codes.contains(&code.as_str()))
-        {
-            failures.push(format!(
-                "{name} ({}, {}): expected finding {:?}, got {codes:?}",
-                entry.class, entry.policy, entry.codes
-            ));
-        }
-        let unnamed: Vec<&str> =
-            codes.iter().copied().filter(|c| LAZY_WORK.contains(c) && !entry.codes.iter().any(|e| e == c)).collect();
-        if verdict == pb::Verdict::Correct && !unnamed.is_empty() {
-            failures.push(format!(
-                "{name} ({}, {}): lazy-work findings {unnamed:?} the entry does not name (profiling ratio {})",
-                entry.class, entry.policy, response.profiling_ratio
-            ));
-        }
-        if let Some(limit) = entry.profiling_ratio_below
-            && (response.profiling_ratio >= limit || response.kernels.is_empty())
-        {
-            failures.push(format!(
-                "{name}: profiling ratio {} (kernels {}), expected below {limit}",
-                response.profiling_ratio,
-                response.kernels.len()
-            ));
-        }
-    }
+    let backend = match (shared.cuda, entry.triton) {
+        (false, _) => pb::Backend::Cpu,
+        (true, false) => pb::Backend::Cuda,
+        (true, true) => pb::Backend::Triton,
+    };
+    let candidate = std::fs::read_to_string(&entry.file).map_err(|e| format!("{}: {e}", entry.file.display()))?;
+    let request = pb::EvaluateRequest {
+        request_id: format!("{} ({})", entry.file.display(), entry.policy),
+        task: Some(pb::Task { task_id: entry.task_id.clone(), source: entry.task.clone() }),
+        candidate_source: candidate,
+        backend: backend.into(),
+        policy: entry.policy.clone(),
+        correctness_trials: 3,
+        measure_performance: true,
+        census: true,
+        ..Default::default()
+    };
+    let response = shared.runtime.block_on(shared.evaluator.evaluate(request)).map_err(|e| format!("refused: {e}"))?;
+    let codes: Vec<&str> = response.findings.iter().map(|f| f.code.as_str()).collect();
+    let got = verdict_name(response.verdict);
     if let Some(path) = std::env::var_os("KFORGE_CORPUS_REPORT") {
-        std::fs::write(path, &report).expect("report written");
+        let line = serde_json::json!({
+            "file": name, "class": entry.class, "policy": entry.policy, "got": got, "findings": codes,
+            "expected": entry.verdicts.iter().map(|v| v.as_str_name()).collect::<Vec<_>>(), "codes": entry.codes,
+            "profiling_ratio": response.profiling_ratio, "error": response.error.chars().take(300).collect::<String>(),
+            "mismatch": response.mismatch.as_ref().map(|m| m.detail.clone()),
+        });
+        // One write of one line in append mode: lines of entries that end at once do not interleave.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut report| report.write_all(format!("{line}\n").as_bytes()))
+            .map_err(|e| format!("report {}: {e}", Path::new(&path).display()))?;
     }
-    assert!(
-        failures.is_empty(),
-        "{} of {} corpus entries failed:\n{}",
-        failures.len(),
-        entries.len(),
-        failures.join("\n")
-    );
+    println!("{got:<24} {codes:?} {name} ({}, {}, PR {:.3})", entry.class, entry.policy, response.profiling_ratio);
+    let verdict = pb::Verdict::try_from(response.verdict).unwrap_or(pb::Verdict::Unspecified);
+    if !entry.verdicts.contains(&verdict) {
+        return Err(format!(
+            "{}: expected {:?}, got {got}; findings {codes:?}; error {}; mismatch {:?}",
+            entry.class,
+            entry.verdicts,
+            response.error.chars().take(600).collect::<String>(),
+            response.mismatch
+        )
+        .into());
+    }
+    // A mismatch carries no finding: the codes an entry names are looked for on the other verdicts.
+    if verdict != pb::Verdict::Incorrect
+        && !entry.codes.is_empty()
+        && !entry.codes.iter().any(|code| codes.contains(&code.as_str()))
+    {
+        return Err(
+            format!("{}, {}: expected finding {:?}, got {codes:?}", entry.class, entry.policy, entry.codes).into()
+        );
+    }
+    let unnamed: Vec<&str> =
+        codes.iter().copied().filter(|c| LAZY_WORK.contains(c) && !entry.codes.iter().any(|e| e == c)).collect();
+    if verdict == pb::Verdict::Correct && !unnamed.is_empty() {
+        return Err(format!(
+            "{}, {}: lazy-work findings {unnamed:?} the entry does not name (profiling ratio {})",
+            entry.class, entry.policy, response.profiling_ratio
+        )
+        .into());
+    }
+    if let Some(limit) = entry.profiling_ratio_below
+        && (response.profiling_ratio >= limit || response.kernels.is_empty())
+    {
+        return Err(format!(
+            "profiling ratio {} (kernels {}), expected below {limit}",
+            response.profiling_ratio,
+            response.kernels.len()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let mut args = Arguments::from_args();
+    // Entries wait on the evaluator's queue, not the CPU: more at once keeps its compile pool and lanes busy.
+    args.test_threads =
+        args.test_threads.or_else(|| std::env::var("RUST_TEST_THREADS").ok()?.parse().ok()).or(Some(16));
+    let cuda = std::env::var("KFORGE_CORPUS_BACKEND").is_ok_and(|backend| backend == "cuda");
+    let entries = corpus(cuda);
+    let mut trials = Vec::new();
+    for entry in entries.iter() {
+        let several = entries.iter().filter(|other| other.file == entry.file).count() > 1;
+        let name = entry.name(several);
+        let entry = entry.clone();
+        trials.push(Trial::test(name.clone(), move || run(&entry, &name)));
+    }
+    libtest_mimic::run(&args, trials).exit_code()
 }
