@@ -59,6 +59,15 @@ if $want_test_tools; then
       || { echo "setup: apt-get install chromium failed (run apt-get update first?)" >&2; exit 1; }
   fi
   say "$(chromium --version 2>/dev/null)"
+  # PostgreSQL for the orchestrator's store tests: each test run starts a throwaway cluster of its own (initdb and
+  # pg_ctl on a temporary directory, as the postgres user when run as root), so only the binaries are needed.
+  if ! command -v initdb >/dev/null && ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+    say "installing postgresql (Debian package)"
+    sudo_cmd=(); [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q postgresql >/dev/null \
+      || { echo "setup: apt-get install postgresql failed (run apt-get update first?)" >&2; exit 1; }
+  fi
+  say "PostgreSQL $(compgen -G '/usr/lib/postgresql/*/bin/initdb' | head -n1 | cut -d/ -f5)"
 fi
 
 say "building kforge (release)"

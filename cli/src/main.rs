@@ -51,6 +51,8 @@ enum Command {
     Run(RunArgs),
     /// Evaluate one candidate kernel against one task and print the verdict.
     Eval(EvalArgs),
+    /// Write a job's training samples as JSONL, one sample per recorded turn.
+    Export(kforge::export::ExportArgs),
 }
 
 /// Where a command's RPCs go.
@@ -131,6 +133,13 @@ struct RunArgs {
     /// Also time torch.compile baselines in the in-process evaluator (minutes per task on a CPU; scores use eager).
     #[arg(long)]
     compile_baseline: bool,
+    /// Resume this interrupted job (killed, stopped or cancelled) instead of submitting one; its stored spec applies.
+    #[arg(long, value_name = "JOB")]
+    resume: Option<String>,
+    /// Where the in-process orchestrator keeps its store (DIR/orchestrator.db); by default the configured store,
+    /// else ~/.local/state/kforge/orchestrator.db.
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<PathBuf>,
     #[command(flatten)]
     remote: Remote,
 }
@@ -177,7 +186,7 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let config = MeshConfig::load(cli.config.as_deref())?;
     // Servers log at info; commands whose stdout is the product stay quiet unless RUST_LOG says otherwise.
-    let quiet = matches!(cli.command, Command::Call { .. } | Command::Eval(_) | Command::Run(_));
+    let quiet = matches!(cli.command, Command::Call { .. } | Command::Eval(_) | Command::Run(_) | Command::Export(_));
     let _telemetry = kforge_telemetry::init("kforge", if quiet { "warn" } else { "info" })?;
     match cli.command {
         Command::Serve { service } => {
@@ -193,6 +202,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Call { target, remote } => call_command(&config, &target, &remote).await?,
         Command::Run(args) => run_command(&config, args).await?,
         Command::Eval(args) => eval_command(&config, args).await?,
+        Command::Export(args) => kforge::export::command(&config, args).await?,
     }
     Ok(())
 }
@@ -258,7 +268,12 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     let mut config = config.clone();
     let scratch = std::env::temp_dir().join(format!("kforge-run-{}", std::process::id()));
     if args.remote.addr.is_none() {
-        kforge::run::route_default_replay(&mut config, &spec.model, &scratch)
+        kforge::run::store_for_run(&mut config, args.work_dir.as_deref());
+        let model = match &args.resume {
+            Some(job_id) => kforge::run::stored_spec(&config, job_id).await?.model,
+            None => spec.model.clone(),
+        };
+        kforge::run::route_default_replay(&mut config, &model, &scratch)
             .with_context(|| format!("writing the embedded replay file under {}", scratch.display()))?;
         kforge::run::evaluator_for_one_job(&mut config, args.compile_baseline);
     }
@@ -270,20 +285,20 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     }
     let mut orchestrator = pb::orchestrator_client::OrchestratorClient::new(channel);
     let outcome = async {
-        let job = orchestrator
-            .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+        let job = kforge::run::submit_or_resume(&mut orchestrator, spec, args.resume.as_deref())
             .await
             .map_err(CallError::from)
-            .context("submitting the job")?
-            .into_inner();
-        eprintln!("job {} submitted: {} episodes, {} turns", job.job_id, job.episodes_total, job.turns_total);
-        let mut shown = None;
+            .context(if args.resume.is_some() { "resuming the job" } else { "submitting the job" })?;
+        let verb = if args.resume.is_some() { "resumed" } else { "submitted" };
+        eprintln!("job {} {verb}: {} episodes, {} turns", job.job_id, job.episodes_total, job.turns_total);
+        let mut shown = String::new();
         let mut watcher = orchestrator.clone();
-        let follow = kforge::run::follow(&mut watcher, &job.job_id, |job| {
-            // A turn's record and its episode's end are separate updates: either one is progress.
-            if shown != Some((job.turns_done, job.episodes_done)) {
-                shown = Some((job.turns_done, job.episodes_done));
-                eprintln!("{}", kforge::run::progress_line(job));
+        let follow = kforge::run::follow(&mut watcher, &job.job_id, |progress| {
+            // A turn's stages, its record and its episode's end are separate updates: print each change once.
+            let line = kforge::run::progress_line(progress);
+            if line != shown {
+                eprintln!("{line}");
+                shown = line;
             }
         });
         tokio::pin!(follow);
@@ -291,7 +306,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         let followed = tokio::select! {
             followed = &mut follow => followed,
             () = kforge_server::shutdown_signal() => {
-                eprintln!("interrupted: cancelling job {}", job.job_id);
+                eprintln!("interrupted: cancelling job {} (resume it with kforge run --resume {0})", job.job_id);
                 orchestrator
                     .cancel_job(pb::CancelJobRequest { job_id: job.job_id.clone() })
                     .await

@@ -45,18 +45,56 @@ pub fn evaluator_for_one_job(config: &mut MeshConfig, compile_baseline: bool) {
     config.evaluator.bindings_pch = false;
 }
 
-/// Follows the job until it ends, calling `progress` with each new state; returns the last.
+/// Where `kforge run` keeps its store when the config names none: `orchestrator.db` in `work_dir`, else in the
+/// default state directory (so that `kforge run --resume` and `kforge export` find the job later). The in-process
+/// orchestrator owns its jobs as `kforge-run` and resumes none at start: only `--resume JOB` takes one over.
+pub fn store_for_run(config: &mut MeshConfig, work_dir: Option<&Path>) {
+    if let Some(dir) = work_dir {
+        config.orchestrator.store = dir.join("orchestrator.db").display().to_string();
+    }
+    config.orchestrator.instance = RUN_INSTANCE.into();
+    config.orchestrator.resume_on_start = false;
+}
+
+/// The orchestrator instance name of `kforge run`.
+pub const RUN_INSTANCE: &str = "kforge-run";
+
+/// The spec of a stored job, read from the store directly (`kforge run --resume` needs its model before it starts
+/// the mesh that will run it).
+pub async fn stored_spec(config: &MeshConfig, job_id: &str) -> anyhow::Result<pb::JobSpec> {
+    use anyhow::Context as _;
+    let url = config.orchestrator.store_url();
+    let store =
+        kforge_orchestrator::store::Store::open(&url).await.with_context(|| format!("opening the store {url}"))?;
+    let job = store.job(job_id).await?.with_context(|| format!("job {job_id} is not in the store {url}"))?;
+    job.spec.with_context(|| format!("job {job_id} has no stored spec"))
+}
+
+/// Submits `spec`, or resumes the job `resume` names (its stored spec applies).
+pub async fn submit_or_resume(
+    client: &mut OrchestratorClient<Channel>,
+    spec: pb::JobSpec,
+    resume: Option<&str>,
+) -> Result<pb::Job, tonic::Status> {
+    let job = match resume {
+        Some(job_id) => client.resume_job(pb::ResumeJobRequest { job_id: job_id.to_owned() }).await?,
+        None => client.submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() }).await?,
+    };
+    Ok(job.into_inner())
+}
+
+/// Follows the job until it ends, calling `progress` with each update; returns the job's last state.
 pub async fn follow(
     client: &mut OrchestratorClient<Channel>,
     job_id: &str,
-    mut progress: impl FnMut(&pb::Job),
+    mut progress: impl FnMut(&pb::JobProgress),
 ) -> Result<pb::Job, tonic::Status> {
-    let mut stream = client.watch_job(pb::GetJobRequest { job_id: job_id.to_owned() }).await?.into_inner();
+    let mut stream = client.watch_job(pb::WatchJobRequest { job_id: job_id.to_owned() }).await?.into_inner();
     let mut last = None;
-    while let Some(job) = stream.next().await {
-        let job = job?;
-        progress(&job);
-        last = Some(job);
+    while let Some(update) = stream.next().await {
+        let update = update?;
+        progress(&update);
+        last = update.job;
     }
     match last {
         Some(job) => Ok(job),
@@ -97,12 +135,23 @@ pub fn verdict_name(verdict: i32) -> String {
     }
 }
 
-/// One progress line.
-pub fn progress_line(job: &pb::Job) -> String {
+/// One progress line: turns and episodes done, correct kernels, and turns in flight by stage.
+pub fn progress_line(progress: &pb::JobProgress) -> String {
+    let job = progress.job.clone().unwrap_or_default();
     let metrics = job.metrics.clone().unwrap_or_default();
+    let (generating, evaluating, scoring) =
+        progress.in_flight.as_ref().map_or((0, 0, 0), |s| (s.generating, s.evaluating, s.scoring));
     format!(
-        "[{}/{} turns, {}/{} episodes] correct {}/{} evaluated",
-        job.turns_done, job.turns_total, job.episodes_done, job.episodes_total, metrics.correct, metrics.evaluated
+        "[{}/{} turns, {}/{} episodes] correct {}/{} evaluated; in flight: {} generating, {} evaluating, {} scoring",
+        job.turns_done,
+        job.turns_total,
+        job.episodes_done,
+        job.episodes_total,
+        metrics.correct,
+        metrics.evaluated,
+        generating,
+        evaluating,
+        scoring
     )
 }
 

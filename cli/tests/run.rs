@@ -66,6 +66,7 @@ fn replay_file(dir: &Path) -> PathBuf {
 
 fn mesh_config(replay: PathBuf) -> MeshConfig {
     let mut config = MeshConfig::default();
+    config.orchestrator.store = "sqlite::memory:".into();
     config.evaluator.python = python();
     config.evaluator.work_dir = evaluator_work_dir("mesh");
     kforge::run::evaluator_for_one_job(&mut config, false);
@@ -117,9 +118,11 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     assert_eq!(again.job_id, submitted.job_id, "the idempotency key returns the existing job");
 
     let mut seen = Vec::new();
-    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |job| seen.push(job.turns_done))
-        .await
-        .expect("watched to the end");
+    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |progress| {
+        seen.push(progress.job.as_ref().map_or(0, |job| job.turns_done))
+    })
+    .await
+    .expect("watched to the end");
     assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
     assert!(seen.windows(2).all(|w| w[0] <= w[1]), "progress never goes back: {seen:?}");
     assert_eq!((job.turns_done, job.episodes_done), (8, 4));

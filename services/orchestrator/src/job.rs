@@ -4,7 +4,8 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::evaluator_client::EvaluatorClient;
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::OrchestratorError;
 use crate::metrics::job_metrics;
 use crate::recipe::{self, Attempt, Recipe, Templates};
-use crate::store::{JobStore, StoreError};
+use crate::store::{Stage, Store, StoreError};
 
 /// A checked spec, with its tasks resolved.
 #[derive(Debug, Clone)]
@@ -55,6 +56,14 @@ impl Plan {
             tasks.truncate(spec.max_tasks as usize);
         }
         Ok(Self { spec, recipe, templates, tasks })
+    }
+
+    /// The plan of a stored job: its spec checked again and its templates read again, with the tasks it was
+    /// resolved to at submission (a task directory may have changed since).
+    pub fn resumed(spec: pb::JobSpec, tasks: Vec<pb::Task>) -> Result<Self, OrchestratorError> {
+        let inline = pb::JobSpec { task_set: "inline".into(), tasks: tasks.clone(), max_tasks: 0, ..spec.clone() };
+        let plan = Self::new(inline)?;
+        Ok(Self { spec, tasks, ..plan })
     }
 
     pub fn episodes(&self) -> u64 {
@@ -112,36 +121,101 @@ fn resolve_tasks(spec: &pb::JobSpec) -> Result<Vec<pb::Task>, OrchestratorError>
     Ok(tasks)
 }
 
-/// Clients of the services a job calls.
+/// Clients of the services a job calls, and the limits shared by every job of this orchestrator.
 #[derive(Debug, Clone)]
 pub struct Peers {
     pub gateway: GatewayClient<Channel>,
     pub evaluator: EvaluatorClient<Channel>,
     pub reward: RewardClient<Channel>,
+    pub limits: Arc<Limits>,
 }
 
-/// Runs a submitted job to its end: episodes bounded by `max_concurrent`, each turn stored before the next, the
+/// Calls in flight to each peer, across every job. Tokio's semaphore hands permits out in the order they were
+/// asked for, so a job of thousands of episodes cannot starve a later job of a service: both queue in turn.
+#[derive(Debug)]
+pub struct Limits {
+    pub gateway: Semaphore,
+    pub evaluator: Semaphore,
+    pub reward: Semaphore,
+    pub retry: RetryPolicy,
+}
+
+/// Backoff for an evaluator that is busy (RESOURCE_EXHAUSTED) or answers a retryable VERDICT_INFRA_ERROR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Calls in all, the first included.
+    pub attempts: u32,
+    /// The wait after the first failure; doubled after each later one, up to `max_backoff`.
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+}
+
+impl RetryPolicy {
+    fn backoff(&self, failures: u32) -> Duration {
+        let factor = 2u32.saturating_pow(failures.saturating_sub(1));
+        self.initial_backoff.saturating_mul(factor).min(self.max_backoff)
+    }
+}
+
+/// Turns in flight by stage, for WatchJob.
+#[derive(Debug, Default)]
+struct InFlight {
+    generating: AtomicU64,
+    evaluating: AtomicU64,
+    scoring: AtomicU64,
+}
+
+/// Counts a turn into a stage for as long as it lives.
+struct StageGuard<'a>(&'a AtomicU64);
+
+impl<'a> StageGuard<'a> {
+    fn enter(counter: &'a AtomicU64) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Self(counter)
+    }
+}
+
+impl Drop for StageGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Runs a job to its end, from wherever its stored turns leave it (a new job has none): episodes bounded by
+/// `max_concurrent`, each turn's stages stored as they complete and the turn recorded before the next starts, the
 /// job's snapshot (state, progress, metrics) written to the store and sent to watchers after every turn.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     plan: Arc<Plan>,
     job: pb::Job,
     peers: Peers,
-    store: Arc<dyn JobStore>,
-    updates: watch::Sender<pb::Job>,
+    store: Store,
+    updates: watch::Sender<pb::JobProgress>,
     cancel: CancellationToken,
     max_concurrent: usize,
 ) {
     let started = Instant::now();
-    let progress = Progress { job: tokio::sync::Mutex::new(job), store: store.clone(), updates, started };
+    // A resumed job starts from its recorded turns; its episodes count again as each finds itself done.
+    let recorded = match store.turns(&job.job_id).await {
+        Ok(turns) => turns.iter().map(slim).collect(),
+        Err(error) => {
+            let progress = Progress::new(job, Vec::new(), store, updates, started);
+            progress.finish(pb::JobState::Failed, format!("reading the job's turns: {error}")).await;
+            return;
+        }
+    };
+    let mut job = job;
+    job.episodes_done = 0;
+    let progress = Arc::new(Progress::new(job, recorded, store, updates, started));
     progress.set_state(pb::JobState::Running, String::new()).await;
-    let progress = Arc::new(progress);
     let limit = Arc::new(Semaphore::new(max_concurrent.max(1)));
     let mut episodes = JoinSet::new();
-    for task in &plan.tasks {
+    for (position, task) in plan.tasks.iter().enumerate() {
         for trajectory in 0..plan.spec.trajectories_per_task {
             let episode = Episode {
                 plan: plan.clone(),
                 task: task.clone(),
+                position: position as i64,
                 trajectory,
                 peers: peers.clone(),
                 progress: progress.clone(),
@@ -174,59 +248,131 @@ pub async fn run(
     progress.finish(state, error).await;
 }
 
+/// What the job's metrics need of a turn: the record without its prompt, completion, evaluation and feedback.
+fn slim(turn: &pb::TurnRecord) -> pb::TurnRecord {
+    pb::TurnRecord {
+        prompt: Vec::new(),
+        completion: None,
+        evaluation: None,
+        feedback: String::new(),
+        prompt_token_ids: Vec::new(),
+        ..turn.clone()
+    }
+}
+
 /// The job's snapshot, shared by its episodes.
 #[derive(Debug)]
 struct Progress {
-    job: tokio::sync::Mutex<pb::Job>,
-    store: Arc<dyn JobStore>,
-    updates: watch::Sender<pb::Job>,
+    job: tokio::sync::Mutex<Snapshot>,
+    store: Store,
+    updates: watch::Sender<pb::JobProgress>,
     started: Instant,
+    in_flight: InFlight,
+}
+
+#[derive(Debug)]
+struct Snapshot {
+    job: pb::Job,
+    /// Every recorded turn, slim: the metrics are recomputed from them as turns arrive.
+    turns: Vec<pb::TurnRecord>,
 }
 
 impl Progress {
-    async fn set_state(&self, state: pb::JobState, error: String) {
-        let mut job = self.job.lock().await;
-        job.state = state.into();
-        job.error = error;
-        job.updated_at = Some(crate::now());
-        self.publish(&job).await;
+    fn new(
+        job: pb::Job,
+        turns: Vec<pb::TurnRecord>,
+        store: Store,
+        updates: watch::Sender<pb::JobProgress>,
+        started: Instant,
+    ) -> Self {
+        Self {
+            job: tokio::sync::Mutex::new(Snapshot { job, turns }),
+            store,
+            updates,
+            started,
+            in_flight: InFlight::default(),
+        }
     }
 
-    /// Records a turn, then refreshes the metrics from every stored turn (simple and exact; a job of thousands of
-    /// turns will want incremental metrics).
-    async fn record(&self, turn: &pb::TurnRecord) -> Result<(), StoreError> {
-        let mut job = self.job.lock().await;
-        self.store.put_turn(&job.job_id, turn).await?;
-        let turns = self.store.turns(&job.job_id).await?;
+    async fn job_id(&self) -> String {
+        self.job.lock().await.job.job_id.clone()
+    }
+
+    async fn set_state(&self, state: pb::JobState, error: String) {
+        let mut snapshot = self.job.lock().await;
+        let Snapshot { job, turns } = &mut *snapshot;
+        job.state = state.into();
+        job.error = error;
         job.turns_done = turns.len() as u64;
-        job.metrics = Some(job_metrics(&turns, self.started.elapsed().as_secs_f64()));
+        job.metrics = Some(job_metrics(turns, self.started.elapsed().as_secs_f64()));
         job.updated_at = Some(crate::now());
-        self.publish(&job).await;
+        self.publish(job, None).await;
+    }
+
+    /// Records a turn (committed before this returns), then refreshes the metrics over every recorded turn.
+    async fn record(&self, position: i64, turn: &pb::TurnRecord) -> Result<(), StoreError> {
+        let mut snapshot = self.job.lock().await;
+        let Snapshot { job, turns } = &mut *snapshot;
+        self.store.put_turn(&job.job_id, position, Stage::Recorded, turn).await?;
+        let turn = slim(turn);
+        turns.push(turn.clone());
+        job.turns_done = turns.len() as u64;
+        job.metrics = Some(job_metrics(turns, self.started.elapsed().as_secs_f64()));
+        job.updated_at = Some(crate::now());
+        self.publish(job, Some(turn)).await;
         Ok(())
     }
 
+    /// Stores a turn's stage (committed before this returns) and tells watchers.
+    async fn stage(&self, position: i64, stage: Stage, turn: &pb::TurnRecord) -> Result<(), StoreError> {
+        let job_id = self.job_id().await;
+        self.store.put_turn(&job_id, position, stage, turn).await?;
+        self.notify().await;
+        Ok(())
+    }
+
+    /// Sends the current snapshot (in-flight counts changed).
+    async fn notify(&self) {
+        let snapshot = self.job.lock().await;
+        self.updates.send_replace(self.progress(&snapshot.job, None));
+    }
+
     async fn episode_done(&self) {
-        let mut job = self.job.lock().await;
-        job.episodes_done += 1;
-        self.publish(&job).await;
+        let mut snapshot = self.job.lock().await;
+        snapshot.job.episodes_done += 1;
+        self.publish(&snapshot.job, None).await;
     }
 
     async fn finish(&self, state: pb::JobState, error: String) {
-        let mut job = self.job.lock().await;
+        let mut snapshot = self.job.lock().await;
+        let job = &mut snapshot.job;
         if let Some(metrics) = job.metrics.as_mut() {
             metrics.wall_time_s = self.started.elapsed().as_secs_f64();
         }
         job.state = state.into();
         job.error = error;
         job.updated_at = Some(crate::now());
-        self.publish(&job).await;
+        self.publish(job, None).await;
     }
 
-    async fn publish(&self, job: &pb::Job) {
-        if let Err(error) = self.store.put_job(job, "").await {
+    fn progress(&self, job: &pb::Job, recorded: Option<pb::TurnRecord>) -> pb::JobProgress {
+        let count = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        pb::JobProgress {
+            job: Some(job.clone()),
+            in_flight: Some(pb::StageCounts {
+                generating: count(&self.in_flight.generating),
+                evaluating: count(&self.in_flight.evaluating),
+                scoring: count(&self.in_flight.scoring),
+            }),
+            recorded,
+        }
+    }
+
+    async fn publish(&self, job: &pb::Job, recorded: Option<pb::TurnRecord>) {
+        if let Err(error) = self.store.put_job(job).await {
             tracing::error!(job_id = %job.job_id, %error, "job snapshot not stored");
         }
-        self.updates.send_replace(job.clone());
+        self.updates.send_replace(self.progress(job, recorded));
     }
 }
 
@@ -235,6 +381,8 @@ impl Progress {
 struct Episode {
     plan: Arc<Plan>,
     task: pb::Task,
+    /// The task's index in the job's task order.
+    position: i64,
     trajectory: u32,
     peers: Peers,
     progress: Arc<Progress>,
@@ -242,76 +390,72 @@ struct Episode {
 }
 
 impl Episode {
-    /// Runs the turns in order. A failing service call is recorded in the turn and ends the episode, not the job;
-    /// only a store failure (the record would be lost) fails the job.
+    /// Runs the turns in order, from the first one not yet recorded; a stored response or evaluation of that
+    /// turn (written before the orchestrator stopped) is reused, never asked for again. A failing service call is
+    /// recorded in the turn and ends the episode, not the job; only a store failure (the record would be lost)
+    /// fails the job.
     async fn run(self) -> Result<(), StoreError> {
+        let job_id = self.progress.job_id().await;
+        let stored = self.progress.store.trajectory(&job_id, &self.task.task_id, self.trajectory).await?;
         let mut earlier = Vec::new();
-        for turn in 0..self.plan.spec.turns {
-            if self.cancel.is_cancelled() {
-                break;
+        let mut first = 0;
+        let mut ended = false;
+        let mut pending = None;
+        for (stage, record) in stored {
+            if stage == Stage::Recorded {
+                ended |= !record.error.is_empty();
+                first = record.turn + 1;
+                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback });
+            } else if record.turn == first {
+                pending = Some((stage, record));
             }
-            let record = tokio::select! {
-                record = self.turn(turn, &earlier) => record,
-                () = self.cancel.cancelled() => break,
-            };
-            self.progress.record(&record).await?;
-            let failed = !record.error.is_empty();
-            earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback });
-            if failed {
-                break;
+        }
+        if !ended {
+            for turn in first..self.plan.spec.turns {
+                if self.cancel.is_cancelled() {
+                    break;
+                }
+                let resumed = pending.take().filter(|(_, record)| record.turn == turn);
+                let record = tokio::select! {
+                    record = self.turn(&job_id, turn, &earlier, resumed) => record?,
+                    () = self.cancel.cancelled() => break,
+                };
+                self.progress.record(self.position, &record).await?;
+                let failed = !record.error.is_empty();
+                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback });
+                if failed {
+                    break;
+                }
             }
         }
         self.progress.episode_done().await;
         Ok(())
     }
 
-    async fn turn(&self, turn: u32, earlier: &[Attempt]) -> pb::TurnRecord {
+    async fn turn(
+        &self,
+        job_id: &str,
+        turn: u32,
+        earlier: &[Attempt],
+        resumed: Option<(Stage, pb::TurnRecord)>,
+    ) -> Result<pb::TurnRecord, StoreError> {
         let spec = &self.plan.spec;
         // Clients are cheap handles on shared channels.
         let mut peers = self.peers.clone();
-        let job_id = self.progress.job.lock().await.job_id.clone();
-        let prompt = self.plan.templates.prompt(&self.task, earlier);
-        let mut record = pb::TurnRecord {
-            turn,
-            prompt: prompt.clone(),
-            task_id: self.task.task_id.clone(),
-            trajectory: self.trajectory,
-            ..Default::default()
-        };
-        let mut sampling = spec.sampling.clone().unwrap_or_default();
-        let base_seed = sampling.seed.or((spec.seed != 0).then_some(spec.seed));
-        sampling.seed = base_seed.map(|seed| seed.wrapping_add(u64::from(self.trajectory)));
-        let request = pb::GenerateRequest {
-            model: spec.model.clone(),
-            input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: prompt })),
-            sampling: Some(sampling),
-            return_token_ids: spec.kind() == pb::JobKind::Rollout,
-            return_logprobs: spec.kind() == pb::JobKind::Rollout,
-            keys: Some(pb::RequestKeys {
-                job_id: job_id.clone(),
-                episode_id: format!("{job_id}/{}/{}", self.task.task_id, self.trajectory),
-                task_id: self.task.task_id.clone(),
-                trajectory: self.trajectory,
-                turn,
-            }),
-        };
-        let generated = match peers.gateway.generate(request).await {
-            Ok(response) => response.into_inner(),
-            Err(status) => {
-                record.error = peer_error("gateway", &status);
-                record.feedback = recipe::feedback(None, &record.error);
-                return record;
+        let limits = self.peers.limits.clone();
+        let (stage, mut record) = match resumed {
+            Some((stage, record)) => {
+                tracing::info!(job_id, task_id = %self.task.task_id, trajectory = self.trajectory, turn, ?stage,
+                    "turn resumed from its stored stage");
+                (Some(stage), record)
             }
+            None => (None, self.generate(job_id, turn, earlier, &mut peers).await?),
         };
-        record.usage = generated.usage;
-        let Some(completion) = generated.completions.into_iter().next() else {
-            record.error = "gateway: the response held no completion".into();
-            record.feedback = recipe::feedback(None, &record.error);
-            return record;
-        };
-        record.kernel = kforge_model_text::extract_kernel(&completion.text).unwrap_or_default().to_owned();
-        let mut outcome = None;
-        if !record.kernel.is_empty() {
+        if !record.error.is_empty() {
+            return Ok(record);
+        }
+        let completion = record.completion.clone().unwrap_or_default();
+        if !record.kernel.is_empty() && stage < Some(Stage::Evaluated) {
             let request = pb::EvaluateRequest {
                 request_id: String::new(),
                 task: Some(self.task.clone()),
@@ -323,18 +467,24 @@ impl Episode {
                 census: false,
                 idempotency_key: format!("{job_id}/{}/{}/{turn}", self.task.task_id, self.trajectory),
                 priority: 0,
-                job_id: job_id.clone(),
+                job_id: job_id.to_owned(),
             };
-            match peers.evaluator.evaluate(request).await {
-                Ok(response) => {
-                    let evaluation = response.into_inner();
+            let _stage = StageGuard::enter(&self.progress.in_flight.evaluating);
+            self.progress.notify().await;
+            match evaluate(&mut peers.evaluator, &limits, request, &self.cancel).await {
+                Ok(evaluation) => {
                     record.verdict = evaluation.verdict;
-                    outcome = Some(kernel_outcome(&evaluation));
                     record.evaluation = Some(evaluation);
                 }
                 Err(status) => record.error = peer_error("evaluator", &status),
             }
+            if record.error.is_empty() {
+                self.progress.stage(self.position, Stage::Evaluated, &record).await?;
+            }
         }
+        let outcome = record.evaluation.as_ref().map(kernel_outcome);
+        let _stage = StageGuard::enter(&self.progress.in_flight.scoring);
+        self.progress.notify().await;
         if let Some(outcome) = outcome.clone().filter(|o| o.verdict() != pb::Verdict::InfraError) {
             let request = pb::ScoreKernelsRequest {
                 formula: Some(pb::score_kernels_request::Formula::Kevin(pb::KevinScore::default())),
@@ -342,6 +492,7 @@ impl Episode {
                 hack_penalty: None,
                 outcomes: vec![outcome],
             };
+            let _permit = limits.reward.acquire().await.expect("the reward semaphore is never closed");
             match peers.reward.score_kernels(request).await {
                 Ok(response) => {
                     if let Some(score) = response.into_inner().scores.into_iter().next() {
@@ -362,7 +513,11 @@ impl Episode {
                 outcome,
             }],
         };
-        match peers.reward.diagnose(diagnose).await {
+        let diagnosed = {
+            let _permit = limits.reward.acquire().await.expect("the reward semaphore is never closed");
+            peers.reward.diagnose(diagnose).await
+        };
+        match diagnosed {
             Ok(response) => record.flags = response.into_inner().flags.into_iter().next(),
             Err(status) if record.error.is_empty() => {
                 record.error = peer_error("reward", &status);
@@ -370,12 +525,106 @@ impl Episode {
             Err(_) => {}
         }
         record.feedback = recipe::feedback(record.evaluation.as_ref(), &record.error);
-        record.completion = Some(completion);
         tracing::info!(
-            job_id = %job_id, task_id = %self.task.task_id, trajectory = self.trajectory, turn,
+            job_id, task_id = %self.task.task_id, trajectory = self.trajectory, turn,
             verdict = ?record.verdict(), score = ?record.score, "turn recorded"
         );
-        record
+        Ok(record)
+    }
+
+    /// Builds the prompt and generates; the response is stored (stage generated) before this returns. A failed
+    /// generation comes back as a record with its `error` set, for the caller to record.
+    async fn generate(
+        &self,
+        job_id: &str,
+        turn: u32,
+        earlier: &[Attempt],
+        peers: &mut Peers,
+    ) -> Result<pb::TurnRecord, StoreError> {
+        let spec = &self.plan.spec;
+        let prompt = self.plan.templates.prompt(&self.task, earlier);
+        let mut record = pb::TurnRecord {
+            turn,
+            prompt: prompt.clone(),
+            task_id: self.task.task_id.clone(),
+            trajectory: self.trajectory,
+            ..Default::default()
+        };
+        let mut sampling = spec.sampling.clone().unwrap_or_default();
+        let base_seed = sampling.seed.or((spec.seed != 0).then_some(spec.seed));
+        sampling.seed = base_seed.map(|seed| seed.wrapping_add(u64::from(self.trajectory)));
+        let request = pb::GenerateRequest {
+            model: spec.model.clone(),
+            input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: prompt })),
+            sampling: Some(sampling),
+            return_token_ids: spec.kind() == pb::JobKind::Rollout,
+            return_logprobs: spec.kind() == pb::JobKind::Rollout,
+            keys: Some(pb::RequestKeys {
+                job_id: job_id.to_owned(),
+                episode_id: format!("{job_id}/{}/{}", self.task.task_id, self.trajectory),
+                task_id: self.task.task_id.clone(),
+                trajectory: self.trajectory,
+                turn,
+            }),
+        };
+        let generated = {
+            let _stage = StageGuard::enter(&self.progress.in_flight.generating);
+            self.progress.notify().await;
+            let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
+            peers.gateway.generate(request).await
+        };
+        let generated = match generated {
+            Ok(response) => response.into_inner(),
+            Err(status) => {
+                record.error = peer_error("gateway", &status);
+                record.feedback = recipe::feedback(None, &record.error);
+                return Ok(record);
+            }
+        };
+        record.usage = generated.usage;
+        record.prompt_token_ids = generated.prompt_token_ids;
+        let Some(completion) = generated.completions.into_iter().next() else {
+            record.error = "gateway: the response held no completion".into();
+            record.feedback = recipe::feedback(None, &record.error);
+            return Ok(record);
+        };
+        record.kernel = kforge_model_text::extract_kernel(&completion.text).unwrap_or_default().to_owned();
+        record.completion = Some(completion);
+        self.progress.stage(self.position, Stage::Generated, &record).await?;
+        Ok(record)
+    }
+}
+
+/// Evaluates, retrying with backoff while the evaluator is busy (RESOURCE_EXHAUSTED) or answers a retryable
+/// VERDICT_INFRA_ERROR, up to the policy's attempts; the last answer is returned either way (a final infra error
+/// is recorded, never scored). Retries reuse the idempotency key, so an evaluation the evaluator did finish is not
+/// run again.
+async fn evaluate(
+    client: &mut EvaluatorClient<Channel>,
+    limits: &Limits,
+    request: pb::EvaluateRequest,
+    cancel: &CancellationToken,
+) -> Result<pb::EvaluateResponse, tonic::Status> {
+    let mut failures = 0;
+    loop {
+        let answer = {
+            let _permit = limits.evaluator.acquire().await.expect("the evaluator semaphore is never closed");
+            client.evaluate(request.clone()).await.map(tonic::Response::into_inner)
+        };
+        let retryable = match &answer {
+            Err(status) => status.code() == tonic::Code::ResourceExhausted,
+            Ok(response) => response.verdict() == pb::Verdict::InfraError && response.retryable,
+        };
+        failures += 1;
+        if !retryable || failures >= limits.retry.attempts {
+            return answer;
+        }
+        let wait = limits.retry.backoff(failures);
+        tracing::info!(key = %request.idempotency_key, failures, ?wait, "evaluator busy or infra error: retrying");
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = cancel.cancelled() => return answer,
+        }
     }
 }
 

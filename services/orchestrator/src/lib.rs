@@ -1,7 +1,9 @@
 //! The Orchestrator service: runs jobs of episodes (task x trajectory x turn) through the gateway, evaluator and
-//! reward services and keeps every turn's record. This slice serves SubmitJob, GetJob, WatchJob, CancelJob and
-//! ListTrajectories with the `single-turn` and `kevin` recipes and an in-memory store; ExportSamples and the step
-//! API answer UNIMPLEMENTED until their part of the orchestrator work lands (docs/ORCHESTRATOR.md).
+//! reward services and keeps every turn in a durable store (SQLite or PostgreSQL, `store`), so that a restarted
+//! orchestrator resumes its unfinished jobs without losing a turn or generating or evaluating one twice. Serves
+//! SubmitJob, GetJob, WatchJob, ListJobs, ResumeJob, CancelJob, ListTrajectories and ExportSamples with the
+//! `single-turn` and `kevin` recipes; the step API answers UNIMPLEMENTED until its part of the orchestrator work
+//! lands (docs/ORCHESTRATOR.md).
 
 pub mod error;
 pub mod job;
@@ -13,6 +15,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_server::{Orchestrator, OrchestratorServer};
@@ -20,18 +23,18 @@ use kforge_server::client::ClientConfig;
 use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig, not_yet_implemented};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response, Status};
 
 pub use error::OrchestratorError;
-use job::{Peers, Plan};
-use store::{JobStore, MemoryStore};
+use job::{Limits, Peers, Plan, RetryPolicy};
+use store::Store;
 
 /// What brings the RPCs not built yet.
-const CAPABILITY: &str = "the orchestrator's export and step API";
+const CAPABILITY: &str = "the orchestrator's step API";
 
 /// Configuration of the Orchestrator service (`[orchestrator]`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,6 +45,56 @@ pub struct OrchestratorConfig {
     pub peers: PeersConfig,
     /// Episodes run at once per job when its spec names no limit. Default 4.
     pub max_concurrent_episodes: u32,
+    /// Where jobs and turns are kept: `postgres://...`, `sqlite://PATH`, a file path, or `sqlite::memory:`.
+    /// Empty (the default): `orchestrator.db` under `$XDG_STATE_HOME/kforge` (else `~/.local/state/kforge`).
+    pub store: String,
+    /// This orchestrator's name in the store: it owns the jobs submitted to it (or resumed by it) and, with
+    /// `resume_on_start`, resumes those left unfinished when it starts. Two orchestrators sharing a store need two
+    /// names. Default `default`.
+    pub instance: String,
+    /// Resume this instance's queued and running jobs at start. Default true.
+    pub resume_on_start: bool,
+    /// Calls in flight to each peer across every job (`[orchestrator.max_in_flight]`).
+    pub max_in_flight: InFlightConfig,
+    /// Retries of a busy evaluator or a retryable infrastructure error (`[orchestrator.retry]`).
+    pub retry: RetryConfig,
+}
+
+/// Calls in flight to each peer, across every job: the orchestrator's share of each service, handed out first
+/// come, first served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InFlightConfig {
+    /// Default 256.
+    pub gateway: u32,
+    /// Default 64 (the evaluator queues and admits by its own resources; this bounds what waits there).
+    pub evaluator: u32,
+    /// Default 64.
+    pub reward: u32,
+}
+
+impl Default for InFlightConfig {
+    fn default() -> Self {
+        Self { gateway: 256, evaluator: 64, reward: 64 }
+    }
+}
+
+/// Backoff of evaluations answered RESOURCE_EXHAUSTED or with a retryable VERDICT_INFRA_ERROR.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Calls in all, the first included; the last answer is recorded (an infra error is never scored). Default 8.
+    pub attempts: u32,
+    /// Wait after the first failure, doubled after each later one. Default 250.
+    pub initial_backoff_ms: u64,
+    /// Longest wait. Default 15000.
+    pub max_backoff_ms: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self { attempts: 8, initial_backoff_ms: 250, max_backoff_ms: 15_000 }
+    }
 }
 
 /// Where the orchestrator's peers listen. `kforge up` and `kforge run` set these to the in-process services.
@@ -75,7 +128,19 @@ impl Default for OrchestratorConfig {
             server: ServerConfig::listening_on(([127, 0, 0, 1], 50055).into()),
             peers: PeersConfig::default(),
             max_concurrent_episodes: 4,
+            store: String::new(),
+            instance: "default".into(),
+            resume_on_start: true,
+            max_in_flight: InFlightConfig::default(),
+            retry: RetryConfig::default(),
         }
+    }
+}
+
+impl OrchestratorConfig {
+    /// The store's URL: `store`, or the default file.
+    pub fn store_url(&self) -> String {
+        if self.store.is_empty() { store::default_url() } else { self.store.clone() }
     }
 }
 
@@ -86,8 +151,10 @@ impl ServiceConfig for OrchestratorConfig {
     }
 }
 
-/// Serves the Orchestrator service on `listener` until `shutdown` completes. Running jobs are cancelled when
-/// `shutdown` completes (before the drain, so that their watchers' streams end), and awaited before returning.
+/// Serves the Orchestrator service on `listener` until `shutdown` completes: opens the store (migrating it),
+/// resumes this instance's unfinished jobs when configured to, and serves. Running jobs are cancelled when
+/// `shutdown` completes (before the drain, so that their watchers' streams end) and awaited before returning; they
+/// stay RUNNING in the store, for the next start to resume.
 pub async fn serve(
     config: OrchestratorConfig,
     listener: TcpListener,
@@ -95,7 +162,16 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let mut host = Host::new("orchestrator", &config.server)?;
     let limit = host.max_message_bytes();
-    let service = OrchestratorService::new(config, Arc::new(MemoryStore::default()));
+    let url = config.store_url();
+    let store = Store::open(&url)
+        .await
+        .map_err(|error| ServeError::Setup { service: "orchestrator", message: error.to_string() })?;
+    tracing::info!(backend = store.backend(), instance = %config.instance, "store open");
+    let resume = config.resume_on_start;
+    let service = OrchestratorService::new(config, store);
+    if resume {
+        service.resume_unfinished().await;
+    }
     let (jobs, stop) = (service.tracker.clone(), service.stop.clone());
     host.add_service(
         OrchestratorServer::new(service).max_decoding_message_size(limit).max_encoding_message_size(limit),
@@ -116,7 +192,7 @@ pub async fn serve(
 /// A job's live handles.
 #[derive(Debug)]
 struct Running {
-    updates: watch::Receiver<pb::Job>,
+    updates: watch::Receiver<pb::JobProgress>,
     cancel: CancellationToken,
 }
 
@@ -124,7 +200,8 @@ struct Running {
 #[derive(Debug, Clone)]
 pub struct OrchestratorService {
     config: Arc<OrchestratorConfig>,
-    store: Arc<dyn JobStore>,
+    store: Store,
+    limits: Arc<Limits>,
     running: Arc<Mutex<HashMap<String, Running>>>,
     /// Owner of every job's task: cancelled and awaited at shutdown.
     tracker: TaskTracker,
@@ -133,10 +210,22 @@ pub struct OrchestratorService {
 }
 
 impl OrchestratorService {
-    pub fn new(config: OrchestratorConfig, store: Arc<dyn JobStore>) -> Self {
+    pub fn new(config: OrchestratorConfig, store: Store) -> Self {
+        let permits = |n: u32| Semaphore::new((n as usize).max(1));
+        let limits = Limits {
+            gateway: permits(config.max_in_flight.gateway),
+            evaluator: permits(config.max_in_flight.evaluator),
+            reward: permits(config.max_in_flight.reward),
+            retry: RetryPolicy {
+                attempts: config.retry.attempts.max(1),
+                initial_backoff: Duration::from_millis(config.retry.initial_backoff_ms),
+                max_backoff: Duration::from_millis(config.retry.max_backoff_ms),
+            },
+        };
         Self {
             config: Arc::new(config),
             store,
+            limits: Arc::new(limits),
             running: Arc::default(),
             tracker: TaskTracker::new(),
             stop: CancellationToken::new(),
@@ -145,7 +234,7 @@ impl OrchestratorService {
     }
 
     fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Running>> {
-        // Inserts and lookups only: a panic elsewhere cannot leave the map half-changed.
+        // Inserts, removals and lookups only: a panic elsewhere cannot leave the map half-changed.
         self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -164,6 +253,7 @@ impl OrchestratorService {
             gateway: pb::gateway_client::GatewayClient::new(channel("gateway", &peers.gateway).await?),
             evaluator: pb::evaluator_client::EvaluatorClient::new(channel("evaluator", &peers.evaluator).await?),
             reward: pb::reward_client::RewardClient::new(channel("reward", &peers.reward).await?),
+            limits: self.limits.clone(),
         })
     }
 
@@ -174,11 +264,80 @@ impl OrchestratorService {
         let job = self.store.job(job_id).await.map_err(store_status)?;
         Ok(job.ok_or_else(|| OrchestratorError::JobNotFound(job_id.to_owned()))?)
     }
+
+    /// Starts the job's task here (its turns so far are in the store), unless it already runs here.
+    fn start(&self, plan: Plan, job: pb::Job, peers: Peers) {
+        let job_id = job.job_id.clone();
+        let progress = pb::JobProgress { job: Some(job.clone()), ..Default::default() };
+        let (updates, receiver) = watch::channel(progress);
+        let cancel = self.stop.child_token();
+        {
+            let mut running = self.running();
+            if running.contains_key(&job_id) {
+                return;
+            }
+            running.insert(job_id.clone(), Running { updates: receiver, cancel: cancel.clone() });
+        }
+        let max_concurrent = match plan.spec.max_concurrent_episodes {
+            0 => self.config.max_concurrent_episodes,
+            n => n,
+        } as usize;
+        tracing::info!(job_id = %job_id, episodes = job.episodes_total, turns = job.turns_total, "job started");
+        let store = self.store.clone();
+        let running = self.running.clone();
+        self.tracker.spawn(async move {
+            job::run(Arc::new(plan), job, peers, store, updates, cancel, max_concurrent).await;
+            // A finished job is read from the store from now on; ResumeJob may start it again.
+            running.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&job_id);
+        });
+    }
+
+    /// Takes the job over and runs its unfinished turns here.
+    async fn resume(&self, job_id: &str) -> Result<pb::Job, Status> {
+        let mut job = self.job(job_id).await?;
+        if self.running().contains_key(job_id) || job.state == pb::JobState::Succeeded as i32 {
+            return Ok(job);
+        }
+        let spec = job.spec.clone().ok_or_else(|| Status::internal(format!("job {job_id} has no stored spec")))?;
+        let tasks = self.store.tasks(job_id).await.map_err(store_status)?;
+        let plan = tokio::task::spawn_blocking(move || Plan::resumed(spec, tasks))
+            .await
+            .map_err(|error| Status::internal(format!("checking the stored spec panicked: {error}")))??;
+        let peers = self.connect().await?;
+        self.store.claim(job_id, &self.config.instance).await.map_err(store_status)?;
+        job.state = pb::JobState::Queued.into();
+        job.error.clear();
+        job.updated_at = Some(now());
+        self.store.put_job(&job).await.map_err(store_status)?;
+        tracing::info!(job_id, instance = %self.config.instance, "job resumed");
+        self.start(plan, job.clone(), peers);
+        Ok(job)
+    }
+
+    /// Resumes every queued or running job this instance owns (at start). A job that cannot resume now (a peer
+    /// down) is logged and left as it is, for ResumeJob or the next start.
+    pub async fn resume_unfinished(&self) {
+        let ids = match self.store.unfinished_jobs(&self.config.instance).await {
+            Ok(ids) => ids,
+            Err(error) => {
+                tracing::error!(%error, "listing unfinished jobs failed: none resumed");
+                return;
+            }
+        };
+        for job_id in ids {
+            if let Err(status) = self.resume(&job_id).await {
+                tracing::error!(%job_id, code = ?status.code(), message = status.message(), "job not resumed");
+            }
+        }
+    }
 }
 
 fn store_status(error: store::StoreError) -> Status {
-    match error {
-        store::StoreError::Unavailable(_) => Status::unavailable(error.to_string()),
+    match &error {
+        store::StoreError::Database(_) | store::StoreError::Migration(_) | store::StoreError::BadUrl { .. } => {
+            Status::unavailable(error.to_string())
+        }
+        store::StoreError::Corrupt { .. } => Status::data_loss(error.to_string()),
     }
 }
 
@@ -194,6 +353,70 @@ pub(crate) fn now() -> prost_types::Timestamp {
     prost_types::Timestamp::from(std::time::SystemTime::now())
 }
 
+/// A job id unique across restarts and orchestrators sharing a store: the time, a per-process random part and a
+/// sequence.
+fn new_job_id(sequence: u64) -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    static PROCESS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let process = *PROCESS.get_or_init(|| {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        hasher.finish() as u32
+    });
+    let millis = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    format!("job-{millis}-{process:08x}-{sequence}")
+}
+
+/// Parses a page token or cursor this service wrote.
+fn token<T: std::str::FromStr>(field: &str, token: &str) -> Result<Option<T>, OrchestratorError> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    token.parse().map(Some).map_err(|_| OrchestratorError::invalid(field, "not a token this service wrote"))
+}
+
+/// A sample's cursor: its position in the job's order, `task.trajectory.turn`.
+fn cursor((task, trajectory, turn): store::TurnPosition) -> String {
+    format!("{task}.{trajectory}.{turn}")
+}
+
+fn parse_cursor(text: &str) -> Result<Option<store::TurnPosition>, OrchestratorError> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let bad = || OrchestratorError::invalid("cursor", "not a cursor from ExportSamples");
+    let mut parts = text.split('.');
+    let mut next = || parts.next().ok_or_else(bad);
+    let position =
+        (next()?.parse().map_err(|_| bad())?, next()?.parse().map_err(|_| bad())?, next()?.parse().map_err(|_| bad())?);
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    Ok(Some(position))
+}
+
+/// A recorded turn as a training sample.
+fn sample(job_id: &str, position: store::TurnPosition, turn: pb::TurnRecord) -> pb::Sample {
+    pb::Sample {
+        cursor: cursor(position),
+        job_id: job_id.to_owned(),
+        task_id: turn.task_id,
+        trajectory: turn.trajectory,
+        turn: turn.turn,
+        prompt: turn.prompt,
+        prompt_token_ids: turn.prompt_token_ids,
+        response: turn.completion,
+        kernel: turn.kernel,
+        evaluation: turn.evaluation,
+        verdict: turn.verdict,
+        score: turn.score,
+        return_value: turn.return_value,
+        advantage: turn.advantage,
+        keep: turn.keep,
+        error: turn.error,
+    }
+}
+
 #[tonic::async_trait]
 impl Orchestrator for OrchestratorService {
     async fn submit_job(&self, request: Request<pb::SubmitJobRequest>) -> Result<Response<pb::Job>, Status> {
@@ -202,16 +425,13 @@ impl Orchestrator for OrchestratorService {
         if let Some(job) = self.store.job_by_key(&request.idempotency_key).await.map_err(store_status)? {
             return Ok(Response::new(job));
         }
-        // A KernelBench directory is read from disk: off the async threads.
+        // A KernelBench directory or a JSONL file is read from disk: off the async threads.
         let plan = tokio::task::spawn_blocking(move || Plan::new(spec))
             .await
             .map_err(|error| Status::internal(format!("resolving the task set panicked: {error}")))??;
-        let plan = Arc::new(plan);
         let peers = self.connect().await?;
-        let sequence = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let millis = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
         let job = pb::Job {
-            job_id: format!("job-{millis}-{sequence}"),
+            job_id: new_job_id(self.next_id.fetch_add(1, Ordering::Relaxed)),
             spec: Some(plan.spec.clone()),
             state: pb::JobState::Queued.into(),
             episodes_total: plan.episodes(),
@@ -221,18 +441,17 @@ impl Orchestrator for OrchestratorService {
             updated_at: Some(now()),
             ..Default::default()
         };
-        self.store.put_job(&job, &request.idempotency_key).await.map_err(store_status)?;
-        let task_ids: Vec<String> = plan.tasks.iter().map(|t| t.task_id.clone()).collect();
-        self.store.put_task_order(&job.job_id, &task_ids).await.map_err(store_status)?;
-        let (updates, receiver) = watch::channel(job.clone());
-        let cancel = self.stop.child_token();
-        self.running().insert(job.job_id.clone(), Running { updates: receiver, cancel: cancel.clone() });
-        let max_concurrent = match plan.spec.max_concurrent_episodes {
-            0 => self.config.max_concurrent_episodes,
-            n => n,
-        } as usize;
-        tracing::info!(job_id = %job.job_id, episodes = job.episodes_total, turns = job.turns_total, "job submitted");
-        self.tracker.spawn(job::run(plan, job.clone(), peers, self.store.clone(), updates, cancel, max_concurrent));
+        let existing = self
+            .store
+            .create_job(&job, &request.idempotency_key, &self.config.instance, &plan.tasks)
+            .await
+            .map_err(store_status)?;
+        if let Some(existing) = existing {
+            // A concurrent submission with the same key won.
+            return Ok(Response::new(existing));
+        }
+        tracing::info!(job_id = %job.job_id, "job submitted");
+        self.start(plan, job.clone(), peers);
         Ok(Response::new(job))
     }
 
@@ -240,19 +459,47 @@ impl Orchestrator for OrchestratorService {
         Ok(Response::new(self.job(&request.into_inner().job_id).await?))
     }
 
-    type WatchJobStream = BoxStream<pb::Job>;
+    type WatchJobStream = BoxStream<pb::JobProgress>;
 
-    async fn watch_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<Self::WatchJobStream>, Status> {
+    async fn watch_job(&self, request: Request<pb::WatchJobRequest>) -> Result<Response<Self::WatchJobStream>, Status> {
         let job = self.job(&request.into_inner().job_id).await?;
         let receiver = self.running().get(&job.job_id).map(|r| r.updates.clone());
-        // The job's task drops the sender once the job is terminal: the stream yields the last state and ends.
+        // The job's task drops the sender once the job is terminal: the stream yields the last state and ends. A
+        // job not running here (finished, or interrupted and not resumed) is sent once, as stored.
         let stream: Self::WatchJobStream = match receiver {
             Some(receiver) => {
                 Box::pin(tokio_stream::StreamExt::map(tokio_stream::wrappers::WatchStream::new(receiver), Ok))
             }
-            None => Box::pin(tokio_stream::once(Ok(job))),
+            None => Box::pin(tokio_stream::once(Ok(pb::JobProgress {
+                job: Some(job),
+                in_flight: Some(pb::StageCounts::default()),
+                recorded: None,
+            }))),
         };
         Ok(Response::new(stream))
+    }
+
+    async fn list_jobs(&self, request: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let request = request.into_inner();
+        let before: Option<i64> = token("page_token", &request.page_token)?;
+        let page_size = match request.page_size {
+            0 => 50,
+            n => n.min(500),
+        };
+        let state = (request.state != pb::JobState::Unspecified as i32).then_some(request.state);
+        // One more than the page tells whether another page follows.
+        let mut listed = self.store.list_jobs(before, state, page_size + 1).await.map_err(store_status)?;
+        let more = listed.len() > page_size as usize;
+        listed.truncate(page_size as usize);
+        let next_page_token = match listed.last() {
+            Some(last) if more => last.seq.to_string(),
+            _ => String::new(),
+        };
+        Ok(Response::new(pb::ListJobsResponse { jobs: listed.into_iter().map(|l| l.job).collect(), next_page_token }))
+    }
+
+    async fn resume_job(&self, request: Request<pb::ResumeJobRequest>) -> Result<Response<pb::Job>, Status> {
+        Ok(Response::new(self.resume(&request.into_inner().job_id).await?))
     }
 
     async fn cancel_job(&self, request: Request<pb::CancelJobRequest>) -> Result<Response<pb::Job>, Status> {
@@ -271,12 +518,7 @@ impl Orchestrator for OrchestratorService {
     ) -> Result<Response<pb::ListTrajectoriesResponse>, Status> {
         let request = request.into_inner();
         let job = self.job(&request.job_id).await?;
-        let offset: usize = match request.page_token.as_str() {
-            "" => 0,
-            token => {
-                token.parse().map_err(|_| OrchestratorError::invalid("page_token", "not a token from this job"))?
-            }
-        };
+        let offset: usize = token("page_token", &request.page_token)?.unwrap_or(0);
         let page_size = match request.page_size {
             0 => 100,
             n => n as usize,
@@ -303,11 +545,46 @@ impl Orchestrator for OrchestratorService {
         Ok(Response::new(pb::ListTrajectoriesResponse { trajectories: page, next_page_token }))
     }
 
+    type ExportSamplesStream = BoxStream<pb::Sample>;
+
     async fn export_samples(
         &self,
-        _request: Request<pb::ExportSamplesRequest>,
-    ) -> Result<Response<pb::ExportSamplesResponse>, Status> {
-        Err(not_yet_implemented("Orchestrator/ExportSamples", CAPABILITY))
+        request: Request<pb::ExportSamplesRequest>,
+    ) -> Result<Response<Self::ExportSamplesStream>, Status> {
+        let request = request.into_inner();
+        let job = self.job(&request.job_id).await?;
+        let mut after = parse_cursor(&request.cursor)?;
+        let mut left = match request.limit {
+            0 => u64::MAX,
+            n => u64::from(n),
+        };
+        let store = self.store.clone();
+        // Pages of turns read one at a time, as the client takes them: a large job never sits in memory whole.
+        let (sender, receiver) = tokio::sync::mpsc::channel(64);
+        self.tracker.spawn(async move {
+            const PAGE: u32 = 256;
+            while left > 0 {
+                let page = match store.turns_after(&job.job_id, after, PAGE.min(left as u32)).await {
+                    Ok(page) => page,
+                    Err(error) => {
+                        let _ = sender.send(Err(store_status(error))).await;
+                        return;
+                    }
+                };
+                let full = page.len() as u32 == PAGE;
+                for (position, turn) in page {
+                    after = Some(position);
+                    left -= 1;
+                    if sender.send(Ok(sample(&job.job_id, position, turn))).await.is_err() {
+                        return;
+                    }
+                }
+                if !full {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
     }
 
     async fn start_episode(
@@ -319,5 +596,24 @@ impl Orchestrator for OrchestratorService {
 
     async fn step(&self, _request: Request<pb::StepRequest>) -> Result<Response<pb::Observation>, Status> {
         Err(not_yet_implemented("Orchestrator/Step", CAPABILITY))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_round_trip_and_reject_what_they_did_not_write() {
+        assert_eq!(parse_cursor("").expect("empty"), None);
+        assert_eq!(parse_cursor(&cursor((3, 1, 7))).expect("parses"), Some((3, 1, 7)));
+        for bad in ["x", "1.2", "1.2.3.4", "1.-2.3"] {
+            assert!(parse_cursor(bad).expect_err(bad).to_string().starts_with("cursor:"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn job_ids_differ_within_a_process() {
+        assert_ne!(new_job_id(0), new_job_id(1));
     }
 }

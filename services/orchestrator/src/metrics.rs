@@ -64,6 +64,8 @@ pub fn job_metrics(turns: &[pb::TurnRecord], wall_time_s: f64) -> pb::JobMetrics
         not_okay: not_okay as u64,
         infra_errors: turns.iter().filter(|t| verdict(t) == pb::Verdict::InfraError).count() as u64,
         wall_time_s,
+        // The rates by turn and level, best@k, avg@k and cost come with reward-core's job metrics.
+        ..Default::default()
     }
 }
 

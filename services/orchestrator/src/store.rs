@@ -1,115 +1,394 @@
-//! Where jobs and their turns are kept. One interface, [`JobStore`]; this slice has only the in-memory store
-//! (a process restart loses every job). The durable stores the design asks for (SQLite by default, PostgreSQL by
-//! URL) implement the same trait; writes are idempotent by (job, task, trajectory, turn) so that a resumed job
-//! can write a turn again without duplicating it.
+//! Where jobs and their turns are kept: one interface, [`Store`], over SQLite (the default: a file, nothing to
+//! install; `sqlite::memory:` for tests) or PostgreSQL (by URL, for clusters), through sqlx with migrations
+//! embedded per backend (`migrations/sqlite`, `migrations/postgres`).
+//!
+//! Messages are stored proto-encoded (a `kforge.v1.Job`, a `kforge.v1.TurnRecord`), so fields other parts of
+//! kforge add to them flow through untouched; beside them are the columns the orchestrator queries. Every write is
+//! idempotent: a job by its idempotency key, a turn by (job, task, trajectory, turn) and its [`Stage`] — a later
+//! stage replaces an earlier one, never the reverse — so a resumed job can write a turn again without duplicating
+//! or regressing it. Each write is one statement or one transaction, committed before the call returns.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::str::FromStr;
 
 use kforge_proto::v1 as pb;
+use prost::Message as _;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
 
 /// Why the store could not answer.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The backing database could not be reached or refused the write (never for the in-memory store).
+    /// The store's URL is not one this build understands.
+    #[error("store url `{url}`: {message}")]
+    BadUrl { url: String, message: String },
+    /// The database could not be reached, or refused the statement.
     #[error("store unavailable: {0}")]
-    Unavailable(String),
+    Database(#[from] sqlx::Error),
+    /// The schema could not be brought up to date.
+    #[error("store migration failed: {0}")]
+    Migration(#[from] sqlx::migrate::MigrateError),
+    /// A stored message no longer decodes (a corrupted row, or one written by an incompatible version).
+    #[error("stored {what} does not decode: {source}")]
+    Corrupt { what: &'static str, source: prost::DecodeError },
 }
 
-/// Jobs and their turn records.
-#[tonic::async_trait]
-pub trait JobStore: Send + Sync + std::fmt::Debug + 'static {
-    /// Writes the job's header (spec, state, metrics), replacing the one stored under its id.
-    async fn put_job(&self, job: &pb::Job, idempotency_key: &str) -> Result<(), StoreError>;
-    /// The job with this id.
-    async fn job(&self, job_id: &str) -> Result<Option<pb::Job>, StoreError>;
-    /// The job submitted with this idempotency key (never matches an empty key).
-    async fn job_by_key(&self, idempotency_key: &str) -> Result<Option<pb::Job>, StoreError>;
-    /// Records the job's tasks in the order its turns are listed in (written once, at submission).
-    async fn put_task_order(&self, job_id: &str, task_ids: &[String]) -> Result<(), StoreError>;
-    /// Writes one turn; a second write of the same (task, trajectory, turn) replaces the first.
-    async fn put_turn(&self, job_id: &str, turn: &pb::TurnRecord) -> Result<(), StoreError>;
-    /// Every turn of the job, ordered by task (in the job's task order; a task not in it after those that are, in
-    /// order of first write), trajectory and turn.
-    async fn turns(&self, job_id: &str) -> Result<Vec<pb::TurnRecord>, StoreError>;
+/// How far a turn got. Stored as its number; a write never lowers a turn's stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// The model's response is stored (the record holds the prompt, completion, usage and kernel).
+    Generated = 1,
+    /// The evaluation is stored too.
+    Evaluated = 2,
+    /// Scored, diagnosed and complete: the turn counts as recorded.
+    Recorded = 3,
 }
 
-/// A store in this process's memory.
-#[derive(Debug, Default)]
-pub struct MemoryStore {
-    inner: Mutex<Inner>,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    jobs: HashMap<String, pb::Job>,
-    keys: HashMap<String, String>,
-    /// Per job: turns by (task order, trajectory, turn), and the order tasks were first written in.
-    turns: HashMap<String, JobTurns>,
-}
-
-#[derive(Debug, Default)]
-struct JobTurns {
-    task_order: Vec<String>,
-    records: std::collections::BTreeMap<(usize, u32, u32), pb::TurnRecord>,
-}
-
-impl MemoryStore {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // A panic while holding the lock leaves plain maps, still consistent: every write is a single insert.
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+impl Stage {
+    fn from_i64(value: i64) -> Self {
+        match value {
+            1 => Self::Generated,
+            2 => Self::Evaluated,
+            _ => Self::Recorded,
+        }
     }
 }
 
-#[tonic::async_trait]
-impl JobStore for MemoryStore {
-    async fn put_job(&self, job: &pb::Job, idempotency_key: &str) -> Result<(), StoreError> {
-        let mut inner = self.lock();
-        if !idempotency_key.is_empty() {
-            inner.keys.entry(idempotency_key.to_owned()).or_insert_with(|| job.job_id.clone());
+/// A turn's place in its job's order: (task position, trajectory, turn). Export cursors are built from it.
+pub type TurnPosition = (i64, u32, u32);
+
+/// A job as listed: its listing sequence (ListJobs pages by it) and the job.
+#[derive(Debug, Clone)]
+pub struct ListedJob {
+    pub seq: i64,
+    pub job: pb::Job,
+}
+
+#[derive(Debug, Clone)]
+enum Pool {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+/// Runs `$body` with `$p` bound to the pool of whichever backend the store uses. The SQL is shared: both accept
+/// `$n` placeholders, `ON CONFLICT ... DO UPDATE` and row-value comparisons.
+macro_rules! on_pool {
+    ($pool:expr, $p:ident => $body:expr) => {
+        match $pool {
+            Pool::Sqlite($p) => $body,
+            Pool::Postgres($p) => $body,
         }
-        inner.jobs.insert(job.job_id.clone(), job.clone());
+    };
+}
+
+/// Jobs and their turn records, in SQLite or PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: Pool,
+}
+
+impl Store {
+    /// Opens the store at `url` and brings its schema up to date: `postgres://...` or `postgresql://...`;
+    /// `sqlite://PATH` or a plain path (the file is created when missing); `sqlite::memory:` (one connection, gone
+    /// with the store).
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        let bad = |message: String| StoreError::BadUrl { url: url.to_owned(), message };
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let pool = PgPoolOptions::new().max_connections(8).connect(url).await?;
+            POSTGRES_MIGRATIONS.run(&pool).await?;
+            return Ok(Self { pool: Pool::Postgres(pool) });
+        }
+        if url.is_empty() {
+            return Err(bad("empty".into()));
+        }
+        let memory = url == "sqlite::memory:" || url == ":memory:";
+        let options = if url.starts_with("sqlite:") {
+            SqliteConnectOptions::from_str(url).map_err(|e| bad(e.to_string()))?
+        } else if url.contains("://") {
+            return Err(bad("expected postgres://, sqlite:// or a file path".into()));
+        } else {
+            SqliteConnectOptions::new().filename(url)
+        };
+        let options = options
+            .create_if_missing(true)
+            // WAL lets readers (GetJob, exports) run beside the writer; FULL makes a commit survive power loss,
+            // not only a killed process.
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(std::time::Duration::from_secs(30));
+        if let Some(parent) = options.get_filename().parent().filter(|p| !memory && !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| bad(format!("cannot create {}: {e}", parent.display())))?;
+        }
+        let pool_options = if memory {
+            // Every connection to `:memory:` is a database of its own: keep exactly one, forever.
+            SqlitePoolOptions::new().max_connections(1).min_connections(1).idle_timeout(None).max_lifetime(None)
+        } else {
+            SqlitePoolOptions::new().max_connections(4)
+        };
+        let pool = pool_options.connect_with(options).await?;
+        SQLITE_MIGRATIONS.run(&pool).await?;
+        Ok(Self { pool: Pool::Sqlite(pool) })
+    }
+
+    /// Which backend this store uses: `sqlite` or `postgres`.
+    pub fn backend(&self) -> &'static str {
+        match self.pool {
+            Pool::Sqlite(_) => "sqlite",
+            Pool::Postgres(_) => "postgres",
+        }
+    }
+
+    /// Creates `job` with its resolved `tasks`, owned by `owner`, in one transaction. When `idempotency_key` is not
+    /// empty and a job already holds it, nothing is written and that job is returned instead.
+    pub async fn create_job(
+        &self,
+        job: &pb::Job,
+        idempotency_key: &str,
+        owner: &str,
+        tasks: &[pb::Task],
+    ) -> Result<Option<pb::Job>, StoreError> {
+        let key = (!idempotency_key.is_empty()).then_some(idempotency_key);
+        let created: bool = on_pool!(&self.pool, p => {
+            let mut tx = p.begin().await?;
+            let inserted = sqlx::query(
+                "INSERT INTO jobs (job_id, idempotency_key, owner, state, job) VALUES ($1, $2, $3, $4, $5) \
+                 ON CONFLICT (idempotency_key) DO NOTHING",
+            )
+            .bind(&job.job_id)
+            .bind(key)
+            .bind(owner)
+            .bind(i64::from(job.state))
+            .bind(job.encode_to_vec())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if inserted == 1 {
+                for (position, task) in tasks.iter().enumerate() {
+                    sqlx::query("INSERT INTO job_tasks (job_id, position, task_id, source) VALUES ($1, $2, $3, $4)")
+                        .bind(&job.job_id)
+                        .bind(position as i64)
+                        .bind(&task.task_id)
+                        .bind(&task.source)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
+            tx.commit().await?;
+            inserted == 1
+        });
+        if created {
+            return Ok(None);
+        }
+        self.job_by_key(idempotency_key).await
+    }
+
+    /// Replaces the job's stored snapshot (state, progress, metrics).
+    pub async fn put_job(&self, job: &pb::Job) -> Result<(), StoreError> {
+        on_pool!(&self.pool, p => {
+            sqlx::query("UPDATE jobs SET state = $2, job = $3 WHERE job_id = $1")
+                .bind(&job.job_id)
+                .bind(i64::from(job.state))
+                .bind(job.encode_to_vec())
+                .execute(p)
+                .await?
+                .rows_affected()
+        });
         Ok(())
     }
 
-    async fn job(&self, job_id: &str) -> Result<Option<pb::Job>, StoreError> {
-        Ok(self.lock().jobs.get(job_id).cloned())
+    /// The job with this id.
+    pub async fn job(&self, job_id: &str) -> Result<Option<pb::Job>, StoreError> {
+        let row: Option<(Vec<u8>,)> = on_pool!(&self.pool, p => {
+            sqlx::query_as("SELECT job FROM jobs WHERE job_id = $1").bind(job_id).fetch_optional(p).await?
+        });
+        row.map(|(bytes,)| decode_job(&bytes)).transpose()
     }
 
-    async fn job_by_key(&self, idempotency_key: &str) -> Result<Option<pb::Job>, StoreError> {
+    /// The job submitted with this idempotency key (never matches an empty key).
+    pub async fn job_by_key(&self, idempotency_key: &str) -> Result<Option<pb::Job>, StoreError> {
         if idempotency_key.is_empty() {
             return Ok(None);
         }
-        let inner = self.lock();
-        Ok(inner.keys.get(idempotency_key).and_then(|id| inner.jobs.get(id)).cloned())
+        let row: Option<(Vec<u8>,)> = on_pool!(&self.pool, p => {
+            sqlx::query_as("SELECT job FROM jobs WHERE idempotency_key = $1")
+                .bind(idempotency_key)
+                .fetch_optional(p)
+                .await?
+        });
+        row.map(|(bytes,)| decode_job(&bytes)).transpose()
     }
 
-    async fn put_task_order(&self, job_id: &str, task_ids: &[String]) -> Result<(), StoreError> {
-        let mut inner = self.lock();
-        let turns = inner.turns.entry(job_id.to_owned()).or_default();
-        if turns.task_order.is_empty() {
-            turns.task_order = task_ids.to_vec();
-        }
+    /// Up to `limit` jobs, newest first, submitted before the job listed with `before` (all when `None`);
+    /// only those in `state` when it is set.
+    pub async fn list_jobs(
+        &self,
+        before: Option<i64>,
+        state: Option<i32>,
+        limit: u32,
+    ) -> Result<Vec<ListedJob>, StoreError> {
+        let rows: Vec<(i64, Vec<u8>)> = on_pool!(&self.pool, p => {
+            sqlx::query_as(
+                "SELECT seq, job FROM jobs WHERE seq < $1 AND ($2 < 0 OR state = $2) ORDER BY seq DESC LIMIT $3",
+            )
+            .bind(before.unwrap_or(i64::MAX))
+            .bind(state.map_or(-1, i64::from))
+            .bind(i64::from(limit))
+            .fetch_all(p)
+            .await?
+        });
+        rows.into_iter().map(|(seq, bytes)| Ok(ListedJob { seq, job: decode_job(&bytes)? })).collect()
+    }
+
+    /// The job's tasks as resolved at submission, in order.
+    pub async fn tasks(&self, job_id: &str) -> Result<Vec<pb::Task>, StoreError> {
+        let rows: Vec<(String, String)> = on_pool!(&self.pool, p => {
+            sqlx::query_as("SELECT task_id, source FROM job_tasks WHERE job_id = $1 ORDER BY position")
+                .bind(job_id)
+                .fetch_all(p)
+                .await?
+        });
+        Ok(rows.into_iter().map(|(task_id, source)| pb::Task { task_id, source }).collect())
+    }
+
+    /// Makes `owner` the job's owner (the instance that runs it and resumes it after a restart).
+    pub async fn claim(&self, job_id: &str, owner: &str) -> Result<(), StoreError> {
+        on_pool!(&self.pool, p => {
+            sqlx::query("UPDATE jobs SET owner = $2 WHERE job_id = $1")
+                .bind(job_id)
+                .bind(owner)
+                .execute(p)
+                .await?
+                .rows_affected()
+        });
         Ok(())
     }
 
-    async fn put_turn(&self, job_id: &str, turn: &pb::TurnRecord) -> Result<(), StoreError> {
-        let mut inner = self.lock();
-        let turns = inner.turns.entry(job_id.to_owned()).or_default();
-        let task = match turns.task_order.iter().position(|t| *t == turn.task_id) {
-            Some(index) => index,
-            None => {
-                turns.task_order.push(turn.task_id.clone());
-                turns.task_order.len() - 1
-            }
-        };
-        turns.records.insert((task, turn.trajectory, turn.turn), turn.clone());
+    /// Ids of the jobs `owner` has queued or running, oldest first: what it resumes when it starts.
+    pub async fn unfinished_jobs(&self, owner: &str) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = on_pool!(&self.pool, p => {
+            sqlx::query_as("SELECT job_id FROM jobs WHERE owner = $1 AND state IN ($2, $3) ORDER BY seq")
+                .bind(owner)
+                .bind(pb::JobState::Queued as i64)
+                .bind(pb::JobState::Running as i64)
+                .fetch_all(p)
+                .await?
+        });
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
+    /// Writes `turn` at `stage`, committed when this returns. The same (task, trajectory, turn) written again at
+    /// the same or a later stage replaces the stored row; at an earlier stage the write is a no-op.
+    pub async fn put_turn(
+        &self,
+        job_id: &str,
+        task_position: i64,
+        stage: Stage,
+        turn: &pb::TurnRecord,
+    ) -> Result<(), StoreError> {
+        on_pool!(&self.pool, p => {
+            sqlx::query(
+                "INSERT INTO turns (job_id, task_id, trajectory, turn, task_position, stage, verdict, score, record) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+                 ON CONFLICT (job_id, task_id, trajectory, turn) DO UPDATE SET \
+                 stage = excluded.stage, verdict = excluded.verdict, score = excluded.score, record = excluded.record \
+                 WHERE turns.stage <= excluded.stage",
+            )
+            .bind(job_id)
+            .bind(&turn.task_id)
+            .bind(i64::from(turn.trajectory))
+            .bind(i64::from(turn.turn))
+            .bind(task_position)
+            .bind(stage as i64)
+            .bind(i64::from(turn.verdict))
+            .bind(turn.score)
+            .bind(turn.encode_to_vec())
+            .execute(p)
+            .await?
+            .rows_affected()
+        });
         Ok(())
     }
 
-    async fn turns(&self, job_id: &str) -> Result<Vec<pb::TurnRecord>, StoreError> {
-        Ok(self.lock().turns.get(job_id).map(|t| t.records.values().cloned().collect()).unwrap_or_default())
+    /// Every stored turn of one trajectory, whatever its stage, in turn order: what a resumed episode picks up.
+    pub async fn trajectory(
+        &self,
+        job_id: &str,
+        task_id: &str,
+        trajectory: u32,
+    ) -> Result<Vec<(Stage, pb::TurnRecord)>, StoreError> {
+        let rows: Vec<(i64, Vec<u8>)> = on_pool!(&self.pool, p => {
+            sqlx::query_as(
+                "SELECT stage, record FROM turns WHERE job_id = $1 AND task_id = $2 AND trajectory = $3 ORDER BY turn",
+            )
+            .bind(job_id)
+            .bind(task_id)
+            .bind(i64::from(trajectory))
+            .fetch_all(p)
+            .await?
+        });
+        rows.into_iter().map(|(stage, bytes)| Ok((Stage::from_i64(stage), decode_turn(&bytes)?))).collect()
     }
+
+    /// Every recorded turn of the job, ordered by task (the job's task order), trajectory and turn.
+    pub async fn turns(&self, job_id: &str) -> Result<Vec<pb::TurnRecord>, StoreError> {
+        Ok(self.turns_after(job_id, None, u32::MAX).await?.into_iter().map(|(_, turn)| turn).collect())
+    }
+
+    /// Up to `limit` recorded turns of the job after `after` (from the start when `None`), in the order of
+    /// [`Store::turns`], each with its position: a cursor for the next call.
+    pub async fn turns_after(
+        &self,
+        job_id: &str,
+        after: Option<TurnPosition>,
+        limit: u32,
+    ) -> Result<Vec<(TurnPosition, pb::TurnRecord)>, StoreError> {
+        let (task, trajectory, turn) = after.unwrap_or((-1, 0, 0));
+        let rows: Vec<(i64, i64, i64, Vec<u8>)> = on_pool!(&self.pool, p => {
+            sqlx::query_as(
+                "SELECT task_position, trajectory, turn, record FROM turns \
+                 WHERE job_id = $1 AND stage = $2 AND (task_position, trajectory, turn) > ($3, $4, $5) \
+                 ORDER BY task_position, trajectory, turn LIMIT $6",
+            )
+            .bind(job_id)
+            .bind(Stage::Recorded as i64)
+            .bind(task)
+            .bind(i64::from(trajectory))
+            .bind(i64::from(turn))
+            .bind(i64::from(limit))
+            .fetch_all(p)
+            .await?
+        });
+        rows.into_iter()
+            .map(|(task, trajectory, turn, bytes)| {
+                let position = (task, u32::try_from(trajectory).unwrap_or(0), u32::try_from(turn).unwrap_or(0));
+                Ok((position, decode_turn(&bytes)?))
+            })
+            .collect()
+    }
+}
+
+fn decode_job(bytes: &[u8]) -> Result<pb::Job, StoreError> {
+    pb::Job::decode(bytes).map_err(|source| StoreError::Corrupt { what: "job", source })
+}
+
+fn decode_turn(bytes: &[u8]) -> Result<pb::TurnRecord, StoreError> {
+    pb::TurnRecord::decode(bytes).map_err(|source| StoreError::Corrupt { what: "turn", source })
+}
+
+/// The default store: `orchestrator.db` under `$XDG_STATE_HOME/kforge` (else `~/.local/state/kforge`, else the
+/// current directory).
+pub fn default_url() -> String {
+    let dir = std::env::var_os("XDG_STATE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").filter(|h| !h.is_empty()).map(|h| std::path::Path::new(&h).join(".local/state"))
+        })
+        .map(|d| d.join("kforge"))
+        .unwrap_or_default();
+    dir.join("orchestrator.db").display().to_string()
 }
 
 #[cfg(test)]
@@ -120,14 +399,24 @@ mod tests {
         pb::TurnRecord { task_id: task.into(), trajectory, turn, kernel: kernel.into(), ..Default::default() }
     }
 
+    async fn memory() -> Store {
+        Store::open("sqlite::memory:").await.expect("an in-memory store opens")
+    }
+
+    fn job(id: &str) -> pb::Job {
+        pb::Job { job_id: id.into(), state: pb::JobState::Queued.into(), ..Default::default() }
+    }
+
     #[tokio::test]
-    async fn turns_are_idempotent_and_ordered_by_the_job_s_tasks() {
-        let store = MemoryStore::default();
-        store.put_task_order("job", &["b".into()]).await.expect("written");
+    async fn turns_are_idempotent_never_regress_and_are_ordered_by_the_job_s_tasks() {
+        let store = memory().await;
+        let position = |task: &str| if task == "b" { 0 } else { 1 };
         for record in [turn("a", 0, 0, "z"), turn("b", 1, 0, "x"), turn("b", 0, 1, "y"), turn("b", 0, 0, "w")] {
-            store.put_turn("job", &record).await.expect("written");
+            store.put_turn("job", position(&record.task_id), Stage::Recorded, &record).await.expect("written");
         }
-        store.put_turn("job", &turn("b", 1, 0, "x again")).await.expect("rewritten");
+        store.put_turn("job", 0, Stage::Recorded, &turn("b", 1, 0, "x again")).await.expect("rewritten");
+        store.put_turn("job", 0, Stage::Generated, &turn("b", 1, 0, "stale")).await.expect("a no-op");
+        store.put_turn("job", 0, Stage::Generated, &turn("b", 0, 2, "pending")).await.expect("written");
         let keys: Vec<(String, u32, u32, String)> = store
             .turns("job")
             .await
@@ -142,19 +431,67 @@ mod tests {
                 ("b".into(), 0, 1, "y".into()),
                 ("b".into(), 1, 0, "x again".into()),
                 ("a".into(), 0, 0, "z".into()),
-            ]
+            ],
+            "recorded turns only, in task order; the generated-only turn is not listed"
         );
+        let trajectory: Vec<(Stage, String)> =
+            store.trajectory("job", "b", 0).await.expect("read").into_iter().map(|(s, t)| (s, t.kernel)).collect();
+        assert_eq!(
+            trajectory,
+            [(Stage::Recorded, "w".into()), (Stage::Recorded, "y".into()), (Stage::Generated, "pending".into())]
+        );
+        let page = store.turns_after("job", Some((0, 0, 1)), 2).await.expect("read");
+        let kernels: Vec<&str> = page.iter().map(|(_, t)| t.kernel.as_str()).collect();
+        assert_eq!(kernels, ["x again", "z"]);
+        assert_eq!(page[1].0, (1, 0, 0));
         assert!(store.turns("other").await.expect("read").is_empty());
     }
 
     #[tokio::test]
-    async fn jobs_by_id_and_idempotency_key() {
-        let store = MemoryStore::default();
-        let job = pb::Job { job_id: "j1".into(), ..Default::default() };
-        store.put_job(&job, "key").await.expect("written");
-        store.put_job(&pb::Job { job_id: "j2".into(), ..Default::default() }, "key").await.expect("written");
-        assert_eq!(store.job_by_key("key").await.expect("read").map(|j| j.job_id), Some("j1".into()));
+    async fn jobs_by_id_idempotency_key_owner_and_listing() {
+        let store = memory().await;
+        let tasks = [pb::Task { task_id: "t".into(), source: "src".into() }];
+        assert_eq!(store.create_job(&job("j1"), "key", "me", &tasks).await.expect("written"), None);
+        let existing = store.create_job(&job("j2"), "key", "me", &[]).await.expect("read");
+        assert_eq!(existing.map(|j| j.job_id), Some("j1".into()), "the key returns the first job");
+        assert_eq!(store.job("j2").await.expect("read"), None, "nothing written for a known key");
+        assert_eq!(store.create_job(&job("j3"), "", "other", &[]).await.expect("written"), None);
+        assert_eq!(store.create_job(&job("j4"), "", "me", &[]).await.expect("written"), None);
         assert_eq!(store.job_by_key("").await.expect("read"), None);
-        assert_eq!(store.job("j2").await.expect("read").map(|j| j.job_id), Some("j2".into()));
+        assert_eq!(store.tasks("j1").await.expect("read"), tasks);
+
+        let mut done = job("j4");
+        done.state = pb::JobState::Succeeded.into();
+        store.put_job(&done).await.expect("updated");
+        assert_eq!(store.job("j4").await.expect("read").map(|j| j.state), Some(done.state));
+        assert_eq!(store.unfinished_jobs("me").await.expect("read"), ["j1"]);
+        store.claim("j3", "me").await.expect("claimed");
+        assert_eq!(store.unfinished_jobs("me").await.expect("read"), ["j1", "j3"]);
+
+        let first = store.list_jobs(None, None, 2).await.expect("listed");
+        let ids: Vec<&str> = first.iter().map(|l| l.job.job_id.as_str()).collect();
+        assert_eq!(ids, ["j4", "j3"], "newest first");
+        let rest = store.list_jobs(Some(first[1].seq), None, 2).await.expect("listed");
+        assert_eq!(rest.iter().map(|l| l.job.job_id.as_str()).collect::<Vec<_>>(), ["j1"]);
+        let succeeded = store.list_jobs(None, Some(done.state), 10).await.expect("listed");
+        assert_eq!(succeeded.iter().map(|l| l.job.job_id.as_str()).collect::<Vec<_>>(), ["j4"]);
+    }
+
+    #[tokio::test]
+    async fn a_file_store_keeps_its_jobs_across_reopening() {
+        let dir = std::env::temp_dir().join(format!("kforge-store-unit-{}", std::process::id()));
+        let path = dir.join("nested/kforge.db");
+        let url = path.display().to_string();
+        {
+            let store = Store::open(&url).await.expect("created with its directory");
+            store.create_job(&job("j1"), "", "me", &[]).await.expect("written");
+            store.put_turn("j1", 0, Stage::Evaluated, &turn("t", 0, 0, "k")).await.expect("written");
+        }
+        let store = Store::open(&format!("sqlite://{url}")).await.expect("reopened");
+        assert_eq!(store.backend(), "sqlite");
+        assert!(store.job("j1").await.expect("read").is_some());
+        assert_eq!(store.trajectory("j1", "t", 0).await.expect("read")[0].0, Stage::Evaluated);
+        assert!(matches!(Store::open("mysql://x").await, Err(StoreError::BadUrl { .. })));
+        std::fs::remove_dir_all(dir).expect("cleanup");
     }
 }

@@ -1,0 +1,395 @@
+//! Test support: fake gateway, evaluator and reward services in one in-process server that count the calls they
+//! receive and answer, can hold a chosen call forever (so that a test can kill the orchestrator in the middle of
+//! it) and can answer scripted failures; and a throwaway PostgreSQL cluster.
+
+#![allow(dead_code)]
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use kforge_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+/// A turn's key as the fakes see it: `task/trajectory/turn`.
+pub fn key(task: &str, trajectory: u32, turn: u32) -> String {
+    format!("{task}/{trajectory}/{turn}")
+}
+
+/// A call the fakes can hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hold {
+    /// Gateway/Generate of this key.
+    Generate(String),
+    /// Evaluator/Evaluate of this key.
+    Evaluate(String),
+    /// The next Reward/ScoreKernels call.
+    NextScore,
+}
+
+/// A scripted evaluator answer.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    /// RESOURCE_EXHAUSTED.
+    Busy,
+    /// VERDICT_INFRA_ERROR, retryable or not.
+    Infra { retryable: bool },
+}
+
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Calls received, by key (held ones included).
+    pub received: HashMap<String, u32>,
+    /// Calls answered, by key.
+    pub answered: HashMap<String, u32>,
+}
+
+#[derive(Debug, Default)]
+pub struct State {
+    pub generate: Mutex<Counts>,
+    pub evaluate: Mutex<Counts>,
+    pub scores: Mutex<u32>,
+    hold: Mutex<Option<Hold>>,
+    held: Mutex<Option<mpsc::UnboundedSender<Hold>>>,
+    script: Mutex<HashMap<String, VecDeque<Answer>>>,
+}
+
+impl State {
+    /// Holds the next call matching `hold`; the returned receiver gets it once the call has arrived.
+    pub fn hold(&self, hold: Hold) -> mpsc::UnboundedReceiver<Hold> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        *self.hold.lock().expect("lock") = Some(hold);
+        *self.held.lock().expect("lock") = Some(sender);
+        receiver
+    }
+
+    /// Scripts the evaluator's first answers for `key`; later calls answer correct.
+    pub fn script(&self, key: &str, answers: impl IntoIterator<Item = Answer>) {
+        self.script.lock().expect("lock").insert(key.to_owned(), answers.into_iter().collect());
+    }
+
+    pub fn generate_counts(&self) -> (HashMap<String, u32>, HashMap<String, u32>) {
+        let counts = self.generate.lock().expect("lock");
+        (counts.received.clone(), counts.answered.clone())
+    }
+
+    pub fn evaluate_counts(&self) -> (HashMap<String, u32>, HashMap<String, u32>) {
+        let counts = self.evaluate.lock().expect("lock");
+        (counts.received.clone(), counts.answered.clone())
+    }
+
+    /// Whether this call is the held one: if so, tells the test and never answers (the orchestrator is killed,
+    /// or the call is dropped with its connection).
+    async fn maybe_hold(&self, call: Hold) {
+        let matched = {
+            let mut hold = self.hold.lock().expect("lock");
+            if hold.as_ref() == Some(&call) {
+                hold.take();
+                true
+            } else {
+                false
+            }
+        };
+        if matched {
+            if let Some(sender) = self.held.lock().expect("lock").take() {
+                let _ = sender.send(call);
+            }
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+fn count(counts: &Mutex<Counts>, key: &str, answered: bool) {
+    let mut counts = counts.lock().expect("lock");
+    let map = if answered { &mut counts.answered } else { &mut counts.received };
+    *map.entry(key.to_owned()).or_default() += 1;
+}
+
+/// The kernel every fake response holds.
+pub const KERNEL: &str =
+    "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x\n";
+
+#[derive(Debug, Clone)]
+struct Fakes(Arc<State>);
+
+#[tonic::async_trait]
+impl pb::gateway_server::Gateway for Fakes {
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
+        let request = request.into_inner();
+        let keys = request.keys.unwrap_or_default();
+        let key = key(&keys.task_id, keys.trajectory, keys.turn);
+        count(&self.0.generate, &key, false);
+        self.0.maybe_hold(Hold::Generate(key.clone())).await;
+        count(&self.0.generate, &key, true);
+        Ok(Response::new(pb::GenerateResponse {
+            completions: vec![pb::Completion {
+                text: format!("Attempt {key}.\n\n```python\n{KERNEL}```\n"),
+                reasoning: "Okay, a kernel.".into(),
+                finish_reason: "stop".into(),
+                token_ids: vec![1, 2, 3],
+                logprobs: vec![-0.5, -0.25, -0.125],
+                ..Default::default()
+            }],
+            usage: Some(pb::Usage { prompt_tokens: 10, completion_tokens: 3, ..Default::default() }),
+            prompt_token_ids: vec![7, 8],
+            ..Default::default()
+        }))
+    }
+
+    type GenerateStreamStream = tonic::codegen::BoxStream<pb::GenerateStreamResponse>;
+
+    async fn generate_stream(
+        &self,
+        _request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn control_backends(
+        &self,
+        _request: Request<pb::ControlBackendsRequest>,
+    ) -> Result<Response<pb::ControlBackendsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::evaluator_server::Evaluator for Fakes {
+    async fn evaluate(&self, request: Request<pb::EvaluateRequest>) -> Result<Response<pb::EvaluateResponse>, Status> {
+        let request = request.into_inner();
+        let key = request.idempotency_key.strip_prefix(&format!("{}/", request.job_id)).unwrap_or("").to_owned();
+        count(&self.0.evaluate, &key, false);
+        self.0.maybe_hold(Hold::Evaluate(key.clone())).await;
+        let scripted = self.0.script.lock().expect("lock").get_mut(&key).and_then(VecDeque::pop_front);
+        count(&self.0.evaluate, &key, true);
+        let timing = |ms| Some(pb::TimingStats { median_ms: ms, ..Default::default() });
+        match scripted {
+            Some(Answer::Busy) => Err(Status::resource_exhausted("evaluator queue full")),
+            Some(Answer::Infra { retryable }) => Ok(Response::new(pb::EvaluateResponse {
+                verdict: pb::Verdict::InfraError.into(),
+                retryable,
+                error: "device lost".into(),
+                ..Default::default()
+            })),
+            None => Ok(Response::new(pb::EvaluateResponse {
+                verdict: pb::Verdict::Correct.into(),
+                speedup_eager: 1.5,
+                candidate_timing: timing(2.0),
+                eager_timing: timing(3.0),
+                ..Default::default()
+            })),
+        }
+    }
+
+    type EvaluateStreamStream = tonic::codegen::BoxStream<pb::EvaluateResponse>;
+
+    async fn evaluate_stream(
+        &self,
+        _request: Request<tonic::Streaming<pb::EvaluateRequest>>,
+    ) -> Result<Response<Self::EvaluateStreamStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn get_capabilities(
+        &self,
+        _request: Request<pb::GetCapabilitiesRequest>,
+    ) -> Result<Response<pb::GetCapabilitiesResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::reward_server::Reward for Fakes {
+    async fn score_kernels(
+        &self,
+        request: Request<pb::ScoreKernelsRequest>,
+    ) -> Result<Response<pb::ScoreKernelsResponse>, Status> {
+        self.0.maybe_hold(Hold::NextScore).await;
+        *self.0.scores.lock().expect("lock") += 1;
+        let scores = request
+            .into_inner()
+            .outcomes
+            .iter()
+            .map(|outcome| pb::KernelScore {
+                score: if outcome.verdict() == pb::Verdict::Correct { 1.8 } else { 0.0 },
+                speedup: outcome.speedup_eager.unwrap_or_default(),
+                ..Default::default()
+            })
+            .collect();
+        Ok(Response::new(pb::ScoreKernelsResponse { scores }))
+    }
+
+    async fn compute_returns(
+        &self,
+        _request: Request<pb::ComputeReturnsRequest>,
+    ) -> Result<Response<pb::ComputeReturnsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn compute_advantages(
+        &self,
+        _request: Request<pb::ComputeAdvantagesRequest>,
+    ) -> Result<Response<pb::ComputeAdvantagesResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn rejection_sample(
+        &self,
+        _request: Request<pb::RejectionSampleRequest>,
+    ) -> Result<Response<pb::RejectionSampleResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::DiagnoseResponse>, Status> {
+        let flags = request.into_inner().responses.iter().map(|_| pb::ResponseFlags::default()).collect();
+        Ok(Response::new(pb::DiagnoseResponse { flags, ..Default::default() }))
+    }
+}
+
+/// Starts the three fakes on one ephemeral port; they serve until the test's runtime ends.
+pub async fn start_fakes() -> (String, Arc<State>) {
+    let state = Arc::new(State::default());
+    let fakes = Fakes(state.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let server = tonic::transport::Server::builder()
+        .add_service(pb::gateway_server::GatewayServer::new(fakes.clone()))
+        .add_service(pb::evaluator_server::EvaluatorServer::new(fakes.clone()))
+        .add_service(pb::reward_server::RewardServer::new(fakes))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    tokio::spawn(server);
+    (format!("http://{address}"), state)
+}
+
+/// A port free now (bound and released): for a child process that must be told its address.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address").port()
+}
+
+/// Waits until `address` accepts gRPC connections (a child that is starting), for at most `patience`.
+pub async fn wait_ready(address: &str, patience: std::time::Duration) -> tonic::transport::Channel {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        match tonic::transport::Endpoint::from_shared(address.to_owned()).expect("url").connect().await {
+            Ok(channel) => return channel,
+            Err(error) if tokio::time::Instant::now() > deadline => panic!("{address} never became ready: {error}"),
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// Whether tests must fail rather than skip when a tool is missing (scripts/test.sh sets it after set-up).
+pub fn ci() -> bool {
+    std::env::var("KFORGE_CI").is_ok_and(|v| v == "1")
+}
+
+/// A throwaway PostgreSQL cluster (initdb and pg_ctl on a temporary directory and a free port), run as the
+/// `postgres` user when this process is root; stopped and removed on drop.
+#[derive(Debug)]
+pub struct Postgres {
+    dir: PathBuf,
+    bin: PathBuf,
+    pub url: String,
+}
+
+impl Postgres {
+    /// Starts a cluster, or prints `SKIP:` and returns None where the PostgreSQL binaries are missing (a failure
+    /// under KFORGE_CI=1).
+    pub fn start(test: &str) -> Option<Self> {
+        let Some(bin) = postgres_bindir() else {
+            let message = "SKIP: PostgreSQL binaries (initdb, pg_ctl) not found: scripts/setup.sh --test installs them";
+            assert!(!ci(), "{message} (KFORGE_CI=1 requires them)");
+            eprintln!("{message}");
+            return None;
+        };
+        let dir = std::env::temp_dir().join(format!("kforge-pg-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("cluster dir");
+        let root = is_root();
+        if root {
+            let status = Command::new("chown").arg("postgres:postgres").arg(&dir).status().expect("chown runs");
+            assert!(status.success(), "chown postgres {}: is there a postgres user?", dir.display());
+        }
+        let port = free_port();
+        let data = dir.join("data");
+        run_as_postgres(
+            root,
+            &bin.join("initdb"),
+            &["-D", path(&data), "-A", "trust", "-U", "kforge", "--no-sync", "-E", "UTF8"],
+            &dir,
+        );
+        let options = format!("-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off", dir.display());
+        let log = dir.join("log");
+        run_as_postgres(
+            root,
+            &bin.join("pg_ctl"),
+            &["-D", path(&data), "-o", &options, "-l", path(&log), "-w", "-t", "120", "start"],
+            &dir,
+        );
+        Some(Self { url: format!("postgres://kforge@127.0.0.1:{port}/postgres"), dir, bin })
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        let data = self.dir.join("data");
+        let mut command = if is_root() {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(self.bin.join("pg_ctl"));
+            c
+        } else {
+            Command::new(self.bin.join("pg_ctl"))
+        };
+        let _ = command.args(["-D", path(&data), "-m", "immediate", "-w", "stop"]).output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}
+
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+fn run_as_postgres(root: bool, program: &Path, args: &[&str], dir: &Path) {
+    let mut command = if root {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    };
+    let output = command.args(args).current_dir(dir).output().expect("postgres tool runs");
+    assert!(
+        output.status.success(),
+        "{} {args:?} failed: {}{}",
+        program.display(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The directory holding initdb and pg_ctl: PATH first, then Debian's /usr/lib/postgresql/<version>/bin.
+fn postgres_bindir() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH").into_iter().flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>());
+    let debian = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .map(|entry| entry.path().join("bin"));
+    on_path.chain(debian).find(|dir| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file()).map(|dir| {
+        // A symlink (/usr/local/bin/initdb) leads to the real directory, where the server binary is too.
+        std::fs::canonicalize(dir.join("initdb")).ok().and_then(|p| p.parent().map(Path::to_path_buf)).unwrap_or(dir)
+    })
+}
