@@ -1,7 +1,9 @@
 //! The evaluator on the CPU backend with a real PyTorch: every verdict from real candidate code.
 //!
-//! Needs the Python environment that `scripts/setup.sh --test` creates (`.venv` with torch). Compiled artifacts
-//! are cached under cargo's target directory, so the one C++ build is shared by every test and test process.
+//! Needs the Python environment that `scripts/setup.sh --test` creates (`.venv` with torch): without it each test
+//! says `SKIP:` (and fails under `KFORGE_CI=1`). Compiled artifacts are cached under cargo's target directory, so the one C++ build is shared by every test and test process.
+
+mod support;
 
 use std::path::PathBuf;
 
@@ -17,10 +19,10 @@ fn fixture(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()))
 }
 
-fn config() -> EvaluatorConfig {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    EvaluatorConfig {
+/// The tests' configuration; `None` (a skip) without the Python environment.
+fn config() -> Option<EvaluatorConfig> {
+    let python = support::python()?;
+    Some(EvaluatorConfig {
         python,
         work_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("evaluator-cache"),
         // torch.compile on a CPU needs minutes per task; the eager baseline is what these tests check.
@@ -29,7 +31,7 @@ fn config() -> EvaluatorConfig {
         // `the_bindings_header_is_precompiled_and_gcc_takes_it_for_load_inline_s_flags` builds it.
         bindings_pch: false,
         ..EvaluatorConfig::default()
-    }
+    })
 }
 
 async fn evaluator(config: EvaluatorConfig) -> Evaluator {
@@ -54,7 +56,8 @@ fn verdict(response: &pb::EvaluateResponse) -> pb::Verdict {
 
 #[tokio::test]
 async fn a_compiled_kernel_is_correct_timed_and_cached() {
-    let evaluator = evaluator(config()).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(base).await;
     let first = evaluator
         .evaluate(pb::EvaluateRequest { measure_performance: true, ..request(CPU_LOOP) })
         .await
@@ -75,8 +78,9 @@ async fn a_compiled_kernel_is_correct_timed_and_cached() {
 /// never ends) or spinning on the CPU, the candidate is stopped, with a timeout that names why.
 #[tokio::test]
 async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
+    let Some(base) = config() else { return };
     let limits = CallLimitsConfig { floor_secs: 1.0, unmeasured_secs: 1.0, busy_secs: 2.0, reference_factor: 100.0 };
-    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 600, call_limits: limits, ..config() }).await;
+    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 600, call_limits: limits, ..base }).await;
     for (name, says) in [("sleeps_in_forward.py", "did not return within"), ("spins_in_forward.py", "busy on the CPU")]
     {
         let response = evaluator.evaluate(request(&fixture(name))).await.expect("evaluates");
@@ -89,11 +93,12 @@ async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
 /// when the evaluator's own work (here, making the inputs) did, it is an infrastructure error naming the stage.
 #[tokio::test]
 async fn a_stage_limit_is_charged_to_whoever_used_the_time() {
+    let Some(base) = config() else { return };
     let limits =
         CallLimitsConfig { floor_secs: 600.0, unmeasured_secs: 600.0, busy_secs: 600.0, reference_factor: 100.0 };
     // Long enough for the stage's own start (imports, building the model) on a loaded 2-core machine: the
     // sleeping call then has most of it.
-    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 15, call_limits: limits, ..config() }).await;
+    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 15, call_limits: limits, ..base }).await;
 
     let slow_candidate = evaluator.evaluate(request(&fixture("sleeps_in_forward.py"))).await.expect("evaluates");
     assert_eq!(verdict(&slow_candidate), pb::Verdict::Timeout, "{slow_candidate:#?}");
@@ -113,7 +118,8 @@ async fn a_stage_limit_is_charged_to_whoever_used_the_time() {
 
 #[tokio::test]
 async fn a_compile_error_comes_with_the_compiler_log() {
-    let evaluator = evaluator(config()).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(base).await;
     let response = evaluator.evaluate(request(&fixture("compile_error.py"))).await.expect("evaluates");
     assert_eq!(verdict(&response), pb::Verdict::CompileError, "{response:#?}");
     assert!(response.compile_log.contains("error"), "{}", response.compile_log);
@@ -125,7 +131,8 @@ async fn a_compile_error_comes_with_the_compiler_log() {
 
 #[tokio::test]
 async fn each_failure_gets_its_verdict_and_the_evaluator_keeps_serving() {
-    let evaluator = evaluator(config()).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(base).await;
     let cases: [(&str, pb::Verdict, &str); 9] = [
         ("raises.py", pb::Verdict::RuntimeError, "kernel launch configuration is invalid"),
         ("aborts.py", pb::Verdict::RuntimeError, "SIGABRT"),
@@ -170,14 +177,16 @@ async fn each_failure_gets_its_verdict_and_the_evaluator_keeps_serving() {
 
 #[tokio::test]
 async fn a_hanging_candidate_times_out() {
-    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 20, ..config() }).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 20, ..base }).await;
     let response = evaluator.evaluate(request(&fixture("hangs.py"))).await.expect("evaluates");
     assert_eq!(verdict(&response), pb::Verdict::Timeout, "{response:#?}");
 }
 
 #[tokio::test]
 async fn static_rejections_run_nothing() {
-    let evaluator = evaluator(config()).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(base).await;
     let strict = pb::EvaluateRequest { policy: "kevin-strict".into(), ..request(&fixture("try_except.py")) };
     let response = evaluator.evaluate(strict).await.expect("evaluates");
     assert_eq!(verdict(&response), pb::Verdict::Rejected);
@@ -192,7 +201,8 @@ async fn static_rejections_run_nothing() {
 
 #[tokio::test]
 async fn bad_requests_name_the_field() {
-    let evaluator = evaluator(config()).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(base).await;
     let field = |result: Result<pb::EvaluateResponse, RequestError>| match result {
         Err(RequestError::Invalid { field, .. }) => field,
         other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
@@ -224,7 +234,8 @@ async fn bad_requests_name_the_field() {
 
 #[tokio::test]
 async fn a_full_queue_answers_resource_exhausted() {
-    let evaluator = evaluator(EvaluatorConfig { queue_capacity: 0, ..config() }).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(EvaluatorConfig { queue_capacity: 0, ..base }).await;
     match evaluator.evaluate(request(CPU_LOOP)).await {
         Err(RequestError::QueueFull { retry_after_secs, .. }) => assert!(retry_after_secs > 0),
         other => panic!("expected a full queue, got {other:?}"),
@@ -233,7 +244,8 @@ async fn a_full_queue_answers_resource_exhausted() {
 
 #[tokio::test]
 async fn capabilities_report_backends_versions_and_the_sandbox() {
-    let evaluator = evaluator(config()).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(base).await;
     let capabilities = evaluator.capabilities();
     assert!(capabilities.backends.contains(&(pb::Backend::Cpu as i32)));
     assert!(capabilities.versions.contains_key("torch"), "{:?}", capabilities.versions);
@@ -247,7 +259,8 @@ async fn capabilities_report_backends_versions_and_the_sandbox() {
 /// examples are real evaluations, and a false positive in the checker shows up here first.
 #[tokio::test]
 async fn every_example_task_passes_with_its_candidates() {
-    let evaluator = evaluator(config()).await;
+    let Some(base) = config() else { return };
+    let evaluator = evaluator(base).await;
     let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/tasks");
     let mut tasks: Vec<PathBuf> =
         std::fs::read_dir(&examples).expect("examples").map(|e| e.expect("entry").path()).collect();
@@ -280,7 +293,8 @@ async fn every_example_task_passes_with_its_candidates() {
 /// other flags reads the header itself; a compile with the header on its include path builds a working module.
 #[tokio::test]
 async fn the_bindings_header_is_precompiled_and_gcc_takes_it_for_load_inline_s_flags() {
-    let config = EvaluatorConfig { bindings_pch: true, ..config() };
+    let Some(base) = config() else { return };
+    let config = EvaluatorConfig { bindings_pch: true, ..base };
     let (python, work) = (config.python.clone(), config.work_dir.clone());
     let evaluator = evaluator(config).await;
     let dir = evaluator.warm_up().await.expect("the header is precompiled");
@@ -332,7 +346,8 @@ async fn the_bindings_header_is_precompiled_and_gcc_takes_it_for_load_inline_s_f
 /// (`build_recipe = "stock"`, which sets `KFORGE_BUILD_RECIPE=stock`).
 #[test]
 fn the_harness_leaves_load_inline_alone_for_stock_builds() {
-    let python = config().python;
+    let Some(base) = config() else { return };
+    let python = base.python;
     let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
     let script = format!(
         "import os, sys\n\
@@ -361,7 +376,8 @@ fn the_harness_leaves_load_inline_alone_for_stock_builds() {
 /// gives no count for a module it cannot count completely (one exporting a class) or a library that is no module.
 #[test]
 fn the_harness_counts_calls_into_the_candidate_s_extensions() {
-    let python = config().python;
+    let Some(base) = config() else { return };
+    let python = base.python;
     let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
     let script = format!(
         "import sys, types\n\
@@ -403,13 +419,11 @@ fn the_harness_counts_calls_into_the_candidate_s_extensions() {
 /// check, on values chosen so that each can fail.
 #[test]
 fn the_harness_perturbs_digests_and_compares_as_documented() {
+    let Some(base) = config() else { return };
     let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harness_inputs_and_checks.py");
-    let output = std::process::Command::new(config().python)
-        .arg(&script)
-        .env("PYTHONPATH", &harness)
-        .output()
-        .expect("python runs");
+    let output =
+        std::process::Command::new(base.python).arg(&script).env("PYTHONPATH", &harness).output().expect("python runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(stdout.lines().count(), 4, "{stdout}");
@@ -420,11 +434,12 @@ fn the_harness_perturbs_digests_and_compares_as_documented() {
 /// sensitivity trial with it on; the whole computation summed in another order stays CORRECT.
 #[tokio::test]
 async fn the_sensitivity_trial_catches_closed_forms_and_samples() {
+    let Some(base) = config() else { return };
     let corpus = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
     let read = |name: &str| std::fs::read_to_string(corpus.join(name)).expect("corpus file");
     let task = pb::Task { task_id: "corpus/mean_squared_error".into(), source: read("tasks/mean_squared_error.py") };
-    let on = evaluator(config()).await;
-    let off = evaluator(EvaluatorConfig { sensitivity_check: false, ..config() }).await;
+    let on = evaluator(base.clone()).await;
+    let off = evaluator(EvaluatorConfig { sensitivity_check: false, ..base }).await;
     for name in ["exploits/loss_closed_form.py", "exploits/loss_strided_sample.py"] {
         let request = pb::EvaluateRequest { task: Some(task.clone()), ..request(&read(name)) };
         let unchecked = off.evaluate(request.clone()).await.expect("evaluates");

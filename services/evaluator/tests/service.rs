@@ -1,7 +1,10 @@
 //! The Evaluator service through its generated client, served in-process on an ephemeral port on the CPU backend
 //! with a real PyTorch: idempotency keys and `EvaluateStream`.
 //!
-//! Needs the Python environment that `scripts/setup.sh --test` creates (`.venv` with torch).
+//! Needs the Python environment that `scripts/setup.sh --test` creates (`.venv` with torch): without it each test
+//! says `SKIP:` (and fails under `KFORGE_CI=1`).
+
+mod support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,10 +20,10 @@ const TASK: &str = include_str!("../../../examples/tasks/relu/task.py");
 /// Correct without building an extension: the cheapest real evaluation.
 const TORCH_RELU: &str = include_str!("fixtures/torch_relu.py");
 
-fn config(work_dir: &str) -> EvaluatorConfig {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    EvaluatorConfig {
+/// The tests' configuration; `None` (a skip) without the Python environment.
+fn config(work_dir: &str) -> Option<EvaluatorConfig> {
+    let python = support::python()?;
+    Some(EvaluatorConfig {
         python,
         work_dir: PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(work_dir),
         // torch.compile on a CPU needs minutes per task; these tests check the service, not the baselines.
@@ -28,7 +31,7 @@ fn config(work_dir: &str) -> EvaluatorConfig {
         // Each test is a process of its own: a header build started by a short test would die with it, half done.
         bindings_pch: false,
         ..EvaluatorConfig::default()
-    }
+    })
 }
 
 /// The service, served in this process until [`Served::stop`].
@@ -104,7 +107,7 @@ fn repair_scratch(work_dir: &Path) {
 /// again; a retryable infra error is not kept: the retry after the cause is gone evaluates and succeeds.
 #[tokio::test]
 async fn a_final_result_is_replayed_and_a_retryable_infra_error_is_evaluated_again() {
-    let config = config("service-idempotency");
+    let Some(config) = config("service-idempotency") else { return };
     let work_dir = config.work_dir.clone();
     // A run that failed half-way may have left the scratch root broken.
     repair_scratch(&work_dir);
@@ -141,7 +144,8 @@ async fn a_final_result_is_replayed_and_a_retryable_infra_error_is_evaluated_aga
 #[tokio::test]
 async fn a_refused_request_is_not_replayed() {
     // No admission slot: every request that passes validation is refused with RESOURCE_EXHAUSTED.
-    let (served, mut client) = serve(EvaluatorConfig { queue_capacity: 0, ..config("evaluator-cache") }).await;
+    let Some(config) = config("evaluator-cache") else { return };
+    let (served, mut client) = serve(EvaluatorConfig { queue_capacity: 0, ..config }).await;
     let refused = client.evaluate(keyed("first", "key")).await.expect_err("the queue is full");
     assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
     assert!(refused.metadata().get("retry-after-ms").is_some(), "{refused:?}");
@@ -159,7 +163,8 @@ async fn a_refused_request_is_not_replayed() {
 /// the stream, and the stream ends cleanly once the client has closed its side and every response is out.
 #[tokio::test]
 async fn every_stream_request_gets_exactly_one_response_and_a_refusal_does_not_end_the_stream() {
-    let (served, mut client) = serve(config("evaluator-cache")).await;
+    let Some(config) = config("evaluator-cache") else { return };
+    let (served, mut client) = serve(config).await;
     let (requests, outgoing) = tokio::sync::mpsc::channel::<pb::EvaluateRequest>(16);
     let mut responses = client.evaluate_stream(ReceiverStream::new(outgoing)).await.expect("opens").into_inner();
     let send = async |request: pb::EvaluateRequest| requests.send(request).await.expect("the stream is open");
