@@ -128,11 +128,16 @@ impl BuildRecipe {
     }
 }
 
-impl std::str::FromStr for BuildRecipe {
-    type Err = String;
+/// A build recipe name that is neither `kforge` nor `stock`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("stock or kforge, not {0}")]
+pub struct UnknownBuildRecipe(pub String);
 
-    fn from_str(name: &str) -> Result<Self, String> {
-        Self::ALL.into_iter().find(|recipe| recipe.name() == name).ok_or_else(|| format!("stock or kforge, not {name}"))
+impl std::str::FromStr for BuildRecipe {
+    type Err = UnknownBuildRecipe;
+
+    fn from_str(name: &str) -> Result<Self, UnknownBuildRecipe> {
+        Self::ALL.into_iter().find(|recipe| recipe.name() == name).ok_or_else(|| UnknownBuildRecipe(name.to_owned()))
     }
 }
 
@@ -360,6 +365,6 @@ mod tests {
                 serde_json::from_value(serde_json::json!({ "build_recipe": recipe.name() })).expect("valid");
             assert_eq!(configured.build_recipe, recipe);
         }
-        assert!("fast".parse::<BuildRecipe>().is_err());
+        assert_eq!("fast".parse::<BuildRecipe>(), Err(UnknownBuildRecipe("fast".into())));
     }
 }
