@@ -102,9 +102,13 @@ struct RunArgs {
     /// Recipe: single-turn or kevin (drkernel and cudaforge are not built yet).
     #[arg(long, default_value = "single-turn")]
     recipe: String,
-    /// Task set: `examples` (built in) or a KernelBench directory (level1/, level2/, ...).
+    /// Task set: `examples` (built in), a KernelBench directory (level1/, level2/, ...) or a JSONL file (one
+    /// {"task_id", "source"} object per line).
     #[arg(long, default_value = "examples")]
     tasks: String,
+    /// KernelBench levels to take from a KernelBench directory, e.g. `--levels 1,2` (default: all).
+    #[arg(long, value_delimiter = ',')]
+    levels: Vec<u32>,
     /// Model name as routed by the gateway; `replay` with no such pool configured replays the embedded responses
     /// (one per example task and candidate, at turn 0).
     #[arg(long, default_value = kforge::run::DEFAULT_MODEL)]
@@ -264,6 +268,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         correctness_trials: args.correctness_trials,
         measure_performance: None,
         max_concurrent_episodes: args.concurrency,
+        levels: args.levels,
     };
     let mut config = config.clone();
     let scratch = std::env::temp_dir().join(format!("kforge-run-{}", std::process::id()));

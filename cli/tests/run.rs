@@ -234,6 +234,8 @@ async fn bad_jobs_are_refused_naming_the_field() {
 fn kforge_run_on_the_embedded_default_reports_every_task() {
     let output = Command::new(env!("CARGO_BIN_EXE_kforge"))
         .args(["run", "--max-tasks", "2", "--backend", "cpu"])
+        .arg("--work-dir")
+        .arg(Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-binary"))
         .env("KFORGE__EVALUATOR__PYTHON", python())
         .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
         .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
@@ -252,4 +254,84 @@ fn kforge_run_on_the_embedded_default_reports_every_task() {
         assert!(row.trim_end().ends_with('x'), "a best speedup: {row}");
     }
     assert!(stdout.contains("totals: 2 turns, 2 evaluated, 2 correct (100.0%)"), "{stdout}");
+}
+
+/// `kforge run` killed with SIGKILL after its first turn is recorded, then `kforge run --resume JOB` on the same
+/// work directory: the job finishes with both turns, once each; `kforge export` writes them as JSONL.
+#[test]
+fn a_killed_kforge_run_resumes_and_its_samples_export_as_jsonl() {
+    use std::io::BufRead as _;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-resume");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("work dir");
+    let kforge = |args: &[&str]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
+        command
+            .args(args)
+            .env("KFORGE__ORCHESTRATOR__STORE", dir.join("orchestrator.db"))
+            .env("KFORGE__EVALUATOR__PYTHON", python())
+            .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("resume"))
+            .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false");
+        command
+    };
+    let mut first = kforge(&["run", "--max-tasks", "2", "--backend", "cpu", "--concurrency", "1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kforge runs");
+    let stderr = std::io::BufReader::new(first.stderr.take().expect("piped"));
+    let mut job_id = None;
+    let mut seen = Vec::new();
+    for line in stderr.lines() {
+        let line = line.expect("stderr line");
+        if let Some(rest) = line.strip_prefix("job ").filter(|l| l.contains(" submitted: ")) {
+            job_id = rest.split_whitespace().next().map(str::to_owned);
+        }
+        seen.push(line.clone());
+        if line.starts_with("[1/2 turns") {
+            break;
+        }
+    }
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    let job_id = job_id.unwrap_or_else(|| panic!("no job id in {seen:#?}"));
+    assert!(seen.iter().any(|l| l.starts_with("[1/2 turns")), "killed after the first turn: {seen:#?}");
+
+    let resumed = kforge(&["run", "--resume", &job_id]).output().expect("kforge runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&resumed.stdout), String::from_utf8_lossy(&resumed.stderr));
+    assert!(resumed.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains(&format!("job {job_id} resumed")), "{stderr}");
+    assert!(stdout.starts_with(&format!("job {job_id} succeeded")), "{stdout}");
+    assert!(stdout.contains("totals: 2 turns, 2 evaluated, 2 correct (100.0%)"), "{stdout}");
+
+    let samples = dir.join("samples.jsonl");
+    let exported =
+        kforge(&["export", &job_id, "--out", samples.to_str().expect("utf-8")]).output().expect("kforge runs");
+    assert!(exported.status.success(), "{}", String::from_utf8_lossy(&exported.stderr));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&samples)
+        .expect("written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one json object per line"))
+        .collect();
+    let tasks: Vec<&str> = lines.iter().map(|s| s["task_id"].as_str().expect("task_id")).collect();
+    assert_eq!(tasks, ["examples/relu", "examples/gelu_tanh"], "one sample per turn, in the job's order");
+    for sample in &lines {
+        assert_eq!(sample["job_id"], job_id.as_str());
+        assert_eq!(sample["verdict"], "VERDICT_CORRECT", "{sample}");
+        assert!(sample["kernel"].as_str().is_some_and(|k| k.contains("ModelNew")), "{sample}");
+        assert!(sample["score"].as_f64().is_some_and(|s| s >= 0.3), "{sample}");
+        assert!(sample["response"]["text"].as_str().is_some_and(|t| t.contains("```python")), "{sample}");
+        assert_eq!(sample["trajectory"], 0, "zeros are written, not omitted: {sample}");
+    }
+    // From the first sample's cursor, only the second follows (appended).
+    let cursor = lines[0]["cursor"].as_str().expect("a cursor").to_owned();
+    let rest = dir.join("rest.jsonl");
+    let exported = kforge(&["export", &job_id, "--out", rest.to_str().expect("utf-8"), "--after", &cursor])
+        .output()
+        .expect("kforge runs");
+    assert!(exported.status.success(), "{}", String::from_utf8_lossy(&exported.stderr));
+    let rest = std::fs::read_to_string(&rest).expect("written");
+    assert_eq!(rest.lines().count(), 1, "{rest}");
+    assert!(rest.contains("examples/gelu_tanh"), "{rest}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -102,21 +102,62 @@ fn resolve_tasks(spec: &pb::JobSpec) -> Result<Vec<pb::Task>, OrchestratorError>
             }
             spec.tasks.clone()
         }
+        path if path.ends_with(".jsonl") => jsonl_tasks(Path::new(path))?,
         path => {
             let dir = Path::new(path);
             if !dir.is_dir() {
                 return Err(OrchestratorError::invalid(
                     field,
-                    format!("{path} is not a directory (JSONL task sets are not built yet)"),
+                    format!("{path} is not a directory (a KernelBench directory) or a .jsonl file"),
                 ));
             }
             let (tasks, _rejected) = kforge_evaluator::tasks::import_kernelbench(dir)
                 .map_err(|e| OrchestratorError::invalid(field, e.to_string()))?;
-            tasks.into_iter().map(|t| pb::Task { task_id: t.id, source: t.source }).collect()
+            tasks
+                .into_iter()
+                .filter(|t| {
+                    spec.levels.is_empty() || spec.levels.iter().any(|l| t.id.starts_with(&format!("level{l}/")))
+                })
+                .map(|t| pb::Task { task_id: t.id, source: t.source })
+                .collect()
         }
     };
+    if !spec.levels.is_empty() && !Path::new(&spec.task_set).is_dir() {
+        return Err(OrchestratorError::invalid("spec.levels", "only a KernelBench directory has levels"));
+    }
     if tasks.is_empty() {
         return Err(OrchestratorError::invalid(field, format!("`{}` holds no tasks", spec.task_set)));
+    }
+    Ok(tasks)
+}
+
+/// A JSONL task set: one `{"task_id": "...", "source": "..."}` object per line (blank lines skipped), each source a
+/// KernelBench-format task; the first line that is not one is INVALID_ARGUMENT naming it.
+fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Line {
+        task_id: String,
+        source: String,
+    }
+    let field = "spec.task_set";
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| OrchestratorError::invalid(field, format!("cannot read {}: {e}", path.display())))?;
+    let mut tasks: Vec<pb::Task> = Vec::new();
+    for (index, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let at = |message: String| {
+            OrchestratorError::invalid(field, format!("{} line {}: {message}", path.display(), index + 1))
+        };
+        let task: Line = serde_json::from_str(line).map_err(|e| at(format!("not a task object: {e}")))?;
+        if task.task_id.is_empty() {
+            return Err(at("task_id is empty".into()));
+        }
+        if tasks.iter().any(|t| t.task_id == task.task_id) {
+            return Err(at(format!("task_id `{}` appears twice", task.task_id)));
+        }
+        kforge_evaluator::statics::check_task(&task.source)
+            .map_err(|reason| at(format!("source is not a task: {reason}")))?;
+        tasks.push(pb::Task { task_id: task.task_id, source: task.source });
     }
     Ok(tasks)
 }
@@ -210,8 +251,13 @@ pub async fn run(
     progress.set_state(pb::JobState::Running, String::new()).await;
     let limit = Arc::new(Semaphore::new(max_concurrent.max(1)));
     let mut episodes = JoinSet::new();
-    for (position, task) in plan.tasks.iter().enumerate() {
+    // Episodes start in the job's order (task, then trajectory): each takes its permit before it is spawned.
+    'start: for (position, task) in plan.tasks.iter().enumerate() {
         for trajectory in 0..plan.spec.trajectories_per_task {
+            let permit = tokio::select! {
+                permit = limit.clone().acquire_owned() => permit.expect("the episode semaphore is never closed"),
+                () = cancel.cancelled() => break 'start,
+            };
             let episode = Episode {
                 plan: plan.clone(),
                 task: task.clone(),
@@ -221,9 +267,8 @@ pub async fn run(
                 progress: progress.clone(),
                 cancel: cancel.clone(),
             };
-            let limit = limit.clone();
             episodes.spawn(async move {
-                let _permit = limit.acquire_owned().await.expect("the episode semaphore is never closed");
+                let _permit = permit;
                 episode.run().await
             });
         }

@@ -53,11 +53,19 @@ pub struct State {
     pub scores: Mutex<u32>,
     hold: Mutex<Option<Hold>>,
     held: Mutex<Option<mpsc::UnboundedSender<Hold>>>,
+    release: tokio::sync::Notify,
     script: Mutex<HashMap<String, VecDeque<Answer>>>,
+    failing_generations: Mutex<Vec<String>>,
+    /// When set, every evaluation waits for a permit (the test releases them).
+    gate: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
+    /// Evaluations inside the fake now, and the most there ever were.
+    pub evaluating: std::sync::atomic::AtomicU32,
+    pub max_evaluating: std::sync::atomic::AtomicU32,
 }
 
 impl State {
-    /// Holds the next call matching `hold`; the returned receiver gets it once the call has arrived.
+    /// Holds the next call matching `hold` until [`State::release`]; the returned receiver gets it once the call
+    /// has arrived.
     pub fn hold(&self, hold: Hold) -> mpsc::UnboundedReceiver<Hold> {
         let (sender, receiver) = mpsc::unbounded_channel();
         *self.hold.lock().expect("lock") = Some(hold);
@@ -65,9 +73,26 @@ impl State {
         receiver
     }
 
+    /// Lets the held call go on (it answers as it would have).
+    pub fn release(&self) {
+        self.release.notify_one();
+    }
+
     /// Scripts the evaluator's first answers for `key`; later calls answer correct.
     pub fn script(&self, key: &str, answers: impl IntoIterator<Item = Answer>) {
         self.script.lock().expect("lock").insert(key.to_owned(), answers.into_iter().collect());
+    }
+
+    /// Generations of `key` fail with UNAVAILABLE.
+    pub fn fail_generation(&self, key: &str) {
+        self.failing_generations.lock().expect("lock").push(key.to_owned());
+    }
+
+    /// Makes every evaluation wait for a permit of the returned semaphore.
+    pub fn gate_evaluations(&self) -> Arc<tokio::sync::Semaphore> {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        *self.gate.lock().expect("lock") = Some(gate.clone());
+        gate
     }
 
     pub fn generate_counts(&self) -> (HashMap<String, u32>, HashMap<String, u32>) {
@@ -80,8 +105,8 @@ impl State {
         (counts.received.clone(), counts.answered.clone())
     }
 
-    /// Whether this call is the held one: if so, tells the test and never answers (the orchestrator is killed,
-    /// or the call is dropped with its connection).
+    /// Whether this call is the held one: if so, tells the test and waits for [`State::release`] (or for the
+    /// orchestrator to be killed, or to drop the call).
     async fn maybe_hold(&self, call: Hold) {
         let matched = {
             let mut hold = self.hold.lock().expect("lock");
@@ -96,7 +121,7 @@ impl State {
             if let Some(sender) = self.held.lock().expect("lock").take() {
                 let _ = sender.send(call);
             }
-            std::future::pending::<()>().await;
+            self.release.notified().await;
         }
     }
 }
@@ -122,6 +147,9 @@ impl pb::gateway_server::Gateway for Fakes {
         let key = key(&keys.task_id, keys.trajectory, keys.turn);
         count(&self.0.generate, &key, false);
         self.0.maybe_hold(Hold::Generate(key.clone())).await;
+        if self.0.failing_generations.lock().expect("lock").contains(&key) {
+            return Err(Status::unavailable("backend down"));
+        }
         count(&self.0.generate, &key, true);
         Ok(Response::new(pb::GenerateResponse {
             completions: vec![pb::Completion {
@@ -169,6 +197,14 @@ impl pb::evaluator_server::Evaluator for Fakes {
         let key = request.idempotency_key.strip_prefix(&format!("{}/", request.job_id)).unwrap_or("").to_owned();
         count(&self.0.evaluate, &key, false);
         self.0.maybe_hold(Hold::Evaluate(key.clone())).await;
+        let gate = self.0.gate.lock().expect("lock").clone();
+        if let Some(gate) = gate {
+            use std::sync::atomic::Ordering::SeqCst;
+            let now = self.0.evaluating.fetch_add(1, SeqCst) + 1;
+            self.0.max_evaluating.fetch_max(now, SeqCst);
+            gate.acquire().await.expect("the gate is never closed").forget();
+            self.0.evaluating.fetch_sub(1, SeqCst);
+        }
         let scripted = self.0.script.lock().expect("lock").get_mut(&key).and_then(VecDeque::pop_front);
         count(&self.0.evaluate, &key, true);
         let timing = |ms| Some(pb::TimingStats { median_ms: ms, ..Default::default() });

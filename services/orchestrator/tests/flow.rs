@@ -1,0 +1,390 @@
+//! The orchestrator in this process (its real `serve`, an in-memory SQLite store) against fake peers: flow
+//! control (retries of a busy evaluator and of retryable infrastructure errors, never scored; a failed episode
+//! recorded, not fatal; evaluations in flight bounded across episodes), bad input named by field or line, a
+//! missing peer named, and the job API (ListJobs, WatchJob's stages, ExportSamples' cursor, ResumeJob).
+
+mod support;
+
+use std::path::Path;
+
+use kforge_orchestrator::OrchestratorConfig;
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use support::{Answer, Hold, key};
+use tonic::transport::Channel;
+
+/// A valid KernelBench-format task.
+const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
+                    def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
+
+struct Running {
+    client: OrchestratorClient<Channel>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    served: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.served).await.expect("the orchestrator stops");
+    }
+}
+
+async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -> Running {
+    let mut config = OrchestratorConfig {
+        store: "sqlite::memory:".into(),
+        peers: kforge_orchestrator::PeersConfig {
+            gateway: peers.into(),
+            evaluator: peers.into(),
+            reward: peers.into(),
+            client: Default::default(),
+        },
+        retry: kforge_orchestrator::RetryConfig { attempts: 8, initial_backoff_ms: 1, max_backoff_ms: 4 },
+        ..Default::default()
+    };
+    tune(&mut config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = format!("http://{}", listener.local_addr().expect("address"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        kforge_orchestrator::serve(config, listener, async {
+            let _ = stopped.await;
+        })
+        .await
+        .expect("serves");
+    });
+    let channel = support::wait_ready(&address, std::time::Duration::from_secs(30)).await;
+    Running { client: OrchestratorClient::new(channel), stop: Some(stop), served }
+}
+
+fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
+    pb::JobSpec {
+        kind: pb::JobKind::Rollout.into(),
+        recipe: "single-turn".into(),
+        task_set: "inline".into(),
+        tasks: tasks.iter().map(|id| pb::Task { task_id: (*id).into(), source: TASK.into() }).collect(),
+        model: "fake".into(),
+        trajectories_per_task: trajectories,
+        turns,
+        ..Default::default()
+    }
+}
+
+async fn submit(client: &mut OrchestratorClient<Channel>, spec: pb::JobSpec) -> Result<pb::Job, tonic::Status> {
+    client
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// Every update of the job until it ends.
+async fn watch(client: &mut OrchestratorClient<Channel>, job_id: &str) -> Vec<pb::JobProgress> {
+    let mut stream =
+        client.watch_job(pb::WatchJobRequest { job_id: job_id.into() }).await.expect("watched").into_inner();
+    let mut updates = Vec::new();
+    while let Some(update) = stream.message().await.expect("an update") {
+        updates.push(update);
+    }
+    updates
+}
+
+async fn turns(client: &mut OrchestratorClient<Channel>, job_id: &str) -> Vec<pb::TurnRecord> {
+    let request = pb::ListTrajectoriesRequest { job_id: job_id.into(), ..Default::default() };
+    let listed = client.list_trajectories(request).await.expect("listed").into_inner();
+    listed.trajectories.into_iter().flat_map(|t| t.turns).collect()
+}
+
+/// Reads updates until the turns in flight by stage are `(generating, evaluating, scoring)`.
+async fn until_in_flight(stream: &mut tonic::Streaming<pb::JobProgress>, stages: (u64, u64, u64)) {
+    loop {
+        let update = stream.message().await.expect("an update").expect("the job is not over");
+        if update.in_flight.is_some_and(|s| (s.generating, s.evaluating, s.scoring) == stages) {
+            return;
+        }
+    }
+}
+
+fn last_job(updates: &[pb::JobProgress]) -> pb::Job {
+    updates.last().and_then(|u| u.job.clone()).expect("an update with the job")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_evaluator_and_retryable_infra_errors_are_retried_and_never_scored() {
+    let (peers, fakes) = support::start_fakes().await;
+    fakes.script(&key("a", 0, 0), [Answer::Busy, Answer::Busy]);
+    fakes.script(&key("a", 0, 1), [Answer::Infra { retryable: true }]);
+    fakes.script(&key("a", 0, 2), vec![Answer::Infra { retryable: true }; 5]);
+    fakes.script(&key("a", 0, 3), [Answer::Infra { retryable: false }]);
+    let mut running = orchestrator(&peers, |c| c.retry.attempts = 3).await;
+    let job = submit(&mut running.client, spec(&["a"], 1, 4)).await.expect("submitted");
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!(finished.state(), pb::JobState::Succeeded, "{finished:?}");
+
+    let turns = turns(&mut running.client, &job.job_id).await;
+    let outcome: Vec<(pb::Verdict, Option<f64>)> = turns.iter().map(|t| (t.verdict(), t.score)).collect();
+    assert_eq!(
+        outcome,
+        [
+            (pb::Verdict::Correct, Some(1.8)),
+            (pb::Verdict::Correct, Some(1.8)),
+            (pb::Verdict::InfraError, None),
+            (pb::Verdict::InfraError, None)
+        ],
+        "busy and retryable answers retried until correct; retries spent or not retryable: recorded, not scored"
+    );
+    let (received, _) = fakes.evaluate_counts();
+    let calls: Vec<u32> = (0..4).map(|turn| received[&key("a", 0, turn)]).collect();
+    assert_eq!(calls, [3, 2, 3, 1]);
+    assert_eq!(*fakes.scores.lock().expect("lock"), 2, "only the two correct evaluations reached the reward service");
+    let metrics = finished.metrics.expect("metrics");
+    assert_eq!((metrics.turns, metrics.evaluated, metrics.infra_errors, metrics.correctness), (4, 2, 2, 1.0));
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_episode_is_recorded_and_the_job_goes_on() {
+    let (peers, fakes) = support::start_fakes().await;
+    fakes.fail_generation(&key("a", 0, 0));
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let job = submit(&mut running.client, spec(&["a", "b"], 1, 2)).await.expect("submitted");
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!(finished.state(), pb::JobState::Succeeded, "{finished:?}");
+    assert_eq!((finished.episodes_done, finished.turns_done, finished.turns_total), (2, 3, 4));
+    let turns = turns(&mut running.client, &job.job_id).await;
+    let keys: Vec<String> = turns.iter().map(|t| key(&t.task_id, t.trajectory, t.turn)).collect();
+    assert_eq!(keys, [key("a", 0, 0), key("b", 0, 0), key("b", 0, 1)], "the failed episode ended at its failure");
+    assert!(turns[0].error.starts_with("gateway: Unavailable: backend down"), "{}", turns[0].error);
+    assert_eq!((turns[0].verdict(), turns[0].score), (pb::Verdict::Unspecified, None));
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluations_in_flight_are_bounded_across_episodes() {
+    let (peers, fakes) = support::start_fakes().await;
+    let gate = fakes.gate_evaluations();
+    let mut running = orchestrator(&peers, |c| {
+        c.max_in_flight.evaluator = 2;
+        c.max_concurrent_episodes = 8;
+    })
+    .await;
+    let job = submit(&mut running.client, spec(&["a", "b", "c", "d"], 2, 1)).await.expect("submitted");
+    let mut stream = running
+        .client
+        .watch_job(pb::WatchJobRequest { job_id: job.job_id.clone() })
+        .await
+        .expect("watched")
+        .into_inner();
+    // Every turn reaches the evaluating stage; only two reach the evaluator.
+    loop {
+        let update = stream.message().await.expect("an update").expect("the job is not over");
+        if update.in_flight.is_some_and(|s| s.evaluating == 8) {
+            break;
+        }
+    }
+    while fakes.evaluating.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        tokio::task::yield_now().await;
+    }
+    let (received, _) = fakes.evaluate_counts();
+    assert_eq!(received.values().sum::<u32>(), 2, "{received:?}");
+    gate.add_permits(8);
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 8));
+    assert_eq!(fakes.max_evaluating.load(std::sync::atomic::Ordering::SeqCst), 2);
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_invalid_argument_naming_the_field_or_the_line() {
+    let (peers, _fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flow-bad-input");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("empty")).expect("dirs");
+    let jsonl = |name: &str, lines: &[String]| {
+        let path = dir.join(name);
+        std::fs::write(&path, lines.join("\n")).expect("written");
+        path.display().to_string()
+    };
+    let good = serde_json::json!({"task_id": "t1", "source": TASK}).to_string();
+    let base = spec(&["a"], 1, 1);
+    let on = |task_set: String| pb::JobSpec { task_set, tasks: Vec::new(), ..base.clone() };
+    let cases = [
+        (pb::JobSpec { recipe: "nope".into(), ..base.clone() }, "spec.recipe: unknown recipe `nope`"),
+        (pb::JobSpec { trajectories_per_task: 0, ..base.clone() }, "spec.trajectories_per_task: must be at least 1"),
+        (pb::JobSpec { turns: 0, ..base.clone() }, "spec.turns: must be at least 1"),
+        (on(dir.join("missing").display().to_string()), "spec.task_set: "),
+        (on(dir.join("empty").display().to_string()), "spec.task_set: "),
+        (on(jsonl("bad.jsonl", &[good.clone(), "{not json".into()])), "bad.jsonl line 2: not a task object"),
+        (
+            on(jsonl("no_source.jsonl", &[serde_json::json!({"task_id": "x"}).to_string()])),
+            "no_source.jsonl line 1: not a task object",
+        ),
+        (
+            on(jsonl("not_a_task.jsonl", &[serde_json::json!({"task_id": "x", "source": "print(1)"}).to_string()])),
+            "not_a_task.jsonl line 1: source is not a task",
+        ),
+        (on(jsonl("twice.jsonl", &[good.clone(), good.clone()])), "twice.jsonl line 2: task_id `t1` appears twice"),
+        (on(jsonl("blank.jsonl", &["".into()])), "spec.task_set: "),
+        (pb::JobSpec { levels: vec![1], ..on("examples".into()) }, "spec.levels: only a KernelBench directory"),
+    ];
+    for (spec, expected) in cases {
+        let status = submit(&mut running.client, spec).await.expect_err(expected);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains(expected), "{expected}: {}", status.message());
+    }
+    // A good JSONL file and a KernelBench directory with one level selected are accepted.
+    let job = submit(&mut running.client, on(jsonl("good.jsonl", &[good, String::new()]))).await.expect("accepted");
+    assert_eq!(job.turns_total, 1);
+    for (level, name) in [(1, "1_first.py"), (2, "1_second.py"), (2, "2_third.py")] {
+        std::fs::create_dir_all(dir.join(format!("kb/level{level}"))).expect("level dir");
+        std::fs::write(dir.join(format!("kb/level{level}/{name}")), TASK).expect("task file");
+    }
+    let kernelbench = pb::JobSpec { levels: vec![2], ..on(dir.join("kb").display().to_string()) };
+    let job = submit(&mut running.client, kernelbench).await.expect("accepted");
+    assert_eq!(job.episodes_total, 2, "level 2's two tasks only");
+    running.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_peer_is_unavailable_naming_it() {
+    let (peers, _fakes) = support::start_fakes().await;
+    let closed = format!("http://127.0.0.1:{}", support::free_port());
+    let mut running = orchestrator(&peers, |c| c.peers.evaluator = closed.clone()).await;
+    let status = submit(&mut running.client, spec(&["a"], 1, 1)).await.expect_err("no evaluator");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().starts_with(&format!("evaluator at {closed} is unavailable")), "{status:?}");
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_listed_watched_by_stage_exported_from_a_cursor_and_resumed_after_a_cancel() {
+    let (peers, fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |c| c.max_concurrent_episodes = 1).await;
+
+    // Cancelled while its second turn is being generated, then resumed: it finishes with every turn once. Each
+    // stage shows in WatchJob while a call of that stage is held.
+    let mut held = fakes.hold(Hold::Generate(key("a", 0, 1)));
+    let first = submit(&mut running.client, spec(&["a", "b"], 1, 2)).await.expect("submitted");
+    held.recv().await.expect("held");
+    let mut stream = running
+        .client
+        .watch_job(pb::WatchJobRequest { job_id: first.job_id.clone() })
+        .await
+        .expect("watched")
+        .into_inner();
+    until_in_flight(&mut stream, (1, 0, 0)).await;
+    running.client.cancel_job(pb::CancelJobRequest { job_id: first.job_id.clone() }).await.expect("cancelled");
+    let cancelled = last_job(&watch(&mut running.client, &first.job_id).await);
+    assert_eq!((cancelled.state(), cancelled.turns_done), (pb::JobState::Cancelled, 1));
+
+    let mut held = fakes.hold(Hold::Evaluate(key("a", 0, 1)));
+    let resumed = running
+        .client
+        .resume_job(pb::ResumeJobRequest { job_id: first.job_id.clone() })
+        .await
+        .expect("resumed")
+        .into_inner();
+    assert_eq!(resumed.state(), pb::JobState::Queued);
+    let mut stream = running
+        .client
+        .watch_job(pb::WatchJobRequest { job_id: first.job_id.clone() })
+        .await
+        .expect("watched")
+        .into_inner();
+    held.recv().await.expect("held");
+    until_in_flight(&mut stream, (0, 1, 0)).await;
+    let mut held = fakes.hold(Hold::NextScore);
+    fakes.release();
+    held.recv().await.expect("held");
+    until_in_flight(&mut stream, (0, 0, 1)).await;
+    fakes.release();
+    let mut recorded = Vec::new();
+    let mut finished = None;
+    while let Some(update) = stream.message().await.expect("an update") {
+        recorded.extend(update.recorded.map(|t| key(&t.task_id, t.trajectory, t.turn)));
+        finished = update.job;
+    }
+    let finished = finished.expect("the job");
+    assert_eq!((finished.state(), finished.turns_done, finished.episodes_done), (pb::JobState::Succeeded, 4, 2));
+    // A watcher sees the latest progress (it may skip updates it was too slow for): recorded turns in order.
+    let order = [key("a", 0, 1), key("b", 0, 0), key("b", 0, 1)];
+    let positions: Vec<usize> =
+        recorded.iter().map(|k| order.iter().position(|o| o == k).expect("a turn of this run")).collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "{recorded:?}");
+    let (_, generated) = fakes.generate_counts();
+    assert!(generated.values().all(|n| *n == 1), "{generated:?}");
+    let again = running
+        .client
+        .resume_job(pb::ResumeJobRequest { job_id: first.job_id.clone() })
+        .await
+        .expect("a finished job")
+        .into_inner();
+    assert_eq!(again.state(), pb::JobState::Succeeded, "resuming a finished job changes nothing");
+
+    // Samples: all, then two at a time from cursors.
+    let export = |cursor: String, limit: u32| {
+        let mut client = running.client.clone();
+        let job_id = first.job_id.clone();
+        async move {
+            let request = pb::ExportSamplesRequest { job_id, cursor, limit };
+            let mut stream = client.export_samples(request).await.expect("exported").into_inner();
+            let mut samples = Vec::new();
+            while let Some(sample) = stream.message().await.expect("a sample") {
+                samples.push(sample);
+            }
+            samples
+        }
+    };
+    let all = export(String::new(), 0).await;
+    let keys: Vec<String> = all.iter().map(|s| key(&s.task_id, s.trajectory, s.turn)).collect();
+    assert_eq!(keys, [key("a", 0, 0), key("a", 0, 1), key("b", 0, 0), key("b", 0, 1)]);
+    let sample = &all[0];
+    assert_eq!(sample.job_id, first.job_id);
+    assert_eq!(
+        (sample.verdict(), sample.score, sample.kernel.as_str()),
+        (pb::Verdict::Correct, Some(1.8), support::KERNEL)
+    );
+    let response = sample.response.as_ref().expect("the response");
+    assert_eq!((response.token_ids.as_slice(), response.logprobs.len()), (&[1, 2, 3][..], 3));
+    assert_eq!(sample.prompt_token_ids, [7, 8]);
+    assert!(!sample.prompt.is_empty() && sample.evaluation.is_some());
+    let page = export(String::new(), 2).await;
+    let rest = export(page[1].cursor.clone(), 2).await;
+    let paged: Vec<&str> = page.iter().chain(&rest).map(|s| s.cursor.as_str()).collect();
+    assert_eq!(paged, all.iter().map(|s| s.cursor.as_str()).collect::<Vec<_>>());
+    assert!(export(all[3].cursor.clone(), 0).await.is_empty());
+    let bad = running
+        .client
+        .export_samples(pb::ExportSamplesRequest { job_id: first.job_id.clone(), cursor: "x".into(), limit: 0 })
+        .await
+        .expect_err("a bad cursor");
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+
+    // Listing: newest first, a page at a time.
+    let second = submit(&mut running.client, spec(&["c"], 1, 1)).await.expect("submitted");
+    let third = submit(&mut running.client, spec(&["d"], 1, 1)).await.expect("submitted");
+    let mut listed = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let request = pb::ListJobsRequest { page_size: 2, page_token, ..Default::default() };
+        let page = running.client.list_jobs(request).await.expect("listed").into_inner();
+        assert!(page.jobs.len() <= 2);
+        listed.extend(page.jobs.into_iter().map(|j| j.job_id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    assert_eq!(listed, [third.job_id.clone(), second.job_id.clone(), first.job_id.clone()]);
+    let succeeded = pb::ListJobsRequest { state: pb::JobState::Succeeded.into(), ..Default::default() };
+    let succeeded = running.client.list_jobs(succeeded).await.expect("listed").into_inner();
+    assert!(succeeded.jobs.iter().any(|j| j.job_id == first.job_id));
+    assert!(succeeded.jobs.iter().all(|j| j.state() == pb::JobState::Succeeded));
+    for job in [&second, &third] {
+        watch(&mut running.client, &job.job_id).await;
+    }
+    running.shutdown().await;
+}
