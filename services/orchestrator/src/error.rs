@@ -11,6 +11,9 @@ pub enum OrchestratorError {
     /// No job has this id.
     #[error("job `{0}` not found")]
     JobNotFound(String),
+    /// The request does not fit the state of what it names (a step-API turn already taken, an episode over...).
+    #[error("{0}")]
+    Precondition(String),
     /// A peer service could not be reached.
     #[error("{peer} at {url} is unavailable: {message}")]
     PeerUnavailable { peer: &'static str, url: String, message: String },
@@ -27,6 +30,7 @@ impl From<OrchestratorError> for Status {
         let code = match &error {
             OrchestratorError::InvalidArgument { .. } => Code::InvalidArgument,
             OrchestratorError::JobNotFound(_) => Code::NotFound,
+            OrchestratorError::Precondition(_) => Code::FailedPrecondition,
             OrchestratorError::PeerUnavailable { .. } => Code::Unavailable,
         };
         Status::new(code, error.to_string())

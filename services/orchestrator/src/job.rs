@@ -673,6 +673,125 @@ async fn evaluate(
     }
 }
 
+/// The model a step-API episode's job names: its responses come from the trainer, not through the gateway.
+pub const STEP_MODEL: &str = "(step api)";
+
+/// Why a step was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The step does not fit the episode (a turn ahead of it, a different response or key for a turn taken, an
+    /// episode that is over).
+    #[error("{0}")]
+    Precondition(String),
+}
+
+/// A step taken (or replayed): the turn as recorded, the next turn's prompt (empty when done), and whether the
+/// episode is over.
+#[derive(Debug, Clone)]
+pub struct Stepped {
+    pub record: pb::TurnRecord,
+    pub next_turn: u32,
+    pub next_prompt: Vec<pb::ChatMessage>,
+    pub done: bool,
+}
+
+/// The first observation's prompt of a step-API episode.
+pub fn first_prompt(plan: &Plan) -> Vec<pb::ChatMessage> {
+    plan.tasks.first().map(|task| plan.templates.prompt(task, &[])).unwrap_or_default()
+}
+
+/// Applies the trainer's `completion` as turn `turn` of a step-API episode (a job of one task, one trajectory):
+/// the response is stored, then evaluated, scored and diagnosed as a job's turn is, and recorded. The first
+/// `idempotency_key` to claim a turn owns it: a retry with it returns the recorded turn (or finishes a step
+/// interrupted after storing its response or evaluation); another key, or a turn ahead of the episode, is refused.
+pub async fn step(
+    plan: Arc<Plan>,
+    job: pb::Job,
+    peers: Peers,
+    store: Store,
+    turn: u32,
+    completion: pb::Completion,
+    idempotency_key: &str,
+) -> Result<Stepped, StepError> {
+    let task = plan.tasks.first().cloned().ok_or_else(|| StepError::Precondition("the episode has no task".into()))?;
+    let stored = store.trajectory(&job.job_id, &task.task_id, 0).await?;
+    let mut recorded = Vec::new();
+    let mut pending = None;
+    for (stage, record) in stored {
+        if stage == Stage::Recorded {
+            recorded.push(record);
+        } else {
+            pending = Some((stage, record));
+        }
+    }
+    let attempts = |records: &[pb::TurnRecord]| -> Vec<Attempt> {
+        records.iter().map(|r| Attempt { kernel: r.kernel.clone(), feedback: r.feedback.clone() }).collect()
+    };
+    let outcome = |records: &[pb::TurnRecord], record: pb::TurnRecord| {
+        let done = records.len() as u32 >= plan.spec.turns || !record.error.is_empty();
+        Stepped {
+            next_turn: record.turn + 1,
+            next_prompt: if done { Vec::new() } else { plan.templates.prompt(&task, &attempts(records)) },
+            done,
+            record,
+        }
+    };
+    let next = recorded.len() as u32;
+    if turn > next {
+        return Err(StepError::Precondition(format!("turn {turn} is ahead of the episode: its next turn is {next}")));
+    }
+    if !store.claim_step(&job.job_id, turn, idempotency_key).await? {
+        return Err(StepError::Precondition(format!("turn {turn} was already stepped with another idempotency key")));
+    }
+    if turn < next {
+        let record = recorded[turn as usize].clone();
+        return Ok(outcome(&recorded[..=turn as usize], record));
+    }
+    if next >= plan.spec.turns || recorded.last().is_some_and(|r| !r.error.is_empty()) {
+        return Err(StepError::Precondition("the episode is over".into()));
+    }
+    let earlier = attempts(&recorded);
+    let resumed = match pending.filter(|(_, record)| record.turn == turn) {
+        Some(pending) => pending,
+        None => {
+            let record = pb::TurnRecord {
+                turn,
+                prompt: plan.templates.prompt(&task, &earlier),
+                task_id: task.task_id.clone(),
+                trajectory: 0,
+                kernel: kforge_model_text::extract_kernel(&completion.text).unwrap_or_default().to_owned(),
+                completion: Some(completion),
+                ..Default::default()
+            };
+            store.put_turn(&job.job_id, 0, Stage::Generated, &record).await?;
+            (Stage::Generated, record)
+        }
+    };
+    let job_id = job.job_id.clone();
+    let (updates, _) = watch::channel(pb::JobProgress::default());
+    let progress = Arc::new(Progress::new(job, recorded.iter().map(slim).collect(), store, updates, Instant::now()));
+    let episode = Episode {
+        plan: plan.clone(),
+        task: task.clone(),
+        position: 0,
+        trajectory: 0,
+        peers,
+        progress: progress.clone(),
+        cancel: CancellationToken::new(),
+    };
+    let record = episode.turn(&job_id, turn, &earlier, Some(resumed)).await?;
+    progress.record(0, &record).await?;
+    recorded.push(record.clone());
+    let stepped = outcome(&recorded, record);
+    if stepped.done {
+        progress.episode_done().await;
+        progress.finish(pb::JobState::Succeeded, String::new()).await;
+    }
+    Ok(stepped)
+}
+
 /// A peer's refusal as a turn records it: `evaluator: ResourceExhausted: queue full`.
 fn peer_error(peer: &str, status: &tonic::Status) -> String {
     format!("{peer}: {:?}: {}", status.code(), status.message())

@@ -2,8 +2,8 @@
 //! reward services and keeps every turn in a durable store (SQLite or PostgreSQL, `store`), so that a restarted
 //! orchestrator resumes its unfinished jobs without losing a turn or generating or evaluating one twice. Serves
 //! SubmitJob, GetJob, WatchJob, ListJobs, ResumeJob, CancelJob, ListTrajectories and ExportSamples with the
-//! `single-turn` and `kevin` recipes; the step API answers UNIMPLEMENTED until its part of the orchestrator work
-//! lands (docs/ORCHESTRATOR.md).
+//! `single-turn` and `kevin` recipes, and the step API (StartEpisode, Step) for trainers that generate themselves
+//! (docs/ORCHESTRATOR.md).
 
 pub mod error;
 pub mod job;
@@ -20,7 +20,7 @@ use std::time::Duration;
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_server::{Orchestrator, OrchestratorServer};
 use kforge_server::client::ClientConfig;
-use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig, not_yet_implemented};
+use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
@@ -32,9 +32,6 @@ use tonic::{Request, Response, Status};
 pub use error::OrchestratorError;
 use job::{Limits, Peers, Plan, RetryPolicy};
 use store::Store;
-
-/// What brings the RPCs not built yet.
-const CAPABILITY: &str = "the orchestrator's step API";
 
 /// Configuration of the Orchestrator service (`[orchestrator]`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -299,6 +296,11 @@ impl OrchestratorService {
             return Ok(job);
         }
         let spec = job.spec.clone().ok_or_else(|| Status::internal(format!("job {job_id} has no stored spec")))?;
+        if spec.model == job::STEP_MODEL {
+            return Err(
+                OrchestratorError::Precondition(format!("{job_id} is a step-API episode: Step advances it")).into()
+            );
+        }
         let tasks = self.store.tasks(job_id).await.map_err(store_status)?;
         let plan = tokio::task::spawn_blocking(move || Plan::resumed(spec, tasks))
             .await
@@ -589,13 +591,92 @@ impl Orchestrator for OrchestratorService {
 
     async fn start_episode(
         &self,
-        _request: Request<pb::StartEpisodeRequest>,
+        request: Request<pb::StartEpisodeRequest>,
     ) -> Result<Response<pb::Observation>, Status> {
-        Err(not_yet_implemented("Orchestrator/StartEpisode", CAPABILITY))
+        let request = request.into_inner();
+        let task = request.task.ok_or_else(|| OrchestratorError::invalid("task", "required"))?;
+        let spec = pb::JobSpec {
+            kind: pb::JobKind::Rollout.into(),
+            recipe: request.recipe,
+            task_set: "inline".into(),
+            tasks: vec![task],
+            model: job::STEP_MODEL.into(),
+            trajectories_per_task: 1,
+            turns: request.turns,
+            backend: request.backend,
+            policy: request.policy,
+            ..Default::default()
+        };
+        // The episode's checks are the job's: name the request's fields, not the spec's.
+        let plan = Plan::new(spec).map_err(|error| match error {
+            OrchestratorError::InvalidArgument { field, message } => OrchestratorError::InvalidArgument {
+                field: field.replace("spec.tasks[0]", "task").trim_start_matches("spec.").to_owned(),
+                message,
+            },
+            other => other,
+        })?;
+        let job = pb::Job {
+            job_id: new_job_id(self.next_id.fetch_add(1, Ordering::Relaxed)),
+            spec: Some(plan.spec.clone()),
+            state: pb::JobState::Running.into(),
+            episodes_total: 1,
+            turns_total: plan.turns_total(),
+            metrics: Some(metrics::job_metrics(&[], 0.0)),
+            created_at: Some(now()),
+            updated_at: Some(now()),
+            ..Default::default()
+        };
+        // Owned apart from this instance's jobs: a restart has nothing to resume in it (the trainer steps it).
+        let owner = format!("{}/step", self.config.instance);
+        let existing =
+            self.store.create_job(&job, &request.idempotency_key, &owner, &plan.tasks).await.map_err(store_status)?;
+        let job = existing.unwrap_or(job);
+        Ok(Response::new(pb::Observation {
+            episode_id: job.job_id,
+            turn: 0,
+            prompt: job::first_prompt(&plan),
+            ..Default::default()
+        }))
     }
 
-    async fn step(&self, _request: Request<pb::StepRequest>) -> Result<Response<pb::Observation>, Status> {
-        Err(not_yet_implemented("Orchestrator/Step", CAPABILITY))
+    async fn step(&self, request: Request<pb::StepRequest>) -> Result<Response<pb::Observation>, Status> {
+        let request = request.into_inner();
+        if request.episode_id.is_empty() {
+            return Err(OrchestratorError::invalid("episode_id", "required").into());
+        }
+        let completion = request.completion.ok_or_else(|| OrchestratorError::invalid("completion", "required"))?;
+        if request.idempotency_key.is_empty() {
+            return Err(
+                OrchestratorError::invalid("idempotency_key", "required: a retried step carries the same key").into()
+            );
+        }
+        let job = self.job(&request.episode_id).await?;
+        let spec = job.spec.clone().unwrap_or_default();
+        if spec.model != job::STEP_MODEL {
+            let message = format!("{} is a job, not a step-API episode", job.job_id);
+            return Err(OrchestratorError::Precondition(message).into());
+        }
+        let tasks = self.store.tasks(&job.job_id).await.map_err(store_status)?;
+        let plan = Arc::new(Plan::resumed(spec, tasks)?);
+        let peers = self.connect().await?;
+        let episode_id = job.job_id.clone();
+        let stepped =
+            job::step(plan, job, peers, self.store.clone(), request.turn, completion, &request.idempotency_key)
+                .await
+                .map_err(|error| match error {
+                job::StepError::Store(error) => store_status(error),
+                job::StepError::Precondition(message) => OrchestratorError::Precondition(message).into(),
+            })?;
+        let record = stepped.record;
+        Ok(Response::new(pb::Observation {
+            episode_id,
+            turn: stepped.next_turn,
+            prompt: stepped.next_prompt,
+            reward: record.score.unwrap_or(0.0),
+            evaluation: record.evaluation.clone(),
+            done: stepped.done,
+            record: Some(pb::TurnRecord { prompt: Vec::new(), completion: None, evaluation: None, ..record }),
+        }))
     }
 }
 

@@ -311,6 +311,25 @@ impl Store {
         Ok(())
     }
 
+    /// Claims `turn` of a step-API episode for `idempotency_key`: true when the key owns the turn (it claimed it
+    /// now or before), false when another key did.
+    pub async fn claim_step(&self, job_id: &str, turn: u32, idempotency_key: &str) -> Result<bool, StoreError> {
+        let owner: (String,) = on_pool!(&self.pool, p => {
+            sqlx::query("INSERT INTO step_keys (job_id, turn, idempotency_key) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+                .bind(job_id)
+                .bind(i64::from(turn))
+                .bind(idempotency_key)
+                .execute(p)
+                .await?;
+            sqlx::query_as("SELECT idempotency_key FROM step_keys WHERE job_id = $1 AND turn = $2")
+                .bind(job_id)
+                .bind(i64::from(turn))
+                .fetch_one(p)
+                .await?
+        });
+        Ok(owner.0 == idempotency_key)
+    }
+
     /// Every stored turn of one trajectory, whatever its stage, in turn order: what a resumed episode picks up.
     pub async fn trajectory(
         &self,
@@ -445,6 +464,10 @@ mod tests {
         assert_eq!(kernels, ["x again", "z"]);
         assert_eq!(page[1].0, (1, 0, 0));
         assert!(store.turns("other").await.expect("read").is_empty());
+        assert!(store.claim_step("job", 0, "k1").await.expect("claimed"));
+        assert!(store.claim_step("job", 0, "k1").await.expect("claimed again by its key"));
+        assert!(!store.claim_step("job", 0, "k2").await.expect("read"), "another key is refused");
+        assert!(store.claim_step("job", 1, "k2").await.expect("claimed"));
     }
 
     #[tokio::test]

@@ -388,3 +388,84 @@ async fn jobs_are_listed_watched_by_stage_exported_from_a_cursor_and_resumed_aft
     }
     running.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
+    let (peers, fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let start = pb::StartEpisodeRequest {
+        recipe: "kevin".into(),
+        task: Some(pb::Task { task_id: "a".into(), source: TASK.into() }),
+        turns: 3,
+        backend: pb::Backend::Cpu.into(),
+        idempotency_key: "episode-1".into(),
+        policy: String::new(),
+    };
+    let first = running.client.start_episode(start.clone()).await.expect("started").into_inner();
+    assert_eq!((first.turn, first.done, first.reward), (0, false, 0.0));
+    assert!(first.prompt.iter().any(|m| m.content.contains("# task") || m.content.contains("class Model")));
+    let again = running.client.start_episode(start.clone()).await.expect("started again").into_inner();
+    assert_eq!(again.episode_id, first.episode_id, "the idempotency key returns the same episode");
+
+    let respond = |text: &str| pb::Completion { text: text.into(), reasoning: "Okay.".into(), ..Default::default() };
+    let kernel = respond(&format!("Here.\n\n```python\n{}```\n", support::KERNEL));
+    let step = |turn: u32, completion: pb::Completion, key: &str| pb::StepRequest {
+        episode_id: first.episode_id.clone(),
+        completion: Some(completion),
+        turn,
+        idempotency_key: key.into(),
+    };
+    let stepped = running.client.step(step(0, kernel.clone(), "s0")).await.expect("stepped").into_inner();
+    assert_eq!((stepped.turn, stepped.done, stepped.reward), (1, false, 1.8));
+    assert_eq!(stepped.evaluation.as_ref().map(|e| e.verdict()), Some(pb::Verdict::Correct));
+    let record = stepped.record.clone().expect("the record");
+    assert_eq!((record.turn, record.kernel.as_str()), (0, support::KERNEL));
+    let next_prompt = &stepped.prompt.last().expect("a prompt").content;
+    assert!(next_prompt.contains("return x"), "kevin's next prompt shows the first kernel: {next_prompt}");
+
+    // ResumeJob runs jobs through the gateway; an episode is advanced by its trainer.
+    let status = running
+        .client
+        .resume_job(pb::ResumeJobRequest { job_id: first.episode_id.clone() })
+        .await
+        .expect_err("an episode is not resumed");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+
+    // A retry of the same step replays it: no second evaluation.
+    let retried = running.client.step(step(0, kernel.clone(), "s0")).await.expect("retried").into_inner();
+    assert_eq!((retried.turn, retried.reward, &retried.prompt), (1, 1.8, &stepped.prompt));
+    assert_eq!(fakes.evaluate_counts().1.get(&key("a", 0, 0)), Some(&1));
+    let refused = [
+        (step(0, kernel.clone(), "another"), "already stepped with another idempotency key"),
+        (step(2, kernel.clone(), "s2"), "ahead of the episode"),
+    ];
+    for (request, expected) in refused {
+        let status = running.client.step(request).await.expect_err(expected);
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+        assert!(status.message().contains(expected), "{status:?}");
+    }
+
+    // No kernel: recorded, not evaluated, rewarded 0; then the last turn ends the episode.
+    let stepped = running.client.step(step(1, respond("I cannot."), "s1")).await.expect("stepped").into_inner();
+    assert_eq!((stepped.turn, stepped.done, stepped.reward, stepped.evaluation.is_none()), (2, false, 0.0, true));
+    let last = running.client.step(step(2, kernel.clone(), "s2")).await.expect("stepped").into_inner();
+    assert_eq!((last.turn, last.done, last.prompt.is_empty(), last.reward), (3, true, true, 1.8));
+    let status = running.client.step(step(3, kernel, "s3")).await.expect_err("over");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    let job = running.client.get_job(pb::GetJobRequest { job_id: first.episode_id.clone() }).await.expect("a job");
+    let job = job.into_inner();
+    assert_eq!((job.state(), job.turns_done, job.episodes_done), (pb::JobState::Succeeded, 3, 1));
+    // Bad requests name their field.
+    let no_task = pb::StartEpisodeRequest { task: None, ..start.clone() };
+    let no_turns = pb::StartEpisodeRequest { turns: 0, idempotency_key: String::new(), ..start.clone() };
+    let bad_recipe = pb::StartEpisodeRequest { recipe: "x".into(), idempotency_key: String::new(), ..start };
+    for (request, expected) in [(no_task, "task: required"), (no_turns, "turns: "), (bad_recipe, "recipe: ")] {
+        let status = running.client.start_episode(request).await.expect_err(expected);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(status.message().starts_with(expected), "{status:?}");
+    }
+    let keyless = pb::StepRequest { idempotency_key: String::new(), ..step(0, respond("x"), "") };
+    let status = running.client.step(keyless).await.expect_err("no key");
+    assert!(status.message().starts_with("idempotency_key: required"), "{status:?}");
+    running.shutdown().await;
+}
