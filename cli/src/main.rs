@@ -222,7 +222,10 @@ async fn connect(
     if let Some(addr) = &remote.addr {
         return Ok((client::connect(addr, &client_config).await?, None));
     }
-    let mesh = Mesh::start(services, config, true).await?;
+    // A one-shot command's orchestrator serves its call; it resumes no stored job.
+    let mut config = config.clone();
+    config.orchestrator.resume_on_start = false;
+    let mesh = Mesh::start(services, &config, true).await?;
     let address = mesh.address(target).context("the in-process mesh runs the target service")?.to_owned();
     Ok((client::connect(&address, &client_config).await?, Some(mesh)))
 }

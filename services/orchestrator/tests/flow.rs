@@ -261,8 +261,22 @@ async fn a_missing_peer_is_unavailable_naming_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_are_listed_watched_by_stage_exported_from_a_cursor_and_resumed_after_a_cancel() {
+    job_api("sqlite::memory:").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_job_api_on_postgres() {
+    let Some(postgres) = support::Postgres::start("flow") else { return };
+    job_api(&postgres.url).await;
+}
+
+async fn job_api(store: &str) {
     let (peers, fakes) = support::start_fakes().await;
-    let mut running = orchestrator(&peers, |c| c.max_concurrent_episodes = 1).await;
+    let mut running = orchestrator(&peers, |c| {
+        c.max_concurrent_episodes = 1;
+        c.store = store.into();
+    })
+    .await;
 
     // Cancelled while its second turn is being generated, then resumed: it finishes with every turn once. Each
     // stage shows in WatchJob while a call of that stage is held.
