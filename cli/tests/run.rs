@@ -169,10 +169,14 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     );
 
     let metrics = job.metrics.expect("metrics");
-    assert_eq!((metrics.turns, metrics.evaluated, metrics.correct, metrics.no_kernel), (8, 6, 3, 2));
+    // Response ratios count the 7 turns with a response: the gateway's NOT_FOUND left one turn without any.
+    assert_eq!((metrics.turns, metrics.evaluated, metrics.correct, metrics.no_kernel), (8, 6, 3, 1));
     assert_eq!(metrics.correctness, 0.5);
     assert_eq!((metrics.junk, metrics.not_okay, metrics.hacks, metrics.infra_errors), (1, 1, 0, 0));
-    assert_eq!(metrics.junk_ratio, 1.0 / 8.0);
+    assert_eq!(metrics.junk_ratio, 1.0 / 7.0);
+    let by_turn: Vec<(u32, u64)> =
+        metrics.by_turn.iter().map(|t| (t.turn, t.rates.as_ref().map_or(0, |r| r.turns))).collect();
+    assert_eq!(by_turn, [(0, 4), (1, 4)]);
     let fast_1 = trajectories
         .iter()
         .flat_map(|t| &t.turns)

@@ -293,12 +293,20 @@ pub async fn run(
     progress.finish(state, error).await;
 }
 
-/// What the job's metrics need of a turn: the record without its prompt, completion, evaluation and feedback.
+/// What the job's metrics need of a turn: the record without its prompt, completion, feedback and the bulk of its
+/// evaluation.
 fn slim(turn: &pb::TurnRecord) -> pb::TurnRecord {
     pb::TurnRecord {
         prompt: Vec::new(),
         completion: None,
-        evaluation: None,
+        // The verdict, speedups and findings, without logs, outputs and timings.
+        evaluation: turn.evaluation.as_ref().map(|e| pb::EvaluateResponse {
+            verdict: e.verdict,
+            speedup_eager: e.speedup_eager,
+            speedup_compile: e.speedup_compile,
+            findings: e.findings.clone(),
+            ..Default::default()
+        }),
         feedback: String::new(),
         prompt_token_ids: Vec::new(),
         ..turn.clone()
@@ -484,6 +492,7 @@ impl Episode {
         earlier: &[Attempt],
         resumed: Option<(Stage, pb::TurnRecord)>,
     ) -> Result<pb::TurnRecord, StoreError> {
+        let started = Instant::now();
         let spec = &self.plan.spec;
         // Clients are cheap handles on shared channels.
         let mut peers = self.peers.clone();
@@ -497,6 +506,7 @@ impl Episode {
             None => (None, self.generate(job_id, turn, earlier, &mut peers).await?),
         };
         if !record.error.is_empty() {
+            record.wall_time_s = started.elapsed().as_secs_f64();
             return Ok(record);
         }
         let completion = record.completion.clone().unwrap_or_default();
@@ -570,6 +580,7 @@ impl Episode {
             Err(_) => {}
         }
         record.feedback = recipe::feedback(record.evaluation.as_ref(), &record.error);
+        record.wall_time_s = started.elapsed().as_secs_f64();
         tracing::info!(
             job_id, task_id = %self.task.task_id, trajectory = self.trajectory, turn,
             verdict = ?record.verdict(), score = ?record.score, "turn recorded"
