@@ -127,6 +127,27 @@ impl Store {
         } else {
             SqlitePoolOptions::new().max_connections(4)
         };
+        let lock_path = (!memory).then(|| {
+            let mut name = options.get_filename().as_os_str().to_owned();
+            name.push(".migrate-lock");
+            std::path::PathBuf::from(name)
+        });
+        // sqlx takes no lock around SQLite migrations, and two processes creating the file at once can find it
+        // busy while it turns to WAL: an exclusive lock on a file beside the database serializes opening and
+        // migrating (PostgreSQL's migrations take an advisory lock of their own).
+        let _lock = match lock_path {
+            Some(path) => Some(
+                tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
+                    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path)?;
+                    file.lock()?;
+                    Ok(file)
+                })
+                .await
+                .map_err(|e| bad(format!("migration lock: {e}")))?
+                .map_err(|e| bad(format!("migration lock: {e}")))?,
+            ),
+            None => None,
+        };
         let pool = pool_options.connect_with(options).await?;
         SQLITE_MIGRATIONS.run(&pool).await?;
         Ok(Self { pool: Pool::Sqlite(pool) })
@@ -498,6 +519,23 @@ mod tests {
         assert_eq!(rest.iter().map(|l| l.job.job_id.as_str()).collect::<Vec<_>>(), ["j1"]);
         let succeeded = store.list_jobs(None, Some(done.state), 10).await.expect("listed");
         assert_eq!(succeeded.iter().map(|l| l.job.job_id.as_str()).collect::<Vec<_>>(), ["j4"]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stores_opened_at_once_on_a_new_file_all_open() {
+        let dir = std::env::temp_dir().join(format!("kforge-store-race-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = dir.join("kforge.db").display().to_string();
+        let opened: Vec<_> = (0..4)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { Store::open(&url).await })
+            })
+            .collect();
+        for open in opened {
+            open.await.expect("joined").expect("every store opens");
+        }
+        std::fs::remove_dir_all(dir).expect("cleanup");
     }
 
     #[tokio::test]
