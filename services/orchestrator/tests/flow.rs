@@ -483,3 +483,37 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
     assert!(status.message().starts_with("idempotency_key: required"), "{status:?}");
     running.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_dropped_during_its_evaluation_is_finished_by_its_retry_with_one_answered_evaluation() {
+    let (peers, fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let start = pb::StartEpisodeRequest {
+        recipe: "single-turn".into(),
+        task: Some(pb::Task { task_id: "a".into(), source: TASK.into() }),
+        turns: 1,
+        ..Default::default()
+    };
+    let episode = running.client.start_episode(start).await.expect("started").into_inner().episode_id;
+    let step = pb::StepRequest {
+        episode_id: episode.clone(),
+        completion: Some(pb::Completion { text: format!("```python\n{}```\n", support::KERNEL), ..Default::default() }),
+        turn: 0,
+        idempotency_key: "s0".into(),
+    };
+    // The trainer gives up while the evaluation runs: its call, and the orchestrator's work on it, are dropped.
+    let mut held = fakes.hold(Hold::Evaluate(key("a", 0, 0)));
+    let mut client = running.client.clone();
+    let first = client.step(step.clone());
+    tokio::select! {
+        answered = first => panic!("the held step answered: {answered:?}"),
+        reached = held.recv() => assert!(reached.is_some()),
+    }
+    let retried = running.client.step(step).await.expect("the retry finishes the step").into_inner();
+    assert_eq!((retried.done, retried.reward), (true, 1.8));
+    let (received, answered) = fakes.evaluate_counts();
+    assert_eq!((received[&key("a", 0, 0)], answered[&key("a", 0, 0)]), (2, 1), "asked again, answered once");
+    let job = running.client.get_job(pb::GetJobRequest { job_id: episode }).await.expect("a job").into_inner();
+    assert_eq!((job.state(), job.turns_done), (pb::JobState::Succeeded, 1));
+    running.shutdown().await;
+}
