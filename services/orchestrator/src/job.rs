@@ -224,7 +224,9 @@ impl Drop for StageGuard<'_> {
 
 /// Runs a job to its end, from wherever its stored turns leave it (a new job has none): episodes bounded by
 /// `max_concurrent`, each turn's stages stored as they complete and the turn recorded before the next starts, the
-/// job's snapshot (state, progress, metrics) written to the store and sent to watchers after every turn.
+/// job's snapshot (state, progress, metrics) written to the store and sent to watchers after every turn. `cancel`
+/// stops the job: CANCELLED, unless `shutdown` is cancelled too (the orchestrator is stopping), which leaves the
+/// job RUNNING in the store for the next start to resume.
 #[allow(clippy::too_many_arguments)]
 pub async fn run(
     plan: Arc<Plan>,
@@ -233,6 +235,7 @@ pub async fn run(
     store: Store,
     updates: watch::Sender<pb::JobProgress>,
     cancel: CancellationToken,
+    shutdown: CancellationToken,
     max_concurrent: usize,
 ) {
     let started = Instant::now();
@@ -287,6 +290,11 @@ pub async fn run(
     }
     let (state, error) = match failure {
         Some(error) => (pb::JobState::Failed, error),
+        None if shutdown.is_cancelled() => {
+            let job_id = progress.job_id().await;
+            tracing::info!(%job_id, "job stopped with the orchestrator: left to resume");
+            return;
+        }
         None if cancel.is_cancelled() => (pb::JobState::Cancelled, String::new()),
         None => (pb::JobState::Succeeded, String::new()),
     };

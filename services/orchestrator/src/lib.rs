@@ -282,8 +282,9 @@ impl OrchestratorService {
         tracing::info!(job_id = %job_id, episodes = job.episodes_total, turns = job.turns_total, "job started");
         let store = self.store.clone();
         let running = self.running.clone();
+        let shutdown = self.stop.clone();
         self.tracker.spawn(async move {
-            job::run(Arc::new(plan), job, peers, store, updates, cancel, max_concurrent).await;
+            job::run(Arc::new(plan), job, peers, store, updates, cancel, shutdown, max_concurrent).await;
             // A finished job is read from the store from now on; ResumeJob may start it again.
             running.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&job_id);
         });

@@ -517,3 +517,27 @@ async fn a_step_dropped_during_its_evaluation_is_finished_by_its_retry_with_one_
     assert_eq!((job.state(), job.turns_done), (pb::JobState::Succeeded, 1));
     running.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_stopped_with_its_orchestrator_stays_running_and_the_next_start_resumes_it() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flow-graceful-stop");
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = format!("sqlite://{}", dir.join("kforge.db").display());
+    let (peers, fakes) = support::start_fakes().await;
+    let mut held = fakes.hold(Hold::Generate(key("a", 0, 1)));
+    let mut first = orchestrator(&peers, |c| c.store = store.clone()).await;
+    let job = submit(&mut first.client, spec(&["a"], 1, 3)).await.expect("submitted");
+    held.recv().await.expect("held");
+    first.shutdown().await;
+    let stored = kforge_orchestrator::store::Store::open(&store).await.expect("opens").job(&job.job_id).await;
+    let stored = stored.expect("read").expect("stored");
+    assert_eq!((stored.state(), stored.turns_done), (pb::JobState::Running, 1), "a stop is not a cancel");
+
+    let mut second = orchestrator(&peers, |c| c.store = store.clone()).await;
+    let finished = last_job(&watch(&mut second.client, &job.job_id).await);
+    assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 3));
+    let (_, generated) = fakes.generate_counts();
+    assert!((0..3).all(|turn| generated[&key("a", 0, turn)] == 1), "{generated:?}");
+    second.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
