@@ -336,6 +336,23 @@ struct Snapshot {
     job: pb::Job,
     /// Every recorded turn, slim: the metrics are recomputed from them as turns arrive.
     turns: Vec<pb::TurnRecord>,
+    /// When the metrics were last computed.
+    metrics_at: Option<Instant>,
+}
+
+/// Jobs with more recorded turns than this refresh their metrics at most once per [`METRICS_EVERY`] while they
+/// run (each computation is over every turn), and exactly at the end.
+const EXACT_METRICS_UP_TO: usize = 1_000;
+const METRICS_EVERY: Duration = Duration::from_secs(1);
+
+impl Snapshot {
+    fn refresh_metrics(&mut self, elapsed_s: f64, force: bool) {
+        let due = self.metrics_at.is_none_or(|at| at.elapsed() >= METRICS_EVERY);
+        if force || due || self.turns.len() <= EXACT_METRICS_UP_TO {
+            self.job.metrics = Some(job_metrics(&self.turns, elapsed_s));
+            self.metrics_at = Some(Instant::now());
+        }
+    }
 }
 
 impl Progress {
@@ -347,7 +364,7 @@ impl Progress {
         started: Instant,
     ) -> Self {
         Self {
-            job: tokio::sync::Mutex::new(Snapshot { job, turns }),
+            job: tokio::sync::Mutex::new(Snapshot { job, turns, metrics_at: None }),
             store,
             updates,
             started,
@@ -361,11 +378,11 @@ impl Progress {
 
     async fn set_state(&self, state: pb::JobState, error: String) {
         let mut snapshot = self.job.lock().await;
-        let Snapshot { job, turns } = &mut *snapshot;
+        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), true);
+        let Snapshot { job, turns, .. } = &mut *snapshot;
         job.state = state.into();
         job.error = error;
         job.turns_done = turns.len() as u64;
-        job.metrics = Some(job_metrics(turns, self.started.elapsed().as_secs_f64()));
         job.updated_at = Some(crate::now());
         self.publish(job, None).await;
     }
@@ -373,12 +390,12 @@ impl Progress {
     /// Records a turn (committed before this returns), then refreshes the metrics over every recorded turn.
     async fn record(&self, position: i64, turn: &pb::TurnRecord) -> Result<(), StoreError> {
         let mut snapshot = self.job.lock().await;
-        let Snapshot { job, turns } = &mut *snapshot;
-        self.store.put_turn(&job.job_id, position, Stage::Recorded, turn).await?;
+        self.store.put_turn(&snapshot.job.job_id, position, Stage::Recorded, turn).await?;
         let turn = slim(turn);
-        turns.push(turn.clone());
+        snapshot.turns.push(turn.clone());
+        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), false);
+        let Snapshot { job, turns, .. } = &mut *snapshot;
         job.turns_done = turns.len() as u64;
-        job.metrics = Some(job_metrics(turns, self.started.elapsed().as_secs_f64()));
         job.updated_at = Some(crate::now());
         self.publish(job, Some(turn)).await;
         Ok(())
@@ -406,10 +423,8 @@ impl Progress {
 
     async fn finish(&self, state: pb::JobState, error: String) {
         let mut snapshot = self.job.lock().await;
+        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), true);
         let job = &mut snapshot.job;
-        if let Some(metrics) = job.metrics.as_mut() {
-            metrics.wall_time_s = self.started.elapsed().as_secs_f64();
-        }
         job.state = state.into();
         job.error = error;
         job.updated_at = Some(crate::now());
