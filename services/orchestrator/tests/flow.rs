@@ -541,3 +541,55 @@ async fn a_job_stopped_with_its_orchestrator_stays_running_and_the_next_start_re
     second.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_job_waits_for_the_evaluator_behind_what_is_queued_not_behind_a_whole_earlier_job() {
+    let (peers, fakes) = support::start_fakes().await;
+    let gate = fakes.gate_evaluations();
+    let mut running = orchestrator(&peers, |c| {
+        c.max_in_flight.evaluator = 1;
+        c.max_concurrent_episodes = 4;
+    })
+    .await;
+    let tasks: Vec<String> = (0..10).map(|i| format!("a{i}")).collect();
+    let big = submit(&mut running.client, spec(&tasks.iter().map(String::as_str).collect::<Vec<_>>(), 1, 1))
+        .await
+        .expect("submitted");
+    let mut big_stream = running
+        .client
+        .watch_job(pb::WatchJobRequest { job_id: big.job_id.clone() })
+        .await
+        .expect("watched")
+        .into_inner();
+    // Four episodes of the big job wait for the evaluator: one inside it, three queued for its one permit.
+    until_in_flight(&mut big_stream, (0, 4, 0)).await;
+    let small = submit(&mut running.client, spec(&["b"], 1, 1)).await.expect("submitted");
+    let mut small_stream = running
+        .client
+        .watch_job(pb::WatchJobRequest { job_id: small.job_id.clone() })
+        .await
+        .expect("watched")
+        .into_inner();
+    until_in_flight(&mut small_stream, (0, 1, 0)).await;
+    // Let evaluations through one at a time until the small job's arrives.
+    let arrived = |key: &str| fakes.arrivals.lock().expect("lock").iter().any(|k| k == key);
+    while !arrived(&key("b", 0, 0)) {
+        let before = fakes.arrivals.lock().expect("lock").len();
+        gate.add_permits(1);
+        while fakes.arrivals.lock().expect("lock").len() == before {
+            tokio::task::yield_now().await;
+        }
+    }
+    let arrivals = fakes.arrivals.lock().expect("lock").clone();
+    assert_eq!(
+        arrivals.len(),
+        5,
+        "the small job came after the four queued before it, not after all ten: {arrivals:?}"
+    );
+    gate.add_permits(100);
+    for job in [&big, &small] {
+        let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+        assert_eq!(finished.state(), pb::JobState::Succeeded);
+    }
+    running.shutdown().await;
+}

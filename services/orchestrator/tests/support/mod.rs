@@ -61,6 +61,8 @@ pub struct State {
     /// Evaluations inside the fake now, and the most there ever were.
     pub evaluating: std::sync::atomic::AtomicU32,
     pub max_evaluating: std::sync::atomic::AtomicU32,
+    /// Keys of gated evaluations in the order they reached the fake.
+    pub arrivals: Mutex<Vec<String>>,
 }
 
 impl State {
@@ -200,6 +202,7 @@ impl pb::evaluator_server::Evaluator for Fakes {
         let gate = self.0.gate.lock().expect("lock").clone();
         if let Some(gate) = gate {
             use std::sync::atomic::Ordering::SeqCst;
+            self.0.arrivals.lock().expect("lock").push(key.clone());
             let now = self.0.evaluating.fetch_add(1, SeqCst) + 1;
             self.0.max_evaluating.fetch_max(now, SeqCst);
             gate.acquire().await.expect("the gate is never closed").forget();
