@@ -51,6 +51,9 @@ pub struct OrchestratorConfig {
     pub instance: String,
     /// Resume this instance's queued and running jobs at start. Default true.
     pub resume_on_start: bool,
+    /// How long a job stays this instance's after its last renewal (renewed at a third of it while the job runs):
+    /// another instance's ResumeJob may take the job over only after that. Default 30000.
+    pub lease_ms: u64,
     /// Calls in flight to each peer across every job (`[orchestrator.max_in_flight]`).
     pub max_in_flight: InFlightConfig,
     /// Retries of a busy evaluator or a retryable infrastructure error (`[orchestrator.retry]`).
@@ -128,6 +131,7 @@ impl Default for OrchestratorConfig {
             store: String::new(),
             instance: "default".into(),
             resume_on_start: true,
+            lease_ms: 30_000,
             max_in_flight: InFlightConfig::default(),
             retry: RetryConfig::default(),
         }
@@ -230,6 +234,10 @@ impl OrchestratorService {
         }
     }
 
+    fn lease(&self) -> Duration {
+        Duration::from_millis(self.config.lease_ms.max(3))
+    }
+
     fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Running>> {
         // Inserts, removals and lookups only: a panic elsewhere cannot leave the map half-changed.
         self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -267,7 +275,9 @@ impl OrchestratorService {
         let job_id = job.job_id.clone();
         let progress = pb::JobProgress { job: Some(job.clone()), ..Default::default() };
         let (updates, receiver) = watch::channel(progress);
-        let cancel = self.stop.child_token();
+        // `halt` stops the job here and leaves it to be resumed (a shutdown, a lost lease); `cancel` cancels it.
+        let halt = self.stop.child_token();
+        let cancel = halt.child_token();
         {
             let mut running = self.running();
             if running.contains_key(&job_id) {
@@ -282,9 +292,25 @@ impl OrchestratorService {
         tracing::info!(job_id = %job_id, episodes = job.episodes_total, turns = job.turns_total, "job started");
         let store = self.store.clone();
         let running = self.running.clone();
-        let shutdown = self.stop.clone();
+        let (instance, lease) = (self.config.instance.clone(), self.lease());
         self.tracker.spawn(async move {
-            job::run(Arc::new(plan), job, peers, store, updates, cancel, shutdown, max_concurrent).await;
+            // The lease is renewed beside the job, in a task of its own (the job may hold the store's only
+            // connection while it waits); lost to another instance (this one stalled past its lease), the job stops
+            // here without a verdict.
+            let finished = CancellationToken::new();
+            let renewal = tokio::spawn(renew_lease(
+                store.clone(),
+                job_id.clone(),
+                instance,
+                lease,
+                halt.clone(),
+                finished.clone(),
+            ));
+            job::run(Arc::new(plan), job, peers, store, updates, cancel, halt, max_concurrent).await;
+            finished.cancel();
+            if let Err(error) = renewal.await {
+                tracing::error!(%job_id, %error, "the lease renewal task failed");
+            }
             // A finished job is read from the store from now on; ResumeJob may start it again.
             running.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&job_id);
         });
@@ -307,7 +333,16 @@ impl OrchestratorService {
             .await
             .map_err(|error| Status::internal(format!("checking the stored spec panicked: {error}")))??;
         let peers = self.connect().await?;
-        self.store.claim(job_id, &self.config.instance).await.map_err(store_status)?;
+        let claimed = self
+            .store
+            .claim(job_id, &self.config.instance, lease_until(Duration::ZERO), lease_until(self.lease()))
+            .await
+            .map_err(store_status)?;
+        if let Err((owner, until_ms)) = claimed {
+            let left_s = (until_ms - lease_until(Duration::ZERO)).max(0) as f64 / 1000.0;
+            let message = format!("{job_id} is held by instance `{owner}` for another {left_s:.1} s (its lease)");
+            return Err(OrchestratorError::Precondition(message).into());
+        }
         job.state = pb::JobState::Queued.into();
         job.error.clear();
         job.updated_at = Some(now());
@@ -349,6 +384,39 @@ fn is_terminal(state: i32) -> bool {
         pb::JobState::try_from(state),
         Ok(pb::JobState::Succeeded | pb::JobState::Failed | pb::JobState::Cancelled)
     )
+}
+
+/// Renews `instance`'s lease on the job at a third of its length until `finished`; cancels `halt` when another
+/// instance holds the job.
+async fn renew_lease(
+    store: Store,
+    job_id: String,
+    instance: String,
+    lease: Duration,
+    halt: CancellationToken,
+    finished: CancellationToken,
+) {
+    let mut renewal = tokio::time::interval(lease / 3);
+    loop {
+        tokio::select! {
+            () = finished.cancelled() => return,
+            _ = renewal.tick() => match store.renew(&job_id, &instance, lease_until(lease)).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!(%job_id, %instance, "lease lost to another instance: stopping the job here");
+                    halt.cancel();
+                    return;
+                }
+                Err(error) => tracing::error!(%job_id, %error, "lease not renewed"),
+            },
+        }
+    }
+}
+
+/// `lease` from now, in milliseconds since the Unix epoch.
+fn lease_until(lease: Duration) -> i64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    i64::try_from((now + lease).as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Now as a protobuf timestamp.
@@ -446,7 +514,7 @@ impl Orchestrator for OrchestratorService {
         };
         let existing = self
             .store
-            .create_job(&job, &request.idempotency_key, &self.config.instance, &plan.tasks)
+            .create_job(&job, &request.idempotency_key, &self.config.instance, lease_until(self.lease()), &plan.tasks)
             .await
             .map_err(store_status)?;
         if let Some(existing) = existing {
@@ -629,8 +697,11 @@ impl Orchestrator for OrchestratorService {
         };
         // Owned apart from this instance's jobs: a restart has nothing to resume in it (the trainer steps it).
         let owner = format!("{}/step", self.config.instance);
-        let existing =
-            self.store.create_job(&job, &request.idempotency_key, &owner, &plan.tasks).await.map_err(store_status)?;
+        let existing = self
+            .store
+            .create_job(&job, &request.idempotency_key, &owner, 0, &plan.tasks)
+            .await
+            .map_err(store_status)?;
         let job = existing.unwrap_or(job);
         Ok(Response::new(pb::Observation {
             episode_id: job.job_id,

@@ -161,27 +161,29 @@ impl Store {
         }
     }
 
-    /// Creates `job` with its resolved `tasks`, owned by `owner`, in one transaction. When `idempotency_key` is not
-    /// empty and a job already holds it, nothing is written and that job is returned instead.
+    /// Creates `job` with its resolved `tasks`, owned by `owner` until `lease_until_ms`, in one transaction. When
+    /// `idempotency_key` is not empty and a job already holds it, nothing is written and that job is returned.
     pub async fn create_job(
         &self,
         job: &pb::Job,
         idempotency_key: &str,
         owner: &str,
+        lease_until_ms: i64,
         tasks: &[pb::Task],
     ) -> Result<Option<pb::Job>, StoreError> {
         let key = (!idempotency_key.is_empty()).then_some(idempotency_key);
         let created: bool = on_pool!(&self.pool, p => {
             let mut tx = p.begin().await?;
             let inserted = sqlx::query(
-                "INSERT INTO jobs (job_id, idempotency_key, owner, state, job) VALUES ($1, $2, $3, $4, $5) \
-                 ON CONFLICT (idempotency_key) DO NOTHING",
+                "INSERT INTO jobs (job_id, idempotency_key, owner, lease_until_ms, state, job) \
+                 VALUES ($1, $2, $3, $6, $4, $5) ON CONFLICT (idempotency_key) DO NOTHING",
             )
             .bind(&job.job_id)
             .bind(key)
             .bind(owner)
             .bind(i64::from(job.state))
             .bind(job.encode_to_vec())
+            .bind(lease_until_ms)
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -273,17 +275,52 @@ impl Store {
         Ok(rows.into_iter().map(|(task_id, source)| pb::Task { task_id, source }).collect())
     }
 
-    /// Makes `owner` the job's owner (the instance that runs it and resumes it after a restart).
-    pub async fn claim(&self, job_id: &str, owner: &str) -> Result<(), StoreError> {
-        on_pool!(&self.pool, p => {
-            sqlx::query("UPDATE jobs SET owner = $2 WHERE job_id = $1")
+    /// Makes `owner` the job's owner until `until_ms`, when it owns the job already or the owner's lease ran out
+    /// by `now_ms`. Otherwise returns the owner and its lease's end, and changes nothing.
+    pub async fn claim(
+        &self,
+        job_id: &str,
+        owner: &str,
+        now_ms: i64,
+        until_ms: i64,
+    ) -> Result<Result<(), (String, i64)>, StoreError> {
+        let claimed = on_pool!(&self.pool, p => {
+            sqlx::query(
+                "UPDATE jobs SET owner = $2, lease_until_ms = $3 \
+                 WHERE job_id = $1 AND (owner = $2 OR lease_until_ms <= $4)",
+            )
+            .bind(job_id)
+            .bind(owner)
+            .bind(until_ms)
+            .bind(now_ms)
+            .execute(p)
+            .await?
+            .rows_affected()
+        });
+        if claimed == 1 {
+            return Ok(Ok(()));
+        }
+        let holder: Option<(String, i64)> = on_pool!(&self.pool, p => {
+            sqlx::query_as("SELECT owner, lease_until_ms FROM jobs WHERE job_id = $1")
+                .bind(job_id)
+                .fetch_optional(p)
+                .await?
+        });
+        Ok(Err(holder.unwrap_or_default()))
+    }
+
+    /// Extends `owner`'s lease on the job to `until_ms`; false when the job has another owner now.
+    pub async fn renew(&self, job_id: &str, owner: &str, until_ms: i64) -> Result<bool, StoreError> {
+        let renewed = on_pool!(&self.pool, p => {
+            sqlx::query("UPDATE jobs SET lease_until_ms = $3 WHERE job_id = $1 AND owner = $2")
                 .bind(job_id)
                 .bind(owner)
+                .bind(until_ms)
                 .execute(p)
                 .await?
                 .rows_affected()
         });
-        Ok(())
+        Ok(renewed == 1)
     }
 
     /// Ids of the jobs `owner` has queued or running, oldest first: what it resumes when it starts.
@@ -495,12 +532,12 @@ mod tests {
     async fn jobs_by_id_idempotency_key_owner_and_listing() {
         let store = memory().await;
         let tasks = [pb::Task { task_id: "t".into(), source: "src".into() }];
-        assert_eq!(store.create_job(&job("j1"), "key", "me", &tasks).await.expect("written"), None);
-        let existing = store.create_job(&job("j2"), "key", "me", &[]).await.expect("read");
+        assert_eq!(store.create_job(&job("j1"), "key", "me", 0, &tasks).await.expect("written"), None);
+        let existing = store.create_job(&job("j2"), "key", "me", 0, &[]).await.expect("read");
         assert_eq!(existing.map(|j| j.job_id), Some("j1".into()), "the key returns the first job");
         assert_eq!(store.job("j2").await.expect("read"), None, "nothing written for a known key");
-        assert_eq!(store.create_job(&job("j3"), "", "other", &[]).await.expect("written"), None);
-        assert_eq!(store.create_job(&job("j4"), "", "me", &[]).await.expect("written"), None);
+        assert_eq!(store.create_job(&job("j3"), "", "other", 100, &[]).await.expect("written"), None);
+        assert_eq!(store.create_job(&job("j4"), "", "me", 0, &[]).await.expect("written"), None);
         assert_eq!(store.job_by_key("").await.expect("read"), None);
         assert_eq!(store.tasks("j1").await.expect("read"), tasks);
 
@@ -509,7 +546,11 @@ mod tests {
         store.put_job(&done).await.expect("updated");
         assert_eq!(store.job("j4").await.expect("read").map(|j| j.state), Some(done.state));
         assert_eq!(store.unfinished_jobs("me").await.expect("read"), ["j1"]);
-        store.claim("j3", "me").await.expect("claimed");
+        assert_eq!(store.claim("j3", "me", 50, 150).await.expect("read"), Err(("other".into(), 100)), "leased");
+        assert_eq!(store.claim("j3", "other", 50, 200).await.expect("renewed by its owner"), Ok(()));
+        assert!(!store.renew("j3", "me", 300).await.expect("read"), "not the owner");
+        assert!(store.renew("j3", "other", 300).await.expect("renewed"));
+        assert_eq!(store.claim("j3", "me", 300, 400).await.expect("claimed once the lease ran out"), Ok(()));
         assert_eq!(store.unfinished_jobs("me").await.expect("read"), ["j1", "j3"]);
 
         let first = store.list_jobs(None, None, 2).await.expect("listed");
@@ -545,7 +586,7 @@ mod tests {
         let url = path.display().to_string();
         {
             let store = Store::open(&url).await.expect("created with its directory");
-            store.create_job(&job("j1"), "", "me", &[]).await.expect("written");
+            store.create_job(&job("j1"), "", "me", 0, &[]).await.expect("written");
             store.put_turn("j1", 0, Stage::Evaluated, &turn("t", 0, 0, "k")).await.expect("written");
         }
         let store = Store::open(&format!("sqlite://{url}")).await.expect("reopened");

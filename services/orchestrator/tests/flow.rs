@@ -593,3 +593,48 @@ async fn a_later_job_waits_for_the_evaluator_behind_what_is_queued_not_behind_a_
     }
     running.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_instance_takes_a_job_over_only_once_its_owner_s_lease_runs_out() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flow-lease");
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = format!("sqlite://{}", dir.join("kforge.db").display());
+    let (peers, fakes) = support::start_fakes().await;
+    let instance = |name: &'static str, lease_ms: u64| {
+        let store = store.clone();
+        move |c: &mut OrchestratorConfig| {
+            c.store = store;
+            c.instance = name.into();
+            c.lease_ms = lease_ms;
+        }
+    };
+    let mut held = fakes.hold(Hold::Generate(key("a", 0, 1)));
+    let mut first = orchestrator(&peers, instance("one", 300)).await;
+    let job = submit(&mut first.client, spec(&["a"], 1, 2)).await.expect("submitted");
+    held.recv().await.expect("held");
+    let mut second = orchestrator(&peers, instance("two", 300)).await;
+    let status = second
+        .client
+        .resume_job(pb::ResumeJobRequest { job_id: job.job_id.clone() })
+        .await
+        .expect_err("the first instance runs it and renews its lease");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("held by instance `one`"), "{status:?}");
+
+    // The first instance stops (its job stays RUNNING); the second takes it over once the lease has run out.
+    first.shutdown().await;
+    let resumed = loop {
+        match second.client.resume_job(pb::ResumeJobRequest { job_id: job.job_id.clone() }).await {
+            Ok(resumed) => break resumed.into_inner(),
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    };
+    assert_eq!(resumed.job_id, job.job_id);
+    let finished = last_job(&watch(&mut second.client, &job.job_id).await);
+    assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 2));
+    second.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
