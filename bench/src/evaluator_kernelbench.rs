@@ -3,7 +3,9 @@
 //!
 //! ```text
 //! evaluator-kernelbench --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out FILE]
-//!                       [--no-torch-compile] [--trials N] [--only SUBSTRING] [--no-landlock] [--no-network-namespace]
+//!                       [--no-torch-compile] [--trials N] [--only SUBSTRING] [--gpu-slots N] [--in-flight N]
+//!                       [--no-landlock]
+//!                       [--no-network-namespace]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py` writes (candidates and manifest.json).
 
@@ -23,6 +25,8 @@ struct Args {
     torch_compile: bool,
     trials: u32,
     only: Option<String>,
+    gpu_slots: Option<usize>,
+    in_flight: Option<usize>,
     landlock: bool,
     network_namespace: bool,
 }
@@ -37,6 +41,8 @@ fn args() -> Result<Args, String> {
         torch_compile: true,
         trials: 5,
         only: None,
+        gpu_slots: None,
+        in_flight: None,
         landlock: true,
         network_namespace: true,
     };
@@ -51,6 +57,8 @@ fn args() -> Result<Args, String> {
             "--out" => args.out = Some(value()?.into()),
             "--trials" => args.trials = value()?.parse().map_err(|e| format!("--trials: {e}"))?,
             "--only" => args.only = Some(value()?),
+            "--in-flight" => args.in_flight = Some(value()?.parse().map_err(|e| format!("--in-flight: {e}"))?),
+            "--gpu-slots" => args.gpu_slots = Some(value()?.parse().map_err(|e| format!("--gpu-slots: {e}"))?),
             "--no-torch-compile" => args.torch_compile = false,
             "--no-landlock" => args.landlock = false,
             "--no-network-namespace" => args.network_namespace = false,
@@ -98,6 +106,7 @@ async fn run(args: Args) -> std::process::ExitCode {
         },
         ..EvaluatorConfig::default()
     };
+    let config = EvaluatorConfig { gpu_slots: args.gpu_slots.unwrap_or(config.gpu_slots), ..config };
     let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());
     let evaluator = Evaluator::new(config, metrics).await.expect("evaluator starts");
     let capabilities = evaluator.capabilities();
@@ -105,9 +114,13 @@ async fn run(args: Args) -> std::process::ExitCode {
     println!("# sandbox {:?}", capabilities.sandbox.iter().map(|p| (p.name.as_str(), p.active)).collect::<Vec<_>>());
 
     let started = Instant::now();
+    // With --in-flight, at most that many evaluations are submitted at once, so each one's wall time is its own
+    // service time (beside the others in flight) rather than its wait behind the whole manifest.
+    let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(args.in_flight.unwrap_or(usize::MAX >> 4)));
     let mut running = tokio::task::JoinSet::new();
     for entry in manifest {
         let task = entry["task"].as_str().unwrap_or_default().to_owned();
+        let kind = entry["kind"].as_str().unwrap_or_default().to_owned();
         if args.only.as_ref().is_some_and(|only| !task.contains(only.as_str())) {
             continue;
         }
@@ -125,7 +138,9 @@ async fn run(args: Args) -> std::process::ExitCode {
         };
         let evaluator = evaluator.clone();
         let trials = args.trials;
+        let in_flight = in_flight.clone();
         running.spawn(async move {
+            let _permit = in_flight.acquire_owned().await.expect("never closed");
             let request = pb::EvaluateRequest {
                 request_id: format!("{task}:{}", backend.as_str_name()),
                 task: Some(pb::Task { task_id: task.clone(), source: task_source }),
@@ -138,14 +153,14 @@ async fn run(args: Args) -> std::process::ExitCode {
             };
             let began = Instant::now();
             let result = evaluator.evaluate(request).await;
-            (task, backend, result, began.elapsed())
+            (task, kind, backend, result, began.elapsed())
         });
     }
     // Each line is appended as it finishes, so a run cut short keeps what it measured.
     let mut out = args.out.as_ref().map(|path| std::fs::File::create(path).map(std::io::BufWriter::new));
     let mut lines = 0usize;
     while let Some(joined) = running.join_next().await {
-        let Ok((task, backend, result, elapsed)) = joined else { continue };
+        let Ok((task, kind, backend, result, elapsed)) = joined else { continue };
         let line = match result {
             Ok(r) => {
                 let verdict = pb::Verdict::try_from(r.verdict).map_or("?", |v| v.as_str_name());
@@ -172,7 +187,8 @@ async fn run(args: Args) -> std::process::ExitCode {
                     println!("    {}", tail.replace('\n', "\n    "));
                 }
                 json!({
-                    "task": task, "backend": backend.as_str_name(), "verdict": verdict,
+                    "task": task, "kind": kind, "backend": backend.as_str_name(), "verdict": verdict,
+                    "device_peak_bytes": r.device_peak_bytes, "reference_peak_bytes": r.reference_peak_bytes,
                     "speedup_eager": r.speedup_eager, "speedup_compile": r.speedup_compile,
                     "candidate_median_ms": median(&r.candidate_timing), "candidate_iqr_ms": iqr(&r.candidate_timing),
                     "candidate_samples": samples(&r.candidate_timing),
@@ -191,7 +207,7 @@ async fn run(args: Args) -> std::process::ExitCode {
             }
             Err(error) => {
                 println!("{task:<55} {:<14} REFUSED {error}", backend.as_str_name());
-                json!({"task": task, "backend": backend.as_str_name(), "refused": error.to_string()})
+                json!({"task": task, "kind": kind, "backend": backend.as_str_name(), "refused": error.to_string()})
             }
         };
         lines += 1;

@@ -126,6 +126,10 @@ def make_inputs(task, seed, device):
         try:
             with torch.device(device):
                 return to_device(list(task.get_inputs()), device)
+        except torch.cuda.OutOfMemoryError:
+            # Not a property of the task: another process may make these inputs on the device, and the host's
+            # generator would give other values. The stage fails instead (the evaluator retries it alone).
+            raise
         except Exception:
             torch.manual_seed(seed)
     return to_device(list(task.get_inputs()), device)
@@ -198,7 +202,11 @@ def to_cpu_outputs(output, stream=None):
         for value in flatten_outputs(output):
             exact = type(value) is torch.Tensor
             if isinstance(value, torch.Tensor):
-                yield {"exact_tensor": exact, "device": str(value.device), "tensor": value.detach().to("cpu").clone()}
+                # A copy from the device is already the harness's own; a CPU tensor is cloned to be.
+                copy = value.detach().to("cpu")
+                if copy.data_ptr() == value.data_ptr():
+                    copy = copy.clone()
+                yield {"exact_tensor": exact, "device": str(value.device), "tensor": copy}
             else:
                 yield {"exact_tensor": False, "device": "", "value": repr(value)[:200]}
 
@@ -425,7 +433,17 @@ def synchronize(device):
 
 
 def save(value, path):
+    """Saves outputs for another process of the evaluation's to read. torch.save computes a CRC32 per record (about
+    1 GB/s on one core); turning it off (`set_crc32_options(False)`) made PyTorch 2.11's writer fail with
+    "unexpected pos" on the GPU machine, so it stays on."""
     originals().save(value, path)
+
+
+def load_outputs(path, device):
+    """Outputs `save` wrote, onto `device`: the file is mapped, not read into memory first."""
+    import torch
+
+    return torch.load(path, map_location=device, weights_only=True, mmap=True)
 
 
 class Timer:
@@ -1108,13 +1126,19 @@ def mode_reference(spec):
     device = device_of(spec)
     GATE.share(device)
     task, model = reference_model(spec, device)
+    kept = [0]  # as in the candidate's stage: trial 0's outputs decide which trials are kept
     for trial in range(len(spec["seeds"])):
+        if trial not in kept:
+            continue
         GATE.pause(device)
         inputs = trial_inputs(task, spec, trial, device)
         with torch.no_grad():
             output = model(*inputs)
         synchronize(device)
         save(to_cpu_outputs(output), os.path.join(spec["reference_dir"], f"reference-{trial}.pt"))
+        if trial == 0:
+            kept = kept_trials(spec, output_bytes(output))
+        del inputs, output
     result = {"ok": True}
     if device.type == "cuda":
         # The most device memory the reference held at once (model, inputs, outputs, workspace): the evaluator
@@ -1122,6 +1146,7 @@ def mode_reference(spec):
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     if spec.get("candidate_dir"):
         result["mismatch"] = compare_trials(spec, device)
+        result["compared_trials"] = spec.get("compared_trials")
         if result["mismatch"] is None and spec.get("timed_call") is not None:
             result["mismatch"] = compare_timed_call(spec, task, model, device)
     write_result(spec, result)
@@ -1152,6 +1177,7 @@ def run_trial(model, task, device, trial, integrity, result, spec):
         result["mutated_inputs"].append(trial)
     integrity.check_outputs(inputs, output, trial)
     save(ordered, os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"))
+    return output_bytes(output)
 
 
 # Outputs up to this size are read twice (in the caller's stream order, then after synchronising) to name a stream
@@ -1164,6 +1190,33 @@ def as_bytes(tensor):
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def output_bytes(output):
+    """The bytes of a model output's tensors."""
+    import torch
+
+    return sum(v.numel() * v.element_size() for v in flatten_outputs(output) if isinstance(v, torch.Tensor))
+
+
+def kept_trials(spec, size):
+    """The trials whose outputs are saved and compared when one trial's outputs take `size` bytes: every trial while
+    they fit in `output_bytes_budget`, else as many as fit (at least two) in this order: the sensitivity trial's
+    base (trial 0) and the sensitivity trial, the re-check trials, the rest. The candidate's harness and the checker
+    each decide from their own trial 0 (the reference's, for the checker): a candidate whose outputs differ in size
+    already fails trial 0."""
+    total = len(spec["seeds"])
+    budget = spec.get("output_bytes_budget") or 0
+    if not budget or size * total <= budget:
+        return list(range(total))
+    sensitivity = spec.get("sensitivity")
+    first = [sensitivity["base"], sensitivity["trial"]] if sensitivity else [0, 1]
+    recheck_from = spec.get("recheck_from", total)
+    kept = []
+    for trial in first + list(range(recheck_from, total)) + list(range(1, recheck_from)):
+        if trial < total and trial not in kept and (len(kept) < 2 or (len(kept) + 1) * size <= budget):
+            kept.append(trial)
+    return sorted(kept)
 
 
 def differs_after_sync(output, ordered):
@@ -1208,9 +1261,14 @@ def mode_candidate(spec):
         # Trials from `recheck_from` on run after timing and the census: behaviour that changes once the
         # correctness check is over is caught by the same comparison.
         recheck_from = spec.get("recheck_from", len(seeds))
+        kept = [0]  # trial 0 always runs; its outputs' size decides the rest
         for trial in range(recheck_from):
+            if trial not in kept:
+                continue
             GATE.pause(device)
-            run_trial(model, task, device, trial, integrity, result, spec)
+            size = run_trial(model, task, device, trial, integrity, result, spec)
+            if trial == 0:
+                kept = kept_trials(spec, size)
     integrity.check_environment("during the correctness trials")
     timing, calls = spec.get("timing"), spec.get("census_calls")
     if timing or calls:
@@ -1241,10 +1299,14 @@ def mode_candidate(spec):
         integrity.check_environment("during the census and timing")
     with phase("recheck"):
         for trial in range(recheck_from, len(seeds)):
+            if trial not in kept:
+                continue
             GATE.pause(device)
             run_trial(model, task, device, trial, integrity, result, spec)
     integrity.check_environment("after the last trial")
     result["findings"] = [{"code": code, "message": message} for code, message in integrity.findings.items()]
+    if device.type == "cuda":
+        result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     write_result(spec, result)
 
 
@@ -1265,7 +1327,7 @@ def mode_check(spec):
     if mismatch is None and spec.get("timed_call") is not None:
         task, model = reference_model(spec, device)
         mismatch = compare_timed_call(spec, task, model, device)
-    write_result(spec, {"ok": True, "mismatch": mismatch})
+    write_result(spec, {"ok": True, "mismatch": mismatch, "compared_trials": spec.get("compared_trials")})
 
 
 def compare_timed_call(spec, task, model, device):
@@ -1280,7 +1342,7 @@ def compare_timed_call(spec, task, model, device):
         expected = saved_outputs(model(*inputs))
     synchronize(device)
     try:
-        got = torch.load(os.path.join(spec["candidate_dir"], "timed.pt"), map_location=device, weights_only=True)
+        got = load_outputs(os.path.join(spec["candidate_dir"], "timed.pt"), device)
     except Exception as error:
         return {"trial": -1, "output_index": 0, "detail": f"timed outputs unreadable: {type(error).__name__}"}
     mismatch = compare_outputs(expected, got, spec)
@@ -1296,13 +1358,20 @@ def compare_trials(spec, device):
 
     def load(kind, trial):
         folder = spec["reference_dir"] if kind == "reference" else spec["candidate_dir"]
-        return torch.load(os.path.join(folder, f"{kind}-{trial}.pt"), map_location=device, weights_only=True)
+        return load_outputs(os.path.join(folder, f"{kind}-{trial}.pt"), device)
 
     sensitivity = spec.get("sensitivity")
     kept = {}  # the base and sensitivity trials' outputs, for the sensitivity check after the loop
+    compared = [0]  # trial 0's reference outputs decide which trials were kept (kept_trials)
     for trial in range(len(spec["seeds"])):
+        if trial not in compared:
+            continue
         GATE.pause(device)  # comparing shares the device: timed work elsewhere waits for no more than one trial
         expected = load("reference", trial)
+        if trial == 0:
+            compared = kept_trials(spec, sum(v["tensor"].numel() * v["tensor"].element_size()
+                                             for v in expected if "tensor" in v))
+            spec["compared_trials"] = compared
         try:
             got = load("candidate", trial)
         except Exception as error:  # a missing or malformed file is the candidate's output, not ours

@@ -550,8 +550,8 @@ impl Evaluator {
             Ok(lane) => lane,
             Err(unavailable) => return infra(response, unavailable.to_string(), true),
         };
-        if let Some(bytes) = footprint {
-            response.stage_ms.insert("memory.footprint_mb".into(), bytes as f64 / (1u64 << 20) as f64);
+        if on_gpu {
+            response.reference_peak_bytes = self.reference_peak(&task_key).unwrap_or(0);
         }
         *lane_held = Some((Instant::now(), lane.gate_times()));
         let gpu = lane.gpu();
@@ -581,6 +581,7 @@ impl Evaluator {
             "seeds": seeds,
             "recheck_from": recheck_from,
             "sensitivity": sensitivity,
+            "output_bytes_budget": inner.config.output_bytes_budget,
             "timing": if job.measure { Some(timing_spec(&timing)) } else { None },
             "timing_seeds": timing_seeds,
             "census_calls": if job.census { inner.config.census_calls } else { 0 },
@@ -609,6 +610,7 @@ impl Evaluator {
             Err(verdict) => return verdict,
         };
         phases_into(&result, "run", response);
+        response.device_peak_bytes = result.get("device_peak_bytes").and_then(|p| p.as_u64()).unwrap_or(0);
         // What competition for the CPU cost the timed loop's launching thread (0 when nothing competed).
         if let Some(waited) = result.pointer("/timing_cpu/cpu_wait_ms").and_then(|w| w.as_f64()) {
             response.stage_ms.insert("run.timing_cpu_wait".into(), waited);
@@ -620,7 +622,20 @@ impl Evaluator {
         let timed_call = result.get("last_call").and_then(|c| c.as_i64()).filter(|_| job.measure);
         let checked = self.check(check, &lane, timed_call).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
-        match checked {
+        if let Ok((_, Some(compared))) = &checked
+            && *compared < seeds.len()
+        {
+            response.findings.push(pb::Finding {
+                code: "check.trials_limited".into(),
+                message: format!(
+                    "the outputs are large: {compared} of {} trials were compared (output_bytes_budget)",
+                    seeds.len()
+                ),
+                line: 0,
+                category: pb::FindingCategory::Notice as i32,
+            });
+        }
+        match checked.map(|(mismatch, _)| mismatch) {
             Ok(None) => {}
             Ok(Some((trial, mismatch))) => {
                 response.mismatch = Some(mismatch);
@@ -1008,6 +1023,8 @@ impl Evaluator {
             device_name.as_bytes(),
             versions.as_bytes(),
             python::harness_digest().as_bytes(),
+            // The budget decides which trials' outputs the entry holds.
+            inner.config.output_bytes_budget.to_string().as_bytes(),
         ]);
         let reference_dir = inner.references.dir(&key);
         let spec = json!({
@@ -1020,6 +1037,7 @@ impl Evaluator {
             "tolerances": inner.config.tolerances,
             "timing_seeds": timing_seeds,
             "sensitivity": sensitivity,
+            "output_bytes_budget": inner.config.output_bytes_budget,
         });
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
@@ -1059,13 +1077,14 @@ impl Evaluator {
     }
 
     /// Runs a prepared comparison; `timed_call` is the candidate's last timed call, when it was timed (its output
-    /// is checked too, on rebuilt inputs). `Ok(Some(mismatch))` when the outputs differ.
+    /// is checked too, on rebuilt inputs). The first mismatch, when the outputs differ, and how many trials were
+    /// compared (fewer than all where the outputs are large: `output_bytes_budget`).
     async fn check(
         &self,
         prepared: PreparedCheck,
         lane: &Lane,
         timed_call: Option<i64>,
-    ) -> Result<Option<(Trial, pb::Mismatch)>, String> {
+    ) -> Result<(Option<(Trial, pb::Mismatch)>, Option<usize>), String> {
         let inner = &self.inner;
         let PreparedCheck { started, mode, mut spec, key, peak_key, lock, _pin } = prepared;
         spec["timed_call"] = json!(timed_call);
@@ -1087,14 +1106,17 @@ impl Evaluator {
             inner.references.complete(&key, &entry, lock).map_err(|e| format!("reference cache: {e}"))?;
             self.evict_later("reference", &inner.references);
         }
+        let compared = outcome.result.as_ref().and_then(|r| r.get("compared_trials")).and_then(|c| c.as_array());
+        let compared = compared.map(|trials| trials.len());
         let mismatch = outcome.result.as_ref().and_then(|r| r.get("mismatch")).filter(|m| !m.is_null());
-        Ok(mismatch.map(|m| {
+        let mismatch = mismatch.map(|m| {
             let trial = match m.get("trial").and_then(|t| t.as_i64()) {
                 Some(index) if index >= 0 => Trial::Index(index as usize),
                 _ => Trial::Timed,
             };
             (trial, mismatch_proto(m))
-        }))
+        });
+        Ok((mismatch, compared))
     }
 
     /// Starts the task's baseline now, beside the candidate's compile and outside the device's slots (a GPU
@@ -1233,10 +1255,15 @@ impl Evaluator {
     /// (`devices::footprint`); `None` until the task's reference has run on a GPU in this evaluator (or its cache
     /// entry recorded the peak). With GPUs of several kinds, the largest known.
     fn footprint(&self, task_key: &str) -> Option<u64> {
+        self.reference_peak(task_key).map(devices::footprint)
+    }
+
+    /// The largest reference peak device memory known for the task on any of this evaluator's GPUs.
+    fn reference_peak(&self, task_key: &str) -> Option<u64> {
         let python = self.inner.python.as_ref().ok()?;
         let peaks = self.inner.reference_peaks.lock().expect("never poisoned");
         let known = python.gpus.iter().filter_map(|gpu| peaks.get(&(task_key.to_owned(), gpu.name.clone())));
-        known.copied().max().map(devices::footprint)
+        known.copied().max()
     }
 
     /// Keeps the peak device memory a reference cache entry records, if it records one.
