@@ -2,11 +2,23 @@
 
     python bench/kernelbench/make_candidates.py OUT_DIR
     python bench/kernelbench/make_candidates.py --mixed OUT_DIR
+    python bench/kernelbench/make_candidates.py --reproduce KERNELBENCH_DIR OUT_DIR [LEVEL ...]
+    python bench/kernelbench/make_candidates.py --loss-shortcuts OUT_DIR
 
 The second form writes the throughput benchmark's mixed set instead: for six level-2 tasks, a group of four
 candidates as a policy samples them (a correct fused epilogue, a correct but slow one launched on a single block, an
 incorrect one, one that does not compile), plus two Triton and two level-1 candidates. Each manifest entry says
 its kind and the verdict it should get.
+
+`--reproduce` writes, for every task of the levels named (default 1 2 3), the candidate of the KernelBench-scale
+sweep: the task's own source with its `Model` class renamed `ModelNew`, which reproduces the reference with
+torch's kernels (allowed by `permissive`, where its profiling ratio of 0 is a `runtime.low_profiling_ratio`
+notice). It is written at run time from the task files, which are never copied into this repository.
+
+`--loss-shortcuts` writes the two shortcuts known to pass a tolerance check on KernelBench's MSE, Huber and hinge
+loss tasks with fresh random inputs every trial: `analytical` returns the loss's expectation under the task's input
+distribution from one cheap statistic, `partial` computes the loss on a strided sample of about ten million
+elements. Each should be judged not CORRECT.
 
 The candidates are ordinary KernelBench-style solutions: GEMMs stay in torch where the task's work is a GEMM
 plus an epilogue (the epilogue becomes one fused CUDA or Triton kernel on the current stream), and the
@@ -17,6 +29,7 @@ same seed. The KernelBench task files themselves are read from their directory a
 
 import json
 import os
+import re
 import sys
 
 HEADER = '''import torch
@@ -440,7 +453,74 @@ def mixed(out):
     return manifest
 
 
+def reproduce(kernelbench, out, levels):
+    manifest = []
+    for level in levels:
+        folder = os.path.join(kernelbench, f"level{level}")
+        os.makedirs(os.path.join(out, f"level{level}"), exist_ok=True)
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".py"):
+                continue
+            task = f"level{level}/{name}"
+            with open(os.path.join(folder, name)) as f:
+                source = f.read()
+            # The reference class renamed (a bare subclass is rejected by every policy: static.inherits_reference).
+            renamed = re.sub(r"\bclass Model\(", "class ModelNew(", source)
+            renamed = re.sub(r"\bsuper\(Model,", "super(ModelNew,", renamed)
+            with open(os.path.join(out, task), "w") as f:
+                f.write(renamed)
+            manifest.append({"task": task, "candidate": task, "backend": "cuda", "kind": "reproduce",
+                             "expect": "VERDICT_CORRECT"})
+    return manifest
+
+
+# The losses' expectations under each task's inputs: predictions = s * U and targets = U' with U, U' uniform on
+# [0, 1) and s itself uniform (MSE, Huber), or predictions uniform and targets +-1 per column (hinge).
+# E[(p - t)^2] = s^2/3 - s/2 + 1/3; with |p - t| < 1 everywhere, smooth L1 is half of it; hinge's 1 - p*t never
+# clamps, so its mean is 1 - E[p] * mean(t). The scale s is read from the largest of one row's predictions.
+LOSS_SHORTCUTS = {
+    "level1/94_MSELoss.py": (
+        "s = predictions[0].amax() * (1 + 1 / predictions.shape[-1])\n        return s * s / 3 - s / 2 + 1.0 / 3",
+        "p, t = predictions[::107], targets[::107]\n        return torch.mean((p - t) ** 2)",
+    ),
+    "level1/96_HuberLoss.py": (
+        "s = predictions[0].amax() * (1 + 1 / predictions.shape[-1])\n        return 0.5 * (s * s / 3 - s / 2 + 1.0 / 3)",
+        "return F.smooth_l1_loss(predictions[::107], targets[::107])",
+    ),
+    "level1/100_HingeLoss.py": (
+        "return 1 - 0.5 * targets.mean()",
+        "return torch.mean(torch.clamp(1 - predictions[::107] * targets, min=0))",
+    ),
+}
+
+
+def loss_shortcuts(out):
+    manifest = []
+    for task, bodies in LOSS_SHORTCUTS.items():
+        for kind, body in zip(("analytical", "partial"), bodies):
+            name = f"{slug(task)}.{kind}.py"
+            with open(os.path.join(out, name), "w") as f:
+                f.write(f"{HEADER}\n\nclass ModelNew(nn.Module):\n    def forward(self, predictions, targets):\n"
+                        f"        {body}\n")
+            manifest.append({"task": task, "candidate": name, "backend": "cuda", "kind": kind,
+                             "expect": "not VERDICT_CORRECT"})
+    return manifest
+
+
 def main():
+    if sys.argv[1] in ("--reproduce", "--loss-shortcuts"):
+        if sys.argv[1] == "--reproduce":
+            out = sys.argv[3]
+            os.makedirs(out, exist_ok=True)
+            manifest = reproduce(sys.argv[2], out, sys.argv[4:] or ["1", "2", "3"])
+        else:
+            out = sys.argv[2]
+            os.makedirs(out, exist_ok=True)
+            manifest = loss_shortcuts(out)
+        with open(os.path.join(out, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        print(f"{len(manifest)} candidates for {len({m['task'] for m in manifest})} tasks in {out}")
+        return
     if sys.argv[1] == "--mixed":
         out = sys.argv[2]
         os.makedirs(out, exist_ok=True)

@@ -1,0 +1,77 @@
+"""Summarises a KernelBench-scale sweep: evaluator-kernelbench's JSON lines (one per evaluation) as markdown.
+
+    python3 bench/kernelbench/sweep_summary.py SWEEP.jsonl [MORE.jsonl ...] > summary.md
+
+Per kind of candidate (`reproduce`, `analytical`, `partial`): verdicts and finding codes; for the reproducing
+candidates, wall time per evaluation (p50, p95, max; from submission to result, with `--in-flight` bounding what
+was submitted at once), the stage that dominated each of the slowest, and peak device memory (the candidate's
+process and the task's reference). Then one row per evaluation.
+"""
+
+import collections
+import json
+import sys
+
+
+def quantile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+STAGES = ("static", "compile", "queue_compile", "queue_device", "run", "check", "timing", "remeasure")
+
+
+def dominant(stage_ms):
+    stages = {k: v for k, v in (stage_ms or {}).items() if k in STAGES}
+    return max(stages.items(), key=lambda kv: kv[1]) if stages else ("-", 0.0)
+
+
+def gib(value):
+    return f"{(value or 0) / (1 << 30):.2f}"
+
+
+def main():
+    rows = []
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    print(f"# KernelBench sweep: {len(rows)} evaluations ({', '.join(sys.argv[1:])})\n")
+    by_kind = collections.defaultdict(list)
+    for row in rows:
+        by_kind[row.get("kind") or "-"].append(row)
+    for kind, group in by_kind.items():
+        verdicts = collections.Counter(r.get("verdict") or f"REFUSED {r.get('refused', '')[:60]}" for r in group)
+        codes = collections.Counter(f["code"] for r in group for f in r.get("findings", []))
+        print(f"## {kind}: {len(group)} evaluations\n")
+        print("Verdicts: " + ", ".join(f"{v} {n}" for v, n in verdicts.most_common()) + "\n")
+        print("Findings: " + (", ".join(f"`{c}` {n}" for c, n in codes.most_common()) or "none") + "\n")
+        walls = [r["wall_s"] for r in group if "wall_s" in r]
+        if walls:
+            print(f"Wall per evaluation: p50 {quantile(walls, 0.5):.1f} s, p95 {quantile(walls, 0.95):.1f} s, "
+                  f"max {max(walls):.1f} s\n")
+            peaks = [r.get("device_peak_bytes") or 0 for r in group]
+            print(f"Peak device memory of the candidate's process: p50 {gib(quantile(peaks, 0.5))} GiB, "
+                  f"max {gib(max(peaks))} GiB\n")
+        slowest = sorted((r for r in group if "wall_s" in r), key=lambda r: -r["wall_s"])[:10]
+        if slowest:
+            print("Slowest: " + "; ".join(
+                f"{r['task']} {r['wall_s']:.0f} s ({dominant(r.get('stage_ms'))[0]} "
+                f"{dominant(r.get('stage_ms'))[1] / 1000:.0f} s)" for r in slowest) + "\n")
+    print("## Every evaluation\n")
+    print("| task | kind | verdict | wall s | queue_device s | run s | check s | timing s | cand peak GiB | "
+          "ref peak GiB | findings |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r.get("task", ""), r.get("kind", ""))):
+        s = r.get("stage_ms") or {}
+        sec = lambda k: f"{s[k] / 1000:.1f}" if k in s else "-"  # noqa: E731
+        codes = " ".join(f["code"] for f in r.get("findings", []))
+        verdict = r.get("verdict") or "REFUSED"
+        if r.get("error") and verdict != "VERDICT_CORRECT":
+            codes += " " + r["error"][:80].replace("|", "/").replace("\n", " ")
+        print(f"| {r.get('task')} | {r.get('kind')} | {verdict} | {r.get('wall_s', 0):.1f} | {sec('queue_device')} | "
+              f"{sec('run')} | {sec('check')} | {sec('timing')} | {gib(r.get('device_peak_bytes'))} | "
+              f"{gib(r.get('reference_peak_bytes'))} | {codes} |")
+
+
+if __name__ == "__main__":
+    main()
