@@ -77,7 +77,7 @@ MAX_RUNS_ENV = "KFORGE__EVALUATOR__TIMING__MAX_RUNS"
 WARM_MAX_RUNS = 999
 IDLE_MAX_RUNS = 1000
 FULL_MAX_RUNS = 1100
-PHASES = ("dobench-build", "dobench", "warm", "idle", "full")
+PHASES = ("dobench-build", "dobench", "dobench-spin", "warm", "idle", "full")
 SMALL_MS = 0.1
 DEVICE = "cuda"  # where --dobench-one measures (a test may point it elsewhere)
 
@@ -140,6 +140,14 @@ def dobench_one(task_path, candidate_path, out_json, build_only):
             return
         device = torch.device(DEVICE)
         result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        if os.environ.get("KFORGE_DOBENCH_SPIN") == "1" and device.type == "cuda":
+            # The dobench-spin phase: this process waits for its GPU spinning, as kforge's timed loop does
+            # (CU_CTX_SCHED_SPIN on the primary context, which torch has made current).
+            import ctypes
+
+            torch.zeros(1, device=device)
+            status = ctypes.CDLL("libcuda.so.1").cuCtxSetFlags(ctypes.c_uint(1))
+            result["sched"] = "spin" if status == 0 else f"spin refused ({status})"
         torch.manual_seed(0)
         reference = task.Model(*_to_device(list(task.get_init_inputs()), device)).to(device)
         torch.manual_seed(0)
@@ -313,8 +321,10 @@ class Run:
 
     # ---- dobench
 
-    def child(self, entry, out_json, build_only, timeout_s):
+    def child(self, entry, out_json, build_only, timeout_s, spin=False):
         env = dict(os.environ)
+        if spin:
+            env["KFORGE_DOBENCH_SPIN"] = "1"
         env["TORCH_EXTENSIONS_DIR"] = str(self.out / "torch_extensions")
         # ninja (load_inline needs it) lives beside the interpreter in a virtual environment that is not activated.
         env["PATH"] = f"{Path(self.args.python).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -363,23 +373,32 @@ class Run:
         with ThreadPoolExecutor(max_workers=self.args.build_workers) as pool:
             list(pool.map(build, todo))
 
-    def dobench(self, entries):
+    def dobench(self, entries, phase="dobench"):
         self.dobench_build(entries)
-        done = self.done_keys("dobench", 0)
-        for entry in entries:
-            if entry["key"] in done:
-                continue
-            if self.late():
-                common.log("dobench: past the deadline; run again to go on")
-                return
-            busy = gpu_processes()
-            result = self.child(entry, self.out / "dobench" / f"{safe_name(entry['key'])}.json", False, 600)
-            result["gpu_processes_before"] = busy
-            self.record("dobench", 0, entry, result)
-            common.log(f"dobench {entry['key']}: "
-                       + (f"eager {result.get('eager_median_ms'):.4f} ms cand {result.get('candidate_median_ms'):.4f} ms"
-                          f" x{result.get('speedup_eager'):.3f} diff {result.get('max_abs_diff')}"
-                          if result.get("ok") else f"FAILED {result.get('error', '')[:300]}"))
+        for repeat in range(self.args.dobench_repeats):
+            done = self.done_keys(phase, repeat)
+            for entry in entries:
+                if entry["key"] in done:
+                    continue
+                if self.late():
+                    common.log(f"{phase}: past the deadline; run again to go on")
+                    return
+                busy = gpu_processes()
+                out_json = self.out / "dobench" / f"{safe_name(entry['key'])}.{phase}.{repeat}.json"
+                result = self.child(entry, out_json, False, 600, spin=phase == "dobench-spin")
+                result["gpu_processes_before"] = busy
+                self.record(phase, repeat, entry, result)
+                self.log_dobench(phase, entry, result)
+
+    def dobench_spin(self, entries):
+        """do_bench again, each child waiting for its GPU spinning (as kforge's timed loop does)."""
+        self.dobench(entries, "dobench-spin")
+
+    def log_dobench(self, phase, entry, result):
+        common.log(f"{phase} {entry['key']}: "
+                   + (f"eager {result.get('eager_median_ms'):.4f} ms cand {result.get('candidate_median_ms'):.4f} ms"
+                      f" x{result.get('speedup_eager'):.3f} diff {result.get('max_abs_diff')}"
+                      if result.get("ok") else f"FAILED {result.get('error', '')[:300]}"))
 
 
 def gpu_processes():
@@ -432,6 +451,26 @@ def summary(out, args):
              f"From `{out / 'results.jsonl'}` ({len(records)} lines); machine: `machine.txt`. Errors are "
              "(kforge - do_bench) / do_bench in %; run-to-run is (max - min) / mean over the idle repeats, in %.",
              "Milliseconds throughout.", ""]
+
+    # do_bench children repeated, waiting blocked or spinning (dobench-spin), beside kforge's idle medians
+    repeated = [key for key in order if any(phase == "dobench-spin" and k == key for (phase, _, k) in table)]
+    if repeated:
+        lines += ["## do_bench repeated: default wait against a spinning wait, and kforge idle", "",
+                  "| candidate | do_bench cand (default) | do_bench cand (spin) | kforge cand (idle) | "
+                  "do_bench eager (default) | do_bench eager (spin) | kforge eager (idle) |",
+                  "|---|---|---|---|---|---|---|"]
+
+        def medians(phase, key, field):
+            values = [r.get(field) for (p, _, k), r in sorted(table.items(), key=lambda kv: str(kv[0]))
+                      if p == phase and k == key and r.get(field) is not None]
+            return " / ".join(fmt(v) for v in values) or "-"
+
+        for key in repeated:
+            lines.append(f"| {key} | {medians('dobench', key, 'candidate_median_ms')} | "
+                         f"{medians('dobench-spin', key, 'candidate_median_ms')} | "
+                         f"{medians('idle', key, 'candidate_median_ms')} | {medians('dobench', key, 'eager_median_ms')} | "
+                         f"{medians('dobench-spin', key, 'eager_median_ms')} | {medians('idle', key, 'eager_median_ms')} |")
+        lines.append("")
 
     # dobench table
     lines += ["## do_bench (clean process, warmup=25, rep=200)", "",
@@ -631,6 +670,8 @@ def parse():
     parser.add_argument("--phases", default="warm,idle,full,dobench",
                         help=f"comma-separated, run in the order given, from {','.join(PHASES)}")
     parser.add_argument("--repeats", type=int, default=2, help="idle repeats (default 2)")
+    parser.add_argument("--dobench-repeats", type=int, default=1,
+                        help="do_bench children per candidate in the dobench phases (default 1)")
     parser.add_argument("--only-repeat", type=int, default=None, help="run only this idle repeat (0-based)")
     parser.add_argument("--full-repeats", type=int, default=1, help="full repeats (default 1)")
     parser.add_argument("--gpu-slots", type=int, default=0, help="evaluator gpu_slots (default: its default)")
