@@ -291,8 +291,9 @@ pub async fn run(
     let (state, error) = match failure {
         Some(error) => (pb::JobState::Failed, error),
         None if shutdown.is_cancelled() => {
-            let job_id = progress.job_id().await;
-            tracing::info!(%job_id, "job stopped with the orchestrator: left to resume");
+            progress.stopped().await;
+            let job_id = &progress.job_id;
+            tracing::info!(%job_id, "job stopped here, left RUNNING to be resumed");
             return;
         }
         None if cancel.is_cancelled() => (pb::JobState::Cancelled, String::new()),
@@ -324,6 +325,7 @@ fn slim(turn: &pb::TurnRecord) -> pb::TurnRecord {
 /// The job's snapshot, shared by its episodes.
 #[derive(Debug)]
 struct Progress {
+    job_id: String,
     job: tokio::sync::Mutex<Snapshot>,
     store: Store,
     updates: watch::Sender<pb::JobProgress>,
@@ -338,16 +340,21 @@ struct Snapshot {
     turns: Vec<pb::TurnRecord>,
     /// When the metrics were last computed.
     metrics_at: Option<Instant>,
+    /// When the snapshot was last written to the store.
+    stored_at: Option<Instant>,
 }
 
-/// Jobs with more recorded turns than this refresh their metrics at most once per [`METRICS_EVERY`] while they
+/// Jobs with more recorded turns than this refresh their metrics at most once per [`REFRESH_EVERY`] while they
 /// run (each computation is over every turn), and exactly at the end.
 const EXACT_METRICS_UP_TO: usize = 1_000;
-const METRICS_EVERY: Duration = Duration::from_secs(1);
+/// How often a running job's metrics (past [`EXACT_METRICS_UP_TO`] turns) and its stored snapshot are refreshed.
+/// The snapshot in the store is for readers in other processes: the turns are the record, and a resumed job
+/// recomputes everything from them; watchers and GetJob here see every change at once.
+const REFRESH_EVERY: Duration = Duration::from_secs(1);
 
 impl Snapshot {
     fn refresh_metrics(&mut self, elapsed_s: f64, force: bool) {
-        let due = self.metrics_at.is_none_or(|at| at.elapsed() >= METRICS_EVERY);
+        let due = self.metrics_at.is_none_or(|at| at.elapsed() >= REFRESH_EVERY);
         if force || due || self.turns.len() <= EXACT_METRICS_UP_TO {
             self.job.metrics = Some(job_metrics(&self.turns, elapsed_s));
             self.metrics_at = Some(Instant::now());
@@ -364,16 +371,13 @@ impl Progress {
         started: Instant,
     ) -> Self {
         Self {
-            job: tokio::sync::Mutex::new(Snapshot { job, turns, metrics_at: None }),
+            job_id: job.job_id.clone(),
+            job: tokio::sync::Mutex::new(Snapshot { job, turns, metrics_at: None, stored_at: None }),
             store,
             updates,
             started,
             in_flight: InFlight::default(),
         }
-    }
-
-    async fn job_id(&self) -> String {
-        self.job.lock().await.job.job_id.clone()
     }
 
     async fn set_state(&self, state: pb::JobState, error: String) {
@@ -384,27 +388,27 @@ impl Progress {
         job.error = error;
         job.turns_done = turns.len() as u64;
         job.updated_at = Some(crate::now());
-        self.publish(job, None).await;
+        self.publish(&mut snapshot, None, true).await;
     }
 
     /// Records a turn (committed before this returns), then refreshes the metrics over every recorded turn.
     async fn record(&self, position: i64, turn: &pb::TurnRecord) -> Result<(), StoreError> {
-        let mut snapshot = self.job.lock().await;
-        self.store.put_turn(&snapshot.job.job_id, position, Stage::Recorded, turn).await?;
+        // The write needs no lock: each (task, trajectory, turn) has one writer, its episode.
+        self.store.put_turn(&self.job_id, position, Stage::Recorded, turn).await?;
         let turn = slim(turn);
+        let mut snapshot = self.job.lock().await;
         snapshot.turns.push(turn.clone());
         snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), false);
         let Snapshot { job, turns, .. } = &mut *snapshot;
         job.turns_done = turns.len() as u64;
         job.updated_at = Some(crate::now());
-        self.publish(job, Some(turn)).await;
+        self.publish(&mut snapshot, Some(turn), false).await;
         Ok(())
     }
 
     /// Stores a turn's stage (committed before this returns) and tells watchers.
     async fn stage(&self, position: i64, stage: Stage, turn: &pb::TurnRecord) -> Result<(), StoreError> {
-        let job_id = self.job_id().await;
-        self.store.put_turn(&job_id, position, stage, turn).await?;
+        self.store.put_turn(&self.job_id, position, stage, turn).await?;
         self.notify().await;
         Ok(())
     }
@@ -418,7 +422,15 @@ impl Progress {
     async fn episode_done(&self) {
         let mut snapshot = self.job.lock().await;
         snapshot.job.episodes_done += 1;
-        self.publish(&snapshot.job, None).await;
+        self.publish(&mut snapshot, None, false).await;
+    }
+
+    /// Stores the snapshot as it is (the job stops here without a verdict, to be resumed).
+    async fn stopped(&self) {
+        let mut snapshot = self.job.lock().await;
+        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), true);
+        snapshot.job.updated_at = Some(crate::now());
+        self.publish(&mut snapshot, None, true).await;
     }
 
     async fn finish(&self, state: pb::JobState, error: String) {
@@ -428,7 +440,7 @@ impl Progress {
         job.state = state.into();
         job.error = error;
         job.updated_at = Some(crate::now());
-        self.publish(job, None).await;
+        self.publish(&mut snapshot, None, true).await;
     }
 
     fn progress(&self, job: &pb::Job, recorded: Option<pb::TurnRecord>) -> pb::JobProgress {
@@ -444,11 +456,15 @@ impl Progress {
         }
     }
 
-    async fn publish(&self, job: &pb::Job, recorded: Option<pb::TurnRecord>) {
-        if let Err(error) = self.store.put_job(job).await {
-            tracing::error!(job_id = %job.job_id, %error, "job snapshot not stored");
+    /// Sends the snapshot to watchers, and writes it to the store when `force`d (a state change) or due.
+    async fn publish(&self, snapshot: &mut Snapshot, recorded: Option<pb::TurnRecord>, force: bool) {
+        if force || snapshot.stored_at.is_none_or(|at| at.elapsed() >= REFRESH_EVERY) {
+            match self.store.put_job(&snapshot.job).await {
+                Ok(()) => snapshot.stored_at = Some(Instant::now()),
+                Err(error) => tracing::error!(job_id = %self.job_id, %error, "job snapshot not stored"),
+            }
         }
-        self.updates.send_replace(self.progress(job, recorded));
+        self.updates.send_replace(self.progress(&snapshot.job, recorded));
     }
 }
 
@@ -471,7 +487,7 @@ impl Episode {
     /// recorded in the turn and ends the episode, not the job; only a store failure (the record would be lost)
     /// fails the job.
     async fn run(self) -> Result<(), StoreError> {
-        let job_id = self.progress.job_id().await;
+        let job_id = self.progress.job_id.clone();
         let stored = self.progress.store.trajectory(&job_id, &self.task.task_id, self.trajectory).await?;
         let mut earlier = Vec::new();
         let mut first = 0;

@@ -527,7 +527,13 @@ impl Orchestrator for OrchestratorService {
     }
 
     async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
-        Ok(Response::new(self.job(&request.into_inner().job_id).await?))
+        let job_id = request.into_inner().job_id;
+        // A job running here is read live; the store's snapshot of it is refreshed about once a second.
+        let live = self.running().get(&job_id).and_then(|running| running.updates.borrow().job.clone());
+        match live {
+            Some(job) => Ok(Response::new(job)),
+            None => Ok(Response::new(self.job(&job_id).await?)),
+        }
     }
 
     type WatchJobStream = BoxStream<pb::JobProgress>;
