@@ -1,10 +1,155 @@
+{{/* The five services: config section, binary, whether it runs on a GPU. */}}
+{{- define "kforge.components" -}}
+gateway: {binary: kforge-gateway, gpu: false}
+orchestrator: {binary: kforge-orchestrator, gpu: false}
+reward: {binary: kforge-reward, gpu: false}
+evaluator: {binary: kforge-evaluator, gpu: true}
+profiler: {binary: kforge-profiler, gpu: true}
+{{- end -}}
+
 {{- define "kforge.labels" -}}
 app.kubernetes.io/name: kforge
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
+{{- end -}}
+
+{{/* Labels of one component; argument: (list $ "gateway"). */}}
+{{- define "kforge.componentLabels" -}}
+{{ include "kforge.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "kforge.selector" -}}
+app.kubernetes.io/name: kforge
+app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{/* Object name of one component; argument: (list $ "gateway"). */}}
+{{- define "kforge.name" -}}
+{{- printf "%s-%s" (index . 0).Release.Name (index . 1) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "kforge.tokenSecret" -}}
 {{- default (printf "%s-kforge-token" .Release.Name) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* The drain timeout of one component; argument: (list $ "evaluator"). */}}
+{{- define "kforge.drain" -}}
+{{- $root := index . 0 -}}
+{{- $svc := index $root.Values (index . 1) -}}
+{{- default $root.Values.drainTimeoutSeconds $svc.drainTimeoutSeconds | int -}}
+{{- end -}}
+
+{{/* How clients reach a component: its Service's DNS name, with the scheme TLS calls for. */}}
+{{- define "kforge.url" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- printf "%s://%s.%s.svc:%d" (ternary "https" "http" $root.Values.tls.enabled) (include "kforge.name" .) $root.Release.Namespace (int (index $root.Values $name).port) -}}
+{{- end -}}
+
+{{/* The [server] table every service gets. */}}
+{{- define "kforge.serverTable" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $server := dict "listen" (printf "0.0.0.0:%d" (int (index $root.Values $name).port)) "drain_timeout_secs" (include "kforge.drain" . | int) "auth" (dict "token_file" "/var/run/kforge/token/token") -}}
+{{- if $root.Values.tls.enabled -}}
+{{- $_ := set $server "tls" (dict "cert_file" "/var/run/kforge/tls/tls.crt" "key_file" "/var/run/kforge/tls/tls.key") -}}
+{{- end -}}
+{{- toJson $server -}}
+{{- end -}}
+
+{{/* A component's whole table (the chart's keys over the values' `config`), as JSON. */}}
+{{- define "kforge.table" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $values := index $root.Values $name -}}
+{{- $table := deepCopy ($values.config | default dict) -}}
+{{- $_ := set $table "server" (include "kforge.serverTable" . | fromJson) -}}
+{{- if eq $name "orchestrator" -}}
+{{- $client := dict "auth" (dict "token_file" "/var/run/kforge/token/token") -}}
+{{- if $root.Values.tls.enabled -}}
+{{- $_ := set $client "tls_ca_file" "/var/run/kforge/tls/ca.crt" -}}
+{{- end -}}
+{{- $_ := set $table "peers" (dict "gateway" (include "kforge.url" (list $root "gateway")) "evaluator" (include "kforge.url" (list $root "evaluator")) "reward" (include "kforge.url" (list $root "reward")) "client" $client) -}}
+{{- if not $values.database.existingSecret -}}
+{{- $_ := set $table "store" "sqlite:///var/lib/kforge/orchestrator.db" -}}
+{{- end -}}
+{{- else if eq $name "evaluator" -}}
+{{- $_ := set $table "work_dir" "/var/lib/kforge/evaluator" -}}
+{{- $_ := set $table "sandbox" (dict "network_namespace" true "landlock" true "process_limit" true "job_users" true "job_user_base" (int64 $values.sandbox.jobUserBase)) -}}
+{{- end -}}
+{{- toJson $table -}}
+{{- end -}}
+
+{{/*
+TOML from a map. Helm reads every number in values as a float, and toToml writes 20 as 20.0, which an integer field
+rejects: this writes integral numbers as integers. Argument: (dict "header" "[gateway]" "path" "gateway" "value" map).
+*/}}
+{{- define "kforge.toml.table" -}}
+{{- $path := .path -}}
+{{- $value := .value -}}
+{{ .header }}
+{{- range $key := keys $value | sortAlpha }}
+{{- $v := index $value $key }}
+{{- if and (not (kindIs "map" $v)) (not (and (kindIs "slice" $v) (gt (len $v) 0) (kindIs "map" (first $v)))) (not (kindIs "invalid" $v)) }}
+{{ $key }} = {{ include "kforge.toml.value" $v }}
+{{- end }}
+{{- end }}
+{{- range $key := keys $value | sortAlpha }}
+{{- $v := index $value $key }}
+{{- if kindIs "map" $v }}
+
+{{ include "kforge.toml.table" (dict "header" (printf "[%s.%s]" $path $key) "path" (printf "%s.%s" $path $key) "value" $v) }}
+{{- else if and (kindIs "slice" $v) (gt (len $v) 0) (kindIs "map" (first $v)) }}
+{{- range $item := $v }}
+
+{{ include "kforge.toml.table" (dict "header" (printf "[[%s.%s]]" $path $key) "path" (printf "%s.%s" $path $key) "value" $item) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kforge.toml.value" -}}
+{{- if kindIs "string" . -}}
+{{ toJson . }}
+{{- else if kindIs "bool" . -}}
+{{ ternary "true" "false" . }}
+{{- else if kindIs "float64" . -}}
+{{- if and (eq (floor .) .) (lt (. | float64) 9007199254740992.0) (gt (. | float64) -9007199254740992.0) -}}
+{{ int64 . }}
+{{- else -}}
+{{ toString . }}
+{{- end -}}
+{{- else if kindIs "slice" . -}}
+[{{ range $i, $item := . }}{{ if $i }}, {{ end }}{{ include "kforge.toml.value" $item }}{{ end }}]
+{{- else -}}
+{{ toString . }}
+{{- end -}}
+{{- end -}}
+
+{{/* The config file of one component. */}}
+{{- define "kforge.configFile" -}}
+{{- $name := index . 1 -}}
+# kforge [{{ $name }}], rendered by the Helm chart from the values' {{ $name }}.config and the chart's own keys.
+{{ include "kforge.toml.table" (dict "header" (printf "[%s]" $name) "path" $name "value" (include "kforge.table" . | fromJson)) }}
+{{- end -}}
+
+{{- define "kforge.image" -}}
+{{- $image := index . 0 -}}
+{{- $root := index . 1 -}}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+
+{{/* Health probes on grpc.health.v1; with TLS a TCP check, since kubelet's gRPC probe speaks plaintext only. */}}
+{{- define "kforge.probe" -}}
+{{- if .tls }}
+tcpSocket:
+  port: grpc
+{{- else }}
+grpc:
+  port: {{ .port }}
+{{- end }}
 {{- end -}}

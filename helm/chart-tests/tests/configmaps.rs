@@ -1,0 +1,174 @@
+//! The chart's ConfigMaps are real kforge configuration: each value set in helm/kforge/ci (and the defaults) is
+//! rendered with helm, and every service's `kforge.toml` is loaded through that service's own config type, which
+//! rejects unknown keys and wrong types, exactly as the pod's process would load it at start.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kforge_evaluator::EvaluatorConfig;
+use kforge_inference_gateway::GatewayConfig;
+use kforge_orchestrator::OrchestratorConfig;
+use kforge_profiler::ProfilerConfig;
+use kforge_reward::RewardConfig;
+use kforge_server::{ServiceConfig, load_section};
+use serde_json::Value;
+
+/// Tests run in parallel: each temporary file gets a name of its own.
+static FILES: AtomicUsize = AtomicUsize::new(0);
+
+fn temp_path(what: &str) -> PathBuf {
+    let n = FILES.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("kforge-chart-{}-{n}-{what}", std::process::id()))
+}
+
+const SERVICES: [&str; 5] = ["gateway", "orchestrator", "reward", "evaluator", "profiler"];
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// helm and a Python with PyYAML (scripts/setup.sh --test installs both), or a visible skip.
+fn tools() -> Option<(PathBuf, PathBuf)> {
+    let (helm, python) = (repo().join(".tools/bin/helm"), repo().join(".venv/bin/python"));
+    let yaml = python.exists()
+        && Command::new(&python).args(["-c", "import yaml"]).status().is_ok_and(|status| status.success());
+    if helm.exists() && yaml {
+        return Some((helm, python));
+    }
+    let missing = "helm (.tools/bin/helm) or PyYAML (.venv); run scripts/setup.sh --test";
+    assert!(std::env::var("KFORGE_CI").as_deref() != Ok("1"), "{missing}");
+    println!("SKIP: chart ConfigMaps not checked: missing {missing}");
+    None
+}
+
+/// The manifests of `helm template` with `values` (none: the chart's defaults), as JSON objects.
+fn render(helm: &Path, python: &Path, values: Option<&Path>) -> Vec<Value> {
+    let mut helm_cmd = Command::new(helm);
+    helm_cmd.args(["template", "kforge", "helm/kforge", "--namespace", "kforge"]).current_dir(repo());
+    if let Some(values) = values {
+        helm_cmd.arg("-f").arg(values);
+    }
+    let out = helm_cmd.output().expect("run helm");
+    assert!(out.status.success(), "helm template {values:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let yaml_path = temp_path("rendered.yaml");
+    std::fs::write(&yaml_path, &out.stdout).expect("write rendered chart");
+    let json = Command::new(python)
+        .args([
+            "-c",
+            "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))",
+        ])
+        .arg(&yaml_path)
+        .output()
+        .expect("run python");
+    let _ = std::fs::remove_file(&yaml_path);
+    assert!(json.status.success(), "yaml to json: {}", String::from_utf8_lossy(&json.stderr));
+    serde_json::from_slice(&json.stdout).expect("json manifests")
+}
+
+fn find<'a>(manifests: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
+    manifests.iter().find(|m| m["kind"] == kind && m["metadata"]["name"] == name)
+}
+
+/// Loads `toml` as the process would (`--config FILE`), through `T`.
+fn load<T: ServiceConfig>(toml: &str, set: &str) -> T {
+    let path = temp_path(&format!("{}-{set}.toml", T::SECTION));
+    std::fs::write(&path, toml).expect("write config");
+    let loaded = load_section::<T>(Some(&path));
+    let _ = std::fs::remove_file(&path);
+    loaded.unwrap_or_else(|e| panic!("{set}: [{}] does not load: {e}\n{toml}", T::SECTION))
+}
+
+fn value_sets() -> Vec<(String, Option<PathBuf>)> {
+    let mut sets = vec![("defaults".to_owned(), None)];
+    let mut files: Vec<_> = std::fs::read_dir(repo().join("helm/kforge/ci"))
+        .expect("helm/kforge/ci")
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "the CI value sets are missing: {files:?}");
+    sets.extend(files.into_iter().map(|p| (p.file_stem().expect("stem").to_string_lossy().into_owned(), Some(p))));
+    sets
+}
+
+#[test]
+fn every_configmap_loads_through_its_service_config_type() {
+    let Some((helm, python)) = tools() else { return };
+    for (set, file) in value_sets() {
+        let manifests = render(&helm, &python, file.as_deref());
+        for service in SERVICES {
+            let name = format!("kforge-{service}");
+            let config = find(&manifests, "ConfigMap", &format!("{name}-config"))
+                .unwrap_or_else(|| panic!("{set}: no ConfigMap for {service}"));
+            let toml = config["data"]["kforge.toml"].as_str().expect("kforge.toml in the ConfigMap");
+            let server = match service {
+                "gateway" => {
+                    let gateway: GatewayConfig = load(toml, &set);
+                    gateway.validate().unwrap_or_else(|e| panic!("{set}: [gateway] invalid: {e}"));
+                    gateway.server
+                }
+                "orchestrator" => {
+                    let orchestrator: OrchestratorConfig = load(toml, &set);
+                    assert_eq!(
+                        orchestrator.peers.evaluator,
+                        "http://kforge-evaluator.kforge.svc:50051"
+                            .replace("http:", if orchestrator.server.tls.is_some() { "https:" } else { "http:" },)
+                    );
+                    assert!(orchestrator.peers.client.auth.token_file.is_some(), "{set}: peers get the token");
+                    orchestrator.server
+                }
+                "reward" => load::<RewardConfig>(toml, &set).server,
+                "evaluator" => {
+                    let evaluator: EvaluatorConfig = load(toml, &set);
+                    assert_eq!(evaluator.work_dir, Path::new("/var/lib/kforge/evaluator"));
+                    evaluator.server
+                }
+                "profiler" => load::<ProfilerConfig>(toml, &set).server,
+                other => unreachable!("{other}"),
+            };
+            // The pod and its config agree: the port it listens on, the token it checks, and a grace period that
+            // covers the drain (preStop pause + drain + 10 s).
+            let kind = if service == "orchestrator" { "StatefulSet" } else { "Deployment" };
+            let workload = find(&manifests, kind, &name).unwrap_or_else(|| panic!("{set}: no {kind} {name}"));
+            let pod = &workload["spec"]["template"]["spec"];
+            let container = &pod["containers"][0];
+            assert_eq!(container["ports"][0]["containerPort"].as_u64(), Some(u64::from(server.listen.port())));
+            assert_eq!(server.auth.token_file.as_deref(), Some(Path::new("/var/run/kforge/token/token")));
+            let pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"].as_u64().expect("preStop sleep");
+            assert_eq!(
+                pod["terminationGracePeriodSeconds"].as_u64(),
+                Some(pre_stop + server.drain_timeout_secs + 10),
+                "{set}: {service}'s grace period"
+            );
+        }
+    }
+}
+
+#[test]
+fn values_reach_the_typed_config() {
+    let Some((helm, python)) = tools() else { return };
+    let full = repo().join("helm/kforge/ci/full.yaml");
+    let manifests = render(&helm, &python, Some(&full));
+    let toml = |service: &str| {
+        find(&manifests, "ConfigMap", &format!("kforge-{service}-config")).expect("ConfigMap")["data"]["kforge.toml"]
+            .as_str()
+            .expect("kforge.toml")
+            .to_owned()
+    };
+    let gateway: GatewayConfig = load(&toml("gateway"), "full");
+    assert_eq!(gateway.pools.len(), 2);
+    assert_eq!(gateway.pools[0].backends[1].max_concurrency, 256);
+    assert_eq!(gateway.pools[1].price.output_per_mtok, 10.0, "an integral price stays a valid float");
+    assert_eq!(gateway.retry.max_attempts, 4);
+    let orchestrator: OrchestratorConfig = load(&toml("orchestrator"), "full");
+    assert_eq!((orchestrator.retry.attempts, orchestrator.max_in_flight.evaluator), (10, 128));
+    assert_eq!(orchestrator.store, "", "with PostgreSQL the URL comes from the Secret, not the ConfigMap");
+    let tls = orchestrator.server.tls.expect("TLS on");
+    assert_eq!(tls.cert_file, Path::new("/var/run/kforge/tls/tls.crt"));
+    assert_eq!(orchestrator.peers.client.tls_ca_file.as_deref(), Some(Path::new("/var/run/kforge/tls/ca.crt")));
+    let evaluator: EvaluatorConfig = load(&toml("evaluator"), "full");
+    assert_eq!(evaluator.default_policy, "kevin-strict@2");
+    assert_eq!((evaluator.timing.max_seconds, evaluator.server.drain_timeout_secs), (5.5, 600));
+    assert_eq!(evaluator.sandbox.job_user_base, 2_100_000_000);
+}
