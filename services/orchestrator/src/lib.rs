@@ -580,12 +580,27 @@ impl Orchestrator for OrchestratorService {
     }
 
     async fn cancel_job(&self, request: Request<pb::CancelJobRequest>) -> Result<Response<pb::Job>, Status> {
-        let job = self.job(&request.into_inner().job_id).await?;
-        if !is_terminal(job.state)
-            && let Some(running) = self.running().get(&job.job_id)
-        {
-            running.cancel.cancel();
+        let mut job = self.job(&request.into_inner().job_id).await?;
+        if is_terminal(job.state) {
+            return Ok(Response::new(job));
         }
+        let running = self.running().get(&job.job_id).map(|running| running.cancel.clone());
+        if let Some(cancel) = running {
+            // Its task records CANCELLED once its episodes have stopped.
+            cancel.cancel();
+            return Ok(Response::new(job));
+        }
+        // Not running here: an interrupted job (so that no start resumes it), unless a live instance runs it.
+        let now_ms = lease_until(Duration::ZERO);
+        if let Err((owner, _)) =
+            self.store.claim(&job.job_id, &self.config.instance, now_ms, now_ms).await.map_err(store_status)?
+        {
+            let message = format!("{} runs on instance `{owner}`: cancel it there", job.job_id);
+            return Err(OrchestratorError::Precondition(message).into());
+        }
+        job.state = pb::JobState::Cancelled.into();
+        job.updated_at = Some(now());
+        self.store.put_job(&job).await.map_err(store_status)?;
         Ok(Response::new(job))
     }
 

@@ -519,7 +519,7 @@ async fn a_step_dropped_during_its_evaluation_is_finished_by_its_retry_with_one_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_stopped_with_its_orchestrator_stays_running_and_the_next_start_resumes_it() {
+async fn a_job_stopped_with_its_orchestrator_is_resumed_by_the_next_start_unless_cancelled_meanwhile() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flow-graceful-stop");
     let _ = std::fs::remove_dir_all(&dir);
     let store = format!("sqlite://{}", dir.join("kforge.db").display());
@@ -538,7 +538,29 @@ async fn a_job_stopped_with_its_orchestrator_stays_running_and_the_next_start_re
     assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 3));
     let (_, generated) = fakes.generate_counts();
     assert!((0..3).all(|turn| generated[&key("a", 0, turn)] == 1), "{generated:?}");
+
+    // An interrupted job cancelled while nothing runs it is not resumed by the next start.
+    let mut held = fakes.hold(Hold::Generate(key("b", 0, 0)));
+    let interrupted = submit(&mut second.client, spec(&["b"], 1, 1)).await.expect("submitted");
+    held.recv().await.expect("held");
     second.shutdown().await;
+    let mut third = orchestrator(&peers, |c| {
+        c.store = store.clone();
+        c.resume_on_start = false;
+    })
+    .await;
+    let cancelled = third
+        .client
+        .cancel_job(pb::CancelJobRequest { job_id: interrupted.job_id.clone() })
+        .await
+        .expect("cancelled")
+        .into_inner();
+    assert_eq!(cancelled.state(), pb::JobState::Cancelled);
+    third.shutdown().await;
+    let fourth = orchestrator(&peers, |c| c.store = store.clone()).await;
+    let stored = kforge_orchestrator::store::Store::open(&store).await.expect("opens").job(&interrupted.job_id).await;
+    assert_eq!(stored.expect("read").expect("stored").state(), pb::JobState::Cancelled, "not resumed");
+    fourth.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
 
