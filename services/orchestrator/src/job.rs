@@ -61,7 +61,13 @@ impl Plan {
     /// The plan of a stored job: its spec checked again and its templates read again, with the tasks it was
     /// resolved to at submission (a task directory may have changed since).
     pub fn resumed(spec: pb::JobSpec, tasks: Vec<pb::Task>) -> Result<Self, OrchestratorError> {
-        let inline = pb::JobSpec { task_set: "inline".into(), tasks: tasks.clone(), max_tasks: 0, ..spec.clone() };
+        let inline = pb::JobSpec {
+            task_set: "inline".into(),
+            tasks: tasks.clone(),
+            max_tasks: 0,
+            levels: Vec::new(),
+            ..spec.clone()
+        };
         let plan = Self::new(inline)?;
         Ok(Self { spec, tasks, ..plan })
     }
@@ -891,6 +897,16 @@ mod tests {
         assert_eq!(ids, ["examples/relu", "examples/gelu_tanh"]);
         assert_eq!((plan.episodes(), plan.turns_total()), (4, 12));
         assert_eq!(Plan::new(spec()).expect("valid").tasks.len(), 13);
+    }
+
+    #[test]
+    fn a_stored_job_resumes_with_the_tasks_it_was_resolved_to() {
+        let dir = std::env::temp_dir().join(format!("kforge-resumed-plan-{}", std::process::id()));
+        let spec = pb::JobSpec { task_set: dir.display().to_string(), levels: vec![2], max_tasks: 1, ..spec() };
+        let tasks = vec![pb::Task { task_id: "level2/1_a".into(), source: "class Model: pass".into() }];
+        let plan = Plan::resumed(spec.clone(), tasks.clone()).expect("the directory need not exist any more");
+        assert_eq!((plan.episodes(), plan.turns_total()), (2, 6));
+        assert_eq!((plan.tasks, plan.spec), (tasks, spec));
     }
 
     #[test]
