@@ -102,6 +102,7 @@ fn every_configmap_loads_through_its_service_config_type() {
             let config = find(&manifests, "ConfigMap", &format!("{name}-config"))
                 .unwrap_or_else(|| panic!("{set}: no ConfigMap for {service}"));
             let toml = config["data"]["kforge.toml"].as_str().expect("kforge.toml in the ConfigMap");
+            let mut queue_capacity = None;
             let server = match service {
                 "gateway" => {
                     let gateway: GatewayConfig = load(toml, &set);
@@ -122,6 +123,7 @@ fn every_configmap_loads_through_its_service_config_type() {
                 "evaluator" => {
                     let evaluator: EvaluatorConfig = load(toml, &set);
                     assert_eq!(evaluator.work_dir, Path::new("/var/lib/kforge/evaluator"));
+                    queue_capacity = Some(evaluator.queue_capacity);
                     evaluator.server
                 }
                 "profiler" => load::<ProfilerConfig>(toml, &set).server,
@@ -131,6 +133,13 @@ fn every_configmap_loads_through_its_service_config_type() {
             // covers the drain (preStop pause + drain + 10 s).
             let kind = if service == "orchestrator" { "StatefulSet" } else { "Deployment" };
             let workload = find(&manifests, kind, &name).unwrap_or_else(|| panic!("{set}: no {kind} {name}"));
+            // The capacity evaluator pods advertise to discovery is the queue capacity they admit.
+            let annotations = &workload["spec"]["template"]["metadata"]["annotations"];
+            assert_eq!(
+                annotations["kforge.dev/capacity"].as_str().map(|c| c.parse::<usize>().expect("a number")),
+                queue_capacity,
+                "{set}: {service}'s advertised capacity"
+            );
             let pod = &workload["spec"]["template"]["spec"];
             let container = &pod["containers"][0];
             assert_eq!(container["ports"][0]["containerPort"].as_u64(), Some(u64::from(server.listen.port())));
