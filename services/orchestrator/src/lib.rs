@@ -723,7 +723,15 @@ impl Orchestrator for OrchestratorService {
             .create_job(&job, &request.idempotency_key, &owner, 0, &plan.tasks)
             .await
             .map_err(store_status)?;
-        let job = existing.unwrap_or(job);
+        // A retry gets the stored episode's first prompt, whatever this request says.
+        let (job, plan) = match existing {
+            Some(existing) => {
+                let tasks = self.store.tasks(&existing.job_id).await.map_err(store_status)?;
+                let plan = Plan::resumed(existing.spec.clone().unwrap_or_default(), tasks)?;
+                (existing, plan)
+            }
+            None => (job, plan),
+        };
         Ok(Response::new(pb::Observation {
             episode_id: job.job_id,
             turn: 0,

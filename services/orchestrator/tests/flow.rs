@@ -418,8 +418,11 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
     let first = running.client.start_episode(start.clone()).await.expect("started").into_inner();
     assert_eq!((first.turn, first.done, first.reward), (0, false, 0.0));
     assert!(first.prompt.iter().any(|m| m.content.contains("# task") || m.content.contains("class Model")));
-    let again = running.client.start_episode(start.clone()).await.expect("started again").into_inner();
+    let other_task = pb::Task { task_id: "z".into(), source: TASK.replace("return x", "return -x") };
+    let retry = pb::StartEpisodeRequest { task: Some(other_task), ..start.clone() };
+    let again = running.client.start_episode(retry).await.expect("started again").into_inner();
     assert_eq!(again.episode_id, first.episode_id, "the idempotency key returns the same episode");
+    assert_eq!(again.prompt, first.prompt, "with its own first prompt");
 
     let respond = |text: &str| pb::Completion { text: text.into(), reasoning: "Okay.".into(), ..Default::default() };
     let kernel = respond(&format!("Here.\n\n```python\n{}```\n", support::KERNEL));
