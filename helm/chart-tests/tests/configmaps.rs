@@ -181,3 +181,25 @@ fn values_reach_the_typed_config() {
     assert_eq!((evaluator.timing.max_seconds, evaluator.server.drain_timeout_secs), (5.5, 600));
     assert_eq!(evaluator.sandbox.job_user_base, 2_100_000_000);
 }
+
+#[test]
+fn values_the_chart_cannot_honour_are_refused_with_a_reason() {
+    let Some((helm, _)) = tools() else { return };
+    let refused = |set: &str| {
+        let out = Command::new(&helm)
+            .args(["template", "kforge", "helm/kforge", "--set", set])
+            .current_dir(repo())
+            .output()
+            .expect("run helm");
+        assert!(!out.status.success(), "{set} rendered");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // SQLite on a pod's volume cannot be shared by two orchestrators.
+    assert!(refused("orchestrator.replicas=2").contains("needs PostgreSQL"));
+    // Keys the chart owns would be silently overridden; they are errors instead.
+    assert!(refused("evaluator.config.work_dir=/data").contains("evaluator.config.work_dir is set by the chart"));
+    assert!(refused("reward.config.server.listen=0.0.0.0:1").contains("reward.config.server is set by the chart"));
+    // values.schema.json.
+    assert!(refused("evaluator.sandbox.profile=privileged").contains("/evaluator/sandbox/profile"));
+    assert!(refused("evaluator.gpu.resourceName=amd.com/gpu").contains("/evaluator/gpu/resourceName"));
+}

@@ -67,6 +67,12 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $name := index . 1 -}}
 {{- $values := index $root.Values $name -}}
 {{- $table := deepCopy ($values.config | default dict) -}}
+{{- $owned := dict "orchestrator" (list "server" "peers" "store" "instance") "evaluator" (list "server" "work_dir" "sandbox") -}}
+{{- range $key := (index $owned $name | default (list "server")) -}}
+{{- if hasKey $table $key -}}
+{{- fail (printf "%s.config.%s is set by the chart (helm/kforge/README.md, \"Keys the chart sets\"); use the chart's values instead" $name $key) -}}
+{{- end -}}
+{{- end -}}
 {{- $_ := set $table "server" (include "kforge.serverTable" . | fromJson) -}}
 {{- if eq $name "orchestrator" -}}
 {{- $client := dict "auth" (dict "token_file" "/var/run/kforge/token/token") -}}
