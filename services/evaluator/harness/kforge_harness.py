@@ -4,11 +4,15 @@ The evaluator (Rust) starts this file in a fresh sandboxed process per stage:
 
     python kforge_harness.py
 
-The process imports torch first, then reads `{"mode", "spec", "env"}` as JSON from stdin until EOF: the evaluator
-may start it before a device is free and write the request once it holds the device, so the interpreter's start
-and torch's import are not spent on the device's time. The seeds and paths of the spec never touch the disk. The
-result is written as JSON to `spec["result_path"]`, with the time of each phase under `phases_ms`. Stages on a device
-share it with other evaluations' stages, except timed work, which runs alone (`Gate`). Modes:
+The process imports torch first, then reads `{"protocol", "mode", "spec", "env"}` as JSON from stdin until EOF: the
+evaluator may start it before a device is free and write the request once it holds the device, so the interpreter's
+start and torch's import are not spent on the device's time. The seeds and paths of the spec never touch the disk.
+The result is written as JSON to `spec["result_path"]`, with the time of each phase under `phases_ms`. Stages on a
+device share it with other evaluations' stages, except timed work, which runs alone (`Gate`).
+
+The protocol (`SPECS`, `RESULTS`) is the evaluator's `protocol.rs`, versioned by `PROTOCOL_VERSION`: a request of
+another version is refused (a result saying so, exit status `REFUSED_EXIT`), a spec is checked against its mode's
+fields before anything runs, and every result names the version and holds only its mode's fields. Modes:
 
 - compile:   import the candidate module (building its load_inline extensions into TORCH_EXTENSIONS_DIR).
 - reference: run the task's reference Model on the trial inputs; save its outputs; then, when given a candidate's
@@ -46,6 +50,102 @@ _monotonic = time.monotonic
 _getrusage = resource.getrusage
 _json_dump = json.dump
 _open = open
+
+
+# ------------------------------------------------------------------------------------------------- protocol
+
+# The version of the messages below; the evaluator's `protocol::PROTOCOL_VERSION` must be the same.
+PROTOCOL_VERSION = 1
+# The exit status of a harness that refused a request of another protocol version.
+REFUSED_EXIT = 5
+
+_PATH, _INT, _BOOL, _LIST, _DICT, _STR, _NONE = str, int, bool, list, dict, str, type(None)
+
+# What every spec carries besides its mode's fields: where the result goes, and the stage's part in the gate
+# (false: none; "share" or "idle").
+FRAMING = {"result_path": _PATH, "gate": (_BOOL, _STR)}
+
+# Each mode's spec: field -> accepted types (None: the field may be null). The evaluator sends every field.
+_COMPARE = {
+    "task_path": _PATH, "device": _STR, "init_seed": _INT, "seeds": _LIST, "reference_dir": _PATH,
+    "candidate_dir": _PATH, "tolerances": _DICT, "timing_seeds": _LIST, "sensitivity": (_DICT, _NONE),
+    "output_bytes_budget": _INT, "timed_call": (_INT, _NONE),
+}
+SPECS = {
+    "compile": {"candidate_path": _PATH},
+    "candidate": {
+        "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
+        "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST, "census_calls": _INT,
+        "task_path": _PATH, "candidate_path": _PATH, "candidate_dir": _PATH, "device": _STR,
+        "timing_cpu": (_INT, _NONE),
+    },
+    "reference": _COMPARE,
+    "check": _COMPARE,
+    "baseline": {
+        "task_path": _PATH, "device": _STR, "init_seed": _INT, "timing": _DICT, "timing_seeds": _LIST,
+        "compile": _BOOL, "timing_cpu": (_INT, _NONE),
+    },
+    "bindings_pch": {"out_dir": _PATH, "variants": _DICT, "cuda": _BOOL},
+}
+
+# What every result may carry, and each mode's own fields (read by the evaluator as documented there).
+COMMON_RESULT = {"protocol", "ok", "error", "error_type", "phase", "cpu_ms", "phases_ms", "blocking_sync"}
+RESULTS = {
+    "compile": {"seconds"},
+    "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "last_call", "timing_cpu", "census",
+                  "device_peak_bytes"},
+    "reference": {"mismatch", "compared_trials", "device_peak_bytes"},
+    "check": {"mismatch", "compared_trials"},
+    "baseline": {"eager_ms", "eager_host_ms", "compile_ms", "compile_error", "timing_cpu"},
+    "bindings_pch": {"built", "failed", "host"},
+}
+
+# The mode of this process's request, once read: which result fields it may write.
+MODE = None
+
+
+class ProtocolError(Exception):
+    """A request this harness cannot read: another protocol version, or a spec unlike its mode's."""
+
+
+def check_request(request):
+    """The request's mode and spec, checked against `SPECS`; ProtocolError when it does not fit."""
+    if not isinstance(request, dict):
+        raise ProtocolError(f"the request is a {type(request).__name__}, not an object")
+    version = request.get("protocol")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"this harness speaks protocol version {PROTOCOL_VERSION}, the evaluator sent "
+                            f"{'none' if version is None else version}: the harness file belongs to another kforge "
+                            "version")
+    mode, spec = request.get("mode"), request.get("spec")
+    if mode not in SPECS:
+        raise ProtocolError(f"unknown mode {mode!r}")
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"the {mode} spec is not an object")
+    fields = {**SPECS[mode], **FRAMING}
+    missing, unknown = sorted(set(fields) - set(spec)), sorted(set(spec) - set(fields))
+    if missing or unknown:
+        raise ProtocolError(f"the {mode} spec lacks {missing} and has unknown fields {unknown}")
+    for name, accepted in fields.items():
+        value = spec[name]
+        # bool is an int in Python: only fields that take booleans take them.
+        wrong_bool = isinstance(value, bool) and _BOOL not in (accepted if isinstance(accepted, tuple) else (accepted,))
+        if wrong_bool or not isinstance(value, accepted):
+            raise ProtocolError(f"the {mode} spec's {name} is of type {type(value).__name__}")
+    return mode, spec
+
+
+def refuse(request, error):
+    """Answers a request this harness cannot read with a result saying why, where the request names a place for
+    it, and exits with REFUSED_EXIT."""
+    print(f"kforge harness: {error}", file=sys.stderr)
+    spec = request.get("spec") if isinstance(request, dict) else None
+    path = spec.get("result_path") if isinstance(spec, dict) else None
+    if isinstance(path, str):
+        with _open(path, "w") as f:
+            _json_dump({"protocol": PROTOCOL_VERSION, "ok": False, "error_type": "ProtocolError", "phase": "request",
+                        "error": str(error)}, f)
+    sys.exit(REFUSED_EXIT)
 
 
 PHASES_MS = {}
@@ -87,6 +187,10 @@ def json_safe(value):
 
 
 def write_result(spec, result):
+    undeclared = sorted(set(result) - COMMON_RESULT - RESULTS.get(MODE, set()))
+    if undeclared:
+        raise ProtocolError(f"the {MODE} result has undeclared fields {undeclared}")
+    result["protocol"] = PROTOCOL_VERSION
     result["phases_ms"] = dict(PHASES_MS)
     if BLOCKING_SYNC is not None:
         result["blocking_sync"] = BLOCKING_SYNC
@@ -1543,15 +1647,24 @@ MODES = {
 
 
 def main():
+    if sys.argv[1:] == ["--specs"]:
+        # The spec fields of each mode, for the evaluator's test that both sides agree.
+        print(json.dumps({mode: sorted(fields) for mode, fields in SPECS.items()}))
+        return
     with phase("import_torch"):
         import torch  # noqa: F401  (before the request: the evaluator may not hold the device yet)
     with phase("wait"):
         request = json.loads(sys.stdin.buffer.read() or b"null")
     if request is None:
         sys.exit(4)  # the evaluator went away before asking for anything
+    try:
+        mode, spec = check_request(request)
+    except ProtocolError as error:
+        refuse(request, error)
+    global MODE
+    MODE = mode
     # The device this stage runs on is known only now; nothing has touched CUDA yet.
     os.environ.update(request.get("env") or {})
-    mode, spec = request["mode"], request["spec"]
     global GATE
     GATE = Gate(spec.get("gate"), spec.get("timing_cpu"))
     if spec.get("device") == "cuda":

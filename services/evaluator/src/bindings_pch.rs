@@ -19,10 +19,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kforge_sandbox::{Sandbox, tail};
-use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::cache::{self, Cache, Entry, EntryLock};
+use crate::protocol::BindingsPchSpec;
 use crate::python::{self, PythonEnv, Request, Stage};
 
 /// The extra flags (load_inline's `extra_cflags`) precompiled for: none, torch's default and the kernels in the
@@ -113,39 +113,40 @@ async fn run(
         wall,
         background: true,
     };
-    let variants: serde_json::Map<String, serde_json::Value> =
-        VARIANTS.iter().map(|(name, flags)| (name.to_string(), json!(flags))).collect();
-    let request = Request {
-        mode: "bindings_pch",
-        spec: json!({ "out_dir": out, "variants": variants, "cuda": cuda }),
-        env: vec![],
-        limits: None,
-    };
+    let variants = VARIANTS
+        .iter()
+        .map(|(name, flags)| (name.to_string(), flags.iter().map(|flag| flag.to_string()).collect()))
+        .collect();
+    let request = Request::plain(BindingsPchSpec { out_dir: out.to_owned(), variants, cuda });
     let started = python::start(sandbox, python, harness, stage, CancellationToken::new());
     let outcome = started.run(request, None).await.map_err(|e| Failure::Other(e.to_string()))?;
-    let Some(result) = outcome.result.clone() else {
+    let Some(report) = &outcome.result else {
         return Err(Failure::Other(format!(
             "the bindings_pch stage ended without a result: {}",
             tail(&outcome.error_text(), 4000)
         )));
     };
+    let result = &report.body;
     if !outcome.ok() {
-        let detail = result.get("failed").map(|f| f.to_string()).unwrap_or_else(|| outcome.error_text());
+        let detail = result.failed.as_ref().map_or_else(|| outcome.error_text(), json);
         return Err(Failure::Reported(format!("the bindings header did not precompile: {}", tail(&detail, 4000))));
     }
-    if let Some(failed) = result.get("failed").and_then(|f| f.as_object()).filter(|f| !f.is_empty()) {
-        tracing::warn!(failed = %tail(&serde_json::Value::Object(failed.clone()).to_string(), 4000), "some bindings headers were not precompiled");
+    if let Some(failed) = result.failed.as_ref().filter(|f| !f.is_empty()) {
+        tracing::warn!(failed = %tail(&json(failed), 4000), "some bindings headers were not precompiled");
     }
     // The starts of nvcc's host compile (GPU machines with kforge's nvcc): without one, builds parse it as before.
-    if let Some(host) = result.get("host").and_then(|h| h.as_object()).filter(|h| !h.is_empty()) {
-        let failed: serde_json::Map<_, _> =
-            host.iter().filter(|(_, why)| !why.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
+    if !result.host.is_empty() {
+        let failed: std::collections::BTreeMap<_, _> = result.host.iter().filter(|(_, why)| why.is_some()).collect();
         if failed.is_empty() {
-            tracing::info!(variants = host.len(), "nvcc's host compile precompiled");
+            tracing::info!(variants = result.host.len(), "nvcc's host compile precompiled");
         } else {
-            tracing::warn!(failed = %tail(&serde_json::Value::Object(failed).to_string(), 4000), "some starts of nvcc's host compile were not precompiled");
+            tracing::warn!(failed = %tail(&json(&failed), 4000), "some starts of nvcc's host compile were not precompiled");
         }
     }
-    let built = result.get("built").and_then(|b| b.as_array()).cloned().unwrap_or_default();
-    Ok(built.iter().filter_map(|name| name.as_str().map(str::to_owned)).collect())
+    Ok(result.built.clone())
+}
+
+/// A map as JSON text, for the log.
+fn json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_default()
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod devices;
 pub mod metrics;
 pub mod pipeline;
+pub mod protocol;
 pub mod python;
 pub mod statics;
 pub mod stats;

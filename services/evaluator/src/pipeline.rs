@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use kforge_proto::v1 as pb;
 use kforge_sandbox::{Exit, Sandbox, tail as cap};
-use serde_json::json;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -30,7 +29,11 @@ use crate::census;
 use crate::config::{BuildRecipe, CallLimitsConfig, EvaluatorConfig};
 use crate::devices::{self, Lane, Lanes, MemberTimes};
 use crate::metrics::EvaluatorMetrics;
-use crate::python::{self, CallLimits, Joining, PythonEnv, Request, Stage, StageOutcome, Started};
+use crate::protocol::{
+    BaselineSpec, CandidatePlacement, CandidateResult, CandidateRun, CandidateSpec, CompareSpec, CompileSpec,
+    MismatchRecord, Report, Sensitivity, StageSpec, TimingSpec,
+};
+use crate::python::{self, CallLimits, Joining, PythonEnv, Request, Stage, StageError, StageOutcome, Started};
 use crate::statics::{self, Category, Policy};
 use crate::stats::timing_stats;
 
@@ -566,8 +569,7 @@ impl Evaluator {
             return infra(response, format!("writing task.py: {error}"), true);
         }
         // The clean process that checks the outputs starts now, while the candidate runs.
-        let trials =
-            Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity: sensitivity.as_ref() };
+        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity };
         let check = match self.prepare_check(job, &lane, &trials, &check_dir, &candidate_dir, cancel).await {
             Ok(check) => check,
             Err(error) => return infra(response, error, true),
@@ -575,17 +577,16 @@ impl Evaluator {
 
         // The candidate first: nothing of the reference has run on this device for this evaluation.
         let started = Instant::now();
-        let timing = inner.config.timing;
-        let spec = json!({
-            "init_seed": init_seed,
-            "seeds": seeds,
-            "recheck_from": recheck_from,
-            "sensitivity": sensitivity,
-            "output_bytes_budget": inner.config.output_bytes_budget,
-            "timing": if job.measure { Some(timing_spec(&timing)) } else { None },
-            "timing_seeds": timing_seeds,
-            "census_calls": if job.census { inner.config.census_calls } else { 0 },
-        });
+        let spec = CandidateRun {
+            init_seed,
+            seeds: seeds.clone(),
+            recheck_from,
+            sensitivity,
+            output_bytes_budget: inner.config.output_bytes_budget,
+            timing: job.measure.then(|| TimingSpec::from(&inner.config.timing)),
+            timing_seeds: timing_seeds.clone(),
+            census_calls: if job.census { inner.config.census_calls } else { 0 },
+        };
         let limits = self.call_limits(job, gpu);
         let mut candidate =
             self.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone(), limits.clone()).await;
@@ -610,16 +611,17 @@ impl Evaluator {
             Err(verdict) => return verdict,
         };
         phases_into(&result, "run", response);
-        response.device_peak_bytes = result.get("device_peak_bytes").and_then(|p| p.as_u64()).unwrap_or(0);
+        let result = result.body;
+        response.device_peak_bytes = result.device_peak_bytes.unwrap_or(0);
         // What competition for the CPU cost the timed loop's launching thread (0 when nothing competed).
-        if let Some(waited) = result.pointer("/timing_cpu/cpu_wait_ms").and_then(|w| w.as_f64()) {
+        if let Some(waited) = result.timing_cpu.as_ref().and_then(|t| t.cpu_wait_ms) {
             response.stage_ms.insert("run.timing_cpu_wait".into(), waited);
         }
 
         // Correctness, in a clean process.
         let started = Instant::now();
         // The output of the last timed call is checked too, on its rebuilt inputs.
-        let timed_call = result.get("last_call").and_then(|c| c.as_i64()).filter(|_| job.measure);
+        let timed_call = result.last_call.filter(|_| job.measure);
         let checked = self.check(check, &lane, timed_call).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         if let Ok((_, Some(compared))) = &checked
@@ -696,7 +698,7 @@ impl Evaluator {
                     Ok(result) => result,
                     Err(verdict) => return verdict,
                 };
-                let again = match timing_samples(&result) {
+                let again = match timing_samples(&result.body) {
                     Ok(again) => again,
                     Err(finding) => {
                         response.findings.push(finding);
@@ -728,8 +730,8 @@ impl Evaluator {
                 }
             }
         }
-        if let Some(records) = result.get("census") {
-            let modes: Vec<census::ModeRecords> = match serde_json::from_value(records.clone()) {
+        if let Some(records) = result.census {
+            let modes = match records {
                 Ok(modes) => modes,
                 Err(error) => {
                     response.findings.push(hack_finding(
@@ -815,16 +817,19 @@ impl Evaluator {
         started: Started,
         lane: &Lane,
         dir: &Path,
-        mut spec: serde_json::Value,
+        run: CandidateRun,
         limits: CallLimits,
-    ) -> Result<StageOutcome, String> {
+    ) -> Result<StageOutcome<CandidateResult>, String> {
         let python = self.inner.python.as_ref().expect("validate checked the environment");
-        spec["task_path"] = json!(dir.join("task.py"));
-        spec["candidate_path"] = json!(dir.join("candidate.py"));
-        spec["candidate_dir"] = json!(dir);
-        spec["device"] = json!(lane.device());
-        spec["timing_cpu"] = json!(python.timing_cpu(lane.gpu()));
-        let request = Request { mode: "candidate", spec, env: python.device_env(lane.gpu()), limits: Some(limits) };
+        let placement = CandidatePlacement {
+            task_path: dir.join("task.py"),
+            candidate_path: dir.join("candidate.py"),
+            candidate_dir: dir.to_owned(),
+            device: lane.device(),
+            timing_cpu: python.timing_cpu(lane.gpu()),
+        };
+        let spec = CandidateSpec { run, placement };
+        let request = Request { spec, env: python.device_env(lane.gpu()), limits: Some(limits) };
         self.stage(started, request, Some(lane)).await.map_err(|e| format!("candidate stage: {e}"))
     }
 
@@ -832,10 +837,10 @@ impl Evaluator {
     /// verdict, with `response` filled in.
     fn candidate_result(
         &self,
-        outcome: Result<StageOutcome, String>,
+        outcome: Result<StageOutcome<CandidateResult>, String>,
         gpu: Option<usize>,
         response: &mut pb::EvaluateResponse,
-    ) -> Result<serde_json::Value, pb::Verdict> {
+    ) -> Result<Report<CandidateResult>, pb::Verdict> {
         let outcome = outcome.map_err(|error| infra(response, error, true))?;
         if let Some(verdict) = candidate_failure(&outcome, response) {
             if let Some(reason) = gpu.and_then(|gpu| self.inner.lanes.quarantine_reason(gpu)) {
@@ -846,18 +851,12 @@ impl Evaluator {
         let result = outcome.result.expect("a successful candidate stage wrote its result");
         // What the harness saw at run time: each is a hack.
         let mut findings: Vec<pb::Finding> = result
-            .get("findings")
-            .and_then(|f| f.as_array())
-            .into_iter()
-            .flatten()
-            .map(|f| {
-                hack_finding(
-                    f.get("code").and_then(|c| c.as_str()).unwrap_or("runtime.unknown"),
-                    f.get("message").and_then(|c| c.as_str()).unwrap_or(""),
-                )
-            })
+            .body
+            .findings
+            .iter()
+            .map(|f| hack_finding(f.code.as_deref().unwrap_or("runtime.unknown"), f.message.as_deref().unwrap_or("")))
             .collect();
-        if let Some(trials) = result.get("mutated_inputs").and_then(|m| m.as_array()).filter(|m| !m.is_empty()) {
+        if let trials @ [_, ..] = &result.body.mutated_inputs[..] {
             findings.push(hack_finding(
                 "runtime.input_mutation",
                 format!("the candidate modified its inputs (trials {trials:?})"),
@@ -881,16 +880,19 @@ impl Evaluator {
         artifact_dir: &Path,
         scratch: &Path,
         cancel: &CancellationToken,
-    ) -> Result<StageOutcome, String> {
+    ) -> Result<StageOutcome<CandidateResult>, String> {
         let timing = self.inner.config.timing;
-        let spec = json!({
-            "init_seed": init_seed,
-            "seeds": [],
-            "recheck_from": 0,
-            "timing": timing_spec(&timing),
-            "timing_seeds": self.seeds(task_key, "remeasure", timing.input_sets.max(1) as usize),
-            "census_calls": 0,
-        });
+        // No trials (their budget and sensitivity trial go unread): timing alone.
+        let spec = CandidateRun {
+            init_seed,
+            seeds: vec![],
+            recheck_from: 0,
+            sensitivity: None,
+            output_bytes_budget: self.inner.config.output_bytes_budget,
+            timing: Some(TimingSpec::from(&timing)),
+            timing_seeds: self.seeds(task_key, "remeasure", timing.input_sets.max(1) as usize),
+            census_calls: 0,
+        };
         let dir = scratch.join("remeasure");
         let started = self.start_candidate(job, &dir, artifact_dir, cancel)?;
         self.candidate_stage(started, lane, &dir, spec, self.call_limits(job, lane.gpu())).await
@@ -948,12 +950,7 @@ impl Evaluator {
             // Compiles fill every core; the stages holding a device go first.
             background: true,
         };
-        let request = Request {
-            mode: "compile",
-            spec: json!({ "candidate_path": scratch.join("candidate.py") }),
-            env: vec![],
-            limits: None,
-        };
+        let request = Request::plain(CompileSpec { candidate_path: scratch.join("candidate.py") });
         let outcome = match self.stage(self.start(stage, cancel), request, None).await {
             Ok(outcome) => outcome,
             Err(error) => return Some(infra(response, format!("compile stage: {error}"), true)),
@@ -1012,8 +1009,8 @@ impl Evaluator {
         let versions = python.versions_key();
         let Trials { seeds, init_seed, timing_seeds, sensitivity } = *trials;
         let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
-        if let Some(sensitivity) = sensitivity {
-            seed_text.push_str(&sensitivity.to_string());
+        if let Some(Sensitivity { trial, base, seed }) = sensitivity {
+            seed_text.push_str(&format!("sensitivity {trial} from {base} with {seed}"));
         }
         let device_name = python.device_name(gpu);
         let key = cache::key(&[
@@ -1027,18 +1024,20 @@ impl Evaluator {
             inner.config.output_bytes_budget.to_string().as_bytes(),
         ]);
         let reference_dir = inner.references.dir(&key);
-        let spec = json!({
-            "task_path": scratch.join("task.py"),
-            "device": lane.device(),
-            "init_seed": init_seed,
-            "seeds": seeds,
-            "reference_dir": reference_dir,
-            "candidate_dir": candidate_dir,
-            "tolerances": inner.config.tolerances,
-            "timing_seeds": timing_seeds,
-            "sensitivity": sensitivity,
-            "output_bytes_budget": inner.config.output_bytes_budget,
-        });
+        let mut spec = CompareSpec {
+            computes_reference: false,
+            task_path: scratch.join("task.py"),
+            device: lane.device(),
+            init_seed,
+            seeds: seeds.to_vec(),
+            reference_dir: reference_dir.clone(),
+            candidate_dir: candidate_dir.to_owned(),
+            tolerances: inner.config.tolerances,
+            timing_seeds: timing_seeds.to_vec(),
+            sensitivity,
+            output_bytes_budget: inner.config.output_bytes_budget,
+            timed_call: None,
+        };
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
         // The reference's peak device memory, recorded in its cache entry (none in entries from before it was).
@@ -1064,16 +1063,16 @@ impl Evaluator {
             }
         };
         inner.metrics.cache("reference", lock.is_none());
-        let mode = if lock.is_some() { "reference" } else { "check" };
+        spec.computes_reference = lock.is_some();
         let stage = Stage {
             scratch: scratch.to_owned(),
             readable: vec![candidate_dir.to_owned(), reference_dir.clone()],
-            writable: if mode == "reference" { vec![reference_dir] } else { vec![] },
+            writable: if spec.computes_reference { vec![reference_dir] } else { vec![] },
             env: python.env_on(scratch, gpu),
             wall: Duration::from_secs(inner.config.run_timeout_secs),
             background: false,
         };
-        Ok(PreparedCheck { started: self.start(stage, cancel), mode, spec, key, peak_key, lock, _pin: pin })
+        Ok(PreparedCheck { started: self.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
     }
 
     /// Runs a prepared comparison; `timed_call` is the candidate's last timed call, when it was timed (its output
@@ -1086,19 +1085,21 @@ impl Evaluator {
         timed_call: Option<i64>,
     ) -> Result<(Option<(Trial, pb::Mismatch)>, Option<usize>), String> {
         let inner = &self.inner;
-        let PreparedCheck { started, mode, mut spec, key, peak_key, lock, _pin } = prepared;
-        spec["timed_call"] = json!(timed_call);
-        let request = Request { mode, spec, env: vec![], limits: None };
-        let outcome = self.stage(started, request, Some(lane)).await.map_err(|e| format!("{mode} stage: {e}"))?;
+        let PreparedCheck { started, mut spec, key, peak_key, lock, _pin } = prepared;
+        spec.timed_call = timed_call;
+        let mode = spec.mode();
+        let request = Request::plain(spec);
+        let outcome =
+            self.stage(started, request, Some(lane)).await.map_err(|e| format!("{} stage: {e}", mode.name()))?;
         if !outcome.ok() {
-            let what = if mode == "reference" { "the reference failed" } else { "the checker failed" };
+            let what = if lock.is_some() { "the reference failed" } else { "the checker failed" };
             return Err(format!("{what}: {}", cap(&outcome.error_text(), 4000)));
         }
         if let Some(lock) = &lock {
             // The reference's peak device memory (GPU only), for admission: kept here and in the cache entry.
-            let peak = outcome.result.as_ref().and_then(|r| r.get("device_peak_bytes")).and_then(|p| p.as_u64());
+            let peak = outcome.result.as_ref().and_then(|r| r.body.device_peak_bytes);
             let marker = match peak {
-                Some(peak) => json!({ "device_peak_bytes": peak }).to_string(),
+                Some(peak) => serde_json::json!({ "device_peak_bytes": peak }).to_string(),
                 None => String::new(),
             };
             let entry = Entry::Ready(marker);
@@ -1106,15 +1107,14 @@ impl Evaluator {
             inner.references.complete(&key, &entry, lock).map_err(|e| format!("reference cache: {e}"))?;
             self.evict_later("reference", &inner.references);
         }
-        let compared = outcome.result.as_ref().and_then(|r| r.get("compared_trials")).and_then(|c| c.as_array());
-        let compared = compared.map(|trials| trials.len());
-        let mismatch = outcome.result.as_ref().and_then(|r| r.get("mismatch")).filter(|m| !m.is_null());
-        let mismatch = mismatch.map(|m| {
-            let trial = match m.get("trial").and_then(|t| t.as_i64()) {
+        let result = outcome.result.map(|r| r.body).unwrap_or_default();
+        let compared = result.compared_trials.map(|trials| trials.len());
+        let mismatch = result.mismatch.map(|m| {
+            let trial = match m.trial {
                 Some(index) if index >= 0 => Trial::Index(index as usize),
                 _ => Trial::Timed,
             };
-            (trial, mismatch_proto(m))
+            (trial, mismatch_proto(&m))
         });
         Ok((mismatch, compared))
     }
@@ -1184,20 +1184,15 @@ impl Evaluator {
             wall: Duration::from_secs(inner.config.run_timeout_secs),
             background: false,
         };
-        let request = Request {
-            mode: "baseline",
-            spec: json!({
-                "task_path": scratch.join("task.py"),
-                "device": lane.device(),
-                "init_seed": init_seed,
-                "timing": timing_spec(&inner.config.timing),
-                "timing_seeds": timing_seeds,
-                "compile": with_compile,
-                "timing_cpu": python.timing_cpu(gpu),
-            }),
-            env: vec![],
-            limits: None,
-        };
+        let request = Request::plain(BaselineSpec {
+            task_path: scratch.join("task.py"),
+            device: lane.device(),
+            init_seed,
+            timing: TimingSpec::from(&inner.config.timing),
+            timing_seeds: timing_seeds.to_vec(),
+            compile: with_compile,
+            timing_cpu: python.timing_cpu(gpu),
+        });
         let outcome = self
             .stage(self.start(stage, cancel), request, Some(lane))
             .await
@@ -1205,22 +1200,21 @@ impl Evaluator {
         if !outcome.ok() {
             return Err(format!("the baseline failed: {}", cap(&outcome.error_text(), 4000)));
         }
-        let result = outcome.result.unwrap_or_default();
-        if let Some(error) = result.get("compile_error").and_then(|e| e.as_str()) {
+        let result = outcome.result.map(|r| r.body).unwrap_or_default();
+        if let Some(error) = &result.compile_error {
             tracing::warn!(task = %job.task_id, %error, "torch.compile baseline unavailable");
         }
-        let text = json!({
-            "eager_ms": result["eager_ms"],
-            "eager_host_ms": result.get("eager_host_ms"),
-            "compile_ms": result.get("compile_ms"),
-        })
-        .to_string();
+        let Some(eager) = result.eager_ms else {
+            return Err("the baseline reported no readable eager samples".into());
+        };
+        let baseline = Baseline { eager, eager_host: result.eager_host_ms, compiled: result.compile_ms };
+        let text = baseline.text();
         inner
             .baselines
             .complete(&key, &Entry::Ready(text.clone()), &lock)
             .map_err(|e| format!("baseline cache: {e}"))?;
         self.evict_later("baseline", &inner.baselines);
-        Baseline::parse(&text)
+        Ok(baseline)
     }
 
     /// The baseline cache's key of `job`'s task on `gpu` (or the CPU).
@@ -1287,18 +1281,18 @@ impl Evaluator {
 
     /// Runs `request` in a started harness process; one on a GPU `lane` that ends in a device fault has the device
     /// probed before the lane is used again.
-    async fn stage(
+    async fn stage<S: StageSpec>(
         &self,
         started: Started,
-        request: Request,
+        request: Request<S>,
         lane: Option<&Lane>,
-    ) -> Result<StageOutcome, kforge_sandbox::SandboxError> {
+    ) -> Result<StageOutcome<S::Result>, StageError> {
         let inner = &self.inner;
-        let name = request.mode;
+        let name = request.mode().name();
         let _running = inner.metrics.stage(name);
         let started_at = Instant::now();
         // Stages that run no candidate code join idle and share the device only for their device work.
-        let trusted = request.trusted();
+        let trusted = request.mode().trusted();
         let joining = |lane: &Lane| match lane.solo() {
             false if trusted => Joining::Idle,
             solo => Joining::Share { solo },
@@ -1308,7 +1302,7 @@ impl Evaluator {
             lane.add_gate_times(outcome.gate);
         }
         inner.metrics.stage_seconds(name, started_at.elapsed());
-        if let Some(cpu_ms) = outcome.as_ref().ok().and_then(StageOutcome::cpu_ms) {
+        if let Some(cpu_ms) = outcome.as_ref().ok().and_then(|outcome| outcome.cpu_ms()) {
             // Work outside an evaluation (a baseline computed ahead) has no account to add to.
             let _ = STAGE_CPU.try_with(|spent| *spent.borrow_mut().entry(name).or_default() += cpu_ms);
         }
@@ -1358,14 +1352,14 @@ impl Evaluator {
     /// Picks the sensitivity trial among the first `trials` (not trial 0, its base), from the secret per task, and
     /// gives it trial 0's seed: the harness moves a few of those inputs far out of range (`perturb_sparsely`) and
     /// the check compares how both outputs moved. None when disabled or with fewer than two first trials.
-    fn sensitivity_trial(&self, task_key: &str, seeds: &mut [u64], trials: usize) -> Option<serde_json::Value> {
+    fn sensitivity_trial(&self, task_key: &str, seeds: &mut [u64], trials: usize) -> Option<Sensitivity> {
         if !self.inner.config.sensitivity_check || trials < 2 {
             return None;
         }
         let drawn = self.seeds(task_key, "sensitivity", 2);
         let trial = 1 + drawn[0] as usize % (trials - 1);
         seeds[trial] = seeds[0];
-        Some(json!({ "trial": trial, "base": 0, "seed": drawn[1] }))
+        Some(Sensitivity { trial, base: 0, seed: drawn[1] })
     }
 
     fn seeds(&self, task_key: &str, purpose: &str, count: usize) -> Vec<u64> {
@@ -1383,16 +1377,36 @@ struct Baseline {
     compiled: Option<Vec<f64>>,
 }
 
+/// A baseline as the cache holds it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct CachedBaseline {
+    eager_ms: serde_json::Value,
+    #[serde(default)]
+    eager_host_ms: serde_json::Value,
+    #[serde(default)]
+    compile_ms: serde_json::Value,
+}
+
 impl Baseline {
     /// A baseline as the cache holds it.
     fn parse(text: &str) -> Result<Self, String> {
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("baseline cache: {e}"))?;
-        let eager = serde_json::from_value(value["eager_ms"].clone()).map_err(|e| format!("baseline samples: {e}"))?;
+        let cached: CachedBaseline = serde_json::from_str(text).map_err(|e| format!("baseline cache: {e}"))?;
+        let eager = serde_json::from_value(cached.eager_ms).map_err(|e| format!("baseline samples: {e}"))?;
         Ok(Self {
             eager,
-            eager_host: serde_json::from_value(value["eager_host_ms"].clone()).ok(),
-            compiled: serde_json::from_value(value["compile_ms"].clone()).ok(),
+            eager_host: serde_json::from_value(cached.eager_host_ms).ok(),
+            compiled: serde_json::from_value(cached.compile_ms).ok(),
         })
+    }
+
+    /// The cache's text of this baseline.
+    fn text(&self) -> String {
+        let cached = CachedBaseline {
+            eager_ms: self.eager.clone().into(),
+            eager_host_ms: self.eager_host.clone().into(),
+            compile_ms: self.compiled.clone().into(),
+        };
+        serde_json::to_string(&cached).expect("a baseline serialises")
     }
 }
 
@@ -1404,22 +1418,15 @@ struct Measured {
 }
 
 /// The harness's time per phase of a stage (`phases_ms`), as `stage_ms` entries `<stage>.<phase>`.
-fn phases_into(result: &serde_json::Value, stage: &str, response: &mut pb::EvaluateResponse) {
-    if let Some(phases) = result.get("phases_ms").and_then(|p| p.as_object()) {
-        for (phase, value) in phases {
-            if let Some(value) = value.as_f64() {
-                response.stage_ms.insert(format!("{stage}.{phase}"), value);
-            }
-        }
+fn phases_into<R>(result: &Report<R>, stage: &str, response: &mut pb::EvaluateResponse) {
+    for (phase, value) in &result.phases_ms {
+        response.stage_ms.insert(format!("{stage}.{phase}"), *value);
     }
 }
 
 /// The samples of a candidate run, or the finding that they are impossible.
-fn timing_samples(result: &serde_json::Value) -> Result<Measured, pb::Finding> {
-    let series = |key: &str| -> Vec<f64> {
-        result.get(key).and_then(|s| serde_json::from_value(s.clone()).ok()).unwrap_or_default()
-    };
-    let (events, host) = (series("samples_ms"), series("host_ms"));
+fn timing_samples(result: &CandidateResult) -> Result<Measured, pb::Finding> {
+    let (events, host) = (result.samples_ms.clone(), result.host_ms.clone());
     let valid = |s: &[f64]| !s.is_empty() && s.iter().all(|v| v.is_finite() && *v > 0.0);
     if !valid(&events) || !valid(&host) || events.len() != host.len() {
         return Err(hack_finding(
@@ -1469,16 +1476,15 @@ struct Trials<'a> {
     seeds: &'a [u64],
     init_seed: u64,
     timing_seeds: &'a [u64],
-    /// The sensitivity trial, as the harness reads it (`Evaluator::sensitivity_trial`).
-    sensitivity: Option<&'a serde_json::Value>,
+    /// The sensitivity trial (`Evaluator::sensitivity_trial`).
+    sensitivity: Option<Sensitivity>,
 }
 
 /// A comparison ready to run: its started clean process, and its hold on the reference cache entry.
 struct PreparedCheck {
     started: Started,
-    /// `reference` (computes and caches the reference, then compares) or `check` (compares with the cache).
-    mode: &'static str,
-    spec: serde_json::Value,
+    /// `reference` mode (computes and caches the reference, then compares) or `check` (compares with the cache).
+    spec: CompareSpec,
     key: String,
     /// The task's key and the device's name: where the reference's peak device memory is kept.
     peak_key: (String, String),
@@ -1516,17 +1522,6 @@ fn call_limits(config: &CallLimitsConfig, reference_ms: Option<f64>) -> CallLimi
     }
 }
 
-fn timing_spec(timing: &crate::config::TimingBudget) -> serde_json::Value {
-    json!({
-        "warmup_runs": timing.warmup_runs,
-        "min_runs": timing.min_runs.max(2),
-        "max_runs": timing.max_runs.max(timing.min_runs.max(2)),
-        "max_seconds": timing.max_seconds,
-        "min_seconds": timing.min_seconds,
-        "target_rel_error": timing.target_rel_error,
-    })
-}
-
 /// Whether the source builds a C++/CUDA extension (and so needs the compile stage).
 fn builds_extension(source: &str) -> bool {
     source.contains("load_inline") || source.contains("cpp_extension")
@@ -1547,7 +1542,7 @@ fn cached_compile(entry: Entry, response: &mut pb::EvaluateResponse) -> Option<p
 }
 
 /// The verdict of a candidate stage that did not finish cleanly; `None` when it did.
-fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
+fn candidate_failure<R>(outcome: &StageOutcome<R>, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
     if outcome.ok() {
         return None;
     }
@@ -1587,7 +1582,7 @@ fn candidate_failure(outcome: &StageOutcome, response: &mut pb::EvaluateResponse
         Exit::Code(_) => {
             // Extensions build at import; Triton compiles a kernel at its first launch.
             let compile = outcome.error_type() == Some("CompilationError")
-                || outcome.result.as_ref().and_then(|r| r.get("phase")).and_then(|p| p.as_str()) == Some("import")
+                || outcome.result.as_ref().and_then(|r| r.phase.as_deref()) == Some("import")
                     && error.contains("Error building extension");
             response.error = error;
             if compile { pb::Verdict::CompileError } else { pb::Verdict::RuntimeError }
@@ -1603,7 +1598,7 @@ fn gpu_memory_budgets(config: &EvaluatorConfig, python: &Result<PythonEnv, Strin
 }
 
 /// Whether a stage failed for want of device memory.
-fn out_of_memory(outcome: &StageOutcome) -> bool {
+fn out_of_memory<R>(outcome: &StageOutcome<R>) -> bool {
     !outcome.ok()
         && outcome.finished.exit != Exit::Cancelled
         && outcome.error_text().to_lowercase().contains("out of memory")
@@ -1649,30 +1644,17 @@ fn finding_proto(finding: &statics::Finding) -> pb::Finding {
     }
 }
 
-fn mismatch_proto(value: &serde_json::Value) -> pb::Mismatch {
-    // Non-finite numbers arrive as proto3 JSON spells them.
-    let number = |key: &str| match value.get(key) {
-        Some(serde_json::Value::String(text)) => match text.as_str() {
-            "NaN" => f64::NAN,
-            "Infinity" => f64::INFINITY,
-            "-Infinity" => f64::NEG_INFINITY,
-            _ => 0.0,
-        },
-        Some(v) => v.as_f64().unwrap_or(0.0),
-        None => 0.0,
-    };
+fn mismatch_proto(record: &MismatchRecord) -> pb::Mismatch {
     pb::Mismatch {
-        trial: value.get("trial").and_then(|v| v.as_u64()).unwrap_or(u32::MAX.into()) as u32,
-        output_index: value.get("output_index").and_then(|v| v.as_u64()).unwrap_or(0) as u32,
-        element_index: value
-            .get("element_index")
-            .and_then(|v| serde_json::from_value(v.clone()).ok())
-            .unwrap_or_default(),
-        expected: number("expected"),
-        got: number("got"),
-        max_abs_error: number("max_abs_error"),
-        max_rel_error: number("max_rel_error"),
-        detail: value.get("detail").and_then(|v| v.as_str()).unwrap_or("").to_owned(),
+        // A negative trial (the timed call) reads as none.
+        trial: record.trial.and_then(|t| u64::try_from(t).ok()).unwrap_or(u32::MAX.into()) as u32,
+        output_index: record.output_index.unwrap_or(0) as u32,
+        element_index: record.element_index.clone(),
+        expected: record.expected,
+        got: record.got,
+        max_abs_error: record.max_abs_error,
+        max_rel_error: record.max_rel_error,
+        detail: record.detail.clone(),
     }
 }
 

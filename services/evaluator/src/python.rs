@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::BuildRecipe;
 use crate::devices::{Gate, Member, MemberTimes};
+use crate::protocol::{self, Decoded, GateRole, Mode, PROTOCOL_VERSION, Report, StageSpec};
 
 /// The files written to the work directory's `harness/` at start, embedded so that the binary is self-contained:
 /// the harness, and kforge's nvcc (the host and device front ends side by side), which builds name in
@@ -346,12 +347,11 @@ pub struct Stage {
     pub background: bool,
 }
 
-/// What a started stage is asked to do: the harness mode, its spec, and environment variables known only now
-/// (the device of the lane it was given).
+/// What a started stage is asked to do: its mode's spec, and environment variables known only now (the device of
+/// the lane it was given).
 #[derive(Debug)]
-pub struct Request {
-    pub mode: &'static str,
-    pub spec: serde_json::Value,
+pub struct Request<S> {
+    pub spec: S,
     pub env: Vec<(String, String)>,
     /// How long each call into candidate code may run (stages that run candidate code); see [`converse`].
     pub limits: Option<CallLimits>,
@@ -373,19 +373,37 @@ pub struct CallLimits {
     pub basis: String,
 }
 
-impl Request {
-    /// Whether the stage runs no candidate code (the reference, the checker, the baseline): it may then be trusted
-    /// to do no device work while it says it is idle.
-    pub fn trusted(&self) -> bool {
-        matches!(self.mode, "reference" | "check" | "baseline")
+impl<S: StageSpec> Request<S> {
+    /// A request with no environment of its own and no call limits.
+    pub fn plain(spec: S) -> Self {
+        Self { spec, env: vec![], limits: None }
     }
+
+    pub fn mode(&self) -> Mode {
+        self.spec.mode()
+    }
+}
+
+/// Why a stage gave no outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    /// The harness answered in another protocol version: a harness file of another kforge version (evaluators
+    /// sharing a work directory must be of one version).
+    #[error(
+        "the {mode} stage's harness speaks protocol version {}, this evaluator {PROTOCOL_VERSION}: the harness \
+         file belongs to another kforge version (evaluators sharing a work directory must be of one version)",
+        harness.map_or("none".to_owned(), |v| v.to_string())
+    )]
+    Protocol { mode: &'static str, harness: Option<u64> },
 }
 
 /// A stage that ran: how it ended and the result it wrote, if any.
 #[derive(Debug)]
-pub struct StageOutcome {
+pub struct StageOutcome<R> {
     pub finished: Finished,
-    pub result: Option<serde_json::Value>,
+    pub result: Option<Report<R>>,
     /// How long it ran alone on its device and waited at the device's gate.
     pub gate: MemberTimes,
     /// Why it was stopped as hung: a call into candidate code ran past its [`CallLimits`].
@@ -410,15 +428,15 @@ pub enum Joining {
 
 impl Joining {
     /// The harness's `spec.gate`.
-    fn spec(self) -> &'static str {
+    fn role(self) -> GateRole {
         match self {
-            Joining::Share { .. } => "share",
-            Joining::Idle => "idle",
+            Joining::Share { .. } => GateRole::Share,
+            Joining::Idle => GateRole::Idle,
         }
     }
 }
 
-impl StageOutcome {
+impl<R> StageOutcome<R> {
     /// Leaves the device's gate: other members may run alone without this stage from now on.
     pub fn leave_gate(&mut self) {
         self.membership = None;
@@ -426,13 +444,12 @@ impl StageOutcome {
 
     /// The result's `ok` flag; false when there is no result.
     pub fn ok(&self) -> bool {
-        self.finished.success()
-            && self.result.as_ref().and_then(|r| r.get("ok")).and_then(|v| v.as_bool()) == Some(true)
+        self.finished.success() && self.result.as_ref().is_some_and(|r| r.ok)
     }
 
     /// The error text the harness reported, or the end of stderr, or what is known of how the stage ended.
     pub fn error_text(&self) -> String {
-        if let Some(error) = self.result.as_ref().and_then(|r| r.get("error")).and_then(|e| e.as_str()) {
+        if let Some(error) = self.result.as_ref().and_then(|r| r.error.as_deref()) {
             return error.to_owned();
         }
         let stderr = self.finished.stderr_tail(4000);
@@ -447,12 +464,12 @@ impl StageOutcome {
 
     /// The CPU time the stage reported for itself and the children it waited for, in milliseconds.
     pub fn cpu_ms(&self) -> Option<f64> {
-        self.result.as_ref()?.get("cpu_ms")?.as_f64()
+        self.result.as_ref()?.cpu_ms
     }
 
     /// The harness's exception type name, when it reported one.
     pub fn error_type(&self) -> Option<&str> {
-        self.result.as_ref()?.get("error_type")?.as_str()
+        self.result.as_ref()?.error_type.as_deref()
     }
 
     /// How long the stage ran, less its waits at the device's gate (its wall clock is held there).
@@ -486,11 +503,14 @@ struct Watch {
     /// Time in calls into candidate code that ended, and when the open one began.
     in_calls: Duration,
     open_call: Option<tokio::time::Instant>,
+    /// Whether candidate code may have run: a call was announced.
+    called: bool,
 }
 
 impl Watch {
     fn call_starts(&mut self) {
         self.call_ends();
+        self.called = true;
         self.open_call = Some(tokio::time::Instant::now());
     }
 
@@ -734,50 +754,56 @@ async fn stopped(control: &Control, turn: impl std::future::Future<Output = ()>)
 impl Started {
     /// Sends `request` and waits for the stage to end. With a `gate`, the stage joins its device as `Joining`
     /// says and may ask to run alone (`spec.gate`); it keeps its place there until the outcome leaves it.
-    pub async fn run(
+    ///
+    /// A result in another protocol version is [`StageError::Protocol`] where the harness wrote it: in trusted
+    /// modes, and in the candidate's before its first call into candidate code. After that call it may be candidate
+    /// code's forgery, and reads as no result (the candidate's failure, not the evaluator's). The compile stage has
+    /// no calls announced (no control channel): a forged version there reads as the harness's.
+    pub async fn run<S: StageSpec>(
         mut self,
-        request: Request,
+        request: Request<S>,
         gate: Option<(&Arc<Gate>, Joining)>,
-    ) -> Result<StageOutcome, SandboxError> {
-        let mut spec = request.spec;
-        if let Some(object) = spec.as_object_mut() {
-            object.insert("result_path".into(), self.result_path.display().to_string().into());
-            let joining = gate.map_or(serde_json::Value::Bool(false), |(_, joining)| joining.spec().into());
-            object.insert("gate".into(), joining);
-        }
+    ) -> Result<StageOutcome<S::Result>, StageError> {
+        let mode = request.mode();
+        let role = gate.map_or(GateRole::None, |(_, joining)| joining.role());
+        let message = protocol::encode(&request.spec, &self.result_path, role, &request.env);
         let member = match gate {
             Some((gate, Joining::Share { solo })) => Some(Arc::new(gate.join(solo).await)),
             Some((gate, Joining::Idle)) => Some(Arc::new(gate.join_idle())),
             None => None,
         };
         let clock = member.as_deref().map(Member::clock).unwrap_or_default();
-        let env: serde_json::Map<String, serde_json::Value> =
-            request.env.into_iter().map(|(k, v)| (k, v.into())).collect();
-        let message = serde_json::json!({ "mode": request.mode, "spec": spec, "env": env });
         let conversation = member.clone().map(|member| Conversation { member, limits: request.limits });
         if let Some(sender) = self.request.take() {
-            let _ = sender.send((serde_json::to_vec(&message).expect("a JSON value always serialises"), conversation));
+            let _ = sender.send((message, conversation));
         }
         // If this future is dropped (the evaluation was cancelled), `self` goes with it and the child is killed.
         let finished = match (&mut self.finished).await {
             Ok(result) => result?,
-            Err(join) => return Err(SandboxError::Wait(std::io::Error::other(join.to_string()))),
+            Err(join) => return Err(StageError::Sandbox(SandboxError::Wait(std::io::Error::other(join.to_string())))),
+        };
+        let (hung, in_calls, called) = {
+            let mut watch = self.watch.lock().expect("never poisoned");
+            watch.call_ends();
+            (watch.hung.take(), watch.in_calls, watch.called)
         };
         let result_path = &self.result_path;
         let result = match std::fs::read(result_path) {
-            Ok(bytes) => match serde_json::from_slice(&bytes) {
-                Ok(result) => Some(result),
-                Err(error) => {
+            Ok(bytes) => match protocol::decode(&bytes) {
+                Decoded::Report(report) => Some(report),
+                Decoded::Version { harness } if mode.trusted() || !called => {
+                    return Err(StageError::Protocol { mode: mode.name(), harness });
+                }
+                Decoded::Version { harness } => {
+                    tracing::warn!(?harness, path = %result_path.display(), "a stage result of another protocol version, written after candidate code ran");
+                    None
+                }
+                Decoded::Unreadable(error) => {
                     tracing::warn!(%error, bytes = bytes.len(), path = %result_path.display(), "unreadable stage result");
                     None
                 }
             },
             Err(_) => None,
-        };
-        let (hung, in_calls) = {
-            let mut watch = self.watch.lock().expect("never poisoned");
-            watch.call_ends();
-            (watch.hung.take(), watch.in_calls)
         };
         Ok(StageOutcome { finished, result, gate: clock.times(), hung, in_calls, membership: member })
     }
@@ -812,7 +838,10 @@ mod tests {
     }
 
     /// Runs `script` (sh) as a stage on `gate` with call limits of 1 s waiting and 2 s busy.
-    fn shell_stage(script: &str, gate: &Arc<Gate>) -> tokio::task::JoinHandle<Result<StageOutcome, SandboxError>> {
+    fn shell_stage(
+        script: &str,
+        gate: &Arc<Gate>,
+    ) -> tokio::task::JoinHandle<Result<StageOutcome<protocol::CompileResult>, StageError>> {
         let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("scratch");
@@ -829,7 +858,8 @@ mod tests {
         };
         let started = start(&Sandbox::basic(), &env, &path, stage, CancellationToken::new());
         let limits = CallLimits { call: Duration::from_secs(1), busy: Duration::from_secs(2), basis: "test".into() };
-        let request = Request { mode: "candidate", spec: serde_json::json!({}), env: vec![], limits: Some(limits) };
+        let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py") };
+        let request = Request { spec, env: vec![], limits: Some(limits) };
         let gate = gate.clone();
         tokio::spawn(async move { started.run(request, Some((&gate, Joining::Share { solo: false }))).await })
     }

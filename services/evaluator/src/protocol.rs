@@ -1,0 +1,705 @@
+//! The protocol between the evaluator and its harness (harness/kforge_harness.py): what a stage is asked, and
+//! what it answers, one request type and one result type per [`Mode`].
+//!
+//! A stage reads one request from stdin, `{"protocol", "mode", "spec", "env"}`, and writes one result, a JSON
+//! object, to `spec.result_path`. Both carry [`PROTOCOL_VERSION`]: the harness refuses a request of another
+//! version (it writes a result saying so and exits with [`REFUSED_EXIT`]), and the evaluator refuses a result of
+//! another version ([`Decoded::Version`]). The Python side validates requests against the same field lists
+//! (`SPECS` in the harness; a test compares them with these types).
+//!
+//! Results are read as leniently as they always were: a field of the wrong type reads as absent, so a result
+//! half-written or forged by candidate code is judged by what it lacks, never fails to parse as a whole.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::census::ModeRecords;
+use crate::config::{TimingBudget, Tolerances};
+
+/// The version of the messages below; the harness's `PROTOCOL_VERSION` must be the same.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The exit status of a harness that refused a request of another protocol version.
+pub const REFUSED_EXIT: i32 = 5;
+
+/// What a harness stage does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Imports the candidate, building its extensions into the artifact cache.
+    Compile,
+    /// Runs the reference on the trial inputs, saves its outputs, then compares the candidate's.
+    Reference,
+    /// Runs the candidate: its trials, timing and census.
+    Candidate,
+    /// Compares the candidate's saved outputs with a cached reference's.
+    Check,
+    /// Times the reference, eagerly and under torch.compile.
+    Baseline,
+    /// Precompiles torch's extension header for the bindings (`crate::bindings_pch`).
+    BindingsPch,
+}
+
+impl Mode {
+    /// The mode's name on the wire and in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Compile => "compile",
+            Mode::Reference => "reference",
+            Mode::Candidate => "candidate",
+            Mode::Check => "check",
+            Mode::Baseline => "baseline",
+            Mode::BindingsPch => "bindings_pch",
+        }
+    }
+
+    /// Whether the stage runs no candidate code (the reference, the checker, the baseline, the header): it may
+    /// then be trusted to do no device work while it says it is idle, and its result is the harness's own.
+    pub fn trusted(self) -> bool {
+        match self {
+            Mode::Reference | Mode::Check | Mode::Baseline | Mode::BindingsPch => true,
+            Mode::Compile | Mode::Candidate => false,
+        }
+    }
+}
+
+/// A request's spec: which mode it is for, and what the stage answers.
+pub trait StageSpec: Serialize + std::fmt::Debug {
+    /// The mode's result, less the fields every result has ([`Report`]).
+    type Result: DeserializeOwned + Default + std::fmt::Debug;
+
+    fn mode(&self) -> Mode;
+}
+
+/// `compile`: import the candidate.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompileSpec {
+    pub candidate_path: PathBuf,
+}
+
+/// What `compile` answers beyond [`Report`].
+#[derive(Debug, Default, Deserialize)]
+pub struct CompileResult {
+    /// How long the import took.
+    #[serde(default, deserialize_with = "lenient")]
+    pub seconds: Option<f64>,
+}
+
+impl StageSpec for CompileSpec {
+    type Result = CompileResult;
+    fn mode(&self) -> Mode {
+        Mode::Compile
+    }
+}
+
+/// The timing loop's budget as the harness reads it (`measure`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimingSpec {
+    pub warmup_runs: u32,
+    pub min_runs: u32,
+    pub max_runs: u32,
+    pub max_seconds: f64,
+    pub min_seconds: f64,
+    pub target_rel_error: f64,
+}
+
+impl From<&TimingBudget> for TimingSpec {
+    /// At least two measured runs, and no fewer at most than at least.
+    fn from(timing: &TimingBudget) -> Self {
+        Self {
+            warmup_runs: timing.warmup_runs,
+            min_runs: timing.min_runs.max(2),
+            max_runs: timing.max_runs.max(timing.min_runs.max(2)),
+            max_seconds: timing.max_seconds,
+            min_seconds: timing.min_seconds,
+            target_rel_error: timing.target_rel_error,
+        }
+    }
+}
+
+/// The sensitivity trial: `trial` gets trial `base`'s inputs with a few moved far out of range (seeded by
+/// `seed`), and the check compares how both outputs moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Sensitivity {
+    pub trial: usize,
+    pub base: usize,
+    pub seed: u64,
+}
+
+/// Where a stage finds the task, the candidate and its device.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidatePlacement {
+    pub task_path: PathBuf,
+    pub candidate_path: PathBuf,
+    /// Where the candidate's outputs are saved, for the checker.
+    pub candidate_dir: PathBuf,
+    /// `cpu` or `cuda`.
+    pub device: &'static str,
+    /// The CPU kept for the timed loop's launching thread, if any.
+    pub timing_cpu: Option<usize>,
+}
+
+/// What a candidate run covers: its trials, timing and census.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateRun {
+    pub init_seed: u64,
+    /// One seed per correctness trial.
+    pub seeds: Vec<u64>,
+    /// Trials from here on run after timing and the census.
+    pub recheck_from: usize,
+    pub sensitivity: Option<Sensitivity>,
+    pub output_bytes_budget: u64,
+    /// Absent: not timed.
+    pub timing: Option<TimingSpec>,
+    pub timing_seeds: Vec<u64>,
+    /// Forward calls per census mode (0: no census).
+    pub census_calls: u32,
+}
+
+/// `candidate`: run the candidate.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateSpec {
+    #[serde(flatten)]
+    pub run: CandidateRun,
+    #[serde(flatten)]
+    pub placement: CandidatePlacement,
+}
+
+/// A finding the harness made at run time (an integrity check).
+#[derive(Debug, Default, Deserialize)]
+pub struct RuntimeFinding {
+    #[serde(default, deserialize_with = "lenient")]
+    pub code: Option<String>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub message: Option<String>,
+}
+
+/// How the timed loop's launching thread fared.
+#[derive(Debug, Default, Deserialize)]
+pub struct TimingCpu {
+    /// What competition for the CPU cost it (0 when nothing competed).
+    #[serde(default, deserialize_with = "lenient")]
+    pub cpu_wait_ms: Option<f64>,
+}
+
+/// What `candidate` answers beyond [`Report`].
+#[derive(Debug, Default, Deserialize)]
+pub struct CandidateResult {
+    /// Trials whose inputs the candidate modified.
+    #[serde(default, deserialize_with = "lenient_items")]
+    pub mutated_inputs: Vec<i64>,
+    #[serde(default, deserialize_with = "lenient_items")]
+    pub findings: Vec<RuntimeFinding>,
+    /// Timed samples by the events (or the clock on a CPU), and by the host clock; empty when unreadable.
+    #[serde(default, deserialize_with = "lenient")]
+    pub samples_ms: Vec<f64>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub host_ms: Vec<f64>,
+    /// The index of the last timed call, whose output was saved.
+    #[serde(default, deserialize_with = "lenient")]
+    pub last_call: Option<i64>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub timing_cpu: Option<TimingCpu>,
+    /// The census records when present, or why they are unreadable.
+    #[serde(default, deserialize_with = "present")]
+    pub census: Option<Result<Vec<ModeRecords>, String>>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub device_peak_bytes: Option<u64>,
+}
+
+impl StageSpec for CandidateSpec {
+    type Result = CandidateResult;
+    fn mode(&self) -> Mode {
+        Mode::Candidate
+    }
+}
+
+/// `reference` or `check`: compare the candidate's saved outputs with the reference's, computing (and saving)
+/// the reference first in `reference` mode.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompareSpec {
+    /// Whether the reference is computed here (`reference`), or read from the cache (`check`).
+    #[serde(skip)]
+    pub computes_reference: bool,
+    pub task_path: PathBuf,
+    pub device: &'static str,
+    pub init_seed: u64,
+    pub seeds: Vec<u64>,
+    pub reference_dir: PathBuf,
+    pub candidate_dir: PathBuf,
+    pub tolerances: Tolerances,
+    pub timing_seeds: Vec<u64>,
+    pub sensitivity: Option<Sensitivity>,
+    pub output_bytes_budget: u64,
+    /// The candidate's last timed call, when it was timed: its output is checked too, on rebuilt inputs.
+    pub timed_call: Option<i64>,
+}
+
+/// The first output that differed, as the harness found it.
+#[derive(Debug, Default, Deserialize)]
+pub struct MismatchRecord {
+    /// The trial; negative or absent: the last timed call.
+    #[serde(default, deserialize_with = "lenient")]
+    pub trial: Option<i64>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub output_index: Option<u64>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub element_index: Vec<u64>,
+    #[serde(default, deserialize_with = "number")]
+    pub expected: f64,
+    #[serde(default, deserialize_with = "number")]
+    pub got: f64,
+    #[serde(default, deserialize_with = "number")]
+    pub max_abs_error: f64,
+    #[serde(default, deserialize_with = "number")]
+    pub max_rel_error: f64,
+    #[serde(default, deserialize_with = "lenient")]
+    pub detail: String,
+}
+
+/// What `reference` and `check` answer beyond [`Report`].
+#[derive(Debug, Default, Deserialize)]
+pub struct CompareResult {
+    /// None: every compared output matched.
+    #[serde(default, deserialize_with = "non_null")]
+    pub mismatch: Option<MismatchRecord>,
+    /// The trials compared, where the outputs were too large to compare all (`output_bytes_budget`).
+    #[serde(default, deserialize_with = "lenient")]
+    pub compared_trials: Option<Vec<u64>>,
+    /// The reference's peak device memory (`reference` on a GPU).
+    #[serde(default, deserialize_with = "lenient")]
+    pub device_peak_bytes: Option<u64>,
+}
+
+impl StageSpec for CompareSpec {
+    type Result = CompareResult;
+    fn mode(&self) -> Mode {
+        if self.computes_reference { Mode::Reference } else { Mode::Check }
+    }
+}
+
+/// `baseline`: time the reference.
+#[derive(Debug, Clone, Serialize)]
+pub struct BaselineSpec {
+    pub task_path: PathBuf,
+    pub device: &'static str,
+    pub init_seed: u64,
+    pub timing: TimingSpec,
+    pub timing_seeds: Vec<u64>,
+    /// Whether torch.compile is timed too.
+    pub compile: bool,
+    pub timing_cpu: Option<usize>,
+}
+
+/// What `baseline` answers beyond [`Report`].
+#[derive(Debug, Default, Deserialize)]
+pub struct BaselineResult {
+    #[serde(default, deserialize_with = "lenient")]
+    pub eager_ms: Option<Vec<f64>>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub eager_host_ms: Option<Vec<f64>>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub compile_ms: Option<Vec<f64>>,
+    /// Why torch.compile was not timed.
+    #[serde(default, deserialize_with = "lenient")]
+    pub compile_error: Option<String>,
+}
+
+impl StageSpec for BaselineSpec {
+    type Result = BaselineResult;
+    fn mode(&self) -> Mode {
+        Mode::Baseline
+    }
+}
+
+/// `bindings_pch`: precompile torch's extension header into `out_dir`, per variant of extra flags.
+#[derive(Debug, Clone, Serialize)]
+pub struct BindingsPchSpec {
+    pub out_dir: PathBuf,
+    pub variants: BTreeMap<String, Vec<String>>,
+    /// Whether nvcc's host compile is precompiled too.
+    pub cuda: bool,
+}
+
+/// What `bindings_pch` answers beyond [`Report`].
+#[derive(Debug, Default, Deserialize)]
+pub struct BindingsPchResult {
+    /// The variants built.
+    #[serde(default, deserialize_with = "lenient_items")]
+    pub built: Vec<String>,
+    /// The variants that failed, and the compiler's complaint.
+    #[serde(default, deserialize_with = "lenient")]
+    pub failed: Option<BTreeMap<String, String>>,
+    /// Per variant, why nvcc's host compile was not precompiled (null: it was).
+    #[serde(default, deserialize_with = "lenient")]
+    pub host: BTreeMap<String, Option<String>>,
+}
+
+impl StageSpec for BindingsPchSpec {
+    type Result = BindingsPchResult;
+    fn mode(&self) -> Mode {
+        Mode::BindingsPch
+    }
+}
+
+/// How a stage takes part in its device's gate, as the harness reads `spec.gate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateRole {
+    /// No gate: the stage holds no device (`false`).
+    None,
+    /// Shares the device from its first step (`"share"`).
+    Share,
+    /// Joins idle and asks to share before device work (`"idle"`).
+    Idle,
+}
+
+impl Serialize for GateRole {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            GateRole::None => serializer.serialize_bool(false),
+            GateRole::Share => serializer.serialize_str("share"),
+            GateRole::Idle => serializer.serialize_str("idle"),
+        }
+    }
+}
+
+/// The request a stage reads from stdin.
+#[derive(Debug, Serialize)]
+struct Message<'a, S> {
+    protocol: u32,
+    mode: Mode,
+    spec: Framed<'a, S>,
+    env: BTreeMap<&'a str, &'a str>,
+}
+
+/// A spec with what every stage is told: where to write its result, and its part in the gate.
+#[derive(Debug, Serialize)]
+struct Framed<'a, S> {
+    #[serde(flatten)]
+    spec: &'a S,
+    result_path: &'a Path,
+    gate: GateRole,
+}
+
+/// The bytes of a request for `spec`.
+pub fn encode<S: StageSpec>(spec: &S, result_path: &Path, gate: GateRole, env: &[(String, String)]) -> Vec<u8> {
+    let message = Message {
+        protocol: PROTOCOL_VERSION,
+        mode: spec.mode(),
+        spec: Framed { spec, result_path, gate },
+        env: env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+    };
+    serde_json::to_vec(&message).expect("a request always serialises: string keys, finite or absent numbers")
+}
+
+/// What every result has, and the mode's own fields.
+#[derive(Debug, Default, Deserialize)]
+pub struct Report<R> {
+    /// Whether the stage did what it was asked (a candidate may still have failed checks).
+    #[serde(default, deserialize_with = "lenient")]
+    pub ok: bool,
+    /// The harness's traceback, on failure.
+    #[serde(default, deserialize_with = "lenient")]
+    pub error: Option<String>,
+    /// The exception's type name, on failure.
+    #[serde(default, deserialize_with = "lenient")]
+    pub error_type: Option<String>,
+    /// Where the failure happened: `import` (the candidate's module) or `run`.
+    #[serde(default, deserialize_with = "lenient")]
+    pub phase: Option<String>,
+    /// CPU time of the process and the children it waited for.
+    #[serde(default, deserialize_with = "lenient")]
+    pub cpu_ms: Option<f64>,
+    /// Wall time per phase of the stage; entries that are not numbers are left out.
+    #[serde(default, deserialize_with = "numbers")]
+    pub phases_ms: BTreeMap<String, f64>,
+    #[serde(flatten)]
+    pub body: R,
+}
+
+/// How a result file read.
+#[derive(Debug)]
+pub enum Decoded<R> {
+    Report(Report<R>),
+    /// Not a JSON object.
+    Unreadable(String),
+    /// A result of another protocol version (None: it names none).
+    Version {
+        harness: Option<u64>,
+    },
+}
+
+/// Reads a result, checking its protocol version first.
+pub fn decode<R: DeserializeOwned + Default>(bytes: &[u8]) -> Decoded<R> {
+    let value: serde_json::Value = match serde_json::from_slice(bytes) {
+        Ok(value @ serde_json::Value::Object(_)) => value,
+        Ok(other) => return Decoded::Unreadable(format!("a JSON {} rather than an object", kind(&other))),
+        Err(error) => return Decoded::Unreadable(error.to_string()),
+    };
+    let harness = value.get("protocol").and_then(serde_json::Value::as_u64);
+    if harness != Some(PROTOCOL_VERSION.into()) {
+        return Decoded::Version { harness };
+    }
+    match serde_json::from_value(value) {
+        Ok(report) => Decoded::Report(report),
+        Err(error) => Decoded::Unreadable(error.to_string()),
+    }
+}
+
+fn kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "boolean",
+        serde_json::Value::Number(_) => "number",
+        serde_json::Value::String(_) => "string",
+        serde_json::Value::Array(_) => "array",
+        serde_json::Value::Object(_) => "object",
+    }
+}
+
+/// A field of the wrong type reads as its default.
+fn lenient<'de, D: Deserializer<'de>, T: DeserializeOwned + Default>(deserializer: D) -> Result<T, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    Ok(T::deserialize(value).unwrap_or_default())
+}
+
+/// A list whose items of the wrong type read as their default; anything but a list reads as empty.
+fn lenient_items<'de, D: Deserializer<'de>, T: DeserializeOwned + Default>(
+    deserializer: D,
+) -> Result<Vec<T>, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    let serde_json::Value::Array(items) = value else { return Ok(Vec::new()) };
+    Ok(items.into_iter().map(|item| T::deserialize(item).unwrap_or_default()).collect())
+}
+
+/// A field that is present (even null) reads as `Some`, parsed or why not.
+fn present<'de, D: Deserializer<'de>, T: DeserializeOwned>(
+    deserializer: D,
+) -> Result<Option<Result<T, String>>, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    Ok(Some(T::deserialize(value).map_err(|error| error.to_string())))
+}
+
+/// Null reads as `None`; anything else as `Some`, leniently.
+fn non_null<'de, D: Deserializer<'de>, T: DeserializeOwned + Default>(deserializer: D) -> Result<Option<T>, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    Ok((!value.is_null()).then(|| T::deserialize(value).unwrap_or_default()))
+}
+
+/// A number, or a non-finite one as proto3 JSON spells it (the harness's `json_safe`); anything else is 0.
+fn number<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    Ok(match serde_json::Value::deserialize(deserializer)? {
+        serde_json::Value::String(text) => match text.as_str() {
+            "NaN" => f64::NAN,
+            "Infinity" => f64::INFINITY,
+            "-Infinity" => f64::NEG_INFINITY,
+            _ => 0.0,
+        },
+        value => value.as_f64().unwrap_or(0.0),
+    })
+}
+
+/// An object's entries that are numbers.
+fn numbers<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMap<String, f64>, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    let serde_json::Value::Object(entries) = value else { return Ok(BTreeMap::new()) };
+    Ok(entries.into_iter().filter_map(|(key, value)| Some((key, value.as_f64()?))).collect())
+}
+
+/// The field names of each mode's spec as this side sends them, without the framing (`result_path`, `gate`):
+/// what the harness's `SPECS` must list (checked by a test that asks the harness).
+pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
+    let fields = |spec: serde_json::Value| -> Vec<String> {
+        let mut names: Vec<String> = spec.as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+        names.sort();
+        names
+    };
+    let placement = CandidatePlacement {
+        task_path: PathBuf::new(),
+        candidate_path: PathBuf::new(),
+        candidate_dir: PathBuf::new(),
+        device: "cpu",
+        timing_cpu: None,
+    };
+    let run = CandidateRun {
+        init_seed: 0,
+        seeds: vec![],
+        recheck_from: 0,
+        sensitivity: None,
+        output_bytes_budget: 0,
+        timing: None,
+        timing_seeds: vec![],
+        census_calls: 0,
+    };
+    let compare = CompareSpec {
+        computes_reference: true,
+        task_path: PathBuf::new(),
+        device: "cpu",
+        init_seed: 0,
+        seeds: vec![],
+        reference_dir: PathBuf::new(),
+        candidate_dir: PathBuf::new(),
+        tolerances: Tolerances::default(),
+        timing_seeds: vec![],
+        sensitivity: None,
+        output_bytes_budget: 0,
+        timed_call: None,
+    };
+    let baseline = BaselineSpec {
+        task_path: PathBuf::new(),
+        device: "cpu",
+        init_seed: 0,
+        timing: TimingSpec::from(&TimingBudget::default()),
+        timing_seeds: vec![],
+        compile: false,
+        timing_cpu: None,
+    };
+    let pch = BindingsPchSpec { out_dir: PathBuf::new(), variants: BTreeMap::new(), cuda: false };
+    BTreeMap::from([
+        (Mode::Compile.name(), fields(json(&CompileSpec { candidate_path: PathBuf::new() }))),
+        (Mode::Candidate.name(), fields(json(&CandidateSpec { run, placement }))),
+        (Mode::Reference.name(), fields(json(&compare))),
+        (Mode::Check.name(), fields(json(&CompareSpec { computes_reference: false, ..compare.clone() }))),
+        (Mode::Baseline.name(), fields(json(&baseline))),
+        (Mode::BindingsPch.name(), fields(json(&pch))),
+    ])
+}
+
+/// A spec as a JSON value.
+fn json<S: StageSpec>(spec: &S) -> serde_json::Value {
+    serde_json::to_value(spec).expect("specs serialise")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decoded<R: DeserializeOwned + Default>(value: serde_json::Value) -> Decoded<R> {
+        decode(&serde_json::to_vec(&value).expect("json"))
+    }
+
+    fn report<R: DeserializeOwned + Default + std::fmt::Debug>(mut value: serde_json::Value) -> Report<R> {
+        value["protocol"] = PROTOCOL_VERSION.into();
+        match decoded(value) {
+            Decoded::Report(report) => report,
+            other => panic!("not a report: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_request_names_its_protocol_mode_and_framing() {
+        let spec = CompileSpec { candidate_path: "/s/candidate.py".into() };
+        let env = [("CUDA_VISIBLE_DEVICES".to_owned(), "1".to_owned())];
+        let bytes = encode(&spec, Path::new("/s/result.json"), GateRole::None, &env);
+        let message: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(
+            message,
+            serde_json::json!({
+                "protocol": PROTOCOL_VERSION,
+                "mode": "compile",
+                "spec": { "candidate_path": "/s/candidate.py", "result_path": "/s/result.json", "gate": false },
+                "env": { "CUDA_VISIBLE_DEVICES": "1" },
+            })
+        );
+        let compare = |computes_reference| CompareSpec { computes_reference, ..compare_spec() };
+        let idle = encode(&compare(false), Path::new("/r"), GateRole::Idle, &[]);
+        let idle: serde_json::Value = serde_json::from_slice(&idle).expect("json");
+        assert_eq!((idle["mode"].as_str(), idle["spec"]["gate"].as_str()), (Some("check"), Some("idle")));
+        assert_eq!(compare(true).mode(), Mode::Reference);
+        assert!(idle["spec"].get("computes_reference").is_none(), "the mode says it");
+    }
+
+    fn compare_spec() -> CompareSpec {
+        CompareSpec {
+            computes_reference: false,
+            task_path: "/t".into(),
+            device: "cpu",
+            init_seed: 1,
+            seeds: vec![2, 3],
+            reference_dir: "/ref".into(),
+            candidate_dir: "/cand".into(),
+            tolerances: Tolerances::default(),
+            timing_seeds: vec![4],
+            sensitivity: Some(Sensitivity { trial: 1, base: 0, seed: 9 }),
+            output_bytes_budget: 10,
+            timed_call: Some(7),
+        }
+    }
+
+    #[test]
+    fn a_result_of_another_version_or_none_is_refused() {
+        let other = serde_json::json!({ "protocol": PROTOCOL_VERSION + 1, "ok": true });
+        assert!(matches!(decoded::<CompileResult>(other), Decoded::Version { harness: Some(v) } if v == 2));
+        let unversioned = serde_json::json!({ "ok": true });
+        assert!(matches!(decoded::<CompileResult>(unversioned), Decoded::Version { harness: None }));
+        assert!(matches!(decode::<CompileResult>(b"[1]"), Decoded::Unreadable(_)));
+        assert!(matches!(decode::<CompileResult>(b"{\"ok\": tr"), Decoded::Unreadable(_)));
+    }
+
+    #[test]
+    fn fields_of_the_wrong_type_read_as_absent() {
+        let result: Report<CandidateResult> = report(serde_json::json!({
+            "ok": "yes",
+            "cpu_ms": 12,
+            "phases_ms": { "trials": 3.5, "bad": "x" },
+            "samples_ms": [1.0, "NaN"],
+            "host_ms": [1.0, 2.0],
+            "findings": [{ "code": "runtime.x", "message": "m" }, 4, { "message": 5 }],
+            "mutated_inputs": [1, "two"],
+            "timing_cpu": { "cpu_wait_ms": 0.5 },
+            "census": null,
+        }));
+        assert!(!result.ok, "only true is ok");
+        assert_eq!(result.cpu_ms, Some(12.0));
+        assert_eq!(result.phases_ms, BTreeMap::from([("trials".to_owned(), 3.5)]));
+        let body = result.body;
+        assert!(body.samples_ms.is_empty(), "a non-finite sample makes the series unreadable");
+        assert_eq!(body.host_ms, [1.0, 2.0]);
+        let codes: Vec<_> = body.findings.iter().map(|f| f.code.as_deref()).collect();
+        assert_eq!(codes, [Some("runtime.x"), None, None]);
+        assert_eq!(body.mutated_inputs, [1, 0], "still a mutation, whatever the index");
+        assert_eq!(body.timing_cpu.and_then(|t| t.cpu_wait_ms), Some(0.5));
+        assert!(matches!(body.census, Some(Err(_))), "present but unreadable: a finding, not an absence");
+        let absent: Report<CandidateResult> = report(serde_json::json!({ "ok": true }));
+        assert!(absent.ok && absent.body.census.is_none() && absent.body.last_call.is_none());
+    }
+
+    #[test]
+    fn a_mismatch_reads_non_finite_numbers_as_the_harness_spells_them() {
+        let result: Report<CompareResult> = report(serde_json::json!({
+            "ok": true,
+            "mismatch": { "trial": -1, "output_index": 2, "element_index": [0, 3], "expected": "NaN",
+                          "got": "-Infinity", "max_abs_error": "Infinity", "max_rel_error": 0.5 },
+            "compared_trials": [0, 1],
+        }));
+        let mismatch = result.body.mismatch.expect("a mismatch");
+        assert_eq!(
+            (mismatch.trial, mismatch.output_index, &mismatch.element_index[..]),
+            (Some(-1), Some(2), &[0, 3][..])
+        );
+        assert!(mismatch.expected.is_nan());
+        assert_eq!(
+            (mismatch.got, mismatch.max_abs_error, mismatch.max_rel_error),
+            (f64::NEG_INFINITY, f64::INFINITY, 0.5)
+        );
+        assert_eq!(result.body.compared_trials, Some(vec![0, 1]));
+        let matched: Report<CompareResult> = report(serde_json::json!({ "ok": true, "mismatch": null }));
+        assert!(matched.body.mismatch.is_none());
+        let odd: Report<CompareResult> = report(serde_json::json!({ "ok": true, "mismatch": "x" }));
+        assert!(odd.body.mismatch.is_some_and(|m| m.trial.is_none()), "not null: a mismatch of the timed call");
+    }
+
+    #[test]
+    fn every_mode_has_its_spec_fields() {
+        let fields = spec_fields();
+        assert_eq!(fields.len(), 6);
+        assert_eq!(fields["compile"], ["candidate_path"]);
+        assert!(fields["candidate"].contains(&"census_calls".to_owned()));
+        assert!(fields["candidate"].contains(&"timing_cpu".to_owned()));
+        assert_eq!(fields["reference"], fields["check"]);
+        assert!(Mode::Check.trusted() && !Mode::Candidate.trusted() && !Mode::Compile.trusted());
+    }
+}
