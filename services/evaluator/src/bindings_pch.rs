@@ -23,7 +23,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::{self, Cache, Entry, EntryLock};
 use crate::protocol::BindingsPchSpec;
-use crate::python::{self, PythonEnv, Request, Stage};
+use crate::python::PythonEnv;
+use crate::stage::{self, Request, Stage};
 
 /// The extra flags (load_inline's `extra_cflags`) precompiled for: none, torch's default and the kernels in the
 /// benchmark's set, and `-O3`, the most common choice of generated candidates. About 0.8 GB each.
@@ -118,7 +119,7 @@ async fn run(
         .map(|(name, flags)| (name.to_string(), flags.iter().map(|flag| flag.to_string()).collect()))
         .collect();
     let request = Request::plain(BindingsPchSpec { out_dir: out.to_owned(), variants, cuda });
-    let started = python::start(sandbox, python, harness, stage, CancellationToken::new());
+    let started = stage::start(sandbox, python, harness, stage, CancellationToken::new());
     let outcome = started.run(request, None).await.map_err(|e| Failure::Other(e.to_string()))?;
     let Some(report) = &outcome.result else {
         return Err(Failure::Other(format!(

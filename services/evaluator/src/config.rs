@@ -307,7 +307,7 @@ impl Default for TimingBudget {
     }
 }
 
-/// Limits of one call into candidate code (`[evaluator.call_limits]`); see `python::CallLimits`.
+/// Limits of one call into candidate code (`[evaluator.call_limits]`); see `stage::CallLimits`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CallLimitsConfig {

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod protocol;
 pub mod python;
+pub mod stage;
 pub mod statics;
 pub mod stats;
 pub mod tasks;

@@ -1,5 +1,5 @@
 //! Evaluator metrics at `/metrics`: admitted evaluations (queue depth), stages in flight and their latency,
-//! verdicts, findings by code (for the hack ratio), cache hits, device probes and quarantined devices, and the
+//! verdicts, infrastructure errors by cause, findings by code (for the hack ratio), cache hits, device probes and quarantined devices, and the
 //! device memory reserved on each GPU by memory-aware admission.
 
 use std::time::Duration;
@@ -20,6 +20,11 @@ struct StageLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VerdictLabel {
     verdict: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CauseLabel {
+    cause: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -51,6 +56,7 @@ pub struct EvaluatorMetrics {
     running: Family<StageLabel, Gauge>,
     stage_seconds: Family<StageLabel, Histogram>,
     verdicts: Family<VerdictLabel, Counter>,
+    infra_errors: Family<CauseLabel, Counter>,
     findings: Family<FindingLabel, Counter>,
     cache: Family<CacheLabel, Counter>,
     device_probes: Family<ProbeLabel, Counter>,
@@ -78,6 +84,7 @@ impl EvaluatorMetrics {
             // 10 ms to ~3 h: a cached check to a cold compile.
             stage_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.01, 2.0, 20))),
             verdicts: Family::default(),
+            infra_errors: Family::default(),
             findings: Family::default(),
             cache: Family::default(),
             device_probes: Family::default(),
@@ -90,6 +97,11 @@ impl EvaluatorMetrics {
         r.register("stages_running", "stages running now, by stage", metrics.running.clone());
         r.register("stage_seconds", "stage wall time, by stage", metrics.stage_seconds.clone());
         r.register("verdicts", "evaluations by verdict", metrics.verdicts.clone());
+        r.register(
+            "infra_errors",
+            "evaluations ended by the evaluator's own failure, by cause",
+            metrics.infra_errors.clone(),
+        );
         r.register("findings", "findings by code and category (hack ratio numerator)", metrics.findings.clone());
         r.register("cache_lookups", "cache lookups by cache and outcome", metrics.cache.clone());
         r.register("device_probes", "device health probes by result (pass, fail)", metrics.device_probes.clone());
@@ -128,6 +140,10 @@ impl EvaluatorMetrics {
             let category = pb::FindingCategory::try_from(finding.category).map_or("UNKNOWN", |c| c.as_str_name());
             self.findings.get_or_create(&FindingLabel { code: finding.code.clone(), category: category.into() }).inc();
         }
+    }
+
+    pub(crate) fn infra_error(&self, cause: &str) {
+        self.infra_errors.get_or_create(&CauseLabel { cause: cause.into() }).inc();
     }
 
     pub(crate) fn cache(&self, cache: &str, hit: bool) {

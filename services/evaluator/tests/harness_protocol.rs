@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use kforge_evaluator::protocol::{self, CompileSpec, PROTOCOL_VERSION, REFUSED_EXIT};
-use kforge_evaluator::python::{self, PythonEnv, Request, Stage, StageError};
+use kforge_evaluator::python::PythonEnv;
+use kforge_evaluator::stage::{self, Request, Stage, StageError};
 use kforge_sandbox::Sandbox;
 use tokio_util::sync::CancellationToken;
 
@@ -48,7 +49,7 @@ async fn compile_with(harness: &Path, dir: &Path) -> Result<String, StageError> 
         wall: std::time::Duration::from_secs(300),
         background: false,
     };
-    let started = python::start(&Sandbox::basic(), &env, harness, stage, CancellationToken::new());
+    let started = stage::start(&Sandbox::basic(), &env, harness, stage, CancellationToken::new());
     let request = Request::plain(CompileSpec { candidate_path: stage_dir.join("candidate.py") });
     let outcome = started.run(request, None).await?;
     assert!(outcome.ok(), "the stage ran: {}", outcome.error_text());

@@ -1,0 +1,205 @@
+//! The comparison of the candidate's outputs with the reference's: the reference computed and cached in a clean
+//! child (`reference` mode) or read from the cache (`check` mode), and the reference's peak device memory kept for
+//! memory-aware admission.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kforge_proto::v1 as pb;
+use kforge_sandbox::tail as cap;
+use tokio_util::sync::CancellationToken;
+
+use super::verdict::mismatch_proto;
+use super::{Evaluator, InfraError, Job};
+use crate::cache::{self, Entry};
+use crate::devices::{self, Lane};
+use crate::protocol::{CompareSpec, Sensitivity, StageSpec};
+use crate::python;
+use crate::stage::{Request, Stage, Started};
+
+/// The inputs a check covers: correctness trials by seed, and the last timed call.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Trials<'a> {
+    pub(super) seeds: &'a [u64],
+    pub(super) init_seed: u64,
+    pub(super) timing_seeds: &'a [u64],
+    /// The sensitivity trial (`Evaluator::sensitivity_trial`).
+    pub(super) sensitivity: Option<Sensitivity>,
+}
+
+/// A comparison ready to run: its started clean process, and its hold on the reference cache entry.
+pub(super) struct PreparedCheck {
+    pub(super) started: Started,
+    /// `reference` mode (computes and caches the reference, then compares) or `check` (compares with the cache).
+    pub(super) spec: CompareSpec,
+    pub(super) key: String,
+    /// The task's key and the device's name: where the reference's peak device memory is kept.
+    pub(super) peak_key: (String, String),
+    /// Held while the reference is computed.
+    pub(super) lock: Option<cache::EntryLock>,
+    /// Held while a cached reference is read.
+    pub(super) _pin: Option<cache::EntryLock>,
+}
+
+/// Which output differed.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Trial {
+    Index(usize),
+    Timed,
+}
+
+impl Evaluator {
+    /// Prepares the comparison of the candidate's outputs with the reference's on `lane`: takes the cached
+    /// reference (pinned) or the right to compute it (locked), and starts the clean process that will do it, so it
+    /// starts while the candidate runs.
+    pub(super) async fn prepare_check(
+        &self,
+        job: &Job,
+        lane: &Lane,
+        trials: &Trials<'_>,
+        scratch: &Path,
+        candidate_dir: &Path,
+        cancel: &CancellationToken,
+    ) -> Result<PreparedCheck, InfraError> {
+        let gpu = lane.gpu();
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+        let versions = python.versions_key();
+        let Trials { seeds, init_seed, timing_seeds, sensitivity } = *trials;
+        let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
+        if let Some(Sensitivity { trial, base, seed }) = sensitivity {
+            seed_text.push_str(&format!("sensitivity {trial} from {base} with {seed}"));
+        }
+        let device_name = python.device_name(gpu);
+        let key = cache::key(&[
+            job.task.as_bytes(),
+            seed_text.as_bytes(),
+            init_seed.to_string().as_bytes(),
+            device_name.as_bytes(),
+            versions.as_bytes(),
+            python::harness_digest().as_bytes(),
+            // The budget decides which trials' outputs the entry holds.
+            inner.config.output_bytes_budget.to_string().as_bytes(),
+        ]);
+        let reference_dir = inner.references.dir(&key);
+        let mut spec = CompareSpec {
+            computes_reference: false,
+            task_path: scratch.join("task.py"),
+            device: lane.device(),
+            init_seed,
+            seeds: seeds.to_vec(),
+            reference_dir: reference_dir.clone(),
+            candidate_dir: candidate_dir.to_owned(),
+            tolerances: inner.config.tolerances,
+            timing_seeds: timing_seeds.to_vec(),
+            sensitivity,
+            output_bytes_budget: inner.config.output_bytes_budget,
+            timed_call: None,
+        };
+        // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
+        // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
+        // The reference's peak device memory, recorded in its cache entry (none in entries from before it was).
+        let peak_key = (cache::key(&[job.task.as_bytes()]), device_name.to_owned());
+        let (lock, pin) = match inner.references.get(&key) {
+            Some(_) => {
+                let pin = inner.references.pin(&key).await.map_err(InfraError::cache("reference pin"))?;
+                let Some(entry) = inner.references.get(&key) else {
+                    return Err(InfraError::Evicted { what: "cached reference" });
+                };
+                self.note_reference_peak(&peak_key, &entry);
+                (None, Some(pin))
+            }
+            None => {
+                let lock = inner.references.lock(&key).await.map_err(InfraError::cache("reference lock"))?;
+                if let Some(entry) = inner.references.get(&key) {
+                    self.note_reference_peak(&peak_key, &entry);
+                    (None, None)
+                } else {
+                    std::fs::create_dir_all(&reference_dir).map_err(InfraError::files("reference dir"))?;
+                    (Some(lock), None)
+                }
+            }
+        };
+        inner.metrics.cache("reference", lock.is_none());
+        spec.computes_reference = lock.is_some();
+        let stage = Stage {
+            scratch: scratch.to_owned(),
+            readable: vec![candidate_dir.to_owned(), reference_dir.clone()],
+            writable: if spec.computes_reference { vec![reference_dir] } else { vec![] },
+            env: python.env_on(scratch, gpu),
+            wall: Duration::from_secs(inner.config.run_timeout_secs),
+            background: false,
+        };
+        Ok(PreparedCheck { started: self.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
+    }
+
+    /// Runs a prepared comparison; `timed_call` is the candidate's last timed call, when it was timed (its output
+    /// is checked too, on rebuilt inputs). The first mismatch, when the outputs differ, and how many trials were
+    /// compared (fewer than all where the outputs are large: `output_bytes_budget`).
+    pub(super) async fn check(
+        &self,
+        prepared: PreparedCheck,
+        lane: &Lane,
+        timed_call: Option<i64>,
+    ) -> Result<(Option<(Trial, pb::Mismatch)>, Option<usize>), InfraError> {
+        let inner = &self.inner;
+        let PreparedCheck { started, mut spec, key, peak_key, lock, _pin } = prepared;
+        spec.timed_call = timed_call;
+        let mode = spec.mode();
+        let request = Request::plain(spec);
+        let outcome = self.stage(started, request, Some(lane)).await.map_err(InfraError::stage(mode))?;
+        if !outcome.ok() {
+            let what = if lock.is_some() { "the reference failed" } else { "the checker failed" };
+            return Err(InfraError::TrustedStage { what, error: cap(&outcome.error_text(), 4000) });
+        }
+        if let Some(lock) = &lock {
+            // The reference's peak device memory (GPU only), for admission: kept here and in the cache entry.
+            let peak = outcome.result.as_ref().and_then(|r| r.body.device_peak_bytes);
+            let marker = match peak {
+                Some(peak) => serde_json::json!({ "device_peak_bytes": peak }).to_string(),
+                None => String::new(),
+            };
+            let entry = Entry::Ready(marker);
+            self.note_reference_peak(&peak_key, &entry);
+            inner.references.complete(&key, &entry, lock).map_err(InfraError::cache("reference cache"))?;
+            self.evict_later("reference", &inner.references);
+        }
+        let result = outcome.result.map(|r| r.body).unwrap_or_default();
+        let compared = result.compared_trials.map(|trials| trials.len());
+        let mismatch = result.mismatch.map(|m| {
+            let trial = match m.trial {
+                Some(index) if index >= 0 => Trial::Index(index as usize),
+                _ => Trial::Timed,
+            };
+            (trial, mismatch_proto(&m))
+        });
+        Ok((mismatch, compared))
+    }
+
+    /// The device memory an evaluation of the task needs on a GPU, from its reference's measured peak
+    /// (`devices::footprint`); `None` until the task's reference has run on a GPU in this evaluator (or its cache
+    /// entry recorded the peak). With GPUs of several kinds, the largest known.
+    pub(super) fn footprint(&self, task_key: &str) -> Option<u64> {
+        self.reference_peak(task_key).map(devices::footprint)
+    }
+
+    /// The largest reference peak device memory known for the task on any of this evaluator's GPUs.
+    pub(super) fn reference_peak(&self, task_key: &str) -> Option<u64> {
+        let python = self.inner.python.as_ref().ok()?;
+        let peaks = self.inner.reference_peaks.lock().expect("never poisoned");
+        let known = python.gpus.iter().filter_map(|gpu| peaks.get(&(task_key.to_owned(), gpu.name.clone())));
+        known.copied().max()
+    }
+
+    /// Keeps the peak device memory a reference cache entry records, if it records one.
+    pub(super) fn note_reference_peak(&self, (task_key, device): &(String, String), entry: &Entry) {
+        let Entry::Ready(marker) = entry else { return };
+        let peak = serde_json::from_str::<serde_json::Value>(marker)
+            .ok()
+            .and_then(|marker| marker.get("device_peak_bytes").and_then(|p| p.as_u64()));
+        if let Some(peak) = peak {
+            let mut peaks = self.inner.reference_peaks.lock().expect("never poisoned");
+            peaks.insert((task_key.clone(), device.clone()), peak);
+        }
+    }
+}

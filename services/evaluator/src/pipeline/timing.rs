@@ -1,0 +1,164 @@
+//! Timing, pure: the candidate's samples checked, the wall-clock cross-check against the baseline's overhead,
+//! speedups, and the call limits derived from the reference's time.
+
+use std::time::Duration;
+
+use kforge_proto::v1 as pb;
+
+use super::baseline::Baseline;
+use super::verdict::hack_finding;
+use crate::config::CallLimitsConfig;
+use crate::protocol::CandidateResult;
+use crate::stage::CallLimits;
+use crate::stats::timing_stats;
+
+/// A candidate's timing samples: by the events (or the clock on a CPU) and by the host clock.
+#[derive(Debug, Clone)]
+pub(super) struct Measured {
+    pub(super) events: Vec<f64>,
+    pub(super) host: Vec<f64>,
+}
+
+/// The samples of a candidate run, or the finding that they are impossible.
+pub(super) fn timing_samples(result: &CandidateResult) -> Result<Measured, pb::Finding> {
+    let (events, host) = (result.samples_ms.clone(), result.host_ms.clone());
+    let valid = |s: &[f64]| !s.is_empty() && s.iter().all(|v| v.is_finite() && *v > 0.0);
+    if !valid(&events) || !valid(&host) || events.len() != host.len() {
+        return Err(hack_finding(
+            "timing.impossible",
+            format!(
+                "{} timing samples and {} host-clock samples: empty, unequal, negative or not finite",
+                events.len(),
+                host.len()
+            ),
+        ));
+    }
+    Ok(Measured { events, host })
+}
+
+/// Unaccounted wall-clock time per timed call must stay under this (ms), or half the candidate's median if larger.
+pub(super) const WALL_CLOCK_SLACK_MS: f64 = 0.25;
+
+/// The parent's wall-clock cross-check: a candidate whose timed steps take much longer on the host clock than its
+/// events say (beyond the overhead the clean baseline shows) did work, or waited, where the events cannot see.
+pub(super) fn wall_clock_mismatch(measured: &Measured, baseline: &Baseline) -> Option<pb::Finding> {
+    let base_host = baseline.eager_host.as_deref()?;
+    let hidden = crate::stats::unaccounted_host_ms((&measured.events, &measured.host), (&baseline.eager, base_host))?;
+    let median = timing_stats(measured.events.clone())?.median_ms;
+    (hidden > WALL_CLOCK_SLACK_MS.max(0.5 * median)).then(|| {
+        hack_finding(
+            "timing.wall_clock_mismatch",
+            format!(
+                "each timed call took {hidden:.3} ms more on the host clock than its timer reported ({median:.3} ms \
+                 median), beyond the reference's overhead: work was done where the timer could not see it"
+            ),
+        )
+    })
+}
+
+pub(super) fn set_speedups(response: &mut pb::EvaluateResponse) {
+    let speedup = |baseline: &Option<pb::TimingStats>| match (baseline, &response.candidate_timing) {
+        (Some(b), Some(c)) if c.median_ms > 0.0 => b.median_ms / c.median_ms,
+        _ => 0.0,
+    };
+    response.speedup_eager = speedup(&response.eager_timing);
+    response.speedup_compile = speedup(&response.compile_timing);
+}
+
+/// A call's limits: `reference_factor` times the reference's eager median, at least `floor_secs`; without a
+/// measured reference, `unmeasured_secs`.
+pub(super) fn call_limits(config: &CallLimitsConfig, reference_ms: Option<f64>) -> CallLimits {
+    let (call, basis) = match reference_ms {
+        Some(ms) => {
+            let secs = (config.reference_factor * ms / 1e3).max(config.floor_secs);
+            let basis = format!(
+                "limit: {} x the reference's {ms:.3} ms per call, at least {} s",
+                config.reference_factor, config.floor_secs
+            );
+            (secs, basis)
+        }
+        None => (config.unmeasured_secs, "limit for a task whose reference is not measured yet".to_owned()),
+    };
+    CallLimits {
+        call: Duration::from_secs_f64(call.max(0.001)),
+        busy: Duration::from_secs_f64(config.busy_secs.max(call)),
+        basis,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples(events: &[f64], host: &[f64]) -> CandidateResult {
+        CandidateResult { samples_ms: events.to_vec(), host_ms: host.to_vec(), ..CandidateResult::default() }
+    }
+
+    #[test]
+    fn impossible_samples_are_a_hack() {
+        let cases: [(&[f64], &[f64]); 5] = [
+            (&[], &[]),
+            (&[1.0, 2.0], &[1.0]),
+            (&[1.0, -2.0], &[1.0, 2.0]),
+            (&[1.0, 0.0], &[1.0, 2.0]),
+            (&[1.0, f64::INFINITY], &[1.0, 2.0]),
+        ];
+        for (events, host) in cases {
+            let finding = timing_samples(&samples(events, host)).expect_err("impossible");
+            assert_eq!(finding.code, "timing.impossible", "{events:?} {host:?}");
+            assert_eq!(finding.category, pb::FindingCategory::Hack as i32);
+        }
+        let measured = timing_samples(&samples(&[1.0, 2.0], &[1.1, 2.1])).expect("possible");
+        assert_eq!((measured.events, measured.host), (vec![1.0, 2.0], vec![1.1, 2.1]));
+    }
+
+    fn baseline(gap_ms: Option<f64>) -> Baseline {
+        let eager = vec![10.0; 5];
+        Baseline { eager_host: gap_ms.map(|gap| eager.iter().map(|e| e + gap).collect()), eager, compiled: None }
+    }
+
+    #[test]
+    fn the_wall_clock_cross_check_allows_the_baselines_overhead_and_slack() {
+        let measured = |gap: f64| Measured { events: vec![1.0; 5], host: vec![1.0 + gap; 5] };
+        // The reference's own overhead of 0.2 ms per step is allowed; half the median (0.5 ms) is the slack here.
+        assert!(wall_clock_mismatch(&measured(0.6), &baseline(Some(0.2))).is_none());
+        let finding = wall_clock_mismatch(&measured(0.8), &baseline(Some(0.2))).expect("0.6 ms hidden per call");
+        assert_eq!(finding.code, "timing.wall_clock_mismatch");
+        assert!(finding.message.contains("0.600 ms more"), "{}", finding.message);
+        // The slack is at least WALL_CLOCK_SLACK_MS for short calls.
+        let short = Measured { events: vec![0.01; 5], host: vec![0.01 + 0.2; 5] };
+        assert!(wall_clock_mismatch(&short, &baseline(Some(0.0))).is_none());
+        // A baseline cached before the host clock was recorded cannot tell.
+        assert!(wall_clock_mismatch(&measured(100.0), &baseline(None)).is_none());
+    }
+
+    #[test]
+    fn speedups_are_the_baselines_median_over_the_candidates() {
+        let stats = |median_ms| Some(pb::TimingStats { median_ms, ..Default::default() });
+        let mut response = pb::EvaluateResponse {
+            candidate_timing: stats(2.0),
+            eager_timing: stats(6.0),
+            compile_timing: None,
+            ..Default::default()
+        };
+        set_speedups(&mut response);
+        assert_eq!((response.speedup_eager, response.speedup_compile), (3.0, 0.0));
+        response.candidate_timing = stats(0.0);
+        set_speedups(&mut response);
+        assert_eq!(response.speedup_eager, 0.0, "no speedup from a zero median");
+    }
+
+    #[test]
+    fn call_limits_scale_with_the_reference_within_the_floor_and_busy_limit() {
+        let config = CallLimitsConfig::default();
+        let unmeasured = call_limits(&config, None);
+        assert_eq!(unmeasured.call, Duration::from_secs_f64(config.unmeasured_secs));
+        let quick = call_limits(&config, Some(0.001));
+        assert_eq!(quick.call, Duration::from_secs_f64(config.floor_secs), "at least the floor");
+        let slow_ms = 1e3 * 10.0 * config.busy_secs.max(config.floor_secs) / config.reference_factor;
+        let slow = call_limits(&config, Some(slow_ms));
+        assert!(slow.call > Duration::from_secs_f64(config.busy_secs), "{slow:?}");
+        assert_eq!(slow.busy, slow.call, "the busy limit is never below the call limit");
+        assert!(slow.basis.contains("x the reference's"), "{}", slow.basis);
+    }
+}

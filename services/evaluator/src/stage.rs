@@ -1,0 +1,569 @@
+//! A harness stage's process: started in the sandbox before its request (its interpreter and torch load off the
+//! device's time), asked once (`protocol`), its conversation with its device's gate served and its calls into
+//! candidate code watched (a hung call stops it), and its outcome read back.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError};
+use tokio_util::sync::CancellationToken;
+
+use crate::devices::{Gate, Member, MemberTimes};
+use crate::protocol::{self, Decoded, GateRole, Mode, PROTOCOL_VERSION, Report, StageSpec};
+use crate::python::PythonEnv;
+
+/// The process of one harness stage: where it runs and what it may touch, fixed when it starts.
+#[derive(Debug)]
+pub struct Stage {
+    pub scratch: PathBuf,
+    pub readable: Vec<PathBuf>,
+    pub writable: Vec<PathBuf>,
+    pub env: Vec<(OsString, OsString)>,
+    pub wall: Duration,
+    /// Yields the CPU to stages on a device (compiles): see [`Limits::nice`].
+    pub background: bool,
+}
+
+/// What a started stage is asked to do: its mode's spec, and environment variables known only now (the device of
+/// the lane it was given).
+#[derive(Debug)]
+pub struct Request<S> {
+    pub spec: S,
+    pub env: Vec<(String, String)>,
+    /// How long each call into candidate code may run (stages that run candidate code); see [`converse`].
+    pub limits: Option<CallLimits>,
+}
+
+/// How long a call into candidate code may run before its stage is stopped as hung. A call is what follows the
+/// harness's `call` message up to its next message: loading the module, building the model, one forward call of
+/// a trial, a census mode's calls, one timed call. Its limit counts from the message, while the stage runs.
+#[derive(Debug, Clone)]
+pub struct CallLimits {
+    /// A call that waits (on its device, or asleep): a kernel that never ends uses no CPU time while the harness
+    /// waits for it (the harness waits for its GPU asleep).
+    pub call: Duration,
+    /// A call busy on the CPU for at least half of the time (JIT compiles, autotuning, host code; running or
+    /// runnable, so a call starved by a loaded machine counts: `Control::cpu_demand`): it may run
+    /// this long, checked every second.
+    pub busy: Duration,
+    /// How `call` was chosen, for the error a hung stage gets.
+    pub basis: String,
+}
+
+impl<S: StageSpec> Request<S> {
+    /// A request with no environment of its own and no call limits.
+    pub fn plain(spec: S) -> Self {
+        Self { spec, env: vec![], limits: None }
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.spec.mode()
+    }
+}
+
+/// Why a stage gave no outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    /// The harness answered in another protocol version: a harness file of another kforge version (evaluators
+    /// sharing a work directory must be of one version).
+    #[error(
+        "the {mode} stage's harness speaks protocol version {}, this evaluator {PROTOCOL_VERSION}: the harness \
+         file belongs to another kforge version (evaluators sharing a work directory must be of one version)",
+        harness.map_or("none".to_owned(), |v| v.to_string())
+    )]
+    Protocol { mode: &'static str, harness: Option<u64> },
+}
+
+/// A stage that ran: how it ended and the result it wrote, if any.
+#[derive(Debug)]
+pub struct StageOutcome<R> {
+    pub finished: Finished,
+    pub result: Option<Report<R>>,
+    /// How long it ran alone on its device and waited at the device's gate.
+    pub gate: MemberTimes,
+    /// Why it was stopped as hung: a call into candidate code ran past its [`CallLimits`].
+    pub hung: Option<String>,
+    /// How long it spent in calls into candidate code (announced by the harness; see [`converse`]), a call still
+    /// open at its end included: what a stage killed at its wall-clock limit is charged to the candidate.
+    pub in_calls: Duration,
+    /// Its place at the device's gate, kept after the process ended until the caller lets it go
+    /// ([`StageOutcome::leave_gate`]): a device left in doubt (a kill, a fault) is checked first.
+    membership: Option<Arc<Member>>,
+}
+
+/// How a stage takes part in its device's [`Gate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Joining {
+    /// Shares the device from its first step (waiting while timed work runs); `solo` keeps the device to itself.
+    Share { solo: bool },
+    /// Joins idle and asks to share before it uses the device: trusted stages only (no candidate code runs in
+    /// them, so they do no device work while they say they are idle).
+    Idle,
+}
+
+impl Joining {
+    /// The harness's `spec.gate`.
+    fn role(self) -> GateRole {
+        match self {
+            Joining::Share { .. } => GateRole::Share,
+            Joining::Idle => GateRole::Idle,
+        }
+    }
+}
+
+impl<R> StageOutcome<R> {
+    /// Leaves the device's gate: other members may run alone without this stage from now on.
+    pub fn leave_gate(&mut self) {
+        self.membership = None;
+    }
+
+    /// The result's `ok` flag; false when there is no result.
+    pub fn ok(&self) -> bool {
+        self.finished.success() && self.result.as_ref().is_some_and(|r| r.ok)
+    }
+
+    /// The error text the harness reported, or the end of stderr, or what is known of how the stage ended.
+    pub fn error_text(&self) -> String {
+        if let Some(error) = self.result.as_ref().and_then(|r| r.error.as_deref()) {
+            return error.to_owned();
+        }
+        let stderr = self.finished.stderr_tail(4000);
+        if !stderr.trim().is_empty() {
+            return stderr;
+        }
+        match &self.result {
+            None => format!("ended ({:?}) without a readable result", self.finished.exit),
+            Some(_) => format!("ended ({:?}) and reported failure without an error", self.finished.exit),
+        }
+    }
+
+    /// The CPU time the stage reported for itself and the children it waited for, in milliseconds.
+    pub fn cpu_ms(&self) -> Option<f64> {
+        self.result.as_ref()?.cpu_ms
+    }
+
+    /// The harness's exception type name, when it reported one.
+    pub fn error_type(&self) -> Option<&str> {
+        self.result.as_ref()?.error_type.as_deref()
+    }
+
+    /// How long the stage ran, less its waits at the device's gate (its wall clock is held there).
+    pub fn running(&self) -> Duration {
+        self.finished.wall.saturating_sub(self.gate.waited)
+    }
+
+    /// Whether a stage killed at its wall-clock limit spent most of its running time in the candidate's calls,
+    /// rather than in the harness's own work (making inputs, copying and checking outputs): only then is the
+    /// timeout the candidate's.
+    pub fn candidate_used_its_time(&self) -> bool {
+        self.in_calls.as_secs_f64() >= 0.5 * self.running().as_secs_f64()
+    }
+}
+
+/// A harness process started before its request: its interpreter starts and imports torch meanwhile, off the
+/// device's time. Dropped without a request, the process is killed.
+#[derive(Debug)]
+pub struct Started {
+    request: Option<tokio::sync::oneshot::Sender<(Vec<u8>, Option<Conversation>)>>,
+    finished: tokio::task::JoinHandle<Result<Finished, SandboxError>>,
+    result_path: PathBuf,
+    /// What the conversation saw: calls into candidate code, and why it stopped the stage as hung, if it did.
+    watch: Arc<Mutex<Watch>>,
+}
+
+/// What a stage's conversation records for its outcome.
+#[derive(Debug, Default)]
+struct Watch {
+    hung: Option<String>,
+    /// Time in calls into candidate code that ended, and when the open one began.
+    in_calls: Duration,
+    open_call: Option<tokio::time::Instant>,
+    /// Whether candidate code may have run: a call was announced.
+    called: bool,
+}
+
+impl Watch {
+    fn call_starts(&mut self) {
+        self.call_ends();
+        self.called = true;
+        self.open_call = Some(tokio::time::Instant::now());
+    }
+
+    fn call_ends(&mut self) {
+        if let Some(since) = self.open_call.take() {
+            self.in_calls += since.elapsed();
+        }
+    }
+}
+
+/// What a stage's conversation serves: its place at the gate, and the limits of its calls.
+#[derive(Debug)]
+struct Conversation {
+    member: Arc<Member>,
+    limits: Option<CallLimits>,
+}
+
+/// Starts the harness for `stage`; its wall-clock limit counts from [`Started::run`].
+pub fn start(
+    sandbox: &Sandbox,
+    python: &PythonEnv,
+    harness: &Path,
+    stage: Stage,
+    cancel: CancellationToken,
+) -> Started {
+    let mut readable = stage.readable;
+    readable.extend(python.readable.iter().cloned());
+    readable.extend(harness.parent().map(Path::to_owned));
+    let result_path = stage.scratch.join("result.json");
+    let job = Job {
+        program: python.python.clone(),
+        args: vec![harness.into()],
+        env: stage.env,
+        scratch: stage.scratch,
+        readable,
+        writable: stage.writable,
+        limits: Limits {
+            wall: stage.wall,
+            nice: if stage.background { 10 } else { 0 },
+            cpus: python.stage_cpus().to_vec(),
+            ..Limits::default()
+        },
+    };
+    let (request, delivered) = tokio::sync::oneshot::channel::<(Vec<u8>, Option<Conversation>)>();
+    let sandbox = sandbox.clone();
+    // The conversation comes with the request, and goes to `converse` once the request is delivered.
+    let conversation = Arc::new(Mutex::new(None));
+    let input = {
+        let conversation = conversation.clone();
+        async move {
+            let (bytes, joined) = delivered.await.ok()?;
+            *conversation.lock().expect("never poisoned") = joined;
+            Some(bytes)
+        }
+    };
+    let watch = Arc::new(Mutex::new(Watch::default()));
+    let converse = {
+        let watch = watch.clone();
+        move |control, socket| async move {
+            let joined = conversation.lock().expect("never poisoned").take();
+            if let Some(Conversation { member, limits }) = joined {
+                match converse(&member, &control, socket, limits.as_ref(), &watch).await {
+                    // The harness's socket closes as its interpreter shuts down; a stage that closed it and runs
+                    // on would use the device outside the gate.
+                    Ended::Closed => tokio::time::sleep(CLOSED_GRACE).await,
+                    Ended::Broken => {}
+                    Ended::Hung(reason) => {
+                        tracing::info!(%reason, "stopping a stage whose call never returned");
+                        watch.lock().expect("never poisoned").hung = Some(reason);
+                    }
+                }
+                // Unless it ended meanwhile (this future is dropped then).
+                control.kill();
+            }
+        }
+    };
+    let finished = tokio::spawn(async move { sandbox.run_with_control(job, input, converse, cancel).await });
+    Started { request: Some(request), finished, result_path, watch }
+}
+
+/// The longest message the harness sends on its control socket.
+const MESSAGE_BYTES: u64 = 64;
+
+/// How long a stage may run on after closing its control socket (its interpreter shutting down).
+const CLOSED_GRACE: Duration = Duration::from_secs(5);
+
+/// How a stage's conversation ended.
+#[derive(Debug)]
+enum Ended {
+    /// The stage closed its socket.
+    Closed,
+    /// The stage sent what the harness never sends.
+    Broken,
+    /// A call ran past its limit: why.
+    Hung(String),
+}
+
+/// Serves a stage's gate requests, one line each, answered with `go` once granted:
+///
+/// - `alone`: run alone on the device; `share`: share it again (or start to, from idle);
+/// - `pause`: a pause point between steps of shared work; it pauses only while someone runs alone or waits to;
+/// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]);
+///
+/// and two notices, not answered: `call`, a call into candidate code starts (see [`CallLimits`]), and `timed`,
+/// a timed call starts (its process waits for the GPU spinning: no longer limit for CPU use). A call still
+/// running at its limit ends the conversation with the reason; the caller kills the stage.
+///
+/// While it waits, the stage is stopped and its wall clock held: it is at a pause point, its device work
+/// synchronised, and it is not working. A message it does not know, or may not send, kills the stage: only
+/// candidate code forging the harness's messages sends one, and a stage left outside the gate could use the device
+/// while others run alone.
+async fn converse(
+    member: &Member,
+    control: &Control,
+    socket: tokio::net::UnixStream,
+    limits: Option<&CallLimits>,
+    watch: &Mutex<Watch>,
+) -> Ended {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let (read, mut write) = socket.into_split();
+    let mut read = BufReader::new(read);
+    let mut line = Vec::new();
+    let mut call: Option<Call> = None;
+    loop {
+        let check_at = call.as_ref().map(|call| call.check_at);
+        // A message cut short by a check keeps its bytes in `line`; the limit counts over the whole message.
+        let mut message = (&mut read).take(MESSAGE_BYTES.saturating_sub(line.len() as u64));
+        tokio::select! {
+            read = message.read_until(b'\n', &mut line) => match read {
+                Ok(n) if n > 0 && line.ends_with(b"\n") => {}
+                Ok(0) if line.is_empty() => return Ended::Closed,
+                _ => return Ended::Broken,
+            },
+            () = sleep_until(check_at) => {
+                let call = call.as_mut().expect("a deadline comes with a call");
+                let limits = limits.expect("a call is watched only with limits");
+                match call.check(limits, control.cpu_demand()) {
+                    Ok(()) => continue,
+                    Err(reason) => return Ended::Hung(reason),
+                }
+            }
+        }
+        let message = std::mem::take(&mut line);
+        call = None;
+        watch.lock().expect("never poisoned").call_ends();
+        match &message[..] {
+            b"call\n" | b"timed\n" => {
+                watch.lock().expect("never poisoned").call_starts();
+                // A timed call's CPU use says nothing (it spins), so its CPU time is not read (a /proc scan).
+                let spinning = message == b"timed\n";
+                let cpu = if spinning { None } else { control.cpu_demand() };
+                call = limits.map(|limits| Call::new(limits, cpu, spinning));
+                continue;
+            }
+            b"alone\n" => stopped(control, member.alone()).await,
+            b"share\n" => stopped(control, member.share()).await,
+            b"pause\n" if member.must_pause() => stopped(control, member.share()).await,
+            b"pause\n" => {}
+            b"idle\n" if member.idle() => {}
+            _ => return Ended::Broken,
+        }
+        if write.write_all(b"go\n").await.is_err() {
+            return Ended::Closed;
+        }
+    }
+}
+
+/// Resolves at `at`, or never.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A call into candidate code, as its conversation watches it.
+#[derive(Debug)]
+struct Call {
+    since: tokio::time::Instant,
+    /// When its CPU time was last read, and what it was.
+    checked: (tokio::time::Instant, Option<Duration>),
+    check_at: tokio::time::Instant,
+    /// A timed call: it waits for its GPU spinning, so CPU use does not tell it from a hang.
+    spinning: bool,
+}
+
+impl Call {
+    fn new(limits: &CallLimits, cpu: Option<Duration>, spinning: bool) -> Self {
+        let now = tokio::time::Instant::now();
+        Self { since: now, checked: (now, cpu), check_at: now + limits.call, spinning }
+    }
+
+    /// At `check_at`: `Ok` (checked again later) while the call is busy on the CPU and within the busy limit,
+    /// else why it is hung.
+    fn check(&mut self, limits: &CallLimits, cpu: Option<Duration>) -> Result<(), String> {
+        let now = tokio::time::Instant::now();
+        let ran = now - self.since;
+        let busy = match (self.checked.1, cpu) {
+            _ if self.spinning => false,
+            (Some(before), Some(after)) => {
+                let wall = (now - self.checked.0).as_secs_f64();
+                wall > 0.0 && after.saturating_sub(before).as_secs_f64() / wall >= 0.5
+            }
+            _ => false,
+        };
+        if busy && ran < limits.busy {
+            self.checked = (now, cpu);
+            self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.busy);
+            return Ok(());
+        }
+        Err(if self.spinning {
+            format!(
+                "a timed call of the candidate did not return within {:.1} s: a kernel that never ends ({})",
+                ran.as_secs_f64(),
+                limits.basis
+            )
+        } else if busy {
+            format!(
+                "a call into the candidate's code was still running, busy on the CPU, after {:.1} s (the limit for \
+                 calls busy on the CPU)",
+                ran.as_secs_f64()
+            )
+        } else {
+            format!(
+                "a call into the candidate's code did not return within {:.1} s and was waiting, not computing on \
+                 the CPU: a kernel that never ends ({})",
+                ran.as_secs_f64(),
+                limits.basis
+            )
+        })
+    }
+}
+
+/// Waits for `turn` with the stage stopped and its wall clock held.
+async fn stopped(control: &Control, turn: impl std::future::Future<Output = ()>) {
+    control.stop();
+    turn.await;
+    control.resume();
+}
+
+impl Started {
+    /// Sends `request` and waits for the stage to end. With a `gate`, the stage joins its device as `Joining`
+    /// says and may ask to run alone (`spec.gate`); it keeps its place there until the outcome leaves it.
+    ///
+    /// A result in another protocol version is [`StageError::Protocol`] where the harness wrote it: in trusted
+    /// modes, and in the candidate's before its first call into candidate code. After that call it may be candidate
+    /// code's forgery, and reads as no result (the candidate's failure, not the evaluator's). The compile stage has
+    /// no calls announced (no control channel): a forged version there reads as the harness's.
+    pub async fn run<S: StageSpec>(
+        mut self,
+        request: Request<S>,
+        gate: Option<(&Arc<Gate>, Joining)>,
+    ) -> Result<StageOutcome<S::Result>, StageError> {
+        let mode = request.mode();
+        let role = gate.map_or(GateRole::None, |(_, joining)| joining.role());
+        let message = protocol::encode(&request.spec, &self.result_path, role, &request.env);
+        let member = match gate {
+            Some((gate, Joining::Share { solo })) => Some(Arc::new(gate.join(solo).await)),
+            Some((gate, Joining::Idle)) => Some(Arc::new(gate.join_idle())),
+            None => None,
+        };
+        let clock = member.as_deref().map(Member::clock).unwrap_or_default();
+        let conversation = member.clone().map(|member| Conversation { member, limits: request.limits });
+        if let Some(sender) = self.request.take() {
+            let _ = sender.send((message, conversation));
+        }
+        // If this future is dropped (the evaluation was cancelled), `self` goes with it and the child is killed.
+        let finished = match (&mut self.finished).await {
+            Ok(result) => result?,
+            Err(join) => return Err(StageError::Sandbox(SandboxError::Wait(std::io::Error::other(join.to_string())))),
+        };
+        let (hung, in_calls, called) = {
+            let mut watch = self.watch.lock().expect("never poisoned");
+            watch.call_ends();
+            (watch.hung.take(), watch.in_calls, watch.called)
+        };
+        let result_path = &self.result_path;
+        let result = match std::fs::read(result_path) {
+            Ok(bytes) => match protocol::decode(&bytes) {
+                Decoded::Report(report) => Some(report),
+                Decoded::Version { harness } if mode.trusted() || !called => {
+                    return Err(StageError::Protocol { mode: mode.name(), harness });
+                }
+                Decoded::Version { harness } => {
+                    tracing::warn!(?harness, path = %result_path.display(), "a stage result of another protocol version, written after candidate code ran");
+                    None
+                }
+                Decoded::Unreadable(error) => {
+                    tracing::warn!(%error, bytes = bytes.len(), path = %result_path.display(), "unreadable stage result");
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        Ok(StageOutcome { finished, result, gate: clock.times(), hung, in_calls, membership: member })
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        // Kills a process never asked, or abandoned mid-way; a no-op once it finished.
+        self.finished.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `script` (sh) as a stage on `gate` with call limits of 1 s waiting and 2 s busy.
+    fn shell_stage(
+        script: &str,
+        gate: &Arc<Gate>,
+    ) -> tokio::task::JoinHandle<Result<StageOutcome<protocol::CompileResult>, StageError>> {
+        let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch");
+        let path = dir.join("stage.sh");
+        std::fs::write(&path, script).expect("script");
+        let env = PythonEnv::bare("/bin/sh".into(), None);
+        let stage = Stage {
+            scratch: dir.clone(),
+            readable: vec![],
+            writable: vec![],
+            env: vec![],
+            wall: Duration::from_secs(600),
+            background: false,
+        };
+        let started = start(&Sandbox::basic(), &env, &path, stage, CancellationToken::new());
+        let limits = CallLimits { call: Duration::from_secs(1), busy: Duration::from_secs(2), basis: "test".into() };
+        let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py") };
+        let request = Request { spec, env: vec![], limits: Some(limits) };
+        let gate = gate.clone();
+        tokio::spawn(async move { started.run(request, Some((&gate, Joining::Share { solo: false }))).await })
+    }
+
+    /// Waits (polling) until `gate` has `members`.
+    async fn members(gate: &Gate, members: usize) {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while gate.members() != members {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("members joined");
+    }
+
+    #[tokio::test]
+    async fn a_call_that_never_returns_is_stopped_and_its_neighbour_then_runs_alone() {
+        // Asleep in its call (as a process waiting on a kernel that never ends), and spinning on the CPU.
+        let cases = [
+            ("printf 'call\\n' >&3; exec sleep 3600", "did not return within"),
+            ("printf 'call\\n' >&3; while :; do :; done", "busy on the CPU"),
+            // A timed call spins while it waits for its GPU: its CPU use earns it no longer limit.
+            ("printf 'timed\\n' >&3; while :; do :; done", "timed call of the candidate did not return within 1.0"),
+        ];
+        for (script, says) in cases {
+            let gate = Arc::new(Gate::default());
+            let hung = shell_stage(script, &gate);
+            members(&gate, 1).await;
+            // A neighbour that wants to run alone: the hung stage never reaches a pause point.
+            let neighbour = Arc::new(gate.join(false).await);
+            let alone = tokio::spawn({
+                let neighbour = neighbour.clone();
+                async move { neighbour.alone().await }
+            });
+            let outcome = hung.await.expect("task").expect("the stage ran");
+            let reason = outcome.hung.clone().expect("stopped as hung");
+            assert!(reason.contains(says), "{reason}");
+            assert_eq!(outcome.finished.exit, kforge_sandbox::Exit::Signal(9), "killed: {:?}", outcome.finished);
+            // Until the caller has checked the device and lets the stage go, nobody runs alone.
+            assert!(!alone.is_finished(), "the killed stage still holds its place");
+            drop(outcome);
+            tokio::time::timeout(Duration::from_secs(30), alone).await.expect("runs alone").expect("task");
+        }
+    }
+}
