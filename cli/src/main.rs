@@ -335,6 +335,10 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&scratch);
     let (job, trajectories) = outcome?;
     print!("{}", kforge::run::report(&job, &trajectories));
+    let dir = kforge::run::report_dir(&config, &job.job_id);
+    let files = kforge::run::write_report(&dir, &job, &trajectories)
+        .with_context(|| format!("writing the job's report under {}", dir.display()))?;
+    println!("report: {} ({})", files.html.display(), files.json.display());
     if job.state != pb::JobState::Succeeded as i32 {
         bail!("job {} did not succeed", job.job_id);
     }

@@ -56,6 +56,46 @@ pub fn store_for_run(config: &mut MeshConfig, work_dir: Option<&Path>) {
     config.orchestrator.resume_on_start = false;
 }
 
+/// Where `kforge run` writes a job's report: `reports/<job>` beside the SQLite store file (the work directory, or
+/// the default state directory), or under `kforge-reports/` in the current directory for a store that is not a file.
+pub fn report_dir(config: &MeshConfig, job_id: &str) -> PathBuf {
+    let store = match config.orchestrator.store.as_str() {
+        "" => kforge_orchestrator::store::default_url(),
+        store => store.to_owned(),
+    };
+    let file = store.strip_prefix("sqlite://").or_else(|| store.strip_prefix("sqlite:")).unwrap_or(&store);
+    let parent = (!store.contains("://") || store.starts_with("sqlite://"))
+        .then(|| Path::new(file).parent())
+        .flatten()
+        .filter(|_| !file.contains(":memory:"));
+    match parent {
+        Some(dir) => dir.join("reports").join(job_id),
+        None => PathBuf::from("kforge-reports").join(job_id),
+    }
+}
+
+/// Writes the job's report (report.json and a self-contained report.html, crates/report) from its recorded turns,
+/// with the metrics the orchestrator computes from them.
+pub fn write_report(
+    dir: &Path,
+    job: &pb::Job,
+    trajectories: &[pb::Trajectory],
+) -> anyhow::Result<kforge_report::ReportFiles> {
+    let turns: Vec<pb::TurnRecord> = trajectories.iter().flat_map(|t| t.turns.iter().cloned()).collect();
+    let samples = kforge_orchestrator::metrics::samples(&turns);
+    let wall_time_s = job.metrics.as_ref().map_or(0.0, |m| m.wall_time_s);
+    let metrics = kforge_reward_core::job_metrics(&kforge_orchestrator::metrics::params(wall_time_s), &samples)?;
+    let spec = job.spec.clone().unwrap_or_default();
+    let meta = kforge_report::ReportMeta {
+        job_id: job.job_id.clone(),
+        recipe: spec.recipe,
+        model: spec.model,
+        task_set: spec.task_set,
+        generated_at: httpdate::fmt_http_date(std::time::SystemTime::now()),
+    };
+    Ok(kforge_report::write_report(dir, &meta, &metrics, &samples)?)
+}
+
 /// The orchestrator instance name of `kforge run`.
 pub const RUN_INSTANCE: &str = "kforge-run";
 

@@ -258,6 +258,17 @@ fn kforge_run_on_the_embedded_default_reports_every_task() {
         assert!(row.trim_end().ends_with('x'), "a best speedup: {row}");
     }
     assert!(stdout.contains("totals: 2 turns, 2 evaluated, 2 correct (100.0%)"), "{stdout}");
+    // The report beside the store: report.html plots and report.json holds the job's metrics.
+    let line = stdout.lines().find_map(|l| l.strip_prefix("report: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let html = line.split(" (").next().expect("the html path");
+    assert!(html.contains("cli-run-binary/reports/job-") && html.ends_with("report.html"), "{line}");
+    let page = std::fs::read_to_string(html).expect("report.html written");
+    assert!(page.contains("<svg") && !page.contains("<script src"), "a self-contained page with plots");
+    let json: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(Path::new(html).with_file_name("report.json")).expect("report.json written"),
+    )
+    .expect("report.json is JSON");
+    assert!(json.to_string().contains("examples/gelu_tanh"), "{json}");
 }
 
 /// `kforge run` killed with SIGKILL after its first turn is recorded, then `kforge run --resume JOB` on the same

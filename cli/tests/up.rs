@@ -34,6 +34,7 @@ fn start_up() -> (Guard, Vec<(String, String)>) {
     command
         .env("NO_COLOR", "1")
         .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir())
+        .env("KFORGE__ORCHESTRATOR__STORE", "sqlite::memory:")
         .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false");
     command.arg("up").stdout(Stdio::piped()).stderr(Stdio::piped());
     for (section, _) in SECTIONS {
@@ -202,9 +203,6 @@ fn call_reaches_every_rpc_in_process() {
         "Profiler/Profile",
         "Profiler/SelectMetrics",
         "Profiler/GetDeviceSpec",
-        "Orchestrator/ExportSamples",
-        "Orchestrator/StartEpisode",
-        "Orchestrator/Step",
     ];
     for target in unimplemented {
         let output = run_kforge(&["call", target], "{}");
@@ -220,6 +218,9 @@ fn call_reaches_every_rpc_in_process() {
         ("Orchestrator/WatchJob", "INVALID_ARGUMENT: job_id: required"),
         ("Orchestrator/CancelJob", "INVALID_ARGUMENT: job_id: required"),
         ("Orchestrator/ListTrajectories", "INVALID_ARGUMENT: job_id: required"),
+        ("Orchestrator/ExportSamples", "INVALID_ARGUMENT: job_id: required"),
+        ("Orchestrator/StartEpisode", "INVALID_ARGUMENT: task: required"),
+        ("Orchestrator/Step", "INVALID_ARGUMENT: episode_id: required"),
     ];
     for (target, expected) in orchestrator_calls {
         let output = run_kforge(&["call", target], "{}");
@@ -244,6 +245,7 @@ fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kforge"))
         .args(args)
         .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir())
+        .env("KFORGE__ORCHESTRATOR__STORE", "sqlite::memory:")
         // A short-lived process: the header it would start precompiling dies with it half built.
         .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
         .stdin(Stdio::piped())

@@ -10,7 +10,10 @@ use tonic_health::pb::health_client::HealthClient;
 
 /// Starts `services` with `config` on ephemeral loopback ports and waits until each reports SERVING.
 pub async fn start(services: &[Service], config: &MeshConfig) -> Mesh {
-    let mesh = Mesh::start(services, config, true).await.expect("services start");
+    // The orchestrator's store in memory: a test never writes to the user's state directory.
+    let mut config = config.clone();
+    config.orchestrator.store = "sqlite::memory:".into();
+    let mesh = Mesh::start(services, &config, true).await.expect("services start");
     for &service in services {
         let channel = connect(&mesh, service, &ClientConfig::default()).await;
         wait_for(channel, service.proto_name(), ServingStatus::Serving).await;

@@ -5,15 +5,11 @@
 
 use kforge_proto::v1 as pb;
 use kforge_reward::metrics::{job_metrics_to_proto, turn_sample};
-use kforge_reward_core::MetricsParams;
+use kforge_reward_core::{MetricsParams, TurnSample};
 
 /// Metrics over `turns`, with `wall_time_s` since the job started as measured by the caller.
 pub fn job_metrics(turns: &[pb::TurnRecord], wall_time_s: f64) -> pb::JobMetrics {
-    // Not-okay detection runs with Diagnose's default opening for every job today.
-    let samples: Vec<_> =
-        turns.iter().map(|t| turn_sample(t, level(&t.task_id), t.wall_time_s.max(0.0), true)).collect();
-    let params = MetricsParams { elapsed_s: wall_time_s.max(0.0), ..MetricsParams::default() };
-    match kforge_reward_core::job_metrics(&params, &samples) {
+    match kforge_reward_core::job_metrics(&params(wall_time_s), &samples(turns)) {
         Ok(metrics) => job_metrics_to_proto(&metrics),
         Err(error) => {
             // A turn the metrics refuse (a non-finite speedup from a faulty evaluator, say) must not stop the job:
@@ -22,6 +18,17 @@ pub fn job_metrics(turns: &[pb::TurnRecord], wall_time_s: f64) -> pb::JobMetrics
             pb::JobMetrics { turns: turns.len() as u64, wall_time_s, ..Default::default() }
         }
     }
+}
+
+/// The metrics' samples of recorded turns, one per turn (the job report plots them too).
+pub fn samples(turns: &[pb::TurnRecord]) -> Vec<TurnSample> {
+    // Not-okay detection runs with Diagnose's default opening for every job today.
+    turns.iter().map(|t| turn_sample(t, level(&t.task_id), t.wall_time_s.max(0.0), true)).collect()
+}
+
+/// The metrics' parameters for a job that has run `wall_time_s`.
+pub fn params(wall_time_s: f64) -> MetricsParams {
+    MetricsParams { elapsed_s: wall_time_s.max(0.0), ..MetricsParams::default() }
 }
 
 /// The KernelBench level of a task id (`level2/17_conv` is 2); 0 for tasks without one.
