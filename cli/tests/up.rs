@@ -199,11 +199,7 @@ fn call_reaches_every_rpc_in_process() {
     let refused = run_kforge(&["call", "Evaluator/Evaluate"], "{}");
     assert!(String::from_utf8_lossy(&refused.stderr).contains("INVALID_ARGUMENT: task: required"));
 
-    let unimplemented = [
-        "Profiler/Profile",
-        "Profiler/SelectMetrics",
-        "Profiler/GetDeviceSpec",
-    ];
+    let unimplemented = ["Profiler/Profile", "Profiler/SelectMetrics", "Profiler/GetDeviceSpec"];
     for target in unimplemented {
         let output = run_kforge(&["call", target], "{}");
         let stderr = String::from_utf8_lossy(&output.stderr);
