@@ -11,7 +11,7 @@
 //! so a candidate with other flags builds as before. Device code is not touched (nvcc's `.cu` build includes
 //! `torch/types.h`, and gcc uses no precompiled header when it only preprocesses).
 //!
-//! On a GPU machine with kforge's nvcc, the same stage precompiles the start of nvcc's host compile for a source
+//! On a GPU machine with kforge's nvcc, the same stage precompiles the prefix of nvcc's host compile (the headers it starts with) for a source
 //! that includes `torch/types.h` (harness/kforge_nvcc.py, `HostPch`), per variant as extra nvcc flags, into the
 //! entry's `nvcc-host/`; compiles name it in `KFORGE_HOST_PCH`.
 
@@ -54,7 +54,7 @@ pub async fn build(
     wall: Duration,
 ) -> Result<(PathBuf, EntryLock), Unavailable> {
     let variants: Vec<String> = VARIANTS.iter().map(|(name, flags)| format!("{name}={};", flags.join(" "))).collect();
-    // The entry holds the starts of nvcc's host compile too (kforge_nvcc.HostPch, `nvcc-host/`).
+    // The entry holds the precompiled prefixes of nvcc's host compile too (kforge_nvcc.HostPch, `nvcc-host/`).
     let key = cache::key(&[python.versions_key().as_bytes(), variants.concat().as_bytes(), b"nvcc-host"]);
     let ready = |entry: Option<Entry>| match entry {
         Some(Entry::Ready(_)) => Some(Ok(())),
@@ -113,6 +113,7 @@ async fn run(
         env: python.env_on(scratch, cuda.then_some(0)),
         wall,
         background: true,
+        launcher: vec![],
     };
     let variants = VARIANTS
         .iter()
@@ -135,13 +136,13 @@ async fn run(
     if let Some(failed) = result.failed.as_ref().filter(|f| !f.is_empty()) {
         tracing::warn!(failed = %tail(&json(failed), 4000), "some bindings headers were not precompiled");
     }
-    // The starts of nvcc's host compile (GPU machines with kforge's nvcc): without one, builds parse it as before.
+    // The precompiled prefixes of nvcc's host compile (GPU machines with kforge's nvcc): without one, builds parse it as before.
     if !result.host.is_empty() {
         let failed: std::collections::BTreeMap<_, _> = result.host.iter().filter(|(_, why)| why.is_some()).collect();
         if failed.is_empty() {
             tracing::info!(variants = result.host.len(), "nvcc's host compile precompiled");
         } else {
-            tracing::warn!(failed = %tail(&json(&failed), 4000), "some starts of nvcc's host compile were not precompiled");
+            tracing::warn!(failed = %tail(&json(&failed), 4000), "some prefixes of nvcc's host compile were not precompiled");
         }
     }
     Ok(result.built.clone())

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use kforge_proto::v1 as pb;
 use serde::Deserialize;
 
-use crate::statics::{Category, Finding, Policy};
+use crate::static_checks::{Category, Finding, Policy};
 
 /// One mode's raw records, as the harness reports them.
 #[derive(Debug, Clone, Deserialize)]
@@ -69,7 +69,7 @@ pub const CPU_PYTHON_RECORD: &str = "python (outside torch operators)";
 /// What the census knows of the candidate's own code.
 #[derive(Debug, Clone, Copy)]
 pub struct Candidate<'a> {
-    /// Kernels it defines (see `statics::own_kernel_names`).
+    /// Kernels it defines (see `static_checks::own_kernel_names`).
     pub kernels: &'a [String],
     /// Whether it compiles an extension (on a CPU, the only own code there is).
     pub compiles: bool,

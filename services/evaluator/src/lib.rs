@@ -15,7 +15,10 @@ pub mod pipeline;
 pub mod protocol;
 pub mod python;
 pub mod stage;
-pub mod statics;
+pub mod static_checks;
+/// The old name of [`static_checks`], kept while callers outside this crate move to the new one.
+#[doc(hidden)]
+pub use static_checks as statics;
 pub mod stats;
 pub mod tasks;
 

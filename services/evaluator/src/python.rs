@@ -196,7 +196,7 @@ impl PythonEnv {
     /// What a compile stage needs beyond [`PythonEnv::env_on`]: the precompiled extension header, once built, on
     /// the compiler's include path (`CPATH`, searched before the `-isystem` directories where torch's headers
     /// are; gcc takes a precompiled header only where its flags match, and reads the header otherwise), the
-    /// precompiled starts of nvcc's host compile for kforge's nvcc (`KFORGE_HOST_PCH`), and the directory to read
+    /// precompiled prefix of nvcc's host compile for kforge's nvcc (`KFORGE_HOST_PCH`: the headers a source starts with, compiled once), and the directory to read
     /// them from.
     pub fn compile_env(&self) -> (Vec<(OsString, OsString)>, Vec<PathBuf>) {
         match self.bindings_pch.get() {

@@ -24,6 +24,9 @@ pub struct Stage {
     pub wall: Duration,
     /// Yields the CPU to stages on a device (compiles): see [`Limits::nice`].
     pub background: bool,
+    /// A program, with its arguments, that runs the harness's interpreter (`ncu --target-processes all`, for a
+    /// profiler): empty for the evaluator's own stages. Its files must be within `readable`.
+    pub launcher: Vec<OsString>,
 }
 
 /// What a started stage is asked to do: its mode's spec, and environment variables known only now (the device of
@@ -219,9 +222,17 @@ pub fn start(
     readable.extend(python.readable.iter().cloned());
     readable.extend(harness.parent().map(Path::to_owned));
     let result_path = stage.scratch.join("result.json");
+    let (program, args) = match stage.launcher.split_first() {
+        Some((launcher, launcher_args)) => {
+            let mut args = launcher_args.to_vec();
+            args.extend([python.python.clone().into(), harness.into()]);
+            (PathBuf::from(launcher), args)
+        }
+        None => (python.python.clone(), vec![harness.into()]),
+    };
     let job = Job {
-        program: python.python.clone(),
-        args: vec![harness.into()],
+        program,
+        args,
         env: stage.env,
         scratch: stage.scratch,
         readable,
@@ -517,6 +528,7 @@ mod tests {
             env: vec![],
             wall: Duration::from_secs(600),
             background: false,
+            launcher: vec![],
         };
         let started = start(&Sandbox::basic(), &env, &path, stage, CancellationToken::new());
         let limits = CallLimits { call: Duration::from_secs(1), busy: Duration::from_secs(2), basis: "test".into() };
@@ -565,5 +577,38 @@ mod tests {
             drop(outcome);
             tokio::time::timeout(Duration::from_secs(30), alone).await.expect("runs alone").expect("task");
         }
+    }
+
+    #[tokio::test]
+    async fn a_launcher_runs_the_harness_under_it() {
+        let dir = std::env::temp_dir().join(format!("kforge-launcher-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch");
+        let path = dir.join("stage.sh");
+        // The stage reports, as its compile's seconds, a variable only the launcher sets.
+        let script = format!(
+            "cat >/dev/null; printf '{{\"protocol\": {PROTOCOL_VERSION}, \"ok\": true, \"seconds\": %s}}' \
+             \"$LAUNCHED\" > result.json"
+        );
+        std::fs::write(&path, script).expect("script");
+        let env = PythonEnv::bare("/bin/sh".into(), None);
+        let stage = |launcher: Vec<OsString>| Stage {
+            scratch: dir.clone(),
+            readable: vec![],
+            writable: vec![],
+            env: vec![("LAUNCHED".into(), "1".into())],
+            wall: Duration::from_secs(600),
+            background: false,
+            launcher,
+        };
+        let request = || Request::plain(protocol::CompileSpec { candidate_path: dir.join("candidate.py") });
+        let launcher = vec!["/usr/bin/env".into(), "LAUNCHED=2".into()];
+        let started = start(&Sandbox::basic(), &env, &path, stage(launcher), CancellationToken::new());
+        let outcome = started.run(request(), None).await.expect("the stage ran");
+        assert!(outcome.ok(), "{}", outcome.error_text());
+        assert_eq!(outcome.result.and_then(|r| r.body.seconds), Some(2.0), "run under the launcher");
+        let started = start(&Sandbox::basic(), &env, &path, stage(vec![]), CancellationToken::new());
+        let outcome = started.run(request(), None).await.expect("the stage ran");
+        assert_eq!(outcome.result.and_then(|r| r.body.seconds), Some(1.0), "no launcher");
     }
 }

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::statics;
+use crate::static_checks;
 
 /// A task in KernelBench format.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +89,7 @@ pub fn import_kernelbench(dir: &Path) -> Result<(Vec<TaskSource>, Vec<Rejected>)
         for (_, stem, file) in files {
             let source =
                 std::fs::read_to_string(&file).map_err(|source| ImportError::Read { path: file.clone(), source })?;
-            match statics::check_task(&source) {
+            match static_checks::check_task(&source) {
                 Ok(()) => tasks.push(TaskSource { id: format!("level{level}/{stem}"), source }),
                 Err(reason) => rejected.push(Rejected { path: file, reason }),
             }
@@ -112,7 +112,7 @@ mod tests {
         let examples = examples();
         assert!(examples.len() >= 12);
         for task in &examples {
-            assert_eq!(statics::check_task(&task.source), Ok(()), "{}", task.id);
+            assert_eq!(static_checks::check_task(&task.source), Ok(()), "{}", task.id);
         }
         assert_eq!(examples[0].id, "examples/relu");
     }

@@ -48,6 +48,7 @@ async fn compile_with(harness: &Path, dir: &Path) -> Result<String, StageError> 
         env: env.env_on(&stage_dir, None),
         wall: std::time::Duration::from_secs(300),
         background: false,
+        launcher: vec![],
     };
     let started = stage::start(&Sandbox::basic(), &env, harness, stage, CancellationToken::new());
     let request = Request::plain(CompileSpec { candidate_path: stage_dir.join("candidate.py") });

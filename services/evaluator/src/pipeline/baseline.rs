@@ -7,7 +7,7 @@ use std::time::Duration;
 use kforge_sandbox::tail as cap;
 use tokio_util::sync::CancellationToken;
 
-use super::{Backend, Evaluator, InfraError, Job, RemoveOnDrop};
+use super::{Backend, Evaluator, InfraError, RemoveOnDrop, Submission};
 use crate::cache::{self, Entry};
 use crate::devices::Lane;
 use crate::protocol::{BaselineSpec, Mode, TimingSpec};
@@ -64,25 +64,27 @@ impl Evaluator {
     /// the cache's lock, instead of holding its slot while the baseline's torch.compile runs. It runs to the end
     /// whatever becomes of the evaluation (the next one of the task needs it too); a failure is only logged, and
     /// met again, and reported, by the evaluation's own [`Self::baseline`].
-    pub(super) fn baseline_ahead(&self, job: &Job) {
+    pub(super) fn baseline_ahead(&self, submission: &Submission) {
         let inner = &self.inner;
-        if !(inner.config.baselines_ahead && job.measure && job.backend != Backend::Cpu) {
+        if !(inner.config.baselines_ahead && submission.measure && submission.backend != Backend::Cpu) {
             return;
         }
         let Some(lane) = inner.lanes.outside_slots() else { return };
-        let task_key = cache::key(&[job.task.as_bytes()]);
+        let task_key = cache::key(&[submission.task.as_bytes()]);
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
         let scratch = self.scratch_dir("baseline-");
-        let (evaluator, job) = (self.clone(), job.clone());
+        let (evaluator, submission) = (self.clone(), submission.clone());
         tokio::spawn(async move {
             let _cleanup = RemoveOnDrop(scratch.clone());
             let cancel = CancellationToken::new();
             let computed = match std::fs::create_dir_all(&scratch) {
-                Ok(()) => evaluator.baseline(&job, &lane, init_seed, &timing_seeds, &scratch, &cancel).await.map(drop),
+                Ok(()) => {
+                    evaluator.baseline(&submission, &lane, init_seed, &timing_seeds, &scratch, &cancel).await.map(drop)
+                }
                 Err(error) => Err(InfraError::files(format!("scratch directory {}", scratch.display()))(error)),
             };
             if let Err(error) = computed {
-                tracing::warn!(task = %job.task_id, %error, "the baseline computed ahead failed");
+                tracing::warn!(task = %submission.task_id, %error, "the baseline computed ahead failed");
             }
         });
     }
@@ -90,7 +92,7 @@ impl Evaluator {
     /// Eager and torch.compile samples of the reference, from the cache or a clean child.
     pub(super) async fn baseline(
         &self,
-        job: &Job,
+        submission: &Submission,
         lane: &Lane,
         init_seed: u64,
         timing_seeds: &[u64],
@@ -101,7 +103,7 @@ impl Evaluator {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         let with_compile = inner.config.baseline_torch_compile;
-        let key = self.baseline_key(job, gpu);
+        let key = self.baseline_key(submission, gpu);
         if let Some(Entry::Ready(text)) = inner.baselines.get(&key) {
             inner.metrics.cache("baseline", true);
             return Baseline::parse(&text);
@@ -112,7 +114,7 @@ impl Evaluator {
             return Baseline::parse(&text);
         }
         inner.metrics.cache("baseline", false);
-        std::fs::write(scratch.join("task.py"), &job.task).map_err(InfraError::files("writing task.py"))?;
+        std::fs::write(scratch.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
         let mut env = python.env_on(scratch, gpu);
         env.push(("TORCHINDUCTOR_CACHE_DIR".into(), scratch.join("inductor").into()));
         env.push(("TRITON_CACHE_DIR".into(), scratch.join("triton").into()));
@@ -123,6 +125,7 @@ impl Evaluator {
             env,
             wall: Duration::from_secs(inner.config.run_timeout_secs),
             background: false,
+            launcher: vec![],
         };
         let request = Request::plain(BaselineSpec {
             task_path: scratch.join("task.py"),
@@ -145,7 +148,7 @@ impl Evaluator {
         }
         let result = outcome.result.map(|r| r.body).unwrap_or_default();
         if let Some(error) = &result.compile_error {
-            tracing::warn!(task = %job.task_id, %error, "torch.compile baseline unavailable");
+            tracing::warn!(task = %submission.task_id, %error, "torch.compile baseline unavailable");
         }
         let Some(eager) = result.eager_ms else {
             let error = "no readable eager samples".to_owned();
@@ -161,13 +164,13 @@ impl Evaluator {
         Ok(baseline)
     }
 
-    /// The baseline cache's key of `job`'s task on `gpu` (or the CPU).
-    pub(super) fn baseline_key(&self, job: &Job, gpu: Option<usize>) -> String {
+    /// The baseline cache's key of `submission`'s task on `gpu` (or the CPU).
+    pub(super) fn baseline_key(&self, submission: &Submission, gpu: Option<usize>) -> String {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         let timing = serde_json::to_string(&inner.config.timing).unwrap_or_default();
         cache::key(&[
-            job.task.as_bytes(),
+            submission.task.as_bytes(),
             python.device_name(gpu).as_bytes(),
             python.versions_key().as_bytes(),
             timing.as_bytes(),

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::baseline::Baseline;
 use super::timing::call_limits;
 use super::verdict::{candidate_failure, hack_finding};
-use super::{Backend, Evaluator, InfraError, Job};
+use super::{Backend, Evaluator, InfraError, Submission};
 use crate::cache::Entry;
 use crate::devices::Lane;
 use crate::protocol::{CandidatePlacement, CandidateResult, CandidateRun, CandidateSpec, Mode, Report, TimingSpec};
@@ -22,7 +22,7 @@ impl Evaluator {
     /// meanwhile. Its device comes with the request.
     pub(super) fn start_candidate(
         &self,
-        job: &Job,
+        submission: &Submission,
         dir: &Path,
         artifact_dir: &Path,
         cancel: &CancellationToken,
@@ -30,11 +30,11 @@ impl Evaluator {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         std::fs::create_dir_all(dir).map_err(InfraError::files(format!("scratch directory {}", dir.display())))?;
-        for (name, source) in [("task.py", &job.task), ("candidate.py", &job.candidate)] {
+        for (name, source) in [("task.py", &submission.task), ("candidate.py", &submission.candidate)] {
             std::fs::write(dir.join(name), source).map_err(InfraError::files(format!("writing {name}")))?;
         }
         let mut env = python.env(dir);
-        if job.backend == Backend::Cpu {
+        if submission.backend == Backend::Cpu {
             // Hidden from the start: a CPU evaluation never sees a GPU.
             env.extend(python.device_env(None).into_iter().map(|(k, v)| (k.into(), v.into())));
         } else {
@@ -51,6 +51,7 @@ impl Evaluator {
             env,
             wall: Duration::from_secs(inner.config.run_timeout_secs),
             background: false,
+            launcher: vec![],
         };
         Ok(self.start(stage, cancel))
     }
@@ -59,7 +60,7 @@ impl Evaluator {
     /// candidate's process again there. The directory itself stays: the checker was started with it readable.
     pub(super) fn restart_candidate(
         &self,
-        job: &Job,
+        submission: &Submission,
         dir: &Path,
         artifact_dir: &Path,
         cancel: &CancellationToken,
@@ -71,7 +72,7 @@ impl Evaluator {
             let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
             removed.map_err(InfraError::files(format!("clearing {}", path.display())))?;
         }
-        self.start_candidate(job, dir, artifact_dir, cancel)
+        self.start_candidate(submission, dir, artifact_dir, cancel)
     }
 
     /// Runs the candidate's started process on `lane` with `spec`.
@@ -146,7 +147,7 @@ impl Evaluator {
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn remeasure(
         &self,
-        job: &Job,
+        submission: &Submission,
         lane: &Lane,
         task_key: &str,
         init_seed: u64,
@@ -167,15 +168,15 @@ impl Evaluator {
             census_calls: 0,
         };
         let dir = scratch.join("remeasure");
-        let started = self.start_candidate(job, &dir, artifact_dir, cancel)?;
-        self.candidate_stage(started, lane, &dir, spec, self.call_limits(job, lane.gpu())).await
+        let started = self.start_candidate(submission, &dir, artifact_dir, cancel)?;
+        self.candidate_stage(started, lane, &dir, spec, self.call_limits(submission, lane.gpu())).await
     }
 
-    /// How long each call of `job`'s candidate may run on `gpu`: from the task's eager median where its baseline
+    /// How long each call of `submission`'s candidate may run on `gpu`: from the task's eager median where its baseline
     /// is cached, else the limit for tasks not measured yet.
-    pub(super) fn call_limits(&self, job: &Job, gpu: Option<usize>) -> CallLimits {
+    pub(super) fn call_limits(&self, submission: &Submission, gpu: Option<usize>) -> CallLimits {
         let config = &self.inner.config.call_limits;
-        let reference_ms = match self.inner.baselines.get(&self.baseline_key(job, gpu)) {
+        let reference_ms = match self.inner.baselines.get(&self.baseline_key(submission, gpu)) {
             Some(Entry::Ready(text)) => {
                 Baseline::parse(&text).ok().and_then(|baseline| timing_stats(baseline.eager)).map(|s| s.median_ms)
             }

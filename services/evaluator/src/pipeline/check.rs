@@ -10,7 +10,7 @@ use kforge_sandbox::tail as cap;
 use tokio_util::sync::CancellationToken;
 
 use super::verdict::mismatch_proto;
-use super::{Evaluator, InfraError, Job};
+use super::{Evaluator, InfraError, Submission};
 use crate::cache::{self, Entry};
 use crate::devices::{self, Lane};
 use crate::protocol::{CompareSpec, Sensitivity, StageSpec};
@@ -54,7 +54,7 @@ impl Evaluator {
     /// starts while the candidate runs.
     pub(super) async fn prepare_check(
         &self,
-        job: &Job,
+        submission: &Submission,
         lane: &Lane,
         trials: &Trials<'_>,
         scratch: &Path,
@@ -72,7 +72,7 @@ impl Evaluator {
         }
         let device_name = python.device_name(gpu);
         let key = cache::key(&[
-            job.task.as_bytes(),
+            submission.task.as_bytes(),
             seed_text.as_bytes(),
             init_seed.to_string().as_bytes(),
             device_name.as_bytes(),
@@ -99,7 +99,7 @@ impl Evaluator {
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
         // The reference's peak device memory, recorded in its cache entry (none in entries from before it was).
-        let peak_key = (cache::key(&[job.task.as_bytes()]), device_name.to_owned());
+        let peak_key = (cache::key(&[submission.task.as_bytes()]), device_name.to_owned());
         let (lock, pin) = match inner.references.get(&key) {
             Some(_) => {
                 let pin = inner.references.pin(&key).await.map_err(InfraError::cache("reference pin"))?;
@@ -129,6 +129,7 @@ impl Evaluator {
             env: python.env_on(scratch, gpu),
             wall: Duration::from_secs(inner.config.run_timeout_secs),
             background: false,
+            launcher: vec![],
         };
         Ok(PreparedCheck { started: self.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
     }

@@ -8,7 +8,7 @@ use kforge_proto::v1 as pb;
 use kforge_sandbox::{Exit, tail as cap};
 use tokio_util::sync::CancellationToken;
 
-use super::{Backend, Evaluator, InfraError, Job, ms};
+use super::{Backend, Evaluator, InfraError, Submission, ms};
 use crate::cache::Entry;
 use crate::protocol::{CompileSpec, Mode};
 use crate::python::PythonEnv;
@@ -37,7 +37,7 @@ impl Evaluator {
     /// Builds the candidate's extensions into the artifact cache; `Some(verdict)` when the evaluation ends here.
     pub(super) async fn compile(
         &self,
-        job: &Job,
+        submission: &Submission,
         key: &str,
         scratch: &Path,
         cancel: &CancellationToken,
@@ -62,12 +62,12 @@ impl Evaluator {
         }
         inner.metrics.cache("artifact", false);
         let artifact_dir = inner.artifacts.dir(key);
-        // The build directory (`ext`) is the job's to make, so it is its group's.
+        // The build directory (`ext`) is the compile's process's to make, so it is its (job users') group's.
         std::fs::create_dir_all(&artifact_dir)
-            .and_then(|()| std::fs::write(scratch.join("candidate.py"), &job.candidate))
+            .and_then(|()| std::fs::write(scratch.join("candidate.py"), &submission.candidate))
             .map_err(InfraError::files("preparing the compile"))?;
         // A CPU build must not pick up a GPU toolchain by accident.
-        let gpu = (job.backend != Backend::Cpu).then_some(0);
+        let gpu = (submission.backend != Backend::Cpu).then_some(0);
         let mut env = python.env_on(scratch, gpu);
         env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
         let (pch_env, pch_readable) = python.compile_env();
@@ -80,6 +80,7 @@ impl Evaluator {
             wall: Duration::from_secs(inner.config.compile_timeout_secs),
             // Compiles fill every core; the stages holding a device go first.
             background: true,
+            launcher: vec![],
         };
         let request = Request::plain(CompileSpec { candidate_path: scratch.join("candidate.py") });
         let outcome =

@@ -31,7 +31,7 @@ use crate::metrics::EvaluatorMetrics;
 use crate::protocol::{CandidateRun, Report, Sensitivity, StageSpec, TimingSpec};
 use crate::python::PythonEnv;
 use crate::stage::{self, Joining, Request, Stage, StageError, StageOutcome, Started};
-use crate::statics::{self, Category, Policy};
+use crate::static_checks::{self, Category, Policy};
 use crate::stats::timing_stats;
 
 mod baseline;
@@ -51,7 +51,7 @@ use verdict::{finding_proto, hack_finding, out_of_memory};
 
 pub use error::InfraError;
 pub use request::RequestError;
-use request::{Backend, Job};
+use request::{Backend, Submission};
 
 tokio::task_local! {
     /// CPU milliseconds of the current evaluation's harness stages (each process and the children it waited for,
@@ -163,7 +163,7 @@ impl Evaluator {
 
     /// Evaluates one request. Dropping the returned future cancels the evaluation and kills its children.
     pub async fn evaluate(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, RequestError> {
-        let job = self.validate(request)?;
+        let submission = self.validate(request)?;
         let permit = self.inner.admission.clone().try_acquire_owned().map_err(|_| RequestError::QueueFull {
             capacity: self.inner.config.queue_capacity,
             retry_after_secs: 30,
@@ -174,11 +174,11 @@ impl Evaluator {
         let _cleanup = RemoveOnDrop(scratch.clone());
         let cancel = CancellationToken::new();
         let _cancel_on_drop = cancel.clone().drop_guard();
-        let mut response = pb::EvaluateResponse { request_id: job.request_id.clone(), ..Default::default() };
+        let mut response = pb::EvaluateResponse { request_id: submission.request_id.clone(), ..Default::default() };
         let mut lane_held = None;
         let (verdict, stage_cpu) = STAGE_CPU
             .scope(RefCell::default(), async {
-                let verdict = match self.run(&job, &scratch, &cancel, &mut response, &mut lane_held).await {
+                let verdict = match self.run(&submission, &scratch, &cancel, &mut response, &mut lane_held).await {
                     Ok(verdict) => verdict,
                     Err(error) => self.infra_error(error, &mut response),
                 };
@@ -217,7 +217,7 @@ impl Evaluator {
     /// Runs every stage, filling `response`; returns the verdict.
     async fn run(
         &self,
-        job: &Job,
+        submission: &Submission,
         scratch: &Path,
         cancel: &CancellationToken,
         response: &mut pb::EvaluateResponse,
@@ -227,8 +227,8 @@ impl Evaluator {
         let python = inner.python.as_ref().expect("validate checked the environment");
 
         let started = Instant::now();
-        let mut report = statics::check_candidate(&job.candidate, job.policy);
-        report.findings.extend(statics::precision_downgrade(&job.candidate, &job.task));
+        let mut report = static_checks::check_candidate(&submission.candidate, submission.policy);
+        report.findings.extend(static_checks::precision_downgrade(&submission.candidate, &submission.task));
         response.findings.extend(report.findings.iter().map(finding_proto));
         response.stage_ms.insert("static".into(), ms(started.elapsed()));
         if report.syntax_error {
@@ -237,7 +237,7 @@ impl Evaluator {
         if report.rejected() {
             return Ok(pb::Verdict::Rejected);
         }
-        let own_kernels = statics::own_kernel_names(&job.candidate);
+        let own_kernels = static_checks::own_kernel_names(&submission.candidate);
 
         let stage_dirs = ["compile", "candidate", "check", "baseline"].map(|stage| scratch.join(stage));
         for dir in &stage_dirs {
@@ -245,14 +245,14 @@ impl Evaluator {
         }
         let [compile_dir, candidate_dir, check_dir, baseline_dir] = stage_dirs;
         let versions = python.versions_key();
-        let task_key = cache::key(&[job.task.as_bytes()]);
+        let task_key = cache::key(&[submission.task.as_bytes()]);
 
-        self.baseline_ahead(job);
+        self.baseline_ahead(submission);
 
         // Compile: only candidates that build extensions; the rest are imported where they run.
         let artifact_key = cache::key(&[
-            job.candidate.as_bytes(),
-            job.backend.name().as_bytes(),
+            submission.candidate.as_bytes(),
+            submission.backend.name().as_bytes(),
             versions.as_bytes(),
             gpu_arch(python).as_bytes(),
             inner.config.build_recipe.name().as_bytes(),
@@ -261,12 +261,12 @@ impl Evaluator {
             if inner.sandbox.job_users_active() { b"owned by the jobs' group" } else { b"owned by the evaluator" },
         ]);
         let artifact_dir = inner.artifacts.dir(&artifact_key);
-        let compiles = builds_extension(&job.candidate);
+        let compiles = builds_extension(&submission.candidate);
         // The built extension is pinned until the evaluation ends, so eviction cannot take it meanwhile.
         let mut _artifact_pin = None;
         if compiles {
             let started = Instant::now();
-            let compiled = self.compile(job, &artifact_key, &compile_dir, cancel, response).await?;
+            let compiled = self.compile(submission, &artifact_key, &compile_dir, cancel, response).await?;
             // The build itself: time waiting for a compile worker is `queue_compile`.
             let queued = response.stage_ms.get("queue_compile").copied().unwrap_or(0.0);
             response.stage_ms.insert("compile".into(), ms(started.elapsed()) - queued);
@@ -281,11 +281,11 @@ impl Evaluator {
         }
 
         // Started before the lane: the interpreter and torch load while other evaluations use the device.
-        let candidate_process = self.start_candidate(job, &candidate_dir, &artifact_dir, cancel)?;
+        let candidate_process = self.start_candidate(submission, &candidate_dir, &artifact_dir, cancel)?;
         let started = Instant::now();
-        let on_gpu = job.backend != Backend::Cpu;
+        let on_gpu = submission.backend != Backend::Cpu;
         let footprint = if on_gpu { self.footprint(&task_key) } else { None };
-        let lane = inner.lanes.acquire(on_gpu, job.priority, &job.job_id, footprint).await?;
+        let lane = inner.lanes.acquire(on_gpu, submission.priority, &submission.job_id, footprint).await?;
         if on_gpu {
             response.reference_peak_bytes = self.reference_peak(&task_key).unwrap_or(0);
         }
@@ -294,14 +294,14 @@ impl Evaluator {
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         response.device = python.device_name(gpu).to_owned();
         // The last `recheck_trials` trials run after timing and the census.
-        let mut seeds = self.seeds(&task_key, "trial", (job.trials + inner.config.recheck_trials) as usize);
-        let recheck_from = job.trials as usize;
+        let mut seeds = self.seeds(&task_key, "trial", (submission.trials + inner.config.recheck_trials) as usize);
+        let recheck_from = submission.trials as usize;
         let sensitivity = self.sensitivity_trial(&task_key, &mut seeds, recheck_from);
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
-        std::fs::write(check_dir.join("task.py"), &job.task).map_err(InfraError::files("writing task.py"))?;
+        std::fs::write(check_dir.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
         // The clean process that checks the outputs starts now, while the candidate runs.
         let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity };
-        let check = self.prepare_check(job, &lane, &trials, &check_dir, &candidate_dir, cancel).await?;
+        let check = self.prepare_check(submission, &lane, &trials, &check_dir, &candidate_dir, cancel).await?;
 
         // The candidate first: nothing of the reference has run on this device for this evaluation.
         let started = Instant::now();
@@ -311,11 +311,11 @@ impl Evaluator {
             recheck_from,
             sensitivity,
             output_bytes_budget: inner.config.output_bytes_budget,
-            timing: job.measure.then(|| TimingSpec::from(&inner.config.timing)),
+            timing: submission.measure.then(|| TimingSpec::from(&inner.config.timing)),
             timing_seeds: timing_seeds.clone(),
-            census_calls: if job.census { inner.config.census_calls } else { 0 },
+            census_calls: if submission.census { inner.config.census_calls } else { 0 },
         };
-        let limits = self.call_limits(job, gpu);
+        let limits = self.call_limits(submission, gpu);
         let mut candidate =
             self.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone(), limits.clone()).await;
         if lane.shared() && candidate.as_ref().is_ok_and(out_of_memory) {
@@ -328,7 +328,7 @@ impl Evaluator {
                 line: 0,
                 category: pb::FindingCategory::Notice as i32,
             });
-            let process = self.restart_candidate(job, &candidate_dir, &artifact_dir, cancel)?;
+            let process = self.restart_candidate(submission, &candidate_dir, &artifact_dir, cancel)?;
             candidate = self.candidate_stage(process, &lane, &candidate_dir, spec, limits.clone()).await;
         }
         response.stage_ms.insert("run".into(), ms(started.elapsed()));
@@ -347,7 +347,7 @@ impl Evaluator {
         // Correctness, in a clean process.
         let started = Instant::now();
         // The output of the last timed call is checked too, on its rebuilt inputs.
-        let timed_call = result.last_call.filter(|_| job.measure);
+        let timed_call = result.last_call.filter(|_| submission.measure);
         let checked = self.check(check, &lane, timed_call).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         if let Ok((_, Some(compared))) = &checked
@@ -389,7 +389,7 @@ impl Evaluator {
             Err(error) => return Err(error),
         }
 
-        if job.measure {
+        if submission.measure {
             let started = Instant::now();
             let measured = match timing_samples(&result) {
                 Ok(measured) => measured,
@@ -398,7 +398,7 @@ impl Evaluator {
                     return Ok(pb::Verdict::Hack);
                 }
             };
-            let baseline = self.baseline(job, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await?;
+            let baseline = self.baseline(submission, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await?;
             if let Some(finding) = wall_clock_mismatch(&measured, &baseline) {
                 response.findings.push(finding);
                 return Ok(pb::Verdict::Hack);
@@ -415,7 +415,8 @@ impl Evaluator {
             if bound > 0.0 && response.speedup_eager > bound {
                 let started = Instant::now();
                 let first = response.speedup_eager;
-                let again = self.remeasure(job, &lane, &task_key, init_seed, &artifact_dir, scratch, cancel).await;
+                let again =
+                    self.remeasure(submission, &lane, &task_key, init_seed, &artifact_dir, scratch, cancel).await;
                 response.stage_ms.insert("remeasure".into(), ms(started.elapsed()));
                 let result = match self.candidate_result(again, gpu, response)? {
                     Ok(result) => result,
@@ -466,7 +467,7 @@ impl Evaluator {
             };
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
             let candidate =
-                census::Candidate { kernels: &own_kernels, compiles, median_ms: median, policy: job.policy };
+                census::Candidate { kernels: &own_kernels, compiles, median_ms: median, policy: submission.policy };
             let census = census::analyse(&modes, candidate, gpu.is_some());
             response.kernels = census.kernels;
             response.profiling_ratio = census.profiling_ratio;

@@ -1,9 +1,9 @@
-//! A request checked before evaluation: refused with a [`RequestError`] naming the field, or made a [`Job`].
+//! A request checked before evaluation: refused with a [`RequestError`] naming the field, or made a [`Submission`].
 
 use kforge_proto::v1 as pb;
 
 use super::Evaluator;
-use crate::statics::{self, Policy};
+use crate::static_checks::{self, Policy};
 /// Why a request was refused before evaluation (a verdict is never an error).
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
@@ -37,9 +37,10 @@ impl Backend {
     }
 }
 
-/// A validated request.
+/// A validated request: the task, the candidate and how to evaluate it (distinct from the orchestrator's job,
+/// `job_id`, and the sandbox's `Job`, a process to run).
 #[derive(Debug, Clone)]
-pub(super) struct Job {
+pub(super) struct Submission {
     pub(super) request_id: String,
     pub(super) task_id: String,
     pub(super) task: String,
@@ -54,7 +55,7 @@ pub(super) struct Job {
 }
 
 impl Evaluator {
-    pub(super) fn validate(&self, request: pb::EvaluateRequest) -> Result<Job, RequestError> {
+    pub(super) fn validate(&self, request: pb::EvaluateRequest) -> Result<Submission, RequestError> {
         let config = &self.inner.config;
         let pb::EvaluateRequest {
             request_id,
@@ -79,7 +80,7 @@ impl Evaluator {
                 format!("{} bytes, over the {}-byte limit", task.source.len(), config.max_source_bytes),
             ));
         }
-        statics::check_task(&task.source).map_err(|reason| invalid("task.source", reason))?;
+        static_checks::check_task(&task.source).map_err(|reason| invalid("task.source", reason))?;
         if candidate_source.trim().is_empty() {
             return Err(invalid("candidate_source", "required"));
         }
@@ -115,7 +116,7 @@ impl Evaluator {
             return Err(invalid("correctness_trials", format!("{trials} is over the limit of 100")));
         }
         let task_id = if task.task_id.is_empty() { "task".to_owned() } else { task.task_id };
-        Ok(Job {
+        Ok(Submission {
             request_id,
             task_id,
             task: task.source,

@@ -7,7 +7,7 @@ use kforge_sandbox::{Exit, tail as cap};
 use super::InfraError;
 use crate::protocol::MismatchRecord;
 use crate::stage::StageOutcome;
-use crate::statics::{self, Category};
+use crate::static_checks::{self, Category};
 
 /// The verdict of a candidate stage that did not finish cleanly; `None` when it did; an error where the failure
 /// is the evaluator's.
@@ -83,7 +83,7 @@ pub(super) fn hack_finding(code: impl Into<String>, message: impl Into<String>) 
     pb::Finding { code: code.into(), message: message.into(), line: 0, category: pb::FindingCategory::Hack as i32 }
 }
 
-pub(super) fn finding_proto(finding: &statics::Finding) -> pb::Finding {
+pub(super) fn finding_proto(finding: &static_checks::Finding) -> pb::Finding {
     let category = match finding.category {
         Category::Hack => pb::FindingCategory::Hack,
         Category::Policy => pb::FindingCategory::Policy,
@@ -137,7 +137,7 @@ mod tests {
 
     #[test]
     fn findings_keep_their_category() {
-        let finding = statics::Finding {
+        let finding = static_checks::Finding {
             code: "policy.torch_op",
             message: "uses torch.matmul".into(),
             line: 7,
