@@ -10,6 +10,7 @@ pub mod cache;
 pub mod census;
 pub mod config;
 pub mod devices;
+pub mod disk;
 pub mod metrics;
 pub mod pipeline;
 pub mod protocol;

@@ -27,6 +27,7 @@ use crate::cache::{self, Cache};
 use crate::census;
 use crate::config::EvaluatorConfig;
 use crate::devices::{self, Lane, Lanes, MemberTimes};
+use crate::disk::{DiskBudget, OutputPlan};
 use crate::metrics::EvaluatorMetrics;
 use crate::protocol::{CandidateRun, Report, Sensitivity, StageSpec, TimingSpec};
 use crate::python::PythonEnv;
@@ -71,6 +72,8 @@ struct Inner {
     compile_slots: Semaphore,
     lanes: Arc<Lanes>,
     admission: Arc<Semaphore>,
+    /// The disk the evaluations' files may take at once (`disk.rs`).
+    disk: DiskBudget,
     secret: u64,
     metrics: EvaluatorMetrics,
     /// Peak device memory of each task's reference, by (task key, device name), as the reference stage measured
@@ -280,11 +283,31 @@ impl Evaluator {
             }
         }
 
+        // On a GPU, the task's sizes (a dry run on the meta device, once per task): the disk its files take, and
+        // its footprint before its reference has run. The files' share of the disk is reserved before the
+        // candidate starts, and held until the evaluation ends.
+        let on_gpu = submission.backend != Backend::Cpu;
+        let mut _disk = None;
+        let mut sizes = None;
+        if on_gpu {
+            let started = Instant::now();
+            let dry_run = scratch.join("sizes");
+            sizes = inner.disk.task_sizes(&task_key, &submission.task, &inner.sandbox, python, &dry_run).await;
+            let plan = OutputPlan {
+                trials: u64::from(submission.trials + inner.config.recheck_trials),
+                budget: inner.config.output_bytes_budget,
+            };
+            _disk = Some(inner.disk.reserve(inner.disk.need(sizes, plan)).await);
+            response.stage_ms.insert("queue_disk".into(), ms(started.elapsed()));
+        }
+
         // Started before the lane: the interpreter and torch load while other evaluations use the device.
         let candidate_process = self.start_candidate(submission, &candidate_dir, &artifact_dir, cancel)?;
         let started = Instant::now();
-        let on_gpu = submission.backend != Backend::Cpu;
-        let footprint = if on_gpu { self.footprint(&task_key) } else { None };
+        let footprint = match on_gpu {
+            true => self.footprint(&task_key).or(sizes.map(|s| devices::footprint(s.input_bytes + s.output_bytes))),
+            false => None,
+        };
         let lane = inner.lanes.acquire(on_gpu, submission.priority, &submission.job_id, footprint).await?;
         if on_gpu {
             response.reference_peak_bytes = self.reference_peak(&task_key).unwrap_or(0);

@@ -14,6 +14,7 @@ use crate::bindings_pch;
 use crate::cache::Cache;
 use crate::config::{BuildRecipe, EvaluatorConfig};
 use crate::devices::Lanes;
+use crate::disk::{self, DiskBudget};
 use crate::metrics::EvaluatorMetrics;
 use crate::python::{self, PythonEnv};
 /// Each GPU's memory budget for admission (`EvaluatorConfig::gpu_memory_budget`).
@@ -104,12 +105,23 @@ impl Evaluator {
             0 => std::thread::available_parallelism().map_or(2, usize::from),
             n => n,
         };
+        // The disk: the evaluations' files get `disk_budget_bytes` (by default half of what is available now), the
+        // reference cache at most a quarter of what is available.
+        let available = disk::available_bytes(&work);
+        let disk_budget = match config.disk_budget_bytes {
+            0 => available.map_or(64 << 30, |bytes| bytes / 2),
+            bytes => bytes,
+        };
+        let references_bytes = available
+            .map_or(config.cache_limits.references_bytes, |bytes| config.cache_limits.references_bytes.min(bytes / 4));
+        tracing::info!(available, disk_budget, references_bytes, "disk budget");
         Ok(Self {
             inner: Arc::new(Inner {
                 artifacts: Cache::new(work.join("artifacts"), config.cache_limits.artifacts_bytes)?,
-                references: Cache::new(work.join("references"), config.cache_limits.references_bytes)?,
+                references: Cache::new(work.join("references"), references_bytes)?,
                 baselines: Cache::new(work.join("baselines"), config.cache_limits.baselines_bytes)?,
                 admission: Arc::new(Semaphore::new(config.queue_capacity)),
+                disk: DiskBudget::new(disk_budget),
                 compile_slots: Semaphore::new(compile_workers),
                 lanes: Lanes::with_budgets(
                     gpu_memory_budgets(&config, &python),

@@ -1,0 +1,242 @@
+//! The disk an evaluation's files take, and admission by it.
+//!
+//! Outputs travel from the candidate's process to the checker's as files, and reference outputs are cached on
+//! disk: a KernelBench level-1 task with 8 GiB outputs writes about 40 GiB (two kept trials and the timed call's
+//! output on the candidate's side, two trials in its reference entry), so four such evaluations at once fill a
+//! 64 GiB disk. Each GPU evaluation therefore reserves the bytes its files will take before it starts its
+//! candidate, out of a budget ([`DiskBudget`]): `disk_budget_bytes`, by default half the space available in the
+//! work directory when the evaluator starts. The bytes follow from the task's shapes ([`TaskSizes`]), found by a
+//! dry run of the task on PyTorch's meta device (shapes only: no memory, no kernels) in the sandbox, once per task
+//! and kept for the evaluator's life. Where the dry run cannot tell (a task that reads a value, or names a device
+//! of its own), the evaluation reserves the whole budget: it writes alone. The same sizes give memory-aware
+//! admission a footprint for a task whose reference has not run yet.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kforge_sandbox::{Job, Limits, Sandbox};
+use serde::Deserialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::python::PythonEnv;
+
+/// Reservations count whole mebibytes.
+const UNIT: u64 = 1 << 20;
+
+/// The bytes of one trial's inputs and outputs, as the task's shapes give them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct TaskSizes {
+    pub input_bytes: u64,
+    pub output_bytes: u64,
+}
+
+/// How an evaluation keeps its outputs: what [`files_bytes`] needs besides the task's sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct OutputPlan {
+    /// Correctness trials in all (re-checks included).
+    pub trials: u64,
+    /// `output_bytes_budget`: the most bytes of outputs a side keeps (0: every trial), at least two trials.
+    pub budget: u64,
+}
+
+impl OutputPlan {
+    /// Trials whose outputs a side keeps, for outputs of `output_bytes` a trial (the harness's `kept_trials`).
+    pub fn kept(&self, output_bytes: u64) -> u64 {
+        if self.budget == 0 || output_bytes == 0 {
+            return self.trials;
+        }
+        self.trials.min((self.budget / output_bytes).max(2))
+    }
+}
+
+/// The bytes an evaluation's files take on disk: the candidate's kept trials and its timed call's output, and the
+/// reference's kept trials (in its cache entry, written by the evaluation when the entry is new; counted always,
+/// so an evaluation never depends on the entry staying cached).
+pub fn files_bytes(sizes: TaskSizes, plan: OutputPlan) -> u64 {
+    let kept = plan.kept(sizes.output_bytes);
+    (2 * kept + 1).saturating_mul(sizes.output_bytes)
+}
+
+/// Bytes available to an unprivileged writer on the filesystem holding `path`.
+pub fn available_bytes(path: &Path) -> Option<u64> {
+    let stat = rustix::fs::statvfs(path).ok()?;
+    Some(stat.f_bavail.saturating_mul(stat.f_frsize))
+}
+
+/// The disk budget shared by every evaluation of this evaluator, and each task's sizes once known.
+#[derive(Debug)]
+pub struct DiskBudget {
+    permits: Arc<Semaphore>,
+    capacity: u64,
+    /// By task key: the sizes its dry run gave, or `None` where it could not tell.
+    sizes: Mutex<HashMap<String, Option<TaskSizes>>>,
+}
+
+impl DiskBudget {
+    /// A budget of `capacity` bytes (at least one unit).
+    pub fn new(capacity: u64) -> Self {
+        let units = (capacity / UNIT).max(1);
+        let units = units.min(Semaphore::MAX_PERMITS as u64);
+        Self { permits: Arc::new(Semaphore::new(units as usize)), capacity: units * UNIT, sizes: Mutex::default() }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes not reserved now.
+    pub fn unreserved(&self) -> u64 {
+        self.permits.available_permits() as u64 * UNIT
+    }
+
+    /// Waits until `bytes` (rounded up to a unit, at most the whole budget) are free and reserves them until the
+    /// returned permit drops. Waiters are served in order.
+    pub async fn reserve(&self, bytes: u64) -> OwnedSemaphorePermit {
+        let units = bytes.div_ceil(UNIT).clamp(1, self.capacity / UNIT);
+        self.permits.clone().acquire_many_owned(units as u32).await.expect("the disk budget is never closed")
+    }
+
+    /// The bytes to reserve for an evaluation of a task of `sizes` (the whole budget where they are unknown).
+    pub fn need(&self, sizes: Option<TaskSizes>, plan: OutputPlan) -> u64 {
+        sizes.map_or(self.capacity, |sizes| files_bytes(sizes, plan).min(self.capacity))
+    }
+
+    /// The task's sizes: known, or found now by a dry run in `sandbox` (at most one per task at a time is not
+    /// guaranteed: two first evaluations of one task may both run it, and agree).
+    pub async fn task_sizes(
+        &self,
+        task_key: &str,
+        task_source: &str,
+        sandbox: &Sandbox,
+        python: &PythonEnv,
+        scratch: &Path,
+    ) -> Option<TaskSizes> {
+        if let Some(known) = self.sizes.lock().expect("never poisoned").get(task_key) {
+            return *known;
+        }
+        let sizes = dry_run(task_source, sandbox, python, scratch).await;
+        if let Err(error) = &sizes {
+            tracing::info!(%error, task = task_key, "the task's sizes are unknown: its evaluations write alone");
+        }
+        let sizes = sizes.ok();
+        self.sizes.lock().expect("never poisoned").insert(task_key.to_owned(), sizes);
+        sizes
+    }
+}
+
+/// Why a dry run told nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum DryRunError {
+    #[error("writing the task for its dry run: {0}")]
+    Files(#[from] std::io::Error),
+    #[error("starting the dry run: {0}")]
+    Sandbox(String),
+    #[error("the dry run failed: {0}")]
+    Failed(String),
+    #[error("the dry run printed no sizes: {0}")]
+    Output(#[from] serde_json::Error),
+}
+
+/// The task's module run on the meta device: `get_init_inputs`, `get_inputs`, the model and one forward call make
+/// shapes and no data; the bytes of the tensors in the inputs and in the output (nested in tuples, lists and
+/// dicts) are printed as JSON.
+const DRY_RUN: &str = r#"
+import importlib.util, json, sys
+import torch
+spec = importlib.util.spec_from_file_location("task", sys.argv[1])
+task = importlib.util.module_from_spec(spec)
+def nbytes(value):
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    return 0
+with torch.device("meta"), torch.no_grad():
+    spec.loader.exec_module(task)
+    inputs = list(task.get_inputs())
+    model = task.Model(*task.get_init_inputs())
+    output = model(*inputs)
+print(json.dumps({"input_bytes": nbytes(inputs), "output_bytes": nbytes(output)}))
+"#;
+
+async fn dry_run(
+    task_source: &str,
+    sandbox: &Sandbox,
+    python: &PythonEnv,
+    scratch: &Path,
+) -> Result<TaskSizes, DryRunError> {
+    std::fs::create_dir_all(scratch)?;
+    let task = scratch.join("task.py");
+    std::fs::write(&task, task_source)?;
+    let job = Job {
+        program: python.python.clone(),
+        args: vec!["-c".into(), DRY_RUN.into(), task.into_os_string()],
+        env: python.env_on(scratch, None),
+        scratch: scratch.to_owned(),
+        readable: python.readable.clone(),
+        writable: vec![],
+        limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
+    };
+    let finished =
+        sandbox.run(job, CancellationToken::new()).await.map_err(|error| DryRunError::Sandbox(error.to_string()))?;
+    if !finished.success() {
+        let stderr = finished.stderr_tail(2000);
+        let last = stderr.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("no error text");
+        return Err(DryRunError::Failed(last.trim().to_owned()));
+    }
+    let stdout = String::from_utf8_lossy(&finished.stdout);
+    let line = stdout.lines().rev().find(|line| line.starts_with('{')).unwrap_or_default();
+    Ok(serde_json::from_str(line)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn a_side_keeps_what_fits_in_the_budget_and_never_fewer_than_two_trials() {
+        let plan = OutputPlan { trials: 8, budget: 12 * GIB };
+        assert_eq!(plan.kept(GIB), 8, "small outputs: every trial");
+        assert_eq!(plan.kept(4 * GIB), 3);
+        assert_eq!(plan.kept(8 * GIB), 2, "larger than half the budget: still two");
+        assert_eq!(OutputPlan { trials: 8, budget: 0 }.kept(8 * GIB), 8, "no budget: every trial");
+    }
+
+    #[test]
+    fn an_evaluation_s_files_are_both_sides_kept_trials_and_the_timed_output() {
+        let plan = OutputPlan { trials: 8, budget: 12 * GIB };
+        let sizes = |output_bytes| TaskSizes { input_bytes: 0, output_bytes };
+        assert_eq!(files_bytes(sizes(8 * GIB), plan), 40 * GIB, "two trials a side and the timed call");
+        assert_eq!(files_bytes(sizes(GIB), plan), 17 * GIB);
+        assert_eq!(files_bytes(sizes(0), plan), 0);
+    }
+
+    #[tokio::test]
+    async fn reservations_wait_for_room_and_an_unknown_task_takes_the_whole_budget() {
+        let budget = DiskBudget::new(10 * GIB);
+        let plan = OutputPlan { trials: 8, budget: 12 * GIB };
+        assert_eq!(budget.need(None, plan), 10 * GIB);
+        let small = TaskSizes { input_bytes: GIB, output_bytes: 256 << 20 };
+        assert_eq!(budget.need(Some(small), plan), (17 * 256) << 20);
+        let huge = TaskSizes { input_bytes: GIB, output_bytes: 8 * GIB };
+        assert_eq!(budget.need(Some(huge), plan), 10 * GIB, "more than the budget: the whole of it");
+
+        let first = budget.reserve(6 * GIB).await;
+        assert_eq!(budget.unreserved(), 4 * GIB);
+        let mut second = Box::pin(budget.reserve(6 * GIB));
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(second.as_mut().poll(&mut context).is_pending(), "no room beside the first");
+        drop(first);
+        let _second = second.await;
+        assert_eq!(budget.unreserved(), 4 * GIB);
+    }
+}

@@ -1,0 +1,54 @@
+//! The disk budget's dry run: a task's input and output bytes from its shapes on the meta device, in the sandbox,
+//! and an honest "unknown" where the shapes cannot tell.
+
+mod support;
+
+use std::path::PathBuf;
+
+use kforge_evaluator::disk::{DiskBudget, OutputPlan, TaskSizes};
+use kforge_evaluator::python::PythonEnv;
+use kforge_sandbox::{Sandbox, SandboxOptions};
+
+const SHAPES: &str = r#"import torch
+class Model(torch.nn.Module):
+    def __init__(self, features):
+        super().__init__()
+        self.linear = torch.nn.Linear(features, 2 * features)
+    def forward(self, x, y):
+        return self.linear(x), y.sum(dim=1)
+def get_inputs():
+    return [torch.randn(64, 512), torch.randn(64, 256, dtype=torch.float16)]
+def get_init_inputs():
+    return [512]
+"#;
+
+/// Reads a value: nothing on the meta device has one.
+const READS_A_VALUE: &str = r#"import torch
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x * float(x.max())
+def get_inputs():
+    return [torch.randn(1 << 20)]
+def get_init_inputs():
+    return []
+"#;
+
+#[tokio::test]
+async fn a_task_s_sizes_come_from_its_shapes_and_a_task_that_reads_values_writes_alone() {
+    let Some(python) = support::python() else { return };
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("disk-dry-run");
+    let env = PythonEnv::probe(&python, &scratch.join("probe")).await.expect("python with torch");
+    let sandbox = Sandbox::detect_with(SandboxOptions::default()).await;
+    let budget = DiskBudget::new(1 << 30);
+
+    let sizes = budget.task_sizes("shapes", SHAPES, &sandbox, &env, &scratch.join("shapes")).await;
+    let inputs = 64 * 512 * 4 + 64 * 256 * 2;
+    let outputs = 64 * 1024 * 4 + 64 * 2;
+    assert_eq!(sizes, Some(TaskSizes { input_bytes: inputs, output_bytes: outputs }));
+    let plan = OutputPlan { trials: 8, budget: 12 << 30 };
+    assert_eq!(budget.need(sizes, plan), 17 * outputs, "eight trials a side and the timed output");
+
+    let unknown = budget.task_sizes("reads", READS_A_VALUE, &sandbox, &env, &scratch.join("reads")).await;
+    assert_eq!(unknown, None);
+    assert_eq!(budget.need(unknown, plan), budget.capacity(), "unknown: the whole budget");
+}
