@@ -210,6 +210,15 @@ struct Conversation {
     limits: Option<CallLimits>,
 }
 
+/// The largest file a stage may write (RLIMIT_FSIZE): one trial's outputs, saved for the checker, are as large as
+/// a device's memory can hold; the sandbox's default (2 GiB) would fail torch.save on KernelBench's larger outputs
+/// (its zip writer then reports "unexpected pos"). What all of an evaluation's files take is bounded by the disk
+/// budget (`disk.rs`).
+fn largest_file(python: &PythonEnv) -> u64 {
+    let device = python.gpus.iter().map(|gpu| gpu.total_memory).max().unwrap_or(0);
+    device.max(Limits::default().file_bytes)
+}
+
 /// Starts the harness for `stage`; its wall-clock limit counts from [`Started::run`].
 pub fn start(
     sandbox: &Sandbox,
@@ -241,6 +250,7 @@ pub fn start(
             wall: stage.wall,
             nice: if stage.background { 10 } else { 0 },
             cpus: python.stage_cpus().to_vec(),
+            file_bytes: largest_file(python),
             ..Limits::default()
         },
     };
@@ -509,6 +519,15 @@ impl Drop for Started {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stage_may_write_a_file_as_large_as_its_largest_device_s_memory() {
+        let mut env = PythonEnv::bare("/venv/bin/python".into(), None);
+        assert_eq!(largest_file(&env), 2 << 30, "no GPU: the sandbox's default");
+        let gpu = |total_memory| crate::python::Gpu { name: "H100".into(), capability: "9.0".into(), total_memory };
+        env.gpus = vec![gpu(80 << 30), gpu(40 << 30)];
+        assert_eq!(largest_file(&env), 80 << 30);
+    }
 
     /// Runs `script` (sh) as a stage on `gate` with call limits of 1 s waiting and 2 s busy.
     fn shell_stage(
