@@ -1306,18 +1306,18 @@ def output_bytes(output):
 def kept_trials(spec, size):
     """The trials whose outputs are saved and compared when one trial's outputs take `size` bytes: every trial while
     they fit in `output_bytes_budget`, else as many as fit (at least two) in this order: the sensitivity trial's
-    base (trial 0) and the sensitivity trial, the re-check trials, the rest. The candidate's harness and the checker
-    each decide from their own trial 0 (the reference's, for the checker): a candidate whose outputs differ in size
-    already fails trial 0."""
+    base (trial 0) and the sensitivity trial, then the others from the last down (the re-check trials are the last
+    ones, so they come first). The candidate's harness, the reference stage and the checker each decide from their
+    own trial 0 (the reference's, for the checker) and from fields every one of their specs carries, so they keep
+    the same trials: a candidate whose outputs differ in size already fails trial 0."""
     total = len(spec["seeds"])
     budget = spec.get("output_bytes_budget") or 0
     if not budget or size * total <= budget:
         return list(range(total))
     sensitivity = spec.get("sensitivity")
     first = [sensitivity["base"], sensitivity["trial"]] if sensitivity else [0, 1]
-    recheck_from = spec.get("recheck_from", total)
     kept = []
-    for trial in first + list(range(recheck_from, total)) + list(range(1, recheck_from)):
+    for trial in first + list(range(total - 1, 0, -1)):
         if trial < total and trial not in kept and (len(kept) < 2 or (len(kept) + 1) * size <= budget):
             kept.append(trial)
     return sorted(kept)

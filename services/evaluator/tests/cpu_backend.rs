@@ -426,7 +426,7 @@ fn the_harness_perturbs_digests_and_compares_as_documented() {
         std::process::Command::new(base.python).arg(&script).env("PYTHONPATH", &harness).output().expect("python runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
-    assert_eq!(stdout.lines().count(), 4, "{stdout}");
+    assert_eq!(stdout.lines().count(), 5, "{stdout}");
 }
 
 /// The sensitivity trial catches what a tolerance check on random inputs cannot: a closed-form loss and a loss
