@@ -49,8 +49,8 @@ pub struct EvaluatorConfig {
     /// and the sensitivity trial; docs/EVALUATOR.md, "Large outputs"). 0: every trial, whatever its size.
     pub output_bytes_budget: u64,
     /// Bytes of disk the evaluations' files may take at once (outputs on both sides and new reference entries);
-    /// each GPU evaluation reserves its share before its candidate starts (docs/EVALUATOR.md, "Disk"). 0: half the
-    /// space available in `work_dir` when the evaluator starts.
+    /// each GPU evaluation reserves its share before its candidate starts (docs/EVALUATOR.md, "Disk"). 0: 60% of
+    /// the space available in `work_dir` when the evaluator starts.
     pub disk_budget_bytes: u64,
     /// Forward calls profiled per mode in the kernel census.
     pub census_calls: u32,
@@ -152,8 +152,8 @@ impl std::str::FromStr for BuildRecipe {
 pub struct CacheLimits {
     /// Compiled extensions (tens of MB each).
     pub artifacts_bytes: u64,
-    /// Reference outputs per task, seeds and device (large tasks hold GBs); at most a quarter of the space
-    /// available in the work directory when the evaluator starts, whatever this says.
+    /// Reference outputs per task, seeds and device (large tasks hold GBs); at most 20% of the space available
+    /// in the work directory when the evaluator starts, whatever this says.
     pub references_bytes: u64,
     /// Baseline timing samples (KBs each).
     pub baselines_bytes: u64,

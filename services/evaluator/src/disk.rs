@@ -4,8 +4,8 @@
 //! disk: a KernelBench level-1 task with 8 GiB outputs writes about 40 GiB (two kept trials and the timed call's
 //! output on the candidate's side, two trials in its reference entry), so four such evaluations at once fill a
 //! 64 GiB disk. Each GPU evaluation therefore reserves the bytes its files will take before it starts its
-//! candidate, out of a budget ([`DiskBudget`]): `disk_budget_bytes`, by default half the space available in the
-//! work directory when the evaluator starts. The bytes follow from the task's shapes ([`TaskSizes`]), found by a
+//! candidate, out of a budget ([`DiskBudget`]): `disk_budget_bytes`, by default 60% of the space available in the
+//! work directory when the evaluator starts (the reference cache gets at most 20%). The bytes follow from the task's shapes ([`TaskSizes`]), found by a
 //! dry run of the task on PyTorch's meta device (shapes only: no memory, no kernels) in the sandbox, once per task
 //! and kept for the evaluator's life. Where the dry run cannot tell (a task that reads a value, or names a device
 //! of its own), the evaluation reserves the whole budget: it writes alone. The same sizes give memory-aware
@@ -40,6 +40,8 @@ pub struct OutputPlan {
     pub trials: u64,
     /// `output_bytes_budget`: the most bytes of outputs a side keeps (0: every trial), at least two trials.
     pub budget: u64,
+    /// Whether the evaluation may write the task's reference outputs (none of its evaluations here has yet).
+    pub new_reference: bool,
 }
 
 impl OutputPlan {
@@ -52,12 +54,13 @@ impl OutputPlan {
     }
 }
 
-/// The bytes an evaluation's files take on disk: the candidate's kept trials and its timed call's output, and the
-/// reference's kept trials (in its cache entry, written by the evaluation when the entry is new; counted always,
-/// so an evaluation never depends on the entry staying cached).
+/// The bytes an evaluation's files take on disk: the candidate's kept trials and its timed call's output, and, where
+/// the reference has not run for this task yet (`plan.new_reference`), the reference's kept trials (its new cache
+/// entry; once written, the reference cache's bound holds it).
 pub fn files_bytes(sizes: TaskSizes, plan: OutputPlan) -> u64 {
     let kept = plan.kept(sizes.output_bytes);
-    (2 * kept + 1).saturating_mul(sizes.output_bytes)
+    let files = if plan.new_reference { 2 * kept + 1 } else { kept + 1 };
+    files.saturating_mul(sizes.output_bytes)
 }
 
 /// Bytes available to an unprivileged writer on the filesystem holding `path`.
@@ -204,26 +207,28 @@ mod tests {
 
     #[test]
     fn a_side_keeps_what_fits_in_the_budget_and_never_fewer_than_two_trials() {
-        let plan = OutputPlan { trials: 8, budget: 12 * GIB };
+        let plan = OutputPlan { trials: 8, budget: 12 * GIB, new_reference: true };
         assert_eq!(plan.kept(GIB), 8, "small outputs: every trial");
         assert_eq!(plan.kept(4 * GIB), 3);
         assert_eq!(plan.kept(8 * GIB), 2, "larger than half the budget: still two");
-        assert_eq!(OutputPlan { trials: 8, budget: 0 }.kept(8 * GIB), 8, "no budget: every trial");
+        assert_eq!(OutputPlan { trials: 8, budget: 0, new_reference: true }.kept(8 * GIB), 8, "no budget: every trial");
     }
 
     #[test]
     fn an_evaluation_s_files_are_both_sides_kept_trials_and_the_timed_output() {
-        let plan = OutputPlan { trials: 8, budget: 12 * GIB };
+        let plan = OutputPlan { trials: 8, budget: 12 * GIB, new_reference: true };
         let sizes = |output_bytes| TaskSizes { input_bytes: 0, output_bytes };
         assert_eq!(files_bytes(sizes(8 * GIB), plan), 40 * GIB, "two trials a side and the timed call");
         assert_eq!(files_bytes(sizes(GIB), plan), 17 * GIB);
         assert_eq!(files_bytes(sizes(0), plan), 0);
+        let cached = OutputPlan { new_reference: false, ..plan };
+        assert_eq!(files_bytes(sizes(8 * GIB), cached), 24 * GIB, "the reference's entry is written already");
     }
 
     #[tokio::test]
     async fn reservations_wait_for_room_and_an_unknown_task_takes_the_whole_budget() {
         let budget = DiskBudget::new(10 * GIB);
-        let plan = OutputPlan { trials: 8, budget: 12 * GIB };
+        let plan = OutputPlan { trials: 8, budget: 12 * GIB, new_reference: true };
         assert_eq!(budget.need(None, plan), 10 * GIB);
         let small = TaskSizes { input_bytes: GIB, output_bytes: 256 << 20 };
         assert_eq!(budget.need(Some(small), plan), (17 * 256) << 20);

@@ -45,7 +45,7 @@ async fn a_task_s_sizes_come_from_its_shapes_and_a_task_that_reads_values_writes
     let inputs = 64 * 512 * 4 + 64 * 256 * 2;
     let outputs = 64 * 1024 * 4 + 64 * 2;
     assert_eq!(sizes, Some(TaskSizes { input_bytes: inputs, output_bytes: outputs }));
-    let plan = OutputPlan { trials: 8, budget: 12 << 30 };
+    let plan = OutputPlan { trials: 8, budget: 12 << 30, new_reference: true };
     assert_eq!(budget.need(sizes, plan), 17 * outputs, "eight trials a side and the timed output");
 
     let unknown = budget.task_sizes("reads", READS_A_VALUE, &sandbox, &env, &scratch.join("reads")).await;

@@ -296,6 +296,7 @@ impl Evaluator {
             let plan = OutputPlan {
                 trials: u64::from(submission.trials + inner.config.recheck_trials),
                 budget: inner.config.output_bytes_budget,
+                new_reference: self.reference_peak(&task_key).is_none(),
             };
             _disk = Some(inner.disk.reserve(inner.disk.need(sizes, plan)).await);
             response.stage_ms.insert("queue_disk".into(), ms(started.elapsed()));

@@ -105,15 +105,15 @@ impl Evaluator {
             0 => std::thread::available_parallelism().map_or(2, usize::from),
             n => n,
         };
-        // The disk: the evaluations' files get `disk_budget_bytes` (by default half of what is available now), the
-        // reference cache at most a quarter of what is available.
+        // The disk: the evaluations' files get `disk_budget_bytes` (by default 60% of what is available now), the
+        // reference cache at most 20% of what is available.
         let available = disk::available_bytes(&work);
         let disk_budget = match config.disk_budget_bytes {
-            0 => available.map_or(64 << 30, |bytes| bytes / 2),
+            0 => available.map_or(64 << 30, |bytes| bytes / 5 * 3),
             bytes => bytes,
         };
         let references_bytes = available
-            .map_or(config.cache_limits.references_bytes, |bytes| config.cache_limits.references_bytes.min(bytes / 4));
+            .map_or(config.cache_limits.references_bytes, |bytes| config.cache_limits.references_bytes.min(bytes / 5));
         tracing::info!(available, disk_budget, references_bytes, "disk budget");
         Ok(Self {
             inner: Arc::new(Inner {
