@@ -162,14 +162,6 @@ impl ChildSetup {
                 check(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set))?;
             }
         }
-        if let Some(fd) = self.control_fd {
-            const CONTROL: libc::c_int = 3;
-            if fd == CONTROL {
-                unsafe { check(libc::fcntl(fd, libc::F_SETFD, 0))? };
-            } else if unsafe { libc::dup2(fd, CONTROL) } != CONTROL {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
         if self.network_namespace {
             unsafe { check(libc::unshare(libc::CLONE_NEWNET))? };
         }
@@ -193,6 +185,15 @@ impl ChildSetup {
                 if result != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+        }
+        // After Landlock: the ruleset may itself be descriptor 3, which the control channel replaces.
+        if let Some(fd) = self.control_fd {
+            const CONTROL: libc::c_int = 3;
+            if fd == CONTROL {
+                unsafe { check(libc::fcntl(fd, libc::F_SETFD, 0))? };
+            } else if unsafe { libc::dup2(fd, CONTROL) } != CONTROL {
+                return Err(std::io::Error::last_os_error());
             }
         }
         Ok(())
