@@ -2,6 +2,9 @@
 //! bottleneck diagnosis. This crate serves the `kforge.v1.Profiler` contract; profiling arrives with the profiler
 //! work, and until then every RPC answers UNIMPLEMENTED.
 
+pub mod diagnosis;
+pub mod ncu;
+
 use std::future::Future;
 
 use kforge_proto::v1 as pb;
