@@ -199,7 +199,10 @@ fn call_reaches_every_rpc_in_process() {
     let refused = run_kforge(&["call", "Evaluator/Evaluate"], "{}");
     assert!(String::from_utf8_lossy(&refused.stderr).contains("INVALID_ARGUMENT: task: required"));
 
-    let unimplemented = ["Profiler/Profile", "Profiler/SelectMetrics", "Profiler/GetDeviceSpec"];
+    let selection = run_kforge(&["call", "Profiler/SelectMetrics"], "{}");
+    let stderr = String::from_utf8_lossy(&selection.stderr);
+    assert!(stderr.contains("INVALID_ARGUMENT: samples: no task has 3 or more samples"), "{stderr}");
+    let unimplemented = ["Profiler/Profile", "Profiler/GetDeviceSpec"];
     for target in unimplemented {
         let output = run_kforge(&["call", target], "{}");
         let stderr = String::from_utf8_lossy(&output.stderr);
