@@ -1,11 +1,13 @@
 //! The Profiler service: Nsight Compute metrics of a candidate's own kernels, the device specification and a
 //! bottleneck diagnosis. Built: reading Nsight Compute's raw page ([`ncu`]), the diagnosis of a launch
-//! ([`diagnosis`]) and `SelectMetrics` ([`selection`]). `Profile` and `GetDeviceSpec` answer UNIMPLEMENTED until
-//! the profiler runs candidates under Nsight Compute.
+//! ([`diagnosis`]), `SelectMetrics` ([`selection`]) and `GetDeviceSpec` ([`device`], [`spec`]). `Profile` answers
+//! UNIMPLEMENTED until the profiler runs candidates under Nsight Compute.
 
+pub mod device;
 pub mod diagnosis;
 pub mod ncu;
 pub mod selection;
+pub mod spec;
 
 use std::future::Future;
 
@@ -115,9 +117,17 @@ impl Profiler for ProfilerService {
 
     async fn get_device_spec(
         &self,
-        _request: Request<pb::GetDeviceSpecRequest>,
+        request: Request<pb::GetDeviceSpecRequest>,
     ) -> Result<Response<pb::GetDeviceSpecResponse>, Status> {
-        Err(not_yet_implemented("Profiler/GetDeviceSpec", CAPABILITY))
+        let ordinal = request.into_inner().device;
+        let spec = tokio::task::spawn_blocking(move || device::read(ordinal))
+            .await
+            .map_err(|error| Status::internal(format!("reading the device: {error}")))?;
+        match spec {
+            Ok(spec) => Ok(Response::new(pb::GetDeviceSpecResponse { spec: Some(spec) })),
+            Err(error @ device::DeviceError::NoDriver) => Err(Status::failed_precondition(error.to_string())),
+            Err(error @ device::DeviceError::Driver { .. }) => Err(Status::invalid_argument(error.to_string())),
+        }
     }
 }
 
@@ -127,6 +137,21 @@ mod tests {
 
     fn sample(task: &str, runtime_ms: f64, bytes: f64) -> pb::MetricSample {
         pb::MetricSample { task: task.into(), runtime_ms, metrics: [("dram_bytes".to_owned(), bytes)].into() }
+    }
+
+    #[tokio::test]
+    async fn the_device_spec_is_read_from_the_driver_or_refused_naming_what_is_missing() {
+        let answer = ProfilerService.get_device_spec(Request::new(pb::GetDeviceSpecRequest { device: 0 })).await;
+        match answer {
+            Ok(response) => {
+                let spec = response.into_inner().spec.expect("a spec");
+                assert!(spec.sm_count > 0 && spec.peak_memory_bandwidth_gbps > 0.0, "{spec:?}");
+            }
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+                assert!(status.message().contains("no CUDA driver library (libcuda)"), "{}", status.message());
+            }
+        }
     }
 
     #[tokio::test]
