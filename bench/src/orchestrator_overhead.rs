@@ -1,0 +1,262 @@
+//! The orchestrator's own cost per turn: a job of many trajectories in flight at once against peers in this
+//! process that do no work but take time: a generation and an evaluation each take a time drawn uniformly between
+//! a quarter and seven quarters of `--generate-ms` and `--evaluate-ms` (so that a thousand trajectories started
+//! together spread out, as real ones do), scoring answers at once. A turn's overhead is its wall time
+//! (`TurnRecord.wall_time_s`: the three calls, the prompt, three store commits, any wait for the orchestrator's CPU
+//! or store) less the generation and evaluation time its fakes took.
+//! With both at 0 every turn contends for the orchestrator at once: the figures are then its capacity (turns per
+//! second), not a turn's overhead. Prints JSON: overhead per turn p50/p99/max, the job's wall time, turns per second.
+//!
+//! ```text
+//! orchestrator-overhead [--trajectories 1000] [--turns 3] [--recipe kevin] [--generate-ms 2000]
+//!                       [--evaluate-ms 2000] [--store PATH|sqlite::memory:]
+//! ```
+//! The store defaults to a SQLite file in a fresh temporary directory (the orchestrator's default kind of store).
+
+use std::time::Instant;
+
+use kforge_orchestrator::{InFlightConfig, OrchestratorConfig, PeersConfig};
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use serde_json::json;
+use tonic::{Request, Response, Status};
+
+const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
+                    def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
+const ANSWER: &str = "Returns its input.\n\n```python\nimport torch\n\nclass ModelNew(torch.nn.Module):\n    \
+                      def forward(self, x):\n        return x\n```\n";
+/// Trajectories per task: the job's trajectories are spread over `trajectories / PER_TASK` tasks.
+const PER_TASK: u32 = 8;
+
+/// The fake peers: how long a generation and an evaluation take on average.
+#[derive(Debug, Clone, Copy)]
+struct Instant_ {
+    generate: std::time::Duration,
+    evaluate: std::time::Duration,
+}
+
+/// A time between a quarter and seven quarters of `mean`, from a hash of the call's keys (splitmix64): the same
+/// keys give the same time, so the overhead can take each turn's own times off.
+fn drawn(mean: std::time::Duration, task_id: &str, trajectory: u32, turn: u32) -> std::time::Duration {
+    let mut z =
+        task_id.bytes().fold(u64::from(trajectory) << 32 | u64::from(turn), |h, b| h.rotate_left(5) ^ u64::from(b));
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    mean.mul_f64(0.25 + 1.5 * (z >> 11) as f64 / (1u64 << 53) as f64)
+}
+
+#[tonic::async_trait]
+impl pb::gateway_server::Gateway for Instant_ {
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
+        let keys = request.into_inner().keys.unwrap_or_default();
+        let took = drawn(self.generate, &keys.task_id, keys.trajectory, keys.turn);
+        tokio::time::sleep(took).await;
+        Ok(Response::new(pb::GenerateResponse {
+            completions: vec![pb::Completion {
+                text: ANSWER.into(),
+                finish_reason: "stop".into(),
+                ..Default::default()
+            }],
+            usage: Some(pb::Usage { prompt_tokens: 200, completion_tokens: 40, ..Default::default() }),
+            ..Default::default()
+        }))
+    }
+    type GenerateStreamStream = tonic::codegen::BoxStream<pb::GenerateStreamResponse>;
+    async fn generate_stream(
+        &self,
+        _: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn list_models(&self, _: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn control_backends(
+        &self,
+        _: Request<pb::ControlBackendsRequest>,
+    ) -> Result<Response<pb::ControlBackendsResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::evaluator_server::Evaluator for Instant_ {
+    async fn evaluate(&self, request: Request<pb::EvaluateRequest>) -> Result<Response<pb::EvaluateResponse>, Status> {
+        let key = request.into_inner().idempotency_key;
+        let took = drawn(self.evaluate, &key, 0, 0);
+        tokio::time::sleep(took).await;
+        let timing = |ms| Some(pb::TimingStats { median_ms: ms, ..Default::default() });
+        Ok(Response::new(pb::EvaluateResponse {
+            // The time taken, for the overhead: the orchestrator keeps stage times of its own in the turn.
+            stage_ms: [("fake".to_owned(), took.as_secs_f64() * 1e3)].into(),
+            verdict: pb::Verdict::Correct.into(),
+            speedup_eager: 1.5,
+            candidate_timing: timing(2.0),
+            eager_timing: timing(3.0),
+            ..Default::default()
+        }))
+    }
+    type EvaluateStreamStream = tonic::codegen::BoxStream<pb::EvaluateResponse>;
+    async fn evaluate_stream(
+        &self,
+        _: Request<tonic::Streaming<pb::EvaluateRequest>>,
+    ) -> Result<Response<Self::EvaluateStreamStream>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn get_capabilities(
+        &self,
+        _: Request<pb::GetCapabilitiesRequest>,
+    ) -> Result<Response<pb::GetCapabilitiesResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::reward_server::Reward for Instant_ {
+    async fn score_kernels(
+        &self,
+        request: Request<pb::ScoreKernelsRequest>,
+    ) -> Result<Response<pb::ScoreKernelsResponse>, Status> {
+        let scores = request
+            .into_inner()
+            .outcomes
+            .iter()
+            .map(|outcome| pb::KernelScore {
+                score: 1.8,
+                speedup: outcome.speedup_eager.unwrap_or_default(),
+                ..Default::default()
+            })
+            .collect();
+        Ok(Response::new(pb::ScoreKernelsResponse { scores }))
+    }
+    async fn compute_returns(
+        &self,
+        _: Request<pb::ComputeReturnsRequest>,
+    ) -> Result<Response<pb::ComputeReturnsResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn compute_advantages(
+        &self,
+        _: Request<pb::ComputeAdvantagesRequest>,
+    ) -> Result<Response<pb::ComputeAdvantagesResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn rejection_sample(
+        &self,
+        _: Request<pb::RejectionSampleRequest>,
+    ) -> Result<Response<pb::RejectionSampleResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::DiagnoseResponse>, Status> {
+        let flags = request.into_inner().responses.iter().map(|_| pb::ResponseFlags::default()).collect();
+        Ok(Response::new(pb::DiagnoseResponse { flags, ..Default::default() }))
+    }
+}
+
+fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+#[tokio::main]
+async fn main() {
+    let trajectories: u32 = arg("--trajectories", "1000").parse().expect("--trajectories: a number");
+    let turns: u32 = arg("--turns", "3").parse().expect("--turns: a number");
+    let recipe = arg("--recipe", "kevin");
+    let ms = |name, default| std::time::Duration::from_millis(arg(name, default).parse().expect("milliseconds"));
+    let peer = Instant_ { generate: ms("--generate-ms", "2000"), evaluate: ms("--evaluate-ms", "2000") };
+    let dir = std::env::temp_dir().join(format!("kforge-orchestrator-overhead-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temporary directory");
+    let store = arg("--store", &dir.join("orchestrator.db").display().to_string());
+
+    let peers = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let peers_url = format!("http://{}", peers.local_addr().expect("address"));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::gateway_server::GatewayServer::new(peer))
+            .add_service(pb::evaluator_server::EvaluatorServer::new(peer))
+            .add_service(pb::reward_server::RewardServer::new(peer))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(peers)),
+    );
+    let config = OrchestratorConfig {
+        store: store.clone(),
+        peers: PeersConfig {
+            gateway: peers_url.clone(),
+            evaluator: peers_url.clone(),
+            reward: peers_url,
+            client: Default::default(),
+        },
+        max_concurrent_episodes: trajectories,
+        max_in_flight: InFlightConfig { gateway: trajectories, evaluator: trajectories, reward: trajectories },
+        ..Default::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(kforge_orchestrator::serve(config, listener, std::future::pending()));
+    let channel = loop {
+        if let Ok(channel) = tonic::transport::Endpoint::from_shared(address.clone()).expect("url").connect().await {
+            break channel;
+        }
+        tokio::task::yield_now().await;
+    };
+    let mut client = OrchestratorClient::new(channel).max_decoding_message_size(1 << 30);
+
+    let tasks = trajectories.div_ceil(PER_TASK);
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Rollout.into(),
+        recipe: recipe.clone(),
+        task_set: "inline".into(),
+        tasks: (0..tasks).map(|i| pb::Task { task_id: format!("bench/{i}"), source: TASK.into() }).collect(),
+        model: "instant".into(),
+        trajectories_per_task: PER_TASK,
+        turns,
+        max_concurrent_episodes: trajectories,
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let job = client
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+        .await
+        .expect("submitted")
+        .into_inner();
+    let mut updates =
+        client.watch_job(pb::WatchJobRequest { job_id: job.job_id.clone() }).await.expect("watched").into_inner();
+    while updates.message().await.expect("an update").is_some() {}
+    let wall = started.elapsed().as_secs_f64();
+    let mut per_turn: Vec<f64> = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let request = pb::ListTrajectoriesRequest { job_id: job.job_id.clone(), page_token, ..Default::default() };
+        let page = client.list_trajectories(request).await.expect("listed").into_inner();
+        for turn in page.trajectories.iter().flat_map(|t| &t.turns) {
+            let generated = drawn(peer.generate, &turn.task_id, turn.trajectory, turn.turn).as_secs_f64() * 1e3;
+            let evaluated = turn.evaluation.as_ref().and_then(|e| e.stage_ms.get("fake")).copied().unwrap_or(0.0);
+            per_turn.push(turn.wall_time_s * 1e3 - generated - evaluated);
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    per_turn.sort_by(f64::total_cmp);
+    let report = json!({
+        "trajectories": tasks * PER_TASK,
+        "turns_per_trajectory": turns,
+        "recipe": recipe,
+        "store": store,
+        "turns": per_turn.len(),
+        "generate_ms": peer.generate.as_millis() as u64,
+        "evaluate_ms": peer.evaluate.as_millis() as u64,
+        "overhead_ms_per_turn": { "p50": quantile(&per_turn, 0.5), "p99": quantile(&per_turn, 0.99), "max": per_turn.last() },
+        "job_wall_s": wall,
+        "turns_per_s": per_turn.len() as f64 / wall,
+    });
+    println!("{report:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
