@@ -12,12 +12,14 @@ use kforge_proto::v1::evaluator_client::EvaluatorClient;
 use kforge_proto::v1::gateway_client::GatewayClient;
 use kforge_proto::v1::reward_client::RewardClient;
 use kforge_server::client::Channel;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::OrchestratorError;
 use crate::metrics::job_metrics;
+use crate::monitoring::OrchestratorMetrics;
 use crate::recipe::{self, Attempt, Recipe, Templates};
 use crate::store::{Stage, Store, StoreError};
 
@@ -168,13 +170,14 @@ fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
     Ok(tasks)
 }
 
-/// Clients of the services a job calls, and the limits shared by every job of this orchestrator.
+/// Clients of the services a job calls, and the limits and metrics shared by every job of this orchestrator.
 #[derive(Debug, Clone)]
 pub struct Peers {
     pub gateway: GatewayClient<Channel>,
     pub evaluator: EvaluatorClient<Channel>,
     pub reward: RewardClient<Channel>,
     pub limits: Arc<Limits>,
+    pub metrics: OrchestratorMetrics,
 }
 
 /// Calls in flight to each peer, across every job. Tokio's semaphore hands permits out in the order they were
@@ -212,19 +215,21 @@ struct InFlight {
     scoring: AtomicU64,
 }
 
-/// Counts a turn into a stage for as long as it lives.
-struct StageGuard<'a>(&'a AtomicU64);
+/// Counts a turn into a stage, in its job's count and across jobs, for as long as it lives.
+struct StageGuard<'a>(&'a AtomicU64, Gauge);
 
 impl<'a> StageGuard<'a> {
-    fn enter(counter: &'a AtomicU64) -> Self {
+    fn enter(counter: &'a AtomicU64, across_jobs: Gauge) -> Self {
         counter.fetch_add(1, Ordering::Relaxed);
-        Self(counter)
+        across_jobs.inc();
+        Self(counter, across_jobs)
     }
 }
 
 impl Drop for StageGuard<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        self.1.dec();
     }
 }
 
@@ -249,14 +254,14 @@ pub async fn run(
     let recorded = match store.turns(&job.job_id).await {
         Ok(turns) => turns.iter().map(slim).collect(),
         Err(error) => {
-            let progress = Progress::new(job, Vec::new(), store, updates, started);
+            let progress = Progress::new(job, Vec::new(), store, updates, started, peers.metrics.clone());
             progress.finish(pb::JobState::Failed, format!("reading the job's turns: {error}")).await;
             return;
         }
     };
     let mut job = job;
     job.episodes_done = 0;
-    let progress = Arc::new(Progress::new(job, recorded, store, updates, started));
+    let progress = Arc::new(Progress::new(job, recorded, store, updates, started, peers.metrics.clone()));
     progress.set_state(pb::JobState::Running, String::new()).await;
     let limit = Arc::new(Semaphore::new(max_concurrent.max(1)));
     let mut episodes = JoinSet::new();
@@ -337,6 +342,8 @@ struct Progress {
     updates: watch::Sender<pb::JobProgress>,
     started: Instant,
     in_flight: InFlight,
+    /// The orchestrator's Prometheus metrics (every job's turns and stages count there too).
+    metrics: OrchestratorMetrics,
 }
 
 #[derive(Debug)]
@@ -375,6 +382,7 @@ impl Progress {
         store: Store,
         updates: watch::Sender<pb::JobProgress>,
         started: Instant,
+        metrics: OrchestratorMetrics,
     ) -> Self {
         Self {
             job_id: job.job_id.clone(),
@@ -383,6 +391,7 @@ impl Progress {
             updates,
             started,
             in_flight: InFlight::default(),
+            metrics,
         }
     }
 
@@ -401,6 +410,7 @@ impl Progress {
     async fn record(&self, position: i64, turn: &pb::TurnRecord) -> Result<(), StoreError> {
         // The write needs no lock: each (task, trajectory, turn) has one writer, its episode.
         self.store.put_turn(&self.job_id, position, Stage::Recorded, turn).await?;
+        self.metrics.turn(turn);
         let turn = slim(turn);
         let mut snapshot = self.job.lock().await;
         snapshot.turns.push(turn.clone());
@@ -569,7 +579,8 @@ impl Episode {
                 priority: 0,
                 job_id: job_id.to_owned(),
             };
-            let _stage = StageGuard::enter(&self.progress.in_flight.evaluating);
+            let _stage =
+                StageGuard::enter(&self.progress.in_flight.evaluating, self.progress.metrics.in_flight("evaluating"));
             self.progress.notify().await;
             match evaluate(&mut peers.evaluator, &limits, request, &self.cancel).await {
                 Ok(evaluation) => {
@@ -583,7 +594,7 @@ impl Episode {
             }
         }
         let outcome = record.evaluation.as_ref().map(kernel_outcome);
-        let _stage = StageGuard::enter(&self.progress.in_flight.scoring);
+        let _stage = StageGuard::enter(&self.progress.in_flight.scoring, self.progress.metrics.in_flight("scoring"));
         self.progress.notify().await;
         if let Some(outcome) = outcome.clone().filter(|o| o.verdict() != pb::Verdict::InfraError) {
             let request = pb::ScoreKernelsRequest {
@@ -669,7 +680,8 @@ impl Episode {
             }),
         };
         let generated = {
-            let _stage = StageGuard::enter(&self.progress.in_flight.generating);
+            let _stage =
+                StageGuard::enter(&self.progress.in_flight.generating, self.progress.metrics.in_flight("generating"));
             self.progress.notify().await;
             let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
             peers.gateway.generate(request).await
@@ -827,7 +839,14 @@ pub async fn step(
     };
     let job_id = job.job_id.clone();
     let (updates, _) = watch::channel(pb::JobProgress::default());
-    let progress = Arc::new(Progress::new(job, recorded.iter().map(slim).collect(), store, updates, Instant::now()));
+    let progress = Arc::new(Progress::new(
+        job,
+        recorded.iter().map(slim).collect(),
+        store,
+        updates,
+        Instant::now(),
+        peers.metrics.clone(),
+    ));
     let episode = Episode {
         plan: plan.clone(),
         task: task.clone(),

@@ -8,6 +8,7 @@
 pub mod error;
 pub mod job;
 pub mod metrics;
+pub mod monitoring;
 pub mod recipe;
 pub mod store;
 
@@ -169,7 +170,8 @@ pub async fn serve(
         .map_err(|error| ServeError::Setup { service: "orchestrator", message: error.to_string() })?;
     tracing::info!(backend = store.backend(), instance = %config.instance, "store open");
     let resume = config.resume_on_start;
-    let service = OrchestratorService::new(config, store);
+    let metrics = monitoring::OrchestratorMetrics::register(host.registry());
+    let service = OrchestratorService::new(config, store, metrics);
     if resume {
         service.resume_unfinished().await;
     }
@@ -208,10 +210,11 @@ pub struct OrchestratorService {
     tracker: TaskTracker,
     stop: CancellationToken,
     next_id: Arc<AtomicU64>,
+    metrics: monitoring::OrchestratorMetrics,
 }
 
 impl OrchestratorService {
-    pub fn new(config: OrchestratorConfig, store: Store) -> Self {
+    pub fn new(config: OrchestratorConfig, store: Store, metrics: monitoring::OrchestratorMetrics) -> Self {
         let permits = |n: u32| Semaphore::new((n as usize).max(1));
         let limits = Limits {
             gateway: permits(config.max_in_flight.gateway),
@@ -231,6 +234,7 @@ impl OrchestratorService {
             tracker: TaskTracker::new(),
             stop: CancellationToken::new(),
             next_id: Arc::default(),
+            metrics,
         }
     }
 
@@ -259,6 +263,7 @@ impl OrchestratorService {
             evaluator: pb::evaluator_client::EvaluatorClient::new(channel("evaluator", &peers.evaluator).await?),
             reward: pb::reward_client::RewardClient::new(channel("reward", &peers.reward).await?),
             limits: self.limits.clone(),
+            metrics: self.metrics.clone(),
         })
     }
 

@@ -19,6 +19,8 @@ const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forwa
 
 struct Running {
     client: OrchestratorClient<Channel>,
+    /// `host:port` the orchestrator serves on (gRPC and `/metrics`).
+    address: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     served: tokio::task::JoinHandle<()>,
 }
@@ -46,7 +48,8 @@ async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -
     };
     tune(&mut config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = format!("http://{}", listener.local_addr().expect("address"));
+    let host_port = listener.local_addr().expect("address").to_string();
+    let address = format!("http://{host_port}");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
         kforge_orchestrator::serve(config, listener, async {
@@ -56,7 +59,7 @@ async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -
         .expect("serves");
     });
     let channel = support::wait_ready(&address, std::time::Duration::from_secs(30)).await;
-    Running { client: OrchestratorClient::new(channel), stop: Some(stop), served }
+    Running { client: OrchestratorClient::new(channel), address: host_port, stop: Some(stop), served }
 }
 
 fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
@@ -157,7 +160,32 @@ async fn a_failed_episode_is_recorded_and_the_job_goes_on() {
     assert_eq!(keys, [key("a", 0, 0), key("b", 0, 0), key("b", 0, 1)], "the failed episode ended at its failure");
     assert!(turns[0].error.starts_with("gateway: Unavailable: backend down"), "{}", turns[0].error);
     assert_eq!((turns[0].verdict(), turns[0].score), (pb::Verdict::Unspecified, None));
+
+    // The same turns on /metrics: by turn index and verdict (the failed one as `failed`), fast ones (the fake
+    // evaluator's kernels are 1.5x eager), and nothing left in flight.
+    let metrics = scrape(&running.address).await;
+    for line in [
+        "kforge_orchestrator_turns_total{service=\"orchestrator\",turn=\"0\",verdict=\"failed\"} 1",
+        "kforge_orchestrator_turns_total{service=\"orchestrator\",turn=\"0\",verdict=\"correct\"} 1",
+        "kforge_orchestrator_turns_total{service=\"orchestrator\",turn=\"1\",verdict=\"correct\"} 1",
+        "kforge_orchestrator_fast_turns_total{service=\"orchestrator\",turn=\"1\"} 1",
+        "kforge_orchestrator_in_flight{service=\"orchestrator\",stage=\"evaluating\"} 0",
+        "kforge_orchestrator_turn_seconds_count{service=\"orchestrator\"} 3",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
     running.shutdown().await;
+}
+
+/// The orchestrator's `/metrics` page.
+async fn scrape(address: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: kforge\r\nConnection: close\r\n\r\n").await.expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("response");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
