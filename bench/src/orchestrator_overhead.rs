@@ -3,7 +3,7 @@
 //! a quarter and seven quarters of `--generate-ms` and `--evaluate-ms` (so that a thousand trajectories started
 //! together spread out, as real ones do), scoring answers at once. A turn's overhead is its wall time
 //! (`TurnRecord.wall_time_s`: the three calls, the prompt, three store commits, any wait for the orchestrator's CPU
-//! or store) less the generation and evaluation time its fakes took.
+//! or store) less the generation and evaluation time its fakes measured (they run on a runtime of their own).
 //! With both at 0 every turn contends for the orchestrator at once: the figures are then its capacity (turns per
 //! second), not a turn's overhead. Prints JSON: overhead per turn p50/p99/max, the job's wall time, turns per second.
 //!
@@ -35,6 +35,10 @@ struct Instant_ {
     evaluate: std::time::Duration,
 }
 
+/// How long each generation took in the fake gateway, by (task, trajectory, turn), in milliseconds.
+static GENERATED: std::sync::Mutex<std::collections::BTreeMap<(String, u32, u32), f64>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
 /// A time between a quarter and seven quarters of `mean`, from a hash of the call's keys (splitmix64): the same
 /// keys give the same time, so the overhead can take each turn's own times off.
 fn drawn(mean: std::time::Duration, task_id: &str, trajectory: u32, turn: u32) -> std::time::Duration {
@@ -52,7 +56,10 @@ impl pb::gateway_server::Gateway for Instant_ {
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
         let keys = request.into_inner().keys.unwrap_or_default();
         let took = drawn(self.generate, &keys.task_id, keys.trajectory, keys.turn);
+        let started = std::time::Instant::now();
         tokio::time::sleep(took).await;
+        let key = (keys.task_id, keys.trajectory, keys.turn);
+        GENERATED.lock().expect("never poisoned").insert(key, started.elapsed().as_secs_f64() * 1e3);
         Ok(Response::new(pb::GenerateResponse {
             completions: vec![pb::Completion {
                 text: ANSWER.into(),
@@ -86,10 +93,12 @@ impl pb::evaluator_server::Evaluator for Instant_ {
     async fn evaluate(&self, request: Request<pb::EvaluateRequest>) -> Result<Response<pb::EvaluateResponse>, Status> {
         let key = request.into_inner().idempotency_key;
         let took = drawn(self.evaluate, &key, 0, 0);
+        let started = std::time::Instant::now();
         tokio::time::sleep(took).await;
+        let took = started.elapsed();
         let timing = |ms| Some(pb::TimingStats { median_ms: ms, ..Default::default() });
         Ok(Response::new(pb::EvaluateResponse {
-            // The time taken, for the overhead: the orchestrator keeps stage times of its own in the turn.
+            // The time it took (the sleep as it ran), for the overhead: the turn keeps the evaluation.
             stage_ms: [("fake".to_owned(), took.as_secs_f64() * 1e3)].into(),
             verdict: pb::Verdict::Correct.into(),
             speedup_eager: 1.5,
@@ -175,15 +184,29 @@ async fn main() {
     std::fs::create_dir_all(&dir).expect("temporary directory");
     let store = arg("--store", &dir.join("orchestrator.db").display().to_string());
 
-    let peers = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    // The fakes run on a runtime of their own (one thread), apart from the orchestrator's workers.
+    let peers = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    peers.set_nonblocking(true).expect("non-blocking");
     let peers_url = format!("http://{}", peers.local_addr().expect("address"));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::gateway_server::GatewayServer::new(peer))
-            .add_service(pb::evaluator_server::EvaluatorServer::new(peer))
-            .add_service(pb::reward_server::RewardServer::new(peer))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(peers)),
-    );
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build();
+        runtime.expect("the fakes' runtime").block_on(async move {
+            use tokio_stream::StreamExt;
+            let peers = tokio::net::TcpListener::from_std(peers).expect("listener");
+            // As kforge's servers do: without TCP_NODELAY a reply can wait for a delayed ACK (40 ms).
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(peers).map(|stream| {
+                stream.inspect(|stream| {
+                    let _ = stream.set_nodelay(true);
+                })
+            });
+            tonic::transport::Server::builder()
+                .add_service(pb::gateway_server::GatewayServer::new(peer))
+                .add_service(pb::evaluator_server::EvaluatorServer::new(peer))
+                .add_service(pb::reward_server::RewardServer::new(peer))
+                .serve_with_incoming(incoming)
+                .await
+        })
+    });
     let config = OrchestratorConfig {
         store: store.clone(),
         peers: PeersConfig {
@@ -235,7 +258,8 @@ async fn main() {
         let request = pb::ListTrajectoriesRequest { job_id: job.job_id.clone(), page_token, ..Default::default() };
         let page = client.list_trajectories(request).await.expect("listed").into_inner();
         for turn in page.trajectories.iter().flat_map(|t| &t.turns) {
-            let generated = drawn(peer.generate, &turn.task_id, turn.trajectory, turn.turn).as_secs_f64() * 1e3;
+            let key = (turn.task_id.clone(), turn.trajectory, turn.turn);
+            let generated = GENERATED.lock().expect("never poisoned").get(&key).copied().unwrap_or(0.0);
             let evaluated = turn.evaluation.as_ref().and_then(|e| e.stage_ms.get("fake")).copied().unwrap_or(0.0);
             per_turn.push(turn.wall_time_s * 1e3 - generated - evaluated);
         }
