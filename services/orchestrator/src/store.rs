@@ -125,7 +125,11 @@ impl Store {
             // Every connection to `:memory:` is a database of its own: keep exactly one, forever.
             SqlitePoolOptions::new().max_connections(1).min_connections(1).idle_timeout(None).max_lifetime(None)
         } else {
-            SqlitePoolOptions::new().max_connections(4)
+            // One connection: this process's writers queue here, in order, instead of meeting SQLite's lock on
+            // several connections, whose busy handler sleeps in steps of up to 100 ms (turns waited 30-40 ms at
+            // p99 with four connections; bench/results/orchestrator-overhead-2026-11-23-dev). Other processes on
+            // the same file still wait through `busy_timeout`.
+            SqlitePoolOptions::new().max_connections(1)
         };
         let lock_path = (!memory).then(|| {
             let mut name = options.get_filename().as_os_str().to_owned();
