@@ -107,7 +107,11 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     match service {
         Service::Evaluator => kforge_evaluator::serve(config.evaluator.clone(), listener, shutdown).await,
-        Service::Profiler => kforge_profiler::serve(config.profiler.clone(), listener, shutdown).await,
+        Service::Profiler => {
+            // One engine per process: the profiler runs its candidates on the evaluator's (`[evaluator]`).
+            let profiler = kforge_profiler::ProfilerConfig { execution: config.evaluator.clone(), ..config.profiler.clone() };
+            kforge_profiler::serve(profiler, listener, shutdown).await
+        }
         Service::Reward => kforge_reward::serve(config.reward.clone(), listener, shutdown).await,
         Service::Gateway => kforge_inference_gateway::serve(config.gateway.clone(), listener, shutdown).await,
         Service::Orchestrator => kforge_orchestrator::serve(config.orchestrator.clone(), listener, shutdown).await,

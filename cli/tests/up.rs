@@ -205,13 +205,16 @@ fn call_reaches_every_rpc_in_process() {
     let spec = run_kforge(&["call", "Profiler/GetDeviceSpec"], "{}");
     let stderr = String::from_utf8_lossy(&spec.stderr);
     assert!(spec.status.success() || stderr.contains("FAILED_PRECONDITION: no CUDA driver library"), "{stderr}");
-    let unimplemented = ["Profiler/Profile"];
-    for target in unimplemented {
-        let output = run_kforge(&["call", target], "{}");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success());
-        assert!(stderr.contains(&format!("UNIMPLEMENTED: {target} is not implemented yet")), "{target}: {stderr}");
-    }
+    let refused = run_kforge(&["call", "Profiler/Profile"], "{}");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("INVALID_ARGUMENT: task: required"), "{stderr}");
+    let report = run_kforge(&["call", "Profiler/StreamReport"], r#"{"reportId":"00ff"}"#);
+    let stderr = String::from_utf8_lossy(&report.stderr);
+    assert!(stderr.contains("NOT_FOUND: report_id: no kept report `00ff`"), "{stderr}");
+    let capabilities = run_kforge(&["call", "Profiler/GetCapabilities"], "{}");
+    assert!(capabilities.status.success(), "{}", String::from_utf8_lossy(&capabilities.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&capabilities.stdout).expect("proto3 json on stdout");
+    assert_eq!(json["curatedMetrics"].as_array().map(Vec::len), Some(24), "{json}");
 
     // The orchestrator's job RPCs are served: an empty request names its missing field.
     let orchestrator_calls = [

@@ -18,7 +18,8 @@ fields before anything runs, and every result names the version and holds only i
 - reference: run the task's reference Model on the trial inputs; save its outputs; then, when given a candidate's
              saved outputs, compare them. Clean process, no candidate code.
 - candidate: run ModelNew on the same inputs; save its outputs; optionally time it (raw samples only), take a
-             kernel census, and run the last trials again after timing. Integrity checks report findings.
+             kernel census, run calls for a profiler, and run the last trials again after timing. Integrity checks
+             report findings.
 - check:     compare a candidate's saved outputs with cached reference outputs. Clean process, no candidate code.
 - baseline:  time the reference eagerly and under torch.compile. Clean process.
 - bindings_pch: precompile torch/extension.h for load_inline's bindings, with the flags torch gives them. No
@@ -55,7 +56,7 @@ _open = open
 # ------------------------------------------------------------------------------------------------- protocol
 
 # The version of the messages below; the evaluator's `protocol::PROTOCOL_VERSION` must be the same.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # The exit status of a harness that refused a request of another protocol version.
 REFUSED_EXIT = 5
 
@@ -76,7 +77,7 @@ SPECS = {
     "candidate": {
         "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
         "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST, "census_calls": _INT,
-        "task_path": _PATH, "candidate_path": _PATH, "candidate_dir": _PATH, "device": _STR,
+        "profiled_calls": _INT, "task_path": _PATH, "candidate_path": _PATH, "candidate_dir": _PATH, "device": _STR,
         "timing_cpu": (_INT, _NONE),
     },
     "reference": _COMPARE,
@@ -1401,6 +1402,9 @@ def mode_candidate(spec):
             with phase("census_read"):
                 result["census"] = census.records()
         integrity.check_environment("during the census and timing")
+    if spec.get("profiled_calls"):
+        profiled_calls(model, make_inputs(task, spec["timing_seeds"][0], device), device, spec["profiled_calls"])
+        integrity.check_environment("during the profiled calls")
     with phase("recheck"):
         for trial in range(recheck_from, len(seeds)):
             if trial not in kept:
@@ -1412,6 +1416,29 @@ def mode_candidate(spec):
     if device.type == "cuda":
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     write_result(spec, result)
+
+
+def profiled_calls(model, inputs, device, calls):
+    """`calls` forward calls inside the profiler's range, alone on the device, after one warm-up call outside it
+    (lazy compilation, autotuning and caches are not what a profile should show). A profiler started with profiling
+    off (`ncu --profile-from-start off`) records the range only."""
+    import torch
+
+    cudart = torch.cuda.cudart() if device.type == "cuda" else None
+    with GATE.alone(device), phase("profiled_calls"):
+        GATE.call()
+        model(*inputs)
+        synchronize(device)
+        if cudart is not None:
+            cudart.cudaProfilerStart()
+        try:
+            for _ in range(calls):
+                GATE.call()
+                model(*inputs)
+                synchronize(device)
+        finally:
+            if cudart is not None:
+                cudart.cudaProfilerStop()
 
 
 def tolerance(dtype, spec):

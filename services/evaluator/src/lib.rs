@@ -37,7 +37,7 @@ use tonic::{Request, Response, Status};
 
 pub use config::EvaluatorConfig;
 pub use metrics::EvaluatorMetrics;
-pub use pipeline::{Evaluator, RequestError};
+pub use pipeline::{Evaluator, Launcher, ProfileJob, Profiled, RequestError};
 
 impl From<RequestError> for Status {
     fn from(error: RequestError) -> Self {
@@ -63,7 +63,7 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let mut host = Host::new("evaluator", &config.server)?;
     let metrics = EvaluatorMetrics::register(host.registry());
-    let evaluator = Evaluator::new(config, metrics)
+    let evaluator = Evaluator::shared(config, metrics)
         .await
         .map_err(|e| ServeError::Setup { service: "evaluator", message: format!("work directory: {e}") })?;
     host.follow_readiness(evaluator.readiness());

@@ -20,7 +20,7 @@ use crate::census::ModeRecords;
 use crate::config::{TimingBudget, Tolerances};
 
 /// The version of the messages below; the harness's `PROTOCOL_VERSION` must be the same.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The exit status of a harness that refused a request of another protocol version.
 pub const REFUSED_EXIT: i32 = 5;
@@ -157,6 +157,9 @@ pub struct CandidateRun {
     pub timing_seeds: Vec<u64>,
     /// Forward calls per census mode (0: no census).
     pub census_calls: u32,
+    /// Forward calls inside the profiler's range (`cudaProfilerStart`/`Stop`), after an untimed warm-up call (0:
+    /// none). A profiler run only: never with timing or the census, whose measurements it would distort.
+    pub profiled_calls: u32,
 }
 
 /// `candidate`: run the candidate.
@@ -533,6 +536,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         timing: None,
         timing_seeds: vec![],
         census_calls: 0,
+        profiled_calls: 0,
     };
     let compare = CompareSpec {
         computes_reference: true,

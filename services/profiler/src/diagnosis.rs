@@ -32,6 +32,12 @@ const LIMITS: &[(&str, &str)] = &[
 const STALL_PREFIX: &str = "smsp__average_warps_issue_stalled_";
 const STALL_SUFFIX: &str = "_per_issue_active.ratio";
 
+/// The stall reason a stall metric measures (`long_scoreboard` for
+/// `smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio`).
+pub fn stall_reason(metric: &str) -> Option<&str> {
+    metric.strip_prefix(STALL_PREFIX)?.strip_suffix(STALL_SUFFIX)
+}
+
 /// What bounds a launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bottleneck {

@@ -1,40 +1,63 @@
 //! The Profiler service: Nsight Compute metrics of a candidate's own kernels, the device specification and a
-//! bottleneck diagnosis. Built: reading Nsight Compute's raw page ([`ncu`]), the diagnosis of a launch
-//! ([`diagnosis`]), `SelectMetrics` ([`selection`]) and `GetDeviceSpec` ([`device`], [`spec`]). `Profile` answers
-//! UNIMPLEMENTED until the profiler runs candidates under Nsight Compute.
+//! bottleneck diagnosis. `Profile` ([`profile`]) runs the candidate on the evaluator's engine (its static checks,
+//! artifact cache, sandbox and device lanes; in one process with the Evaluator service, the same engine) under
+//! Nsight Compute ([`nsight`]), reads the raw page ([`ncu`]) and diagnoses each launch ([`diagnosis`]);
+//! `SelectMetrics` ([`selection`]), `GetDeviceSpec` ([`device`], [`spec`]), `StreamReport` and `GetCapabilities`
+//! complete it.
 
 pub mod device;
 pub mod diagnosis;
 pub mod ncu;
+pub mod nsight;
+pub mod profile;
 pub mod selection;
 pub mod spec;
 
 use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
 
+use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::profiler_server::{Profiler, ProfilerServer};
-use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig, not_yet_implemented};
+use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
-
+use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-/// What brings this service's behaviour.
-const CAPABILITY: &str = "the profiler";
+use profile::{Profiling, Reports};
 
 /// Metrics each task contributes to a selection when the request does not say (CudaForge's 24).
 const DEFAULT_TOP_K: usize = 24;
 
 /// Configuration of the Profiler service (`[profiler]`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProfilerConfig {
     pub server: ServerConfig,
+    /// The `ncu` program; unset: found on PATH or in /usr/local/cuda/bin.
+    pub ncu: Option<PathBuf>,
+    /// How long a profiled stage may run, in seconds.
+    pub timeout_secs: u64,
+    /// Raw reports kept for `StreamReport` (the newest; each is a few MB).
+    pub reports_kept: usize,
+    /// The engine that compiles and runs candidates, for a profiler on its own. In one process with the Evaluator
+    /// service (`kforge up`, `kforge serve`), the `[evaluator]` table's engine is used instead: one engine, one
+    /// lease per GPU.
+    pub execution: EvaluatorConfig,
 }
 
 impl Default for ProfilerConfig {
     fn default() -> Self {
-        Self { server: ServerConfig::listening_on(([127, 0, 0, 1], 50052).into()) }
+        Self {
+            server: ServerConfig::listening_on(([127, 0, 0, 1], 50052).into()),
+            ncu: None,
+            timeout_secs: 300,
+            reports_kept: 64,
+            execution: EvaluatorConfig::default(),
+        }
     }
 }
 
@@ -53,81 +76,170 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let mut host = Host::new("profiler", &config.server)?;
     let limit = host.max_message_bytes();
+    let metrics = EvaluatorMetrics::register(host.registry());
+    let setup = |message: String| ServeError::Setup { service: "profiler", message };
+    let engine = Evaluator::shared(config.execution.clone(), metrics)
+        .await
+        .map_err(|e| setup(format!("work directory: {e}")))?;
+    let reports = Reports::new(config.execution.work_dir.join("profiles"), config.reports_kept.max(1))
+        .map_err(|e| setup(format!("report directory: {e}")))?;
+    let ncu = tokio::task::spawn_blocking({
+        let configured = config.ncu.clone();
+        move || nsight::Ncu::locate(configured.as_deref())
+    })
+    .await
+    .map_err(|e| setup(e.to_string()))?;
+    match &ncu {
+        Ok(ncu) => tracing::info!(program = %ncu.program.display(), version = %ncu.version, "Nsight Compute found"),
+        Err(error) => tracing::warn!(%error, "Profile will answer UNAVAILABLE"),
+    }
+    let profiling = Profiling { engine, ncu, reports, config, specs: Default::default() };
     host.add_service(
-        ProfilerServer::new(ProfilerService).max_decoding_message_size(limit).max_encoding_message_size(limit),
+        ProfilerServer::new(ProfilerService { profiling: Arc::new(profiling) })
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(limit),
     );
     host.serve(listener, shutdown).await
 }
 
 /// The `kforge.v1.Profiler` implementation.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ProfilerService;
+#[derive(Debug, Clone)]
+pub struct ProfilerService {
+    profiling: Arc<Profiling>,
+}
+
+/// Bytes per `ReportChunk`.
+const CHUNK_BYTES: usize = 1 << 20;
 
 #[tonic::async_trait]
 impl Profiler for ProfilerService {
-    async fn profile(&self, _request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileResponse>, Status> {
-        Err(not_yet_implemented("Profiler/Profile", CAPABILITY))
+    async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileResponse>, Status> {
+        self.profiling.profile(request.into_inner()).await.map(Response::new)
+    }
+
+    type StreamReportStream = Pin<Box<dyn Stream<Item = Result<pb::ReportChunk, Status>> + Send>>;
+
+    async fn stream_report(
+        &self,
+        request: Request<pb::StreamReportRequest>,
+    ) -> Result<Response<Self::StreamReportStream>, Status> {
+        use std::io::Read;
+        let id = request.into_inner().report_id;
+        let path = self
+            .profiling
+            .reports
+            .path(&id)
+            .ok_or_else(|| Status::not_found(format!("report_id: no kept report `{id}`")))?;
+        let mut file = std::fs::File::open(&path).map_err(|e| Status::not_found(format!("report: {e}")))?;
+        let (send, receive) = tokio::sync::mpsc::channel(4);
+        tokio::task::spawn_blocking(move || {
+            loop {
+                let mut data = vec![0; CHUNK_BYTES];
+                let chunk = match file.read(&mut data) {
+                    Ok(0) => return,
+                    Ok(n) => {
+                        data.truncate(n);
+                        Ok(pb::ReportChunk { data })
+                    }
+                    Err(error) => Err(Status::internal(format!("reading the report: {error}"))),
+                };
+                let failed = chunk.is_err();
+                if send.blocking_send(chunk).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receive))))
+    }
+
+    async fn get_capabilities(
+        &self,
+        _request: Request<pb::GetProfilerCapabilitiesRequest>,
+    ) -> Result<Response<pb::ProfilerCapabilities>, Status> {
+        let profiling = &self.profiling;
+        let (counters_permitted, counters) = nsight::counters_permitted();
+        let engine = profiling.engine.capabilities();
+        Ok(Response::new(pb::ProfilerCapabilities {
+            ncu_version: profiling.ncu.as_ref().map(|n| n.version.clone()).unwrap_or_default(),
+            ncu: match &profiling.ncu {
+                Ok(ncu) => ncu.program.display().to_string(),
+                Err(error) => error.to_string(),
+            },
+            counters_permitted,
+            counters,
+            devices: engine.devices.into_iter().filter(|d| d.starts_with("cuda")).collect(),
+            queue_capacity: engine.queue_capacity,
+            curated_metrics: nsight::CURATED.iter().map(|m| (*m).to_owned()).collect(),
+        }))
     }
 
     async fn select_metrics(
         &self,
         request: Request<pb::SelectMetricsRequest>,
     ) -> Result<Response<pb::SelectMetricsResponse>, Status> {
-        let request = request.into_inner();
-        let mut samples = Vec::with_capacity(request.samples.len());
-        for (index, sample) in request.samples.into_iter().enumerate() {
-            if sample.task.is_empty() {
-                return Err(Status::invalid_argument(format!("samples[{index}].task is required")));
-            }
-            if !(sample.runtime_ms.is_finite() && sample.runtime_ms > 0.0) {
-                return Err(Status::invalid_argument(format!(
-                    "samples[{index}].runtime_ms must be finite and positive, not {}",
-                    sample.runtime_ms
-                )));
-            }
-            if let Some((name, _)) = sample.metrics.iter().find(|(_, value)| !value.is_finite()) {
-                return Err(Status::invalid_argument(format!("samples[{index}].metrics[{name}] is not finite")));
-            }
-            samples.push(selection::Sample {
-                task: sample.task,
-                runtime_ms: sample.runtime_ms,
-                metrics: sample.metrics.into_iter().collect(),
-            });
-        }
-        let mut per_task = std::collections::HashMap::<&str, usize>::new();
-        for sample in &samples {
-            *per_task.entry(sample.task.as_str()).or_default() += 1;
-        }
-        if !per_task.values().any(|count| *count >= selection::MIN_SAMPLES) {
-            return Err(Status::invalid_argument(format!(
-                "samples: no task has {} or more samples to correlate",
-                selection::MIN_SAMPLES
-            )));
-        }
-        let top_k = match request.top_k {
-            0 => DEFAULT_TOP_K,
-            k => k as usize,
-        };
-        let metrics = selection::select(&samples, top_k)
-            .into_iter()
-            .map(|s| pb::SelectedMetric { name: s.name, correlation: s.correlation, tasks: s.tasks as u32 })
-            .collect();
-        Ok(Response::new(pb::SelectMetricsResponse { metrics }))
+        select_metrics(request.into_inner()).map(Response::new)
     }
 
     async fn get_device_spec(
         &self,
         request: Request<pb::GetDeviceSpecRequest>,
     ) -> Result<Response<pb::GetDeviceSpecResponse>, Status> {
-        let ordinal = request.into_inner().device;
-        let spec = tokio::task::spawn_blocking(move || device::read(ordinal))
-            .await
-            .map_err(|error| Status::internal(format!("reading the device: {error}")))?;
-        match spec {
-            Ok(spec) => Ok(Response::new(pb::GetDeviceSpecResponse { spec: Some(spec) })),
-            Err(error @ device::DeviceError::NoDriver) => Err(Status::failed_precondition(error.to_string())),
-            Err(error @ device::DeviceError::Driver { .. }) => Err(Status::invalid_argument(error.to_string())),
+        device_spec(request.into_inner().device).await.map(|spec| Response::new(pb::GetDeviceSpecResponse { spec: Some(spec) }))
+    }
+}
+
+/// `SelectMetrics`: the request checked, then [`selection::select`].
+fn select_metrics(request: pb::SelectMetricsRequest) -> Result<pb::SelectMetricsResponse, Status> {
+    let mut samples = Vec::with_capacity(request.samples.len());
+    for (index, sample) in request.samples.into_iter().enumerate() {
+        if sample.task.is_empty() {
+            return Err(Status::invalid_argument(format!("samples[{index}].task is required")));
         }
+        if !(sample.runtime_ms.is_finite() && sample.runtime_ms > 0.0) {
+            return Err(Status::invalid_argument(format!(
+                "samples[{index}].runtime_ms must be finite and positive, not {}",
+                sample.runtime_ms
+            )));
+        }
+        if let Some((name, _)) = sample.metrics.iter().find(|(_, value)| !value.is_finite()) {
+            return Err(Status::invalid_argument(format!("samples[{index}].metrics[{name}] is not finite")));
+        }
+        samples.push(selection::Sample {
+            task: sample.task,
+            runtime_ms: sample.runtime_ms,
+            metrics: sample.metrics.into_iter().collect(),
+        });
+    }
+    let mut per_task = std::collections::HashMap::<&str, usize>::new();
+    for sample in &samples {
+        *per_task.entry(sample.task.as_str()).or_default() += 1;
+    }
+    if !per_task.values().any(|count| *count >= selection::MIN_SAMPLES) {
+        return Err(Status::invalid_argument(format!(
+            "samples: no task has {} or more samples to correlate",
+            selection::MIN_SAMPLES
+        )));
+    }
+    let top_k = match request.top_k {
+        0 => DEFAULT_TOP_K,
+        k => k as usize,
+    };
+    let metrics = selection::select(&samples, top_k)
+        .into_iter()
+        .map(|s| pb::SelectedMetric { name: s.name, correlation: s.correlation, tasks: s.tasks as u32 })
+        .collect();
+    Ok(pb::SelectMetricsResponse { metrics })
+}
+
+/// `GetDeviceSpec`: device `ordinal` read from the driver.
+async fn device_spec(ordinal: u32) -> Result<pb::DeviceSpec, Status> {
+    let spec = tokio::task::spawn_blocking(move || device::read(ordinal))
+        .await
+        .map_err(|error| Status::internal(format!("reading the device: {error}")))?;
+    match spec {
+        Ok(spec) => Ok(spec),
+        Err(error @ device::DeviceError::NoDriver) => Err(Status::failed_precondition(error.to_string())),
+        Err(error @ device::DeviceError::Driver { .. }) => Err(Status::invalid_argument(error.to_string())),
     }
 }
 
@@ -141,10 +253,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_device_spec_is_read_from_the_driver_or_refused_naming_what_is_missing() {
-        let answer = ProfilerService.get_device_spec(Request::new(pb::GetDeviceSpecRequest { device: 0 })).await;
-        match answer {
-            Ok(response) => {
-                let spec = response.into_inner().spec.expect("a spec");
+        match device_spec(0).await {
+            Ok(spec) => {
                 assert!(spec.sm_count > 0 && spec.peak_memory_bandwidth_gbps > 0.0, "{spec:?}");
             }
             Err(status) => {
@@ -156,10 +266,9 @@ mod tests {
 
     #[tokio::test]
     async fn select_metrics_answers_and_bad_samples_are_invalid_arguments_naming_the_field() {
-        let service = ProfilerService;
         let samples = vec![sample("t", 1.0, 10.0), sample("t", 2.0, 20.0), sample("t", 4.0, 39.0)];
         let request = pb::SelectMetricsRequest { samples: samples.clone(), top_k: 0 };
-        let selected = service.select_metrics(Request::new(request)).await.expect("selects").into_inner();
+        let selected = select_metrics(request).expect("selects");
         assert_eq!(selected.metrics.len(), 1);
         assert_eq!((selected.metrics[0].name.as_str(), selected.metrics[0].tasks), ("dram_bytes", 1));
 
@@ -170,7 +279,7 @@ mod tests {
             (samples[..2].to_vec(), "no task has 3"),
         ];
         for (samples, named) in cases {
-            let status = service.select_metrics(Request::new(pb::SelectMetricsRequest { samples, top_k: 0 })).await;
+            let status = select_metrics(pb::SelectMetricsRequest { samples, top_k: 0 });
             let status = status.expect_err("invalid");
             assert_eq!(status.code(), tonic::Code::InvalidArgument);
             assert!(status.message().contains(named), "{}", status.message());

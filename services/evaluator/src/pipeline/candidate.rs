@@ -27,6 +27,17 @@ impl Evaluator {
         artifact_dir: &Path,
         cancel: &CancellationToken,
     ) -> Result<Started, InfraError> {
+        let stage = self.candidate_process(submission, dir, artifact_dir)?;
+        Ok(self.start(stage, cancel))
+    }
+
+    /// The candidate's process in `dir`, its task and source written there.
+    pub(super) fn candidate_process(
+        &self,
+        submission: &Submission,
+        dir: &Path,
+        artifact_dir: &Path,
+    ) -> Result<Stage, InfraError> {
         let inner = &self.inner;
         let python = inner.python.as_ref().expect("validate checked the environment");
         std::fs::create_dir_all(dir).map_err(InfraError::files(format!("scratch directory {}", dir.display())))?;
@@ -53,7 +64,7 @@ impl Evaluator {
             background: false,
             launcher: vec![],
         };
-        Ok(self.start(stage, cancel))
+        Ok(stage)
     }
 
     /// Empties the candidate's directory (nothing of a first run may be read as the second's) and starts the
@@ -166,6 +177,7 @@ impl Evaluator {
             timing: Some(TimingSpec::from(&timing)),
             timing_seeds: self.seeds(task_key, "remeasure", timing.input_sets.max(1) as usize),
             census_calls: 0,
+            profiled_calls: 0,
         };
         let dir = scratch.join("remeasure");
         let started = self.start_candidate(submission, &dir, artifact_dir, cancel)?;

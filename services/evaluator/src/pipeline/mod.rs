@@ -40,6 +40,7 @@ mod candidate;
 mod check;
 mod compile;
 mod error;
+mod profile;
 mod request;
 mod setup;
 mod timing;
@@ -51,6 +52,7 @@ use timing::{set_speedups, timing_samples, wall_clock_mismatch};
 use verdict::{finding_proto, hack_finding, out_of_memory};
 
 pub use error::InfraError;
+pub use profile::{Launcher, ProfileJob, Profiled};
 pub use request::RequestError;
 use request::{Backend, Submission};
 
@@ -247,24 +249,13 @@ impl Evaluator {
             std::fs::create_dir_all(dir).map_err(InfraError::files(format!("scratch directory {}", dir.display())))?;
         }
         let [compile_dir, candidate_dir, check_dir, baseline_dir] = stage_dirs;
-        let versions = python.versions_key();
         let task_key = cache::key(&[submission.task.as_bytes()]);
 
         self.baseline_ahead(submission);
 
         // Compile: only candidates that build extensions; the rest are imported where they run.
-        let artifact_key = cache::key(&[
-            submission.candidate.as_bytes(),
-            submission.backend.name().as_bytes(),
-            versions.as_bytes(),
-            gpu_arch(python).as_bytes(),
-            inner.config.build_recipe.name().as_bytes(),
-            // Who owns the build's files: a build made as the evaluator's user (before job users, or where they
-            // are off) has files a job user cannot write, such as the lock a later run takes.
-            if inner.sandbox.job_users_active() { b"owned by the jobs' group" } else { b"owned by the evaluator" },
-        ]);
+        let (artifact_key, compiles) = self.artifact_key(submission);
         let artifact_dir = inner.artifacts.dir(&artifact_key);
-        let compiles = builds_extension(&submission.candidate);
         // The built extension is pinned until the evaluation ends, so eviction cannot take it meanwhile.
         let mut _artifact_pin = None;
         if compiles {
@@ -338,6 +329,7 @@ impl Evaluator {
             timing: submission.measure.then(|| TimingSpec::from(&inner.config.timing)),
             timing_seeds: timing_seeds.clone(),
             census_calls: if submission.census { inner.config.census_calls } else { 0 },
+            profiled_calls: 0,
         };
         let limits = self.call_limits(submission, gpu);
         let mut candidate =
@@ -502,6 +494,23 @@ impl Evaluator {
             }
         }
         Ok(pb::Verdict::Correct)
+    }
+
+    /// The artifact cache's key for `submission`'s build, and whether the candidate builds anything.
+    fn artifact_key(&self, submission: &Submission) -> (String, bool) {
+        let inner = &self.inner;
+        let python = inner.python.as_ref().expect("validate checked the environment");
+        let key = cache::key(&[
+            submission.candidate.as_bytes(),
+            submission.backend.name().as_bytes(),
+            python.versions_key().as_bytes(),
+            gpu_arch(python).as_bytes(),
+            inner.config.build_recipe.name().as_bytes(),
+            // Who owns the build's files: a build made as the evaluator's user (before job users, or where they
+            // are off) has files a job user cannot write, such as the lock a later run takes.
+            if inner.sandbox.job_users_active() { b"owned by the jobs' group" } else { b"owned by the evaluator" },
+        ]);
+        (key, builds_extension(&submission.candidate))
     }
 
     /// Starts a harness process for `stage` now; it waits for its request (see [`stage::start`]).

@@ -56,6 +56,24 @@ impl Evaluator {
         sandbox
     }
 
+    /// The evaluator of this process for `config.work_dir`: one is made on the first call (as [`Evaluator::new`]),
+    /// and every later call while it lives gets the same one, whatever its configuration. The Evaluator and
+    /// Profiler services in one process use one, so they share its device lanes (a profile never runs beside a
+    /// timed stage), its compile pool and its caches.
+    pub async fn shared(config: EvaluatorConfig, metrics: EvaluatorMetrics) -> std::io::Result<Self> {
+        static RUNNING: tokio::sync::Mutex<Vec<(PathBuf, std::sync::Weak<Inner>)>> =
+            tokio::sync::Mutex::const_new(Vec::new());
+        let work = std::path::absolute(&config.work_dir)?;
+        let mut running = RUNNING.lock().await;
+        running.retain(|(_, inner)| inner.strong_count() > 0);
+        if let Some(inner) = running.iter().find(|(dir, _)| *dir == work).and_then(|(_, inner)| inner.upgrade()) {
+            return Ok(Self { inner });
+        }
+        let evaluator = Self::new(config, metrics).await?;
+        running.push((work, Arc::downgrade(&evaluator.inner)));
+        Ok(evaluator)
+    }
+
     /// Prepares the work directory, probes the sandbox and the Python environment. An environment without
     /// PyTorch is not fatal: the evaluator serves and says why it cannot evaluate.
     pub async fn new(config: EvaluatorConfig, metrics: EvaluatorMetrics) -> std::io::Result<Self> {
