@@ -1,18 +1,20 @@
 //! Runs one command in this host's sandbox and prints how it ended: for diagnosing what a job needs on a new host
 //! (which paths a GPU driver reads, whether Landlock lets it start).
 //!
-//! `cargo run -p kforge-sandbox --example sandboxed -- [--read PATH]... [--write PATH]... [--env K=V]... -- PROGRAM [ARGS]...`
+//! `cargo run -p kforge-sandbox --example sandboxed -- [--read PATH]... [--write PATH]... [--env K=V]...
+//! [--without network_namespace|landlock|process_limit|job_users]... -- PROGRAM [ARGS]...`
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use kforge_sandbox::{Job, Limits, Sandbox};
+use kforge_sandbox::{Job, Limits, Sandbox, SandboxOptions};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let mut args = std::env::args_os().skip(1);
     let (mut readable, mut writable, mut env) = (Vec::new(), Vec::new(), Vec::new());
+    let mut options = SandboxOptions::default();
     while let Some(arg) = args.next() {
         match arg.to_str() {
             Some("--read") => readable.push(PathBuf::from(args.next().expect("--read PATH"))),
@@ -22,6 +24,13 @@ async fn main() {
                 let (key, value) = pair.split_once('=').expect("--env K=V");
                 env.push((OsString::from(key), OsString::from(value)));
             }
+            Some("--without") => match args.next().and_then(|a| a.into_string().ok()).as_deref() {
+                Some("network_namespace") => options.network_namespace = false,
+                Some("landlock") => options.landlock = false,
+                Some("process_limit") => options.process_limit = false,
+                Some("job_users") => options.job_users = false,
+                other => panic!("--without: unknown protection {other:?}"),
+            },
             Some("--") => break,
             _ => panic!("unexpected argument {arg:?}"),
         }
@@ -31,7 +40,7 @@ async fn main() {
     std::fs::create_dir_all(&scratch).expect("scratch directory");
     env.push(("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into()));
     env.push(("HOME".into(), scratch.clone().into()));
-    let sandbox = Sandbox::detect().await;
+    let sandbox = Sandbox::detect_with(options).await;
     for protection in sandbox.protections() {
         println!("{:<18} {:<5} {}", protection.name, protection.active, protection.detail);
     }

@@ -76,7 +76,10 @@ impl Profiling {
         let launcher = Launcher {
             argv: ncu.argv(&own, launch_limit, &metrics, request.lock_clocks, &dir.path),
             readable: ncu.installation.clone(),
-            output_dir: dir.path.clone(),
+            // CUDA names its threads through /proc/self/task/*/comm. The sandbox grants a job its own /proc/<pid>,
+            // but under Nsight Compute the interpreter is the job's child, which only a rule on /proc covers
+            // (without it: CUDA error 304 at initialisation, measured on the H100 machine). docs/THREAT_MODEL.md.
+            writable: vec![dir.path.clone(), PathBuf::from("/proc")],
             // Nsight Compute writes its settings under HOME and a lock under TMPDIR.
             env: vec![("HOME".into(), dir.path.join("home").into()), ("TMPDIR".into(), dir.path.join("tmp").into())],
         };

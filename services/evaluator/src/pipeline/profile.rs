@@ -25,8 +25,9 @@ pub struct Launcher {
     pub argv: Vec<OsString>,
     /// Files it reads: its installation.
     pub readable: Vec<PathBuf>,
-    /// A directory it writes (its report, its home and temporary files); the caller's, kept after the job.
-    pub output_dir: PathBuf,
+    /// What it writes: its output directory (report, home and temporary files; the caller's, kept after the job)
+    /// and whatever else it needs beyond the stage's scratch.
+    pub writable: Vec<PathBuf>,
     /// Environment it needs, over the stage's.
     pub env: Vec<(OsString, OsString)>,
 }
@@ -254,7 +255,7 @@ impl Evaluator {
         let mut stage = self.candidate_process(submission, dir, artifact_dir)?;
         stage.launcher.clone_from(&launcher.argv);
         stage.readable.extend(launcher.readable.iter().cloned());
-        stage.writable.push(launcher.output_dir.clone());
+        stage.writable.extend(launcher.writable.iter().cloned());
         stage.env.extend(launcher.env.iter().cloned());
         stage.wall = wall;
         Ok(self.start(stage, cancel))
