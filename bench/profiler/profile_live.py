@@ -138,6 +138,7 @@ def main():
     parser.add_argument("--warm", type=int, default=5)
     parser.add_argument("--scratch", default="/tmp/kforge-profile-live")
     parser.add_argument("--only", default="", help="comma-separated candidate names")
+    parser.add_argument("--profile-timeout", type=int, default=300, help="the profiler's timeout_secs")
     args = parser.parse_args()
     run = Run(args)
     out = run.out
@@ -159,6 +160,7 @@ def main():
     config = out / "kforge.toml"
     config.write_text(f'[evaluator]\npython = {json.dumps(args.python)}\nwork_dir = {json.dumps(str(scratch / "work"))}\n'
                       "bindings_pch = false\nbaseline_torch_compile = false\n\n"
+                      f'[profiler]\ntimeout_secs = {args.profile_timeout}\n\n'
                       f'[orchestrator]\nstore = {json.dumps(str(scratch / "orchestrator.db"))}\n')
     up = subprocess.Popen([run.kforge, "up", "--config", str(config)], stdout=open(out / "kforge.log", "w"),
                           stderr=subprocess.STDOUT, start_new_session=True)

@@ -32,6 +32,19 @@ impl Control {
     /// Stops the job's process group (`SIGSTOP`) and its wall clock: it waits for the caller and does no work.
     pub fn stop(&self) {
         self.signal(libc::SIGSTOP);
+        self.hold_clock();
+    }
+
+    /// Restarts the job's wall clock and continues its process group (`SIGCONT`) after [`Control::stop`].
+    pub fn resume(&self) {
+        self.release_clock();
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Stops the job's wall clock only, for a job that waits for the caller but must not be stopped by a signal
+    /// (one run under a program that follows its child's stops, such as Nsight Compute, which reports a stopped and
+    /// continued child as ended with status 18).
+    pub fn hold_clock(&self) {
         self.clock.send_if_modified(|clock| {
             let starts = clock.held_since.is_none();
             clock.held_since.get_or_insert_with(Instant::now);
@@ -39,8 +52,8 @@ impl Control {
         });
     }
 
-    /// Restarts the job's wall clock and continues its process group (`SIGCONT`) after [`Control::stop`].
-    pub fn resume(&self) {
+    /// Restarts the job's wall clock after [`Control::hold_clock`].
+    pub fn release_clock(&self) {
         self.clock.send_if_modified(|clock| match clock.held_since.take() {
             Some(since) => {
                 clock.held += since.elapsed();
@@ -48,7 +61,6 @@ impl Control {
             }
             None => false,
         });
-        self.signal(libc::SIGCONT);
     }
 
     /// Kills the job's process group (`SIGKILL`): for a job that broke the conversation's protocol. Only while the

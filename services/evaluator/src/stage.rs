@@ -267,12 +267,15 @@ pub fn start(
         }
     };
     let watch = Arc::new(Mutex::new(Watch::default()));
+    // A launcher follows the interpreter as its child: a stop and continue would read to it as the child's end
+    // (Nsight Compute: "the application returned an error code (18)", measured on the H100 machine).
+    let waiting = if stage.launcher.is_empty() { Waiting::Stopped } else { Waiting::ClockHeld };
     let converse = {
         let watch = watch.clone();
         move |control, socket| async move {
             let joined = conversation.lock().expect("never poisoned").take();
             if let Some(Conversation { member, limits }) = joined {
-                match converse(&member, &control, socket, limits.as_ref(), &watch).await {
+                match converse(&member, &control, waiting, socket, limits.as_ref(), &watch).await {
                     // The harness's socket closes as its interpreter shuts down; a stage that closed it and runs
                     // on would use the device outside the gate.
                     Ended::Closed => tokio::time::sleep(CLOSED_GRACE).await,
@@ -318,13 +321,14 @@ enum Ended {
 /// a timed call starts (its process waits for the GPU spinning: no longer limit for CPU use). A call still
 /// running at its limit ends the conversation with the reason; the caller kills the stage.
 ///
-/// While it waits, the stage is stopped and its wall clock held: it is at a pause point, its device work
-/// synchronised, and it is not working. A message it does not know, or may not send, kills the stage: only
+/// While it waits, the stage's wall clock is held and, unless `waiting` says otherwise, the stage is stopped: it is
+/// at a pause point, its device work synchronised, and it is not working. A message it does not know, or may not send, kills the stage: only
 /// candidate code forging the harness's messages sends one, and a stage left outside the gate could use the device
 /// while others run alone.
 async fn converse(
     member: &Member,
     control: &Control,
+    waiting: Waiting,
     socket: tokio::net::UnixStream,
     limits: Option<&CallLimits>,
     watch: &Mutex<Watch>,
@@ -365,9 +369,9 @@ async fn converse(
                 call = limits.map(|limits| Call::new(limits, cpu, spinning));
                 continue;
             }
-            b"alone\n" => stopped(control, member.alone()).await,
-            b"share\n" => stopped(control, member.share()).await,
-            b"pause\n" if member.must_pause() => stopped(control, member.share()).await,
+            b"alone\n" => waiting.wait(control, member.alone()).await,
+            b"share\n" => waiting.wait(control, member.share()).await,
+            b"pause\n" if member.must_pause() => waiting.wait(control, member.share()).await,
             b"pause\n" => {}
             b"idle\n" if member.idle() => {}
             _ => return Ended::Broken,
@@ -444,11 +448,28 @@ impl Call {
     }
 }
 
-/// Waits for `turn` with the stage stopped and its wall clock held.
-async fn stopped(control: &Control, turn: impl std::future::Future<Output = ()>) {
-    control.stop();
-    turn.await;
-    control.resume();
+/// How a stage waits for its turn at the gate.
+#[derive(Debug, Clone, Copy)]
+enum Waiting {
+    /// Stopped (`SIGSTOP`), its wall clock held: nothing of it runs, a candidate's other threads included.
+    Stopped,
+    /// Its wall clock held only: a stage under a launcher. Its harness waits for the answer, but a thread of the
+    /// candidate's could go on; a profiled stage holds its device alone, so no timed work shares it meanwhile.
+    ClockHeld,
+}
+
+impl Waiting {
+    async fn wait(self, control: &Control, turn: impl std::future::Future<Output = ()>) {
+        match self {
+            Self::Stopped => control.stop(),
+            Self::ClockHeld => control.hold_clock(),
+        }
+        turn.await;
+        match self {
+            Self::Stopped => control.resume(),
+            Self::ClockHeld => control.release_clock(),
+        }
+    }
 }
 
 impl Started {

@@ -184,7 +184,9 @@ impl Profiler for ProfilerService {
         &self,
         request: Request<pb::GetDeviceSpecRequest>,
     ) -> Result<Response<pb::GetDeviceSpecResponse>, Status> {
-        device_spec(request.into_inner().device).await.map(|spec| Response::new(pb::GetDeviceSpecResponse { spec: Some(spec) }))
+        device_spec(request.into_inner().device)
+            .await
+            .map(|spec| Response::new(pb::GetDeviceSpecResponse { spec: Some(spec) }))
     }
 }
 

@@ -106,7 +106,14 @@ impl Ncu {
     /// The command line that runs a stage's interpreter under Nsight Compute: profiling off until the harness's
     /// `cudaProfilerStart`, only `kernels` (by function name), at most `launch_limit` launches, each replayed
     /// kernel by kernel, clocks locked to base only when asked; the report and a raw CSV log in `dir`.
-    pub fn argv(&self, kernels: &[String], launch_limit: u32, metrics: &Metrics, lock_clocks: bool, dir: &Path) -> Vec<OsString> {
+    pub fn argv(
+        &self,
+        kernels: &[String],
+        launch_limit: u32,
+        metrics: &Metrics,
+        lock_clocks: bool,
+        dir: &Path,
+    ) -> Vec<OsString> {
         let mut argv: Vec<OsString> = vec![self.program.clone().into()];
         let mut arg = |a: &str| argv.push(a.into());
         arg("--profile-from-start");
@@ -211,6 +218,16 @@ pub fn failure(log: &str) -> Option<Failure> {
     }
 }
 
+/// Nsight Compute's own messages in its log (`==ERROR==`, `==WARNING==`, `==PROF==` lines), the last `max` of
+/// them: what a failed profiled stage's error shows, since the profiler writes them to its log, not to stderr.
+pub fn messages(log: &str, max: usize) -> Vec<&str> {
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|line| ["==ERROR==", "==WARNING==", "==PROF=="].iter().any(|tag| line.starts_with(tag)))
+        .collect();
+    lines[lines.len().saturating_sub(max)..].to_vec()
+}
+
 /// The metrics asked for that no profiled launch reports (unknown to this device or this version of ncu).
 pub fn missing(asked: &[String], reported: &std::collections::BTreeSet<&str>) -> Vec<String> {
     asked.iter().filter(|name| !reported.contains(name.as_str())).cloned().collect()
@@ -233,6 +250,18 @@ mod tests {
         ] {
             assert!(distinct.contains(needed), "{needed}");
         }
+    }
+
+    #[test]
+    fn messages_are_the_profilers_own_lines_newest_last() {
+        let log = "==PROF== Connected to process 7\nprogram output\n==WARNING== No kernels were profiled.\n\
+                   ==ERROR== The application returned an error code (1).\n\"ID\",\"Kernel Name\"\n";
+        assert_eq!(
+            messages(log, 2),
+            ["==WARNING== No kernels were profiled.", "==ERROR== The application returned an error code (1)."]
+        );
+        assert_eq!(messages(log, 10).len(), 3);
+        assert!(messages("", 3).is_empty());
     }
 
     #[test]

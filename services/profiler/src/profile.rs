@@ -15,6 +15,9 @@ use crate::diagnosis::{self, Bottleneck};
 use crate::nsight::{self, Metrics, Ncu};
 use crate::{ProfilerConfig, device, ncu};
 
+/// A launch's device time, shown with every launch.
+const DURATION: &str = "gpu__time_duration.sum";
+
 /// Profiled launches when the request does not say, and at most.
 pub const DEFAULT_LAUNCHES: u32 = 10;
 pub const MAX_LAUNCHES: u32 = 100;
@@ -54,7 +57,9 @@ impl Profiling {
                 }
                 Metrics::List(request.metrics.clone())
             }
-            Err(_) => return Err(Status::invalid_argument(format!("metric_set: unknown value {}", request.metric_set))),
+            Err(_) => {
+                return Err(Status::invalid_argument(format!("metric_set: unknown value {}", request.metric_set)));
+            }
         };
         if request.metric_set != pb::MetricSet::List as i32 && !request.metrics.is_empty() {
             return Err(Status::invalid_argument("metrics: only with METRIC_SET_LIST"));
@@ -125,6 +130,11 @@ impl Profiling {
             _ => {}
         }
         if response.verdict != pb::Verdict::Correct as i32 {
+            // Under the profiler a failure may be the profiler's report of the program: show its own lines.
+            let said = nsight::messages(&log, 8);
+            if !said.is_empty() {
+                response.error = format!("{}\nNsight Compute: {}", response.error, said.join("\n")).trim().to_owned();
+            }
             return Ok(response);
         }
         let launches = match ncu::parse_raw(&log) {
@@ -142,7 +152,7 @@ impl Profiling {
         };
         let reported: BTreeSet<&str> = launches.iter().flat_map(|l| l.metrics.keys().map(String::as_str)).collect();
         response.missing_metrics = if launches.is_empty() { vec![] } else { nsight::missing(&asked, &reported) };
-        fill(&mut response, &launches);
+        fill(&mut response, &launches, &asked);
         if dir.path.join(nsight::REPORT).is_file() {
             response.report_id = dir.id.clone();
             dir.keep();
@@ -163,8 +173,11 @@ impl Profiling {
 }
 
 /// The profiled launches into `response`, each with its diagnosis, and the dominant kernel's diagnosis: the
-/// census's own kernel with the most device time, else the longest launch.
-fn fill(response: &mut pb::ProfileResponse, launches: &[ncu::Launch]) {
+/// census's own kernel with the most device time, else the longest launch. A launch shows the metrics asked for
+/// (`asked`; all of them for the full set, which asks by section): Nsight Compute's raw page also carries some 280
+/// device attributes and launch statistics of every launch, which the diagnosis reads but a model need not.
+fn fill(response: &mut pb::ProfileResponse, launches: &[ncu::Launch], asked: &[String]) {
+    let shown = |name: &str| asked.is_empty() || name == DURATION || asked.iter().any(|a| a == name);
     let mut seen = std::collections::HashMap::<&str, u32>::new();
     for launch in launches {
         let index = seen.entry(launch.kernel.as_str()).or_default();
@@ -172,10 +185,11 @@ fn fill(response: &mut pb::ProfileResponse, launches: &[ncu::Launch]) {
         response.kernels.push(pb::KernelProfile {
             name: launch.kernel.clone(),
             launch: *index,
-            duration_ms: launch.value("gpu__time_duration.sum").map_or(0.0, |ns| ns / 1e6),
+            duration_ms: launch.value(DURATION).map_or(0.0, |ns| ns / 1e6),
             metrics: launch
                 .metrics
                 .iter()
+                .filter(|(name, _)| shown(name))
                 .map(|(name, m)| pb::MetricValue { name: name.clone(), value: m.value, unit: m.unit.clone() })
                 .collect(),
             diagnosis: Some(diagnosis),
@@ -331,8 +345,11 @@ mod tests {
             }],
             ..Default::default()
         };
-        fill(&mut response, &launches);
+        let asked = vec!["sm__throughput.avg.pct_of_peak_sustained_elapsed".to_owned()];
+        fill(&mut response, &launches, &asked);
         assert_eq!(response.kernels.len(), launches.len());
+        let shown: Vec<&str> = response.kernels[0].metrics.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(shown, [DURATION, "sm__throughput.avg.pct_of_peak_sustained_elapsed"], "only what was asked");
         assert_eq!(response.kernels[1].launch, 1);
         let diagnosis = response.diagnosis.expect("a diagnosis");
         assert_eq!(diagnosis.bottleneck, pb::Bottleneck::Memory as i32);
