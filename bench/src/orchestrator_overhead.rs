@@ -212,11 +212,17 @@ async fn main() {
         peers: PeersConfig {
             gateway: peers_url.clone(),
             evaluator: peers_url.clone(),
-            reward: peers_url,
+            reward: peers_url.clone(),
+            profiler: peers_url,
             client: Default::default(),
         },
         max_concurrent_episodes: trajectories,
-        max_in_flight: InFlightConfig { gateway: trajectories, evaluator: trajectories, reward: trajectories },
+        max_in_flight: InFlightConfig {
+            gateway: trajectories,
+            evaluator: trajectories,
+            reward: trajectories,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -99,7 +99,7 @@ impl BackendArg {
 
 #[derive(Debug, Args)]
 struct RunArgs {
-    /// Recipe: single-turn or kevin (drkernel and cudaforge are not built yet).
+    /// Recipe: single-turn, kevin or cudaforge (drkernel is not built yet).
     #[arg(long, default_value = "single-turn")]
     recipe: String,
     /// Task set: `examples` (built in), a KernelBench directory (level1/, level2/, ...) or a JSONL file (one
@@ -110,15 +110,19 @@ struct RunArgs {
     #[arg(long, value_delimiter = ',')]
     levels: Vec<u32>,
     /// Model name as routed by the gateway; `replay` with no such pool configured replays the embedded responses
-    /// (one per example task and candidate, at turn 0).
+    /// (per example task and candidate, turns 0-3: failures, fixes and speed-ups on two tasks).
     #[arg(long, default_value = kforge::run::DEFAULT_MODEL)]
     model: String,
+    /// cudaforge: the Judge's model (default: `replay-judge`, the embedded reviews, with the `replay` model; else
+    /// the model itself).
+    #[arg(long)]
+    judge_model: Option<String>,
     /// Parallel trajectories per task (m).
     #[arg(long, default_value_t = 1)]
     trajectories: u32,
-    /// Refinement turns per trajectory (n).
-    #[arg(long, default_value_t = 1)]
-    turns: u32,
+    /// Refinement turns per trajectory (n); default 1 for single-turn, 3 for the multi-turn recipes.
+    #[arg(long)]
+    turns: Option<u32>,
     /// Evaluation backend; by default cuda when a GPU is present, cpu otherwise.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
@@ -254,13 +258,22 @@ async fn call_command(config: &MeshConfig, target: &str, remote: &Remote) -> any
 }
 
 async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
+    let multi_turn = args.recipe != "single-turn";
+    let judge_model = match args.judge_model {
+        Some(model) => model,
+        None if args.recipe == "cudaforge" && args.model == kforge::run::DEFAULT_MODEL => {
+            kforge::run::DEFAULT_JUDGE_MODEL.to_owned()
+        }
+        None => String::new(),
+    };
     let spec = pb::JobSpec {
         kind: pb::JobKind::Evaluation.into(),
         recipe: args.recipe,
         task_set: args.tasks,
         model: args.model,
+        judge_model,
         trajectories_per_task: args.trajectories,
-        turns: args.turns,
+        turns: args.turns.unwrap_or(if multi_turn { 3 } else { 1 }),
         backend: BackendArg::proto(args.backend).into(),
         prompt_dir: String::new(),
         max_tasks: args.max_tasks,
@@ -277,12 +290,17 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     let scratch = std::env::temp_dir().join(format!("kforge-run-{}", std::process::id()));
     if args.remote.addr.is_none() {
         kforge::run::store_for_run(&mut config, args.work_dir.as_deref());
-        let model = match &args.resume {
-            Some(job_id) => kforge::run::stored_spec(&config, job_id).await?.model,
-            None => spec.model.clone(),
+        let (model, judge_model) = match &args.resume {
+            Some(job_id) => {
+                let stored = kforge::run::stored_spec(&config, job_id).await?;
+                (stored.model, stored.judge_model)
+            }
+            None => (spec.model.clone(), spec.judge_model.clone()),
         };
-        kforge::run::route_default_replay(&mut config, &model, &scratch)
-            .with_context(|| format!("writing the embedded replay file under {}", scratch.display()))?;
+        for model in [model, judge_model] {
+            kforge::run::route_default_replay(&mut config, &model, &scratch)
+                .with_context(|| format!("writing the embedded replay file under {}", scratch.display()))?;
+        }
         kforge::run::evaluator_for_one_job(&mut config, args.compile_baseline);
     }
     let (channel, mesh) = connect(&config, &Service::ALL, Service::Orchestrator, &args.remote).await?;

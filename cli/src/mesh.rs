@@ -109,7 +109,8 @@ pub async fn serve(
         Service::Evaluator => kforge_evaluator::serve(config.evaluator.clone(), listener, shutdown).await,
         Service::Profiler => {
             // One engine per process: the profiler runs its candidates on the evaluator's (`[evaluator]`).
-            let profiler = kforge_profiler::ProfilerConfig { execution: config.evaluator.clone(), ..config.profiler.clone() };
+            let profiler =
+                kforge_profiler::ProfilerConfig { execution: config.evaluator.clone(), ..config.profiler.clone() };
             kforge_profiler::serve(profiler, listener, shutdown).await
         }
         Service::Reward => kforge_reward::serve(config.reward.clone(), listener, shutdown).await,
@@ -150,7 +151,8 @@ impl Mesh {
                 Service::Gateway => peers.gateway.clone_from(address),
                 Service::Evaluator => peers.evaluator.clone_from(address),
                 Service::Reward => peers.reward.clone_from(address),
-                Service::Profiler | Service::Orchestrator => {}
+                Service::Profiler => peers.profiler.clone_from(address),
+                Service::Orchestrator => {}
             }
         }
         let stop = CancellationToken::new();

@@ -16,18 +16,29 @@ use crate::mesh::MeshConfig;
 /// The model name of the embedded default.
 pub const DEFAULT_MODEL: &str = "replay";
 
-/// One turn-0 record per example task and candidate (trajectory = the candidate's index).
+/// The cudaforge Judge's model name of the embedded default.
+pub const DEFAULT_JUDGE_MODEL: &str = "replay-judge";
+
+/// Records of turns 0-3 per example task and candidate (trajectory = the candidate's index; cli/build.rs).
 pub const DEFAULT_REPLAY: &str = include_str!(concat!(env!("OUT_DIR"), "/default_replay.jsonl"));
 
-/// When the job's model is [`DEFAULT_MODEL`] and the config routes no pool of that name, writes the embedded
-/// replay file into `dir` and routes the model to it. Returns the file written, if any.
+/// The Judge's reviews of the same keys (cli/build.rs).
+pub const DEFAULT_JUDGE_REPLAY: &str = include_str!(concat!(env!("OUT_DIR"), "/default_judge_replay.jsonl"));
+
+/// When `model` is [`DEFAULT_MODEL`] or [`DEFAULT_JUDGE_MODEL`] and the config routes no pool of that name, writes
+/// its embedded replay file into `dir` and routes the model to it. Returns the file written, if any.
 pub fn route_default_replay(config: &mut MeshConfig, model: &str, dir: &Path) -> std::io::Result<Option<PathBuf>> {
-    if model != DEFAULT_MODEL || config.gateway.pools.iter().any(|pool| pool.model == model) {
+    let replay = match model {
+        DEFAULT_MODEL => DEFAULT_REPLAY,
+        DEFAULT_JUDGE_MODEL => DEFAULT_JUDGE_REPLAY,
+        _ => return Ok(None),
+    };
+    if config.gateway.pools.iter().any(|pool| pool.model == model) {
         return Ok(None);
     }
     std::fs::create_dir_all(dir)?;
-    let file = dir.join("default_replay.jsonl");
-    std::fs::write(&file, DEFAULT_REPLAY)?;
+    let file = dir.join(format!("{model}.jsonl"));
+    std::fs::write(&file, replay)?;
     config.gateway.pools.push(PoolConfig {
         model: model.to_owned(),
         backends: vec![BackendConfig { kind: BackendKind::Replay, file: Some(file.clone()), ..Default::default() }],
@@ -260,7 +271,7 @@ mod tests {
     fn the_embedded_replay_answers_every_example_candidate_at_turn_0() {
         let records: Vec<serde_json::Value> =
             DEFAULT_REPLAY.lines().map(|l| serde_json::from_str(l).expect("a json line")).collect();
-        assert_eq!(records.len(), 13, "one candidate per example task today");
+        assert_eq!(records.len(), 13 * 4, "one candidate per example task today, four turns each");
         let relu = records.iter().find(|r| r["task_id"] == "examples/relu").expect("relu is answered");
         assert_eq!((relu["trajectory"].as_u64(), relu["turn"].as_u64()), (Some(0), Some(0)));
         let completion = &relu["completions"][0];
@@ -271,12 +282,38 @@ mod tests {
     }
 
     #[test]
+    fn the_embedded_story_turns_and_reviews_follow_the_examples_turns_folders() {
+        let parse = |text: &str| -> Vec<serde_json::Value> {
+            text.lines().map(|l| serde_json::from_str(l).expect("a json line")).collect()
+        };
+        let (coder, judge) = (parse(DEFAULT_REPLAY), parse(DEFAULT_JUDGE_REPLAY));
+        let text = |records: &[serde_json::Value], task: &str, turn: u64| {
+            let found = records.iter().find(|r| r["task_id"] == task && r["turn"] == turn && r["trajectory"] == 0);
+            found.expect("recorded")["completions"][0]["text"].as_str().expect("text").to_owned()
+        };
+        let kernel = |turn| {
+            kforge_model_text::extract_kernel(&text(&coder, "examples/relu", turn)).expect("a kernel").to_owned()
+        };
+        assert_eq!(kernel(1).trim_end(), include_str!("../../examples/tasks/relu/turns/1_unrolled_typo.py").trim_end());
+        assert_eq!(kernel(2).trim_end(), include_str!("../../examples/tasks/relu/turns/2_unrolled.py").trim_end());
+        assert_eq!(kernel(3), kernel(2), "a turn with no file keeps the last kernel");
+        assert!(text(&coder, "examples/relu", 3).starts_with("No change"));
+        let review = text(&judge, "examples/relu", 1);
+        assert!(review.contains("`len`"), "the story's review of turn 1: {review}");
+        assert_eq!(judge.len(), coder.len(), "every key has a review");
+        assert!(text(&judge, "examples/matmul", 0).contains("(replayed review)"));
+    }
+
+    #[test]
     fn the_default_pool_is_added_only_when_the_config_has_none() {
         let dir = std::env::temp_dir().join(format!("kforge-run-unit-{}", std::process::id()));
         let mut config = MeshConfig::default();
         let file = route_default_replay(&mut config, "replay", &dir).expect("written").expect("a file");
         assert_eq!(std::fs::read_to_string(&file).expect("read"), DEFAULT_REPLAY);
         assert_eq!(config.gateway.pools.len(), 1);
+        let judge = route_default_replay(&mut config, DEFAULT_JUDGE_MODEL, &dir).expect("written").expect("a file");
+        assert_eq!(std::fs::read_to_string(&judge).expect("read"), DEFAULT_JUDGE_REPLAY);
+        assert_eq!(config.gateway.pools.len(), 2);
         assert_eq!(route_default_replay(&mut config, "replay", &dir).expect("ok"), None, "already routed");
         assert_eq!(route_default_replay(&mut MeshConfig::default(), "gpt", &dir).expect("ok"), None);
         std::fs::remove_dir_all(dir).expect("cleanup");

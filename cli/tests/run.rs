@@ -190,6 +190,146 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     mesh.shutdown().await.expect("drains");
 }
 
+const SYNTAX_ERROR: &str =
+    "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x)\n        return x\n";
+
+/// A cudaforge job through the services in-process, the Coder and the Judge as two replayed models: relu/0 is a
+/// wrong kernel (the Judge answers in prose, not JSON), a syntax error (the Judge answers with its JSON inside
+/// prose), then a correct kernel (the last turn: not reviewed). On the CPU backend there is no profile: a correct
+/// kernel that is not the last would get correction-only feedback (the binary test below shows it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cudaforge_job_carries_the_judges_review_and_only_the_last_kernel() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-cudaforge");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let coder = dir.join("coder.jsonl");
+    let lines = [
+        record("examples/relu", 0, 0, "Okay.", &fenced(RELU_TIMES_TWO)),
+        record("examples/relu", 0, 1, "Okay.", &fenced(SYNTAX_ERROR)),
+        record("examples/relu", 0, 2, "Okay.", &fenced(RELU_TORCH)),
+    ];
+    std::fs::write(&coder, lines.join("\n") + "\n").expect("written");
+    let judge = dir.join("judge.jsonl");
+    let review = |turn: u32, text: &str| {
+        serde_json::json!({
+            "task_id": "examples/relu", "trajectory": 0, "turn": turn,
+            "completions": [{"text": text}], "usage": {"prompt_tokens": 100, "completion_tokens": 10},
+        })
+        .to_string()
+    };
+    let advice = "The issue is plain.\n```json\n{\"critical_issue\": \"the def line lacks its colon\", \
+                  \"why_it_matters\": \"Python cannot parse the class\", \"minimal_fix_hint\": \"end the def line with :\"}\n```";
+    let reviews = [review(0, "It doubles instead of clamping; use relu."), review(1, advice)];
+    std::fs::write(&judge, reviews.join("\n") + "\n").expect("written");
+    let mut config = mesh_config(coder);
+    config.gateway.pools.push(PoolConfig {
+        model: "judge".into(),
+        backends: vec![BackendConfig { kind: BackendKind::Replay, file: Some(judge), ..Default::default() }],
+        ..Default::default()
+    });
+    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
+    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
+    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
+    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
+    let mut orchestrator = OrchestratorClient::new(channel);
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Evaluation.into(),
+        recipe: "cudaforge".into(),
+        task_set: "examples".into(),
+        model: "recorded".into(),
+        judge_model: "judge".into(),
+        trajectories_per_task: 1,
+        turns: 3,
+        backend: pb::Backend::Cpu.into(),
+        max_tasks: 1,
+        correctness_trials: 2,
+        ..Default::default()
+    };
+    let submitted = orchestrator
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+        .await
+        .expect("submitted")
+        .into_inner();
+    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+    assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
+    let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
+    let turns = &trajectories[0].turns;
+    assert_eq!(verdicts(&trajectories[0]), ["incorrect", "compile_error", "correct"], "{turns:#?}");
+
+    // Turn 0: the Judge was asked in correction mode and answered in prose: recorded, not fatal.
+    let first = turns[0].judge.as_ref().expect("turn 0 reviewed");
+    assert_eq!(first.mode, pb::JudgeMode::Correction as i32);
+    assert!(first.error.starts_with("malformed answer: no JSON object"), "{first:?}");
+    let user = |turn: &pb::TurnRecord| turn.prompt.last().expect("a user message").content.clone();
+    assert!(first.prompt.last().expect("judge prompt").content.contains("return x * 2"), "the judge sees the kernel");
+    assert!(turns[0].feedback.contains("(No review: the reviewer's answer was malformed.)"), "{}", turns[0].feedback);
+    assert!(user(&turns[1]).contains("return x * 2") && user(&turns[1]).contains("incorrect"), "{}", user(&turns[1]));
+
+    // Turn 1: the advice read from inside the prose, shown to turn 2 with the evaluation; turn 0's kernel is not.
+    let second = turns[1].judge.as_ref().expect("turn 1 reviewed");
+    assert_eq!((second.mode, second.error.as_str()), (pb::JudgeMode::Correction as i32, ""));
+    let parsed: serde_json::Value = serde_json::from_str(&second.advice_json).expect("advice is JSON");
+    assert_eq!(parsed["minimal_fix_hint"], "end the def line with :");
+    let third = user(&turns[2]);
+    assert!(third.contains("Reviewer (correction):\n- Critical issue: the def line lacks its colon"), "{third}");
+    assert!(
+        third.contains("def forward(self, x)\n") && !third.contains("return x * 2"),
+        "only the last kernel: {third}"
+    );
+    assert!(turns[2].judge.is_none(), "the last turn is not reviewed: no turn reads it");
+
+    // The Judge's tokens count in the job's usage (the replayed coder reports none).
+    let usage = job.metrics.and_then(|m| m.usage).expect("usage");
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (200, 20));
+    mesh.shutdown().await.expect("drains");
+}
+
+/// `kforge run --recipe cudaforge` on the embedded default (its first task, relu, on the CPU): three turns of the
+/// embedded story (correct, a compile error the replayed Judge corrects, the fix), correction-only feedback for the
+/// correct first kernel, and the report.
+#[test]
+fn kforge_run_cudaforge_on_the_embedded_default() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-cudaforge-binary");
+    let _ = std::fs::remove_dir_all(&dir);
+    let kforge = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kforge"))
+            .args(args)
+            .env("KFORGE__ORCHESTRATOR__STORE", dir.join("orchestrator.db"))
+            .env("KFORGE__EVALUATOR__PYTHON", python())
+            .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
+            .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
+            .output()
+            .expect("kforge runs")
+    };
+    let output = kforge(&["run", "--recipe", "cudaforge", "--max-tasks", "1", "--backend", "cpu"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("[3/3 turns, 1/1 episodes]"), "{stderr}");
+    let row = stdout.lines().find(|l| l.starts_with("examples/relu")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(row.contains("correct,compile_error,correct"), "{row}");
+    assert!(stdout.contains("report: "), "{stdout}");
+
+    let job_id = stdout.lines().next().and_then(|l| l.split_whitespace().nth(1)).expect("job id").to_owned();
+    let samples = dir.join("samples.jsonl");
+    let exported = kforge(&["export", &job_id, "--out", samples.to_str().expect("utf-8")]);
+    assert!(exported.status.success(), "{}", String::from_utf8_lossy(&exported.stderr));
+    let samples: Vec<serde_json::Value> = std::fs::read_to_string(&samples)
+        .expect("written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one json object per line"))
+        .collect();
+    assert_eq!(samples.len(), 3);
+    // Turn 0 is correct on the CPU: no profile, so no review, and the sample says why.
+    let first = &samples[0]["judge"];
+    assert_eq!(first["mode"], "JUDGE_MODE_NONE", "{first}");
+    assert!(first["profile_note"].as_str().is_some_and(|n| n.contains("CPU")), "{first}");
+    // Turn 1's compile error is reviewed with the embedded story's answer, which turn 2's prompt shows.
+    assert_eq!(samples[1]["judge"]["mode"], "JUDGE_MODE_CORRECTION", "{}", samples[1]);
+    assert!(samples[1]["judge"]["advice_json"].as_str().is_some_and(|a| a.contains("`len`")), "{}", samples[1]);
+    let prompt = samples[2]["prompt"].to_string();
+    assert!(prompt.contains("Minimal fix") && prompt.contains("i + 4 <= n"), "{prompt}");
+    assert!(samples[2]["judge"].is_null(), "the last turn is not reviewed: {}", samples[2]);
+}
+
 async fn job_snapshot(client: &mut OrchestratorClient<kforge_server::client::Channel>, job_id: &str) -> pb::Job {
     client.get_job(pb::GetJobRequest { job_id: job_id.into() }).await.expect("get").into_inner()
 }

@@ -111,10 +111,15 @@ fn every_configmap_loads_through_its_service_config_type() {
                 }
                 "orchestrator" => {
                     let orchestrator: OrchestratorConfig = load(toml, &set);
+                    let scheme = if orchestrator.server.tls.is_some() { "https:" } else { "http:" };
                     assert_eq!(
                         orchestrator.peers.evaluator,
-                        "http://kforge-evaluator.kforge.svc:50051"
-                            .replace("http:", if orchestrator.server.tls.is_some() { "https:" } else { "http:" },)
+                        "http://kforge-evaluator.kforge.svc:50051".replace("http:", scheme)
+                    );
+                    assert_eq!(
+                        orchestrator.peers.profiler,
+                        "http://kforge-profiler.kforge.svc:50052".replace("http:", scheme),
+                        "{set}: cudaforge jobs call the profiler"
                     );
                     assert!(orchestrator.peers.client.auth.token_file.is_some(), "{set}: peers get the token");
                     orchestrator.server

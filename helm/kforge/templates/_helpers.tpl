@@ -79,7 +79,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if $root.Values.tls.enabled -}}
 {{- $_ := set $client "tls_ca_file" "/var/run/kforge/tls/ca.crt" -}}
 {{- end -}}
-{{- $_ := set $table "peers" (dict "gateway" (include "kforge.url" (list $root "gateway")) "evaluator" (include "kforge.url" (list $root "evaluator")) "reward" (include "kforge.url" (list $root "reward")) "client" $client) -}}
+{{- $_ := set $table "peers" (dict "gateway" (include "kforge.url" (list $root "gateway")) "evaluator" (include "kforge.url" (list $root "evaluator")) "reward" (include "kforge.url" (list $root "reward")) "profiler" (include "kforge.url" (list $root "profiler")) "client" $client) -}}
 {{- if not $values.database.existingSecret -}}
 {{- $_ := set $table "store" "sqlite:///var/lib/kforge/orchestrator.db" -}}
 {{- end -}}

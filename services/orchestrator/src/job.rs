@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::evaluator_client::EvaluatorClient;
 use kforge_proto::v1::gateway_client::GatewayClient;
+use kforge_proto::v1::profiler_client::ProfilerClient;
 use kforge_proto::v1::reward_client::RewardClient;
 use kforge_server::client::Channel;
 use prometheus_client::metrics::gauge::Gauge;
@@ -18,6 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::OrchestratorError;
+use crate::judge::{self, Mode, ProfileView};
 use crate::metrics::job_metrics;
 use crate::monitoring::OrchestratorMetrics;
 use crate::recipe::{self, Attempt, Recipe, Templates};
@@ -176,6 +178,8 @@ pub struct Peers {
     pub gateway: GatewayClient<Channel>,
     pub evaluator: EvaluatorClient<Channel>,
     pub reward: RewardClient<Channel>,
+    /// The profiler, for `cudaforge` jobs that may profile (see `OrchestratorService::connect`).
+    pub profiler: Option<ProfilerClient<Channel>>,
     pub limits: Arc<Limits>,
     pub metrics: OrchestratorMetrics,
 }
@@ -187,6 +191,7 @@ pub struct Limits {
     pub gateway: Semaphore,
     pub evaluator: Semaphore,
     pub reward: Semaphore,
+    pub profiler: Semaphore,
     pub retry: RetryPolicy,
 }
 
@@ -635,7 +640,17 @@ impl Episode {
             }
             Err(_) => {}
         }
-        record.feedback = recipe::feedback(record.evaluation.as_ref(), &record.error);
+        // A turn resumed with its review keeps it: the Judge is not asked twice.
+        if record.judge.is_none() {
+            record.feedback = recipe::feedback(record.evaluation.as_ref(), &record.error);
+            let reviewed = self.plan.recipe == Recipe::CudaForge && turn + 1 < spec.turns && record.error.is_empty();
+            if let Some(evaluation) = record.evaluation.clone().filter(|_| reviewed) {
+                let (review, feedback) = self.review(job_id, turn, &record, &evaluation, &mut peers).await;
+                record.judge = Some(review);
+                record.feedback = feedback;
+                self.progress.stage(self.position, Stage::Evaluated, &record).await?;
+            }
+        }
         record.wall_time_s = started.elapsed().as_secs_f64();
         tracing::info!(
             job_id, task_id = %self.task.task_id, trajectory = self.trajectory, turn,
@@ -705,6 +720,137 @@ impl Episode {
         record.completion = Some(completion);
         self.progress.stage(self.position, Stage::Generated, &record).await?;
         Ok(record)
+    }
+}
+
+impl Episode {
+    /// The cudaforge Judge's review of a turn's evaluated kernel (`judge.rs`) and the feedback it makes for the
+    /// next turn. Never fails the turn: a missing profile, a failed generation or a malformed answer is recorded
+    /// in the review, and the feedback is then the evaluation's own.
+    async fn review(
+        &self,
+        job_id: &str,
+        turn: u32,
+        record: &pb::TurnRecord,
+        evaluation: &pb::EvaluateResponse,
+        peers: &mut Peers,
+    ) -> (pb::JudgeRecord, String) {
+        let started = Instant::now();
+        let templates = &self.plan.templates.judge;
+        let shown = record.feedback.clone();
+        let mode = judge::mode_for(evaluation);
+        let mut review = pb::JudgeRecord { mode: mode as i32, ..Default::default() };
+        let prompt = match mode {
+            Mode::Correction => judge::correction_prompt(templates, &self.task, &record.kernel, &shown),
+            Mode::Optimization => match self.profile(job_id, &record.kernel, peers).await {
+                Ok(view) => {
+                    review.diagnosis.clone_from(&view.diagnosis);
+                    review.metrics.clone_from(&view.metrics);
+                    judge::optimization_prompt(templates, &self.task, &record.kernel, &shown, &view)
+                }
+                Err(note) => {
+                    let feedback = judge::feedback_without_review(
+                        &shown,
+                        &format!("no hardware profile, {note}; correction only"),
+                    );
+                    review.mode = Mode::None as i32;
+                    review.profile_note = note;
+                    review.wall_time_s = started.elapsed().as_secs_f64();
+                    return (review, feedback);
+                }
+            },
+            Mode::None | Mode::Unspecified => {
+                review.wall_time_s = started.elapsed().as_secs_f64();
+                return (review, shown);
+            }
+        };
+        review.prompt.clone_from(&prompt);
+        let spec = &self.plan.spec;
+        let model = if spec.judge_model.is_empty() { &spec.model } else { &spec.judge_model };
+        let request = pb::GenerateRequest {
+            model: model.clone(),
+            input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: prompt })),
+            sampling: spec.sampling.clone(),
+            return_token_ids: false,
+            return_logprobs: false,
+            keys: Some(pb::RequestKeys {
+                job_id: job_id.to_owned(),
+                // Its own affinity key: the Judge's prompts share no prefix with the Coder's.
+                episode_id: format!("{job_id}/{}/{}/judge", self.task.task_id, self.trajectory),
+                task_id: self.task.task_id.clone(),
+                trajectory: self.trajectory,
+                turn,
+            }),
+        };
+        let generated = {
+            let _stage =
+                StageGuard::enter(&self.progress.in_flight.generating, self.progress.metrics.in_flight("generating"));
+            let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
+            peers.gateway.generate(request).await
+        };
+        let feedback = match generated.map(tonic::Response::into_inner) {
+            Ok(generated) => {
+                review.usage = generated.usage;
+                let text = generated.completions.first().map(|c| c.text.clone()).unwrap_or_default();
+                review.completion = generated.completions.into_iter().next();
+                match judge::parse(mode, &text) {
+                    Ok(advice) => {
+                        review.advice_json = serde_json::Value::Object(advice.clone()).to_string();
+                        judge::feedback(&shown, mode, &advice)
+                    }
+                    Err(why) => {
+                        review.error = format!("malformed answer: {why}");
+                        judge::feedback_without_review(&shown, "the reviewer's answer was malformed")
+                    }
+                }
+            }
+            Err(status) => {
+                review.error = peer_error("gateway", &status);
+                judge::feedback_without_review(&shown, "the reviewer could not be asked")
+            }
+        };
+        review.wall_time_s = started.elapsed().as_secs_f64();
+        (review, feedback)
+    }
+
+    /// The kernel's profile as the Judge is shown it, or why there is none.
+    async fn profile(&self, job_id: &str, kernel: &str, peers: &mut Peers) -> Result<ProfileView, String> {
+        let spec = &self.plan.spec;
+        let Some(client) = peers.profiler.as_mut() else {
+            return Err(if spec.backend() == pb::Backend::Cpu {
+                "the job evaluates on the CPU, and Nsight Compute profiles GPU kernels".into()
+            } else {
+                "no profiler was reachable when the job started".into()
+            });
+        };
+        let request = pb::ProfileRequest {
+            request_id: String::new(),
+            task: Some(self.task.clone()),
+            candidate_source: kernel.to_owned(),
+            backend: spec.backend,
+            metric_set: pb::MetricSet::Curated as i32,
+            metrics: Vec::new(),
+            lock_clocks: false,
+            policy: spec.policy.clone(),
+            launch_limit: 0,
+            priority: 0,
+            job_id: job_id.to_owned(),
+        };
+        let profiled = {
+            let _stage =
+                StageGuard::enter(&self.progress.in_flight.evaluating, self.progress.metrics.in_flight("evaluating"));
+            let _permit = peers.limits.profiler.acquire().await.expect("the profiler semaphore is never closed");
+            client.profile(request).await
+        };
+        let profile = profiled.map_err(|status| peer_error("profiler", &status))?.into_inner();
+        if profile.verdict() != pb::Verdict::Correct {
+            return Err(format!(
+                "the profile ended {:?}: {}",
+                profile.verdict(),
+                profile.error.lines().next().unwrap_or("")
+            ));
+        }
+        ProfileView::of(&profile).ok_or_else(|| "Nsight Compute profiled no launch of the kernel's own kernels".into())
     }
 }
 

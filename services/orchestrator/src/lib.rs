@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod job;
+pub mod judge;
 pub mod metrics;
 pub mod monitoring;
 pub mod recipe;
@@ -72,11 +73,13 @@ pub struct InFlightConfig {
     pub evaluator: u32,
     /// Default 64.
     pub reward: u32,
+    /// Default 8 (each profile holds a GPU alone for seconds; `cudaforge` profiles every correct kernel).
+    pub profiler: u32,
 }
 
 impl Default for InFlightConfig {
     fn default() -> Self {
-        Self { gateway: 256, evaluator: 64, reward: 64 }
+        Self { gateway: 256, evaluator: 64, reward: 64, profiler: 8 }
     }
 }
 
@@ -108,6 +111,8 @@ pub struct PeersConfig {
     pub evaluator: String,
     /// The reward service's URL. Default `http://127.0.0.1:50053`.
     pub reward: String,
+    /// The profiler's URL, called by `cudaforge` jobs on a GPU backend. Default `http://127.0.0.1:50052`.
+    pub profiler: String,
     /// TLS and token for calling them.
     pub client: ClientConfig,
 }
@@ -118,6 +123,7 @@ impl Default for PeersConfig {
             gateway: "http://127.0.0.1:50054".into(),
             evaluator: "http://127.0.0.1:50051".into(),
             reward: "http://127.0.0.1:50053".into(),
+            profiler: "http://127.0.0.1:50052".into(),
             client: ClientConfig::default(),
         }
     }
@@ -220,6 +226,7 @@ impl OrchestratorService {
             gateway: permits(config.max_in_flight.gateway),
             evaluator: permits(config.max_in_flight.evaluator),
             reward: permits(config.max_in_flight.reward),
+            profiler: permits(config.max_in_flight.profiler),
             retry: RetryPolicy {
                 attempts: config.retry.attempts.max(1),
                 initial_backoff: Duration::from_millis(config.retry.initial_backoff_ms),
@@ -247,7 +254,10 @@ impl OrchestratorService {
         self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    async fn connect(&self) -> Result<Peers, OrchestratorError> {
+    /// Clients of the services `plan` calls. The profiler is one of them for `cudaforge` on a GPU backend (a
+    /// missing one is UNAVAILABLE), and is tried for `cudaforge` on the evaluator's default backend (which is the
+    /// CPU where no GPU is: then the recipe gives correction-only feedback and says so).
+    async fn connect(&self, plan: &Plan) -> Result<Peers, OrchestratorError> {
         let peers = &self.config.peers;
         let channel = |peer: &'static str, url: &str| {
             let url = url.to_owned();
@@ -262,6 +272,15 @@ impl OrchestratorService {
             gateway: pb::gateway_client::GatewayClient::new(channel("gateway", &peers.gateway).await?),
             evaluator: pb::evaluator_client::EvaluatorClient::new(channel("evaluator", &peers.evaluator).await?),
             reward: pb::reward_client::RewardClient::new(channel("reward", &peers.reward).await?),
+            profiler: match (plan.recipe, plan.spec.backend()) {
+                (recipe::Recipe::CudaForge, pb::Backend::Cuda | pb::Backend::Triton) => {
+                    Some(pb::profiler_client::ProfilerClient::new(channel("profiler", &peers.profiler).await?))
+                }
+                (recipe::Recipe::CudaForge, pb::Backend::Unspecified) => {
+                    channel("profiler", &peers.profiler).await.ok().map(pb::profiler_client::ProfilerClient::new)
+                }
+                _ => None,
+            },
             limits: self.limits.clone(),
             metrics: self.metrics.clone(),
         })
@@ -337,7 +356,7 @@ impl OrchestratorService {
         let plan = tokio::task::spawn_blocking(move || Plan::resumed(spec, tasks))
             .await
             .map_err(|error| Status::internal(format!("checking the stored spec panicked: {error}")))??;
-        let peers = self.connect().await?;
+        let peers = self.connect(&plan).await?;
         let claimed = self
             .store
             .claim(job_id, &self.config.instance, lease_until(Duration::ZERO), lease_until(self.lease()))
@@ -490,6 +509,7 @@ fn sample(job_id: &str, position: store::TurnPosition, turn: pb::TurnRecord) -> 
         advantage: turn.advantage,
         keep: turn.keep,
         error: turn.error,
+        judge: turn.judge,
     }
 }
 
@@ -505,7 +525,7 @@ impl Orchestrator for OrchestratorService {
         let plan = tokio::task::spawn_blocking(move || Plan::new(spec))
             .await
             .map_err(|error| Status::internal(format!("resolving the task set panicked: {error}")))??;
-        let peers = self.connect().await?;
+        let peers = self.connect(&plan).await?;
         let job = pb::Job {
             job_id: new_job_id(self.next_id.fetch_add(1, Ordering::Relaxed)),
             spec: Some(plan.spec.clone()),
@@ -710,6 +730,15 @@ impl Orchestrator for OrchestratorService {
             },
             other => other,
         })?;
+        if plan.recipe == recipe::Recipe::CudaForge {
+            // Its Judge is a second model the orchestrator asks through the gateway; a stepped episode has one, the
+            // trainer's.
+            return Err(OrchestratorError::invalid(
+                "recipe",
+                "cudaforge reviews each kernel with a Judge model through the gateway: submit it as a job                  (SubmitJob); stepped episodes take single-turn or kevin",
+            )
+            .into());
+        }
         let job = pb::Job {
             job_id: new_job_id(self.next_id.fetch_add(1, Ordering::Relaxed)),
             spec: Some(plan.spec.clone()),
@@ -764,7 +793,7 @@ impl Orchestrator for OrchestratorService {
         }
         let tasks = self.store.tasks(&job.job_id).await.map_err(store_status)?;
         let plan = Arc::new(Plan::resumed(spec, tasks)?);
-        let peers = self.connect().await?;
+        let peers = self.connect(&plan).await?;
         let episode_id = job.job_id.clone();
         let stepped =
             job::step(plan, job, peers, self.store.clone(), request.turn, completion, &request.idempotency_key)

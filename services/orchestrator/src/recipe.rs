@@ -15,22 +15,24 @@ pub enum Recipe {
     SingleTurn,
     /// Kevin's multi-turn refinement: each turn sees the task and every earlier kernel with its evaluation.
     Kevin,
+    /// CudaForge's Coder and Judge: each turn sees the task, the last kernel and the Judge's review of it only
+    /// (`judge.rs`).
+    CudaForge,
 }
 
 impl Recipe {
-    /// Parses the spec's recipe name; `drkernel` and `cudaforge` are named by the contract but not built yet.
+    /// Parses the spec's recipe name; `drkernel` is named by the contract but not built yet.
     pub fn parse(name: &str) -> Result<Self, OrchestratorError> {
         match name {
             "single-turn" => Ok(Self::SingleTurn),
             "kevin" => Ok(Self::Kevin),
-            "drkernel" | "cudaforge" => Err(OrchestratorError::invalid(
-                "spec.recipe",
-                format!("`{name}` is not built yet; built: single-turn, kevin"),
-            )),
-            other => Err(OrchestratorError::invalid(
-                "spec.recipe",
-                format!("unknown recipe `{other}`; built: single-turn, kevin"),
-            )),
+            "cudaforge" => Ok(Self::CudaForge),
+            "drkernel" => {
+                Err(OrchestratorError::invalid("spec.recipe", format!("`{name}` is not built yet; built: {BUILT}")))
+            }
+            other => {
+                Err(OrchestratorError::invalid("spec.recipe", format!("unknown recipe `{other}`; built: {BUILT}")))
+            }
         }
     }
 
@@ -38,9 +40,13 @@ impl Recipe {
         match self {
             Self::SingleTurn => "single-turn",
             Self::Kevin => "kevin",
+            Self::CudaForge => "cudaforge",
         }
     }
 }
+
+/// The recipes built, as errors list them.
+const BUILT: &str = "single-turn, kevin, cudaforge";
 
 /// Built-in template files, by recipe and file name.
 const BUILT_IN: &[(&str, &str, &str)] = &[
@@ -50,6 +56,12 @@ const BUILT_IN: &[(&str, &str, &str)] = &[
     ("kevin", "task.md", include_str!("../prompts/kevin/task.md")),
     ("kevin", "attempt.md", include_str!("../prompts/kevin/attempt.md")),
     ("kevin", "refine.md", include_str!("../prompts/kevin/refine.md")),
+    ("cudaforge", "system.md", include_str!("../prompts/cudaforge/system.md")),
+    ("cudaforge", "task.md", include_str!("../prompts/cudaforge/task.md")),
+    ("cudaforge", "refine.md", include_str!("../prompts/cudaforge/refine.md")),
+    ("cudaforge", "judge_system.md", include_str!("../prompts/cudaforge/judge_system.md")),
+    ("cudaforge", "judge_correction.md", include_str!("../prompts/cudaforge/judge_correction.md")),
+    ("cudaforge", "judge_optimization.md", include_str!("../prompts/cudaforge/judge_optimization.md")),
 ];
 
 /// A recipe's templates, read once per job.
@@ -60,6 +72,16 @@ pub struct Templates {
     task: String,
     attempt: String,
     refine: String,
+    /// The cudaforge Judge's templates (empty for other recipes).
+    pub judge: JudgeTemplates,
+}
+
+/// The Judge's system prompt and its two modes' user prompts.
+#[derive(Debug, Clone, Default)]
+pub struct JudgeTemplates {
+    pub system: String,
+    pub correction: String,
+    pub optimization: String,
 }
 
 /// What an earlier turn leaves for the next one's prompt.
@@ -100,12 +122,26 @@ impl Templates {
             task: read("task.md")?,
             attempt: read("attempt.md")?,
             refine: read("refine.md")?,
+            judge: JudgeTemplates {
+                system: read("judge_system.md")?,
+                correction: read("judge_correction.md")?,
+                optimization: read("judge_optimization.md")?,
+            },
         })
     }
 
-    /// The chat for a turn: the system message, then the task, then (multi-turn recipes) the earlier attempts.
+    /// The chat for a turn: the system message, then the task, then (multi-turn recipes) the earlier attempts:
+    /// every one for `kevin`, the last one for `cudaforge` (its feedback carries the Judge's review).
     pub fn prompt(&self, task: &pb::Task, earlier: &[Attempt]) -> Vec<pb::ChatMessage> {
         let mut user = render(&self.task, &[("task_id", &task.task_id), ("task_source", task.source.trim_end())]);
+        if let (Recipe::CudaForge, Some(last)) = (self.recipe, earlier.last()) {
+            let kernel = if last.kernel.is_empty() { "(no kernel in the response)" } else { &last.kernel };
+            user.push_str("\n\n");
+            user.push_str(&render(
+                &self.refine,
+                &[("kernel", kernel.trim_end()), ("feedback", last.feedback.trim_end())],
+            ));
+        }
         if self.recipe == Recipe::Kevin && !earlier.is_empty() {
             let attempts: Vec<String> = earlier
                 .iter()
@@ -136,7 +172,7 @@ impl Templates {
 }
 
 /// Replaces every `{{name}}` of `template` with its value, in one pass (a value is never re-expanded).
-fn render(template: &str, values: &[(&str, &str)]) -> String {
+pub fn render(template: &str, values: &[(&str, &str)]) -> String {
     let mut out = String::with_capacity(template.len());
     let mut rest = template;
     while let Some(start) = rest.find("{{") {
@@ -263,6 +299,21 @@ mod tests {
         let unknown = Recipe::parse("nope").expect_err("unknown").to_string();
         assert!(unknown.contains("spec.recipe") && unknown.contains("unknown recipe `nope`"), "{unknown}");
         assert!(Recipe::parse("drkernel").expect_err("not built").to_string().contains("not built yet"));
+        assert_eq!(Recipe::parse("cudaforge").expect("cudaforge").name(), "cudaforge");
+    }
+
+    #[test]
+    fn cudaforge_prompt_carries_only_the_last_kernel_and_its_review() {
+        let templates = Templates::load(Recipe::CudaForge, None).expect("built-in templates");
+        assert!(!templates.judge.correction.is_empty() && !templates.judge.optimization.is_empty());
+        let earlier = [
+            Attempt { kernel: "first_kernel".into(), feedback: "compile error; judge: fix the typo".into() },
+            Attempt { kernel: "second_kernel".into(), feedback: "correct; judge: vectorise the loads".into() },
+        ];
+        let user = &templates.prompt(&task(), &earlier)[1].content;
+        assert!(user.contains("second_kernel") && user.contains("vectorise the loads"), "{user}");
+        assert!(!user.contains("first_kernel") && !user.contains("fix the typo"), "only the last: {user}");
+        assert!(user.contains("class Model: pass") && !user.contains("{{"), "{user}");
     }
 
     #[test]

@@ -41,6 +41,7 @@ async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -
             gateway: peers.into(),
             evaluator: peers.into(),
             reward: peers.into(),
+            profiler: peers.into(),
             client: Default::default(),
         },
         retry: kforge_orchestrator::RetryConfig { attempts: 8, initial_backoff_ms: 1, max_backoff_ms: 4 },
@@ -284,6 +285,63 @@ async fn a_missing_peer_is_unavailable_naming_it() {
     let status = submit(&mut running.client, spec(&["a"], 1, 1)).await.expect_err("no evaluator");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(status.message().starts_with(&format!("evaluator at {closed} is unavailable")), "{status:?}");
+    running.shutdown().await;
+}
+
+/// cudaforge on a GPU backend against the fakes: each correct kernel but the last is profiled, the Judge is shown
+/// the dominant kernel's medians, the device and the diagnosis, and its advice is the next turn's feedback; the
+/// Judge's tokens count in the job's usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cudaforge_job_profiles_correct_kernels_and_shows_the_judge_the_profile() {
+    let (peers, fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let spec = pb::JobSpec {
+        recipe: "cudaforge".into(),
+        judge_model: "judge".into(),
+        backend: pb::Backend::Cuda.into(),
+        ..spec(&["a"], 1, 3)
+    };
+    let job = submit(&mut running.client, spec).await.expect("submitted");
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!(finished.state(), pb::JobState::Succeeded, "{finished:?}");
+    let turns = turns(&mut running.client, &job.job_id).await;
+    assert_eq!(*fakes.profiles.lock().expect("lock"), 2, "turns 0 and 1 are reviewed, the last is not");
+    let review = turns[0].judge.as_ref().expect("reviewed");
+    assert_eq!((review.mode(), review.error.as_str()), (pb::JudgeMode::Optimization, ""));
+    assert_eq!(review.diagnosis.as_ref().map(|d| d.summary.as_str()), Some(support::DIAGNOSIS));
+    assert_eq!(review.metrics.iter().map(|m| m.value).collect::<Vec<_>>(), [80.0], "the median of three launches");
+    let prompt = fakes.judge_prompts.lock().expect("lock")[&key("a", 0, 0)].clone();
+    for shown in [
+        "Fake GPU",
+        "7 SMs",
+        "`fake_kernel` (3 launches profiled, median\n0.05 ms)",
+        support::DIAGNOSIS,
+        "- gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed: 80 %",
+        "1.50x",
+    ] {
+        assert!(prompt.contains(shown), "{shown} in {prompt}");
+    }
+    let next = &turns[1].prompt.last().expect("a user message").content;
+    assert!(next.contains("Reviewer (optimisation") && next.contains("- Optimisation: vectorise the loads"), "{next}");
+    assert!(turns[2].judge.is_none());
+    let usage = finished.metrics.and_then(|m| m.usage).expect("usage");
+    assert_eq!(usage.prompt_tokens, 3 * 10 + 2 * 100, "the coder's three generations and the Judge's two");
+    running.shutdown().await;
+}
+
+/// A cudaforge job on a GPU backend needs the profiler: missing, it is UNAVAILABLE naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cudaforge_job_without_its_profiler_is_unavailable_naming_it() {
+    let (peers, _fakes) = support::start_fakes().await;
+    let closed = format!("http://127.0.0.1:{}", support::free_port());
+    let mut running = orchestrator(&peers, |c| c.peers.profiler = closed.clone()).await;
+    let gpu = pb::JobSpec { recipe: "cudaforge".into(), backend: pb::Backend::Cuda.into(), ..spec(&["a"], 1, 2) };
+    let status = submit(&mut running.client, gpu).await.expect_err("no profiler");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().starts_with(&format!("profiler at {closed} is unavailable")), "{status:?}");
+    // Without a GPU backend it is not needed.
+    let cpu = pb::JobSpec { recipe: "cudaforge".into(), backend: pb::Backend::Cpu.into(), ..spec(&["a"], 1, 1) };
+    submit(&mut running.client, cpu).await.expect("a CPU cudaforge job runs without a profiler");
     running.shutdown().await;
 }
 

@@ -94,10 +94,10 @@ impl Ncu {
         // `ncu` is a script in the CUDA toolkit's `bin` that runs the tool in its own directory beside it.
         let mut installation = Vec::new();
         for path in [program.clone(), std::fs::canonicalize(&program).unwrap_or_else(|_| program.clone())] {
-            if let Some(root) = path.parent().and_then(Path::parent) {
-                if !installation.iter().any(|known: &PathBuf| root.starts_with(known)) {
-                    installation.push(root.to_owned());
-                }
+            if let Some(root) = path.parent().and_then(Path::parent)
+                && !installation.iter().any(|known: &PathBuf| root.starts_with(known))
+            {
+                installation.push(root.to_owned());
             }
         }
         Ok(Self { program, version, installation })

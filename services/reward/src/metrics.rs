@@ -17,13 +17,15 @@ pub fn turn_sample(record: &pb::TurnRecord, level: u32, wall_time_s: f64, not_ok
     let hack_finding = evaluation
         .is_some_and(|e| e.findings.iter().any(|f| f.category == pb::FindingCategory::Hack as i32))
         && verdict == Some(core::Verdict::Rejected);
-    let usage = record.usage.as_ref().map_or_else(core::Usage::default, |u| core::Usage {
-        prompt_tokens: u.prompt_tokens,
-        completion_tokens: u.completion_tokens,
-        cached_prompt_tokens: u.cached_prompt_tokens,
-        reasoning_tokens: u.reasoning_tokens,
-        cost_usd: u.cost_usd,
-    });
+    // The turn's generations: the model's, and a cudaforge Judge's review of its kernel.
+    let mut usage = core::Usage::default();
+    for u in record.usage.iter().chain(record.judge.as_ref().and_then(|j| j.usage.as_ref())) {
+        usage.prompt_tokens += u.prompt_tokens;
+        usage.completion_tokens += u.completion_tokens;
+        usage.cached_prompt_tokens += u.cached_prompt_tokens;
+        usage.reasoning_tokens += u.reasoning_tokens;
+        usage.cost_usd += u.cost_usd;
+    }
     core::TurnSample {
         task: record.task_id.clone(),
         level,

@@ -1,5 +1,5 @@
-//! Test support: fake gateway, evaluator and reward services in one in-process server that count the calls they
-//! receive and answer, can hold a chosen call forever (so that a test can kill the orchestrator in the middle of
+//! Test support: fake gateway, evaluator, reward and profiler services in one in-process server that count the
+//! calls they receive and answer (the gateway answers a `judge` model with a cudaforge review), can hold a chosen call forever (so that a test can kill the orchestrator in the middle of
 //! it) and can answer scripted failures; and a throwaway PostgreSQL cluster.
 
 #![allow(dead_code)]
@@ -63,6 +63,10 @@ pub struct State {
     pub max_evaluating: std::sync::atomic::AtomicU32,
     /// Keys of gated evaluations in the order they reached the fake.
     pub arrivals: Mutex<Vec<String>>,
+    /// The last user message of each Judge request (a `judge` model), by key.
+    pub judge_prompts: Mutex<HashMap<String, String>>,
+    /// Profile requests received.
+    pub profiles: Mutex<u32>,
 }
 
 impl State {
@@ -134,6 +138,13 @@ fn count(counts: &Mutex<Counts>, key: &str, answered: bool) {
     *map.entry(key.to_owned()).or_default() += 1;
 }
 
+/// The fake Judge's answer: the fields of both modes.
+pub const REVIEW: &str = r#"{"critical_issue": "fake issue", "why_it_matters": "fake why", "minimal_fix_hint": "fake fix",
+"bottleneck": "DRAM bandwidth", "optimisation_method": "vectorise the loads", "modification_plan": "use float4"}"#;
+
+/// The fake profile's diagnosis text.
+pub const DIAGNOSIS: &str = "fake_kernel is memory-bound: memory throughput is at 80.0% of peak";
+
 /// The kernel every fake response holds.
 pub const KERNEL: &str =
     "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x\n";
@@ -147,6 +158,18 @@ impl pb::gateway_server::Gateway for Fakes {
         let request = request.into_inner();
         let keys = request.keys.unwrap_or_default();
         let key = key(&keys.task_id, keys.trajectory, keys.turn);
+        if request.model == "judge" {
+            let prompt = match request.input {
+                Some(pb::generate_request::Input::Chat(chat)) => chat.messages.last().map(|m| m.content.clone()),
+                _ => None,
+            };
+            self.0.judge_prompts.lock().expect("lock").insert(key, prompt.unwrap_or_default());
+            return Ok(Response::new(pb::GenerateResponse {
+                completions: vec![pb::Completion { text: REVIEW.into(), ..Default::default() }],
+                usage: Some(pb::Usage { prompt_tokens: 100, completion_tokens: 20, ..Default::default() }),
+                ..Default::default()
+            }));
+        }
         count(&self.0.generate, &key, false);
         self.0.maybe_hold(Hold::Generate(key.clone())).await;
         if self.0.failing_generations.lock().expect("lock").contains(&key) {
@@ -294,7 +317,63 @@ impl pb::reward_server::Reward for Fakes {
     }
 }
 
-/// Starts the three fakes on one ephemeral port; they serve until the test's runtime ends.
+#[tonic::async_trait]
+impl pb::profiler_server::Profiler for Fakes {
+    async fn profile(&self, _request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileResponse>, Status> {
+        *self.0.profiles.lock().expect("lock") += 1;
+        let metric = |name: &str, value, unit: &str| pb::MetricValue { name: name.into(), value, unit: unit.into() };
+        let launch = |ms: f64, dram: f64| pb::KernelProfile {
+            name: "fake_kernel".into(),
+            duration_ms: ms,
+            metrics: vec![metric("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", dram, "%")],
+            ..Default::default()
+        };
+        Ok(Response::new(pb::ProfileResponse {
+            verdict: pb::Verdict::Correct.into(),
+            kernels: vec![launch(0.04, 79.0), launch(0.05, 80.0), launch(0.06, 81.0)],
+            diagnosis: Some(pb::Diagnosis {
+                bottleneck: pb::Bottleneck::Memory.into(),
+                kernel: "fake_kernel".into(),
+                summary: DIAGNOSIS.into(),
+                ..Default::default()
+            }),
+            device: Some(pb::DeviceSpec { name: "Fake GPU".into(), sm_count: 7, ..Default::default() }),
+            ..Default::default()
+        }))
+    }
+
+    type StreamReportStream = tonic::codegen::BoxStream<pb::ReportChunk>;
+
+    async fn stream_report(
+        &self,
+        _request: Request<pb::StreamReportRequest>,
+    ) -> Result<Response<Self::StreamReportStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn get_device_spec(
+        &self,
+        _request: Request<pb::GetDeviceSpecRequest>,
+    ) -> Result<Response<pb::GetDeviceSpecResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn select_metrics(
+        &self,
+        _request: Request<pb::SelectMetricsRequest>,
+    ) -> Result<Response<pb::SelectMetricsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn get_capabilities(
+        &self,
+        _request: Request<pb::GetProfilerCapabilitiesRequest>,
+    ) -> Result<Response<pb::ProfilerCapabilities>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+/// Starts the fakes on one ephemeral port; they serve until the test's runtime ends.
 pub async fn start_fakes() -> (String, Arc<State>) {
     let state = Arc::new(State::default());
     let fakes = Fakes(state.clone());
@@ -303,7 +382,8 @@ pub async fn start_fakes() -> (String, Arc<State>) {
     let server = tonic::transport::Server::builder()
         .add_service(pb::gateway_server::GatewayServer::new(fakes.clone()))
         .add_service(pb::evaluator_server::EvaluatorServer::new(fakes.clone()))
-        .add_service(pb::reward_server::RewardServer::new(fakes))
+        .add_service(pb::reward_server::RewardServer::new(fakes.clone()))
+        .add_service(pb::profiler_server::ProfilerServer::new(fakes))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     tokio::spawn(server);
     (format!("http://{address}"), state)
