@@ -102,7 +102,8 @@ def parse_ncu_csv(text):
         return []
     rows = list(csv.reader(io.StringIO(text[start:])))
     names = rows[0]
-    return [dict(zip(names, row)) for row in rows[2:] if len(row) == len(names)]
+    # `ncu --import` prints numbers with thousands separators ("41,952").
+    return [{k: v.replace(",", "") for k, v in zip(names, row)} for row in rows[2:] if len(row) == len(names)]
 
 
 def summarize_profile(response):
