@@ -170,7 +170,9 @@ impl Evaluator {
         let census_process = self.start_candidate(submission, &census_dir, &artifact_dir, cancel)?;
         let profiled_process = match job.launch_limit {
             0 => None,
-            _ => Some(self.start_profiled(submission, &profiled_dir, &artifact_dir, &job.launcher, job.wall, cancel)?),
+            _ => {
+                Some(self.start_profiled(submission, &profiled_dir, &artifact_dir, &job.launcher, job.wall, cancel)?)
+            }
         };
         let started = Instant::now();
         let task_key = cache::key(&[submission.task.as_bytes()]);
@@ -209,9 +211,10 @@ impl Evaluator {
                     Some(Err(error)) => error,
                     _ => "none were written".to_owned(),
                 };
-                evaluation
-                    .findings
-                    .push(hack_finding("runtime.census_unreadable", format!("the census records are malformed: {why}")));
+                evaluation.findings.push(hack_finding(
+                    "runtime.census_unreadable",
+                    format!("the census records are malformed: {why}"),
+                ));
                 return Ok(pb::Verdict::Hack);
             }
         };
@@ -232,9 +235,8 @@ impl Evaluator {
         let started = Instant::now();
         // A profiled call replays each kernel once per pass: its limit is the stage's.
         let limits = CallLimits { call: job.wall, busy: job.wall, basis: "the profile's run limit".into() };
-        let outcome = self
-            .candidate_stage(profiled_process, &lane, &profiled_dir, run(0, profiled_calls), limits)
-            .await;
+        let outcome =
+            self.candidate_stage(profiled_process, &lane, &profiled_dir, run(0, profiled_calls), limits).await;
         evaluation.stage_ms.insert("profiled".into(), ms(started.elapsed()));
         match self.candidate_result(outcome, lane.gpu(), evaluation)? {
             Ok(_) => Ok(pb::Verdict::Correct),
