@@ -99,7 +99,7 @@ impl BackendArg {
 
 #[derive(Debug, Args)]
 struct RunArgs {
-    /// Recipe: single-turn, kevin or cudaforge (drkernel is not built yet).
+    /// Recipe: single-turn, kevin, cudaforge or drkernel.
     #[arg(long, default_value = "single-turn")]
     recipe: String,
     /// Task set: `examples` (built in), a KernelBench directory (level1/, level2/, ...) or a JSONL file (one
@@ -117,6 +117,9 @@ struct RunArgs {
     /// the model itself).
     #[arg(long)]
     judge_model: Option<String>,
+    /// drkernel: earlier turns a prompt shows, the best by score and the latest (0: 4).
+    #[arg(long, default_value_t = 0)]
+    context_window: u32,
     /// Parallel trajectories per task (m).
     #[arg(long, default_value_t = 1)]
     trajectories: u32,
@@ -272,6 +275,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         task_set: args.tasks,
         model: args.model,
         judge_model,
+        context_window: args.context_window,
         trajectories_per_task: args.trajectories,
         turns: args.turns.unwrap_or(if multi_turn { 3 } else { 1 }),
         backend: BackendArg::proto(args.backend).into(),

@@ -190,6 +190,48 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     mesh.shutdown().await.expect("drains");
 }
 
+/// drkernel through the real services (CPU backend): every evaluation counts its kernels, the reward service scores
+/// a correct kernel with the Dr. Kernel formula and the census's profiling ratio, and the feedback shows the census.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drkernel_job_is_scored_with_the_census_profiling_ratio() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-drkernel");
+    let config = mesh_config(replay_file(&dir));
+    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
+    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
+    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
+    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
+    let mut orchestrator = OrchestratorClient::new(channel);
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Evaluation.into(),
+        recipe: "drkernel".into(),
+        task_set: "examples".into(),
+        model: "recorded".into(),
+        trajectories_per_task: 1,
+        turns: 2,
+        backend: pb::Backend::Cpu.into(),
+        max_tasks: 1,
+        correctness_trials: 2,
+        ..Default::default()
+    };
+    let submitted = orchestrator
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+        .await
+        .expect("submitted")
+        .into_inner();
+    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+    assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
+    let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
+    let turns = &trajectories[0].turns;
+    assert_eq!(verdicts(&trajectories[0]), ["incorrect", "correct"], "{turns:#?}");
+    let correct = &turns[1];
+    assert_eq!(correct.error, "", "the reward service took the outcome with its profiling ratio");
+    let evaluation = correct.evaluation.as_ref().expect("evaluated");
+    assert!(!evaluation.kernels.is_empty(), "the evaluation counted what ran: {evaluation:?}");
+    assert!(correct.score.is_some_and(|s| s >= 1.0), "w_c of a correct kernel at least: {:?}", correct.score);
+    assert!(correct.feedback.contains("Profiling ratio"), "{}", correct.feedback);
+    mesh.shutdown().await.expect("drains");
+}
+
 const SYNTAX_ERROR: &str =
     "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x)\n        return x\n";
 

@@ -54,7 +54,10 @@ impl Plan {
         if let Some(dir) = prompt_dir.filter(|d| !d.is_dir()) {
             return Err(OrchestratorError::invalid("spec.prompt_dir", format!("{} is not a directory", dir.display())));
         }
-        let templates = Templates::load(recipe, prompt_dir)?;
+        let mut templates = Templates::load(recipe, prompt_dir)?;
+        if spec.context_window > 0 {
+            templates.window = spec.context_window;
+        }
         let mut tasks = resolve_tasks(&spec)?;
         if spec.max_tasks > 0 {
             tasks.truncate(spec.max_tasks as usize);
@@ -518,7 +521,7 @@ impl Episode {
             if stage == Stage::Recorded {
                 ended |= !record.error.is_empty();
                 first = record.turn + 1;
-                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback });
+                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback, score: record.score });
             } else if record.turn == first {
                 pending = Some((stage, record));
             }
@@ -535,7 +538,7 @@ impl Episode {
                 };
                 self.progress.record(self.position, &record).await?;
                 let failed = !record.error.is_empty();
-                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback });
+                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback, score: record.score });
                 if failed {
                     break;
                 }
@@ -579,7 +582,7 @@ impl Episode {
                 policy: spec.policy.clone(),
                 correctness_trials: spec.correctness_trials,
                 measure_performance: spec.measure_performance.unwrap_or(true),
-                census: false,
+                census: self.plan.recipe.census(),
                 idempotency_key: format!("{job_id}/{}/{}/{turn}", self.task.task_id, self.trajectory),
                 priority: 0,
                 job_id: job_id.to_owned(),
@@ -598,12 +601,15 @@ impl Episode {
                 self.progress.stage(self.position, Stage::Evaluated, &record).await?;
             }
         }
-        let outcome = record.evaluation.as_ref().map(kernel_outcome);
+        let outcome = record.evaluation.as_ref().map(|e| kernel_outcome(e, self.plan.recipe.census()));
         let _stage = StageGuard::enter(&self.progress.in_flight.scoring, self.progress.metrics.in_flight("scoring"));
         self.progress.notify().await;
         if let Some(outcome) = outcome.clone().filter(|o| o.verdict() != pb::Verdict::InfraError) {
             let request = pb::ScoreKernelsRequest {
-                formula: Some(pb::score_kernels_request::Formula::Kevin(pb::KevinScore::default())),
+                formula: Some(match self.plan.recipe {
+                    Recipe::DrKernel => pb::score_kernels_request::Formula::Drkernel(pb::DrKernelReward::default()),
+                    _ => pb::score_kernels_request::Formula::Kevin(pb::KevinScore::default()),
+                }),
                 baseline: pb::SpeedupBaseline::Eager.into(),
                 hack_penalty: None,
                 outcomes: vec![outcome],
@@ -643,6 +649,9 @@ impl Episode {
         // A turn resumed with its review keeps it: the Judge is not asked twice.
         if record.judge.is_none() {
             record.feedback = recipe::feedback(record.evaluation.as_ref(), &record.error);
+            if let Some(evaluation) = record.evaluation.as_ref().filter(|_| self.plan.recipe.census()) {
+                record.feedback.push_str(&recipe::census_feedback(evaluation));
+            }
             let reviewed = self.plan.recipe == Recipe::CudaForge && turn + 1 < spec.turns && record.error.is_empty();
             if let Some(evaluation) = record.evaluation.clone().filter(|_| reviewed) {
                 let (review, feedback) = self.review(job_id, turn, &record, &evaluation, &mut peers).await;
@@ -941,7 +950,10 @@ pub async fn step(
         }
     }
     let attempts = |records: &[pb::TurnRecord]| -> Vec<Attempt> {
-        records.iter().map(|r| Attempt { kernel: r.kernel.clone(), feedback: r.feedback.clone() }).collect()
+        records
+            .iter()
+            .map(|r| Attempt { kernel: r.kernel.clone(), feedback: r.feedback.clone(), score: r.score })
+            .collect()
     };
     let outcome = |records: &[pb::TurnRecord], record: pb::TurnRecord| {
         let done = records.len() as u32 >= plan.spec.turns || !record.error.is_empty();
@@ -1019,7 +1031,9 @@ fn peer_error(peer: &str, status: &tonic::Status) -> String {
 }
 
 /// The evaluation as the Reward service takes it.
-fn kernel_outcome(evaluation: &pb::EvaluateResponse) -> pb::KernelOutcome {
+/// The reward service's view of an evaluation; with `census`, its profiling ratio (0 included: no kernel of the
+/// candidate's own ran) as the Dr. Kernel reward needs it.
+fn kernel_outcome(evaluation: &pb::EvaluateResponse, census: bool) -> pb::KernelOutcome {
     let positive = |v: f64| (v > 0.0).then_some(v);
     let median = |t: &Option<pb::TimingStats>| t.as_ref().and_then(|t| positive(t.median_ms));
     pb::KernelOutcome {
@@ -1031,7 +1045,7 @@ fn kernel_outcome(evaluation: &pb::EvaluateResponse) -> pb::KernelOutcome {
         candidate_median_ms: median(&evaluation.candidate_timing),
         eager_median_ms: median(&evaluation.eager_timing),
         compile_median_ms: median(&evaluation.compile_timing),
-        profiling_ratio: positive(evaluation.profiling_ratio),
+        profiling_ratio: if census { Some(evaluation.profiling_ratio) } else { positive(evaluation.profiling_ratio) },
     }
 }
 

@@ -18,18 +18,19 @@ pub enum Recipe {
     /// CudaForge's Coder and Judge: each turn sees the task, the last kernel and the Judge's review of it only
     /// (`judge.rs`).
     CudaForge,
+    /// Dr. Kernel's long refinement: each turn sees the best earlier turns by score within a window (the latest
+    /// always), each evaluation with its kernel census and profiling ratio; scored with the Dr. Kernel reward.
+    DrKernel,
 }
 
 impl Recipe {
-    /// Parses the spec's recipe name; `drkernel` is named by the contract but not built yet.
+    /// Parses the spec's recipe name.
     pub fn parse(name: &str) -> Result<Self, OrchestratorError> {
         match name {
             "single-turn" => Ok(Self::SingleTurn),
             "kevin" => Ok(Self::Kevin),
             "cudaforge" => Ok(Self::CudaForge),
-            "drkernel" => {
-                Err(OrchestratorError::invalid("spec.recipe", format!("`{name}` is not built yet; built: {BUILT}")))
-            }
+            "drkernel" => Ok(Self::DrKernel),
             other => {
                 Err(OrchestratorError::invalid("spec.recipe", format!("unknown recipe `{other}`; built: {BUILT}")))
             }
@@ -41,12 +42,21 @@ impl Recipe {
             Self::SingleTurn => "single-turn",
             Self::Kevin => "kevin",
             Self::CudaForge => "cudaforge",
+            Self::DrKernel => "drkernel",
         }
+    }
+
+    /// Whether its evaluations count the kernels that ran (the census): drkernel's feedback and reward use it.
+    pub fn census(self) -> bool {
+        self == Self::DrKernel
     }
 }
 
 /// The recipes built, as errors list them.
-const BUILT: &str = "single-turn, kevin, cudaforge";
+const BUILT: &str = "single-turn, kevin, cudaforge, drkernel";
+
+/// drkernel's context window when the spec names none: earlier turns shown.
+pub const DEFAULT_WINDOW: u32 = 4;
 
 /// Built-in template files, by recipe and file name.
 const BUILT_IN: &[(&str, &str, &str)] = &[
@@ -56,6 +66,10 @@ const BUILT_IN: &[(&str, &str, &str)] = &[
     ("kevin", "task.md", include_str!("../prompts/kevin/task.md")),
     ("kevin", "attempt.md", include_str!("../prompts/kevin/attempt.md")),
     ("kevin", "refine.md", include_str!("../prompts/kevin/refine.md")),
+    ("drkernel", "system.md", include_str!("../prompts/drkernel/system.md")),
+    ("drkernel", "task.md", include_str!("../prompts/drkernel/task.md")),
+    ("drkernel", "attempt.md", include_str!("../prompts/drkernel/attempt.md")),
+    ("drkernel", "refine.md", include_str!("../prompts/drkernel/refine.md")),
     ("cudaforge", "system.md", include_str!("../prompts/cudaforge/system.md")),
     ("cudaforge", "task.md", include_str!("../prompts/cudaforge/task.md")),
     ("cudaforge", "refine.md", include_str!("../prompts/cudaforge/refine.md")),
@@ -74,6 +88,8 @@ pub struct Templates {
     refine: String,
     /// The cudaforge Judge's templates (empty for other recipes).
     pub judge: JudgeTemplates,
+    /// drkernel: earlier turns shown, the best by score and the latest ([`DEFAULT_WINDOW`] unless the spec says).
+    pub window: u32,
 }
 
 /// The Judge's system prompt and its two modes' user prompts.
@@ -91,6 +107,8 @@ pub struct Attempt {
     pub kernel: String,
     /// The evaluation, rendered for the model.
     pub feedback: String,
+    /// The turn's score; `None` when it was not scored (no kernel, a failure on the way).
+    pub score: Option<f64>,
 }
 
 impl Templates {
@@ -127,6 +145,7 @@ impl Templates {
                 correction: read("judge_correction.md")?,
                 optimization: read("judge_optimization.md")?,
             },
+            window: DEFAULT_WINDOW,
         })
     }
 
@@ -142,10 +161,14 @@ impl Templates {
                 &[("kernel", kernel.trim_end()), ("feedback", last.feedback.trim_end())],
             ));
         }
-        if self.recipe == Recipe::Kevin && !earlier.is_empty() {
-            let attempts: Vec<String> = earlier
-                .iter()
-                .enumerate()
+        if matches!(self.recipe, Recipe::Kevin | Recipe::DrKernel) && !earlier.is_empty() {
+            let shown = match self.recipe {
+                Recipe::DrKernel => best_within(earlier, self.window as usize),
+                _ => (0..earlier.len()).collect(),
+            };
+            let attempts: Vec<String> = shown
+                .into_iter()
+                .map(|i| (i, &earlier[i]))
                 .map(|(i, attempt)| {
                     let kernel =
                         if attempt.kernel.is_empty() { "(no kernel in the response)" } else { &attempt.kernel };
@@ -168,6 +191,59 @@ impl Templates {
         }
         messages.push(pb::ChatMessage { role: "user".into(), content: user.trim_end().to_owned() });
         messages
+    }
+}
+
+/// The earlier turns drkernel shows, in turn order: all of them within `window`; past it the latest, and the best
+/// of the others by score (unscored turns last, a later turn before an earlier one of the same score).
+fn best_within(earlier: &[Attempt], window: usize) -> Vec<usize> {
+    let window = window.max(1);
+    if earlier.len() <= window {
+        return (0..earlier.len()).collect();
+    }
+    let latest = earlier.len() - 1;
+    let mut others: Vec<usize> = (0..latest).collect();
+    others.sort_by(|&a, &b| {
+        let score = |i: usize| earlier[i].score.unwrap_or(f64::NEG_INFINITY);
+        score(b).total_cmp(&score(a)).then(b.cmp(&a))
+    });
+    let mut shown: Vec<usize> = others.into_iter().take(window - 1).collect();
+    shown.push(latest);
+    shown.sort_unstable();
+    shown
+}
+
+/// drkernel's addition to a turn's feedback: the census of the measured mode (own kernels, profiling ratio, where
+/// the rest of the device time went). Empty without a census.
+pub fn census_feedback(evaluation: &pb::EvaluateResponse) -> String {
+    let Some(measured) = evaluation.kernels.first().map(|k| k.mode.clone()) else { return String::new() };
+    let kernels: Vec<&pb::KernelRecord> = evaluation.kernels.iter().filter(|k| k.mode == measured).collect();
+    let total: f64 = kernels.iter().map(|k| k.total_ms).sum();
+    let own: Vec<String> = kernels.iter().filter(|k| k.own).map(|k| short_name(&k.name)).collect();
+    let mut others: Vec<&&pb::KernelRecord> = kernels.iter().filter(|k| !k.own).collect();
+    others.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+    let mut text = format!(
+        "\nProfiling ratio {:.2}: your own kernels ({}) took {:.0}% of the time of a call ({:.3} ms counted).",
+        evaluation.profiling_ratio,
+        if own.is_empty() { "none ran".to_owned() } else { own.join(", ") },
+        evaluation.profiling_ratio * 100.0,
+        total,
+    );
+    if !others.is_empty() {
+        let listed: Vec<String> =
+            others.iter().take(3).map(|k| format!("{} ({:.3} ms)", short_name(&k.name), k.total_ms)).collect();
+        text.push_str(&format!(" Most of the rest: {}.", listed.join(", ")));
+    }
+    text
+}
+
+/// A kernel's name without its parameter list, shortened for a prompt.
+fn short_name(name: &str) -> String {
+    let name = name.split('(').next().unwrap_or(name).trim();
+    if name.chars().count() > 80 {
+        format!("{}...", name.chars().take(80).collect::<String>())
+    } else {
+        name.to_owned()
     }
 }
 
@@ -250,7 +326,7 @@ mod tests {
     #[test]
     fn single_turn_prompt_holds_the_task_and_ignores_history() {
         let templates = Templates::load(Recipe::SingleTurn, None).expect("built-in templates");
-        let earlier = [Attempt { kernel: "old".into(), feedback: "incorrect".into() }];
+        let earlier = [Attempt { kernel: "old".into(), feedback: "incorrect".into(), score: None }];
         let prompt = templates.prompt(&task(), &earlier);
         assert_eq!(prompt.len(), 2);
         assert_eq!(prompt[0].role, "system");
@@ -268,8 +344,12 @@ mod tests {
             Templates::load(Recipe::SingleTurn, None).expect("t").prompt(&task(), &[])
         );
         let earlier = [
-            Attempt { kernel: "first_kernel".into(), feedback: "incorrect: the outputs differ".into() },
-            Attempt { kernel: String::new(), feedback: "no kernel was found".into() },
+            Attempt {
+                kernel: "first_kernel".into(),
+                feedback: "incorrect: the outputs differ".into(),
+                score: Some(0.0),
+            },
+            Attempt { kernel: String::new(), feedback: "no kernel was found".into(), score: None },
         ];
         let user = &templates.prompt(&task(), &earlier)[1].content;
         let first = user.find("Attempt 1:").expect("attempt 1");
@@ -298,8 +378,56 @@ mod tests {
         assert_eq!(Recipe::parse("kevin").expect("kevin"), Recipe::Kevin);
         let unknown = Recipe::parse("nope").expect_err("unknown").to_string();
         assert!(unknown.contains("spec.recipe") && unknown.contains("unknown recipe `nope`"), "{unknown}");
-        assert!(Recipe::parse("drkernel").expect_err("not built").to_string().contains("not built yet"));
+        assert_eq!(Recipe::parse("drkernel").expect("drkernel").name(), "drkernel");
         assert_eq!(Recipe::parse("cudaforge").expect("cudaforge").name(), "cudaforge");
+    }
+
+    #[test]
+    fn drkernel_shows_the_best_earlier_turns_by_score_and_the_latest_in_turn_order() {
+        let attempt = |kernel: &str, score: Option<f64>| Attempt { kernel: kernel.into(), feedback: "f".into(), score };
+        let earlier = [
+            attempt("k0", Some(0.0)),
+            attempt("k1", Some(2.5)),
+            attempt("k2", None),
+            attempt("k3", Some(1.0)),
+            attempt("k4", Some(2.5)),
+            attempt("k5", Some(0.0)),
+        ];
+        assert_eq!(best_within(&earlier, 3), [1, 4, 5], "the two best (a tie to the later) and the latest");
+        assert_eq!(best_within(&earlier, 1), [5], "the latest always");
+        assert_eq!(best_within(&earlier[..2], 4), [0, 1], "within the window: all");
+        let mut templates = Templates::load(Recipe::DrKernel, None).expect("built-in templates");
+        templates.window = 3;
+        let user = &templates.prompt(&task(), &earlier)[1].content;
+        let headings: Vec<&str> = user.lines().filter(|l| l.starts_with("Attempt ")).collect();
+        assert_eq!(headings, ["Attempt 2:", "Attempt 5:", "Attempt 6:"], "numbered by their turns: {user}");
+        assert!(user.contains("profiling ratio") && !user.contains("{{"), "{user}");
+    }
+
+    #[test]
+    fn census_feedback_names_own_kernels_the_ratio_and_where_the_rest_went() {
+        let kernel = |name: &str, own, total_ms, mode: &str| pb::KernelRecord {
+            name: name.into(),
+            own,
+            launches: 2,
+            total_ms,
+            mode: mode.into(),
+        };
+        let evaluation = pb::EvaluateResponse {
+            kernels: vec![
+                kernel("relu_kernel(float const*, float*, long)", true, 0.02, "train/no_grad"),
+                kernel("void at::native::vectorized_elementwise_kernel<4>(int)", false, 0.01, "train/no_grad"),
+                kernel("relu_kernel(float const*, float*, long)", true, 9.0, "eval/grad"),
+            ],
+            profiling_ratio: 0.667,
+            ..Default::default()
+        };
+        assert_eq!(
+            census_feedback(&evaluation),
+            "\nProfiling ratio 0.67: your own kernels (relu_kernel) took 67% of the time of a call (0.030 ms \
+             counted). Most of the rest: void at::native::vectorized_elementwise_kernel<4> (0.010 ms)."
+        );
+        assert_eq!(census_feedback(&pb::EvaluateResponse::default()), "", "no census, nothing added");
     }
 
     #[test]
@@ -307,8 +435,16 @@ mod tests {
         let templates = Templates::load(Recipe::CudaForge, None).expect("built-in templates");
         assert!(!templates.judge.correction.is_empty() && !templates.judge.optimization.is_empty());
         let earlier = [
-            Attempt { kernel: "first_kernel".into(), feedback: "compile error; judge: fix the typo".into() },
-            Attempt { kernel: "second_kernel".into(), feedback: "correct; judge: vectorise the loads".into() },
+            Attempt {
+                kernel: "first_kernel".into(),
+                feedback: "compile error; judge: fix the typo".into(),
+                score: None,
+            },
+            Attempt {
+                kernel: "second_kernel".into(),
+                feedback: "correct; judge: vectorise the loads".into(),
+                score: None,
+            },
         ];
         let user = &templates.prompt(&task(), &earlier)[1].content;
         assert!(user.contains("second_kernel") && user.contains("vectorise the loads"), "{user}");

@@ -329,6 +329,28 @@ async fn a_cudaforge_job_profiles_correct_kernels_and_shows_the_judge_the_profil
     running.shutdown().await;
 }
 
+/// drkernel against the fakes: every evaluation asks for the census, its profiling ratio reaches the reward as the
+/// Dr. Kernel formula's PR and the next turn's feedback, and a prompt shows only the window's turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drkernel_job_scores_with_the_profiling_ratio_and_shows_a_window_of_turns() {
+    let (peers, fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let spec = pb::JobSpec { recipe: "drkernel".into(), context_window: 2, ..spec(&["a"], 1, 4) };
+    let job = submit(&mut running.client, spec).await.expect("submitted");
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!(finished.state(), pb::JobState::Succeeded, "{finished:?}");
+    assert_eq!(*fakes.census_requests.lock().expect("lock"), 4);
+    let scored = fakes.scored.lock().expect("lock").clone();
+    assert_eq!(scored, vec![("drkernel".to_owned(), Some(0.67)); 4]);
+    let turns = turns(&mut running.client, &job.job_id).await;
+    assert!(turns[0].feedback.contains("Profiling ratio 0.67: your own kernels (my_kernel)"), "{}", turns[0].feedback);
+    let last = &turns[3].prompt.last().expect("a user message").content;
+    let headings: Vec<&str> = last.lines().filter(|l| l.starts_with("Attempt ")).collect();
+    assert_eq!(headings.len(), 2, "the window's two turns: {last}");
+    assert_eq!(headings.last(), Some(&"Attempt 3:"), "the latest always: {last}");
+    running.shutdown().await;
+}
+
 /// A cudaforge job on a GPU backend needs the profiler: missing, it is UNAVAILABLE naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cudaforge_job_without_its_profiler_is_unavailable_naming_it() {

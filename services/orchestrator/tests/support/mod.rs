@@ -67,6 +67,10 @@ pub struct State {
     pub judge_prompts: Mutex<HashMap<String, String>>,
     /// Profile requests received.
     pub profiles: Mutex<u32>,
+    /// Each ScoreKernels call's formula (`kevin` or `drkernel`) and its outcome's profiling ratio.
+    pub scored: Mutex<Vec<(String, Option<f64>)>>,
+    /// Evaluations that asked for the census.
+    pub census_requests: Mutex<u32>,
 }
 
 impl State {
@@ -221,6 +225,20 @@ impl pb::evaluator_server::Evaluator for Fakes {
         let request = request.into_inner();
         let key = request.idempotency_key.strip_prefix(&format!("{}/", request.job_id)).unwrap_or("").to_owned();
         count(&self.0.evaluate, &key, false);
+        if request.census {
+            *self.0.census_requests.lock().expect("lock") += 1;
+        }
+        let census = |kernel: &str, own, total_ms| pb::KernelRecord {
+            name: kernel.into(),
+            own,
+            launches: 2,
+            total_ms,
+            mode: "train/no_grad".into(),
+        };
+        let (kernels, profiling_ratio) = match request.census {
+            true => (vec![census("my_kernel(float*)", true, 0.02), census("at::native::copy(int)", false, 0.01)], 0.67),
+            false => (Vec::new(), 0.0),
+        };
         self.0.maybe_hold(Hold::Evaluate(key.clone())).await;
         let gate = self.0.gate.lock().expect("lock").clone();
         if let Some(gate) = gate {
@@ -247,6 +265,8 @@ impl pb::evaluator_server::Evaluator for Fakes {
                 speedup_eager: 1.5,
                 candidate_timing: timing(2.0),
                 eager_timing: timing(3.0),
+                kernels,
+                profiling_ratio,
                 ..Default::default()
             })),
         }
@@ -277,8 +297,15 @@ impl pb::reward_server::Reward for Fakes {
     ) -> Result<Response<pb::ScoreKernelsResponse>, Status> {
         self.0.maybe_hold(Hold::NextScore).await;
         *self.0.scores.lock().expect("lock") += 1;
+        let request = request.into_inner();
+        let formula = match &request.formula {
+            Some(pb::score_kernels_request::Formula::Drkernel(_)) => "drkernel",
+            Some(pb::score_kernels_request::Formula::Kevin(_)) => "kevin",
+            None => "none",
+        };
+        let ratio = request.outcomes.first().and_then(|o| o.profiling_ratio);
+        self.0.scored.lock().expect("lock").push((formula.to_owned(), ratio));
         let scores = request
-            .into_inner()
             .outcomes
             .iter()
             .map(|outcome| pb::KernelScore {
