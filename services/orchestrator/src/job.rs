@@ -686,30 +686,10 @@ impl Episode {
             trajectory: self.trajectory,
             ..Default::default()
         };
-        let mut sampling = spec.sampling.clone().unwrap_or_default();
-        let base_seed = sampling.seed.or((spec.seed != 0).then_some(spec.seed));
-        sampling.seed = base_seed.map(|seed| seed.wrapping_add(u64::from(self.trajectory)));
-        let request = pb::GenerateRequest {
-            model: spec.model.clone(),
-            input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: prompt })),
-            sampling: Some(sampling),
-            return_token_ids: spec.kind() == pb::JobKind::Rollout,
-            return_logprobs: spec.kind() == pb::JobKind::Rollout,
-            keys: Some(pb::RequestKeys {
-                job_id: job_id.to_owned(),
-                episode_id: format!("{job_id}/{}/{}", self.task.task_id, self.trajectory),
-                task_id: self.task.task_id.clone(),
-                trajectory: self.trajectory,
-                turn,
-            }),
-        };
-        let generated = {
-            let _stage =
-                StageGuard::enter(&self.progress.in_flight.generating, self.progress.metrics.in_flight("generating"));
-            self.progress.notify().await;
-            let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
-            peers.gateway.generate(request).await
-        };
+        let rollout = spec.kind() == pb::JobKind::Rollout;
+        let episode_id = format!("{job_id}/{}/{}", self.task.task_id, self.trajectory);
+        let request = self.generate_request(job_id, turn, &spec.model, prompt, episode_id, rollout);
+        let generated = self.ask(peers, request).await;
         let generated = match generated {
             Ok(response) => response.into_inner(),
             Err(status) => {
@@ -776,27 +756,10 @@ impl Episode {
         review.prompt.clone_from(&prompt);
         let spec = &self.plan.spec;
         let model = if spec.judge_model.is_empty() { &spec.model } else { &spec.judge_model };
-        let request = pb::GenerateRequest {
-            model: model.clone(),
-            input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: prompt })),
-            sampling: spec.sampling.clone(),
-            return_token_ids: false,
-            return_logprobs: false,
-            keys: Some(pb::RequestKeys {
-                job_id: job_id.to_owned(),
-                // Its own affinity key: the Judge's prompts share no prefix with the Coder's.
-                episode_id: format!("{job_id}/{}/{}/judge", self.task.task_id, self.trajectory),
-                task_id: self.task.task_id.clone(),
-                trajectory: self.trajectory,
-                turn,
-            }),
-        };
-        let generated = {
-            let _stage =
-                StageGuard::enter(&self.progress.in_flight.generating, self.progress.metrics.in_flight("generating"));
-            let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
-            peers.gateway.generate(request).await
-        };
+        // Its own affinity key: the Judge's prompts share no prefix with the Coder's.
+        let episode_id = format!("{job_id}/{}/{}/judge", self.task.task_id, self.trajectory);
+        let request = self.generate_request(job_id, turn, model, prompt, episode_id, false);
+        let generated = self.ask(peers, request).await;
         let feedback = match generated.map(tonic::Response::into_inner) {
             Ok(generated) => {
                 review.usage = generated.usage;
@@ -820,6 +783,51 @@ impl Episode {
         };
         review.wall_time_s = started.elapsed().as_secs_f64();
         (review, feedback)
+    }
+
+    /// A generation of `prompt` by `model` for this episode's `turn`, with the job's sampling (a seed offset by the
+    /// trajectory, so that a task's trajectories differ and a rerun repeats them); token ids and log-probabilities
+    /// asked for with `tokens`.
+    fn generate_request(
+        &self,
+        job_id: &str,
+        turn: u32,
+        model: &str,
+        prompt: Vec<pb::ChatMessage>,
+        episode_id: String,
+        tokens: bool,
+    ) -> pb::GenerateRequest {
+        let spec = &self.plan.spec;
+        let mut sampling = spec.sampling.clone().unwrap_or_default();
+        let base_seed = sampling.seed.or((spec.seed != 0).then_some(spec.seed));
+        sampling.seed = base_seed.map(|seed| seed.wrapping_add(u64::from(self.trajectory)));
+        pb::GenerateRequest {
+            model: model.to_owned(),
+            input: Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages: prompt })),
+            sampling: Some(sampling),
+            return_token_ids: tokens,
+            return_logprobs: tokens,
+            keys: Some(pb::RequestKeys {
+                job_id: job_id.to_owned(),
+                episode_id,
+                task_id: self.task.task_id.clone(),
+                trajectory: self.trajectory,
+                turn,
+            }),
+        }
+    }
+
+    /// Sends a generation through the gateway, counted as generating and within the gateway's permits.
+    async fn ask(
+        &self,
+        peers: &mut Peers,
+        request: pb::GenerateRequest,
+    ) -> Result<tonic::Response<pb::GenerateResponse>, tonic::Status> {
+        let _stage =
+            StageGuard::enter(&self.progress.in_flight.generating, self.progress.metrics.in_flight("generating"));
+        self.progress.notify().await;
+        let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
+        peers.gateway.generate(request).await
     }
 
     /// The kernel's profile as the Judge is shown it, or why there is none.
