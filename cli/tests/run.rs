@@ -190,17 +190,30 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     mesh.shutdown().await.expect("drains");
 }
 
+/// Starts the evaluator, reward, gateway and orchestrator in-process with `config`, submits `spec` and follows the
+/// job to its end: the mesh (to shut down), the finished job and its trajectories.
+async fn run_job(config: &MeshConfig, spec: pb::JobSpec) -> (Mesh, pb::Job, Vec<pb::Trajectory>) {
+    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
+    let mesh = Mesh::start(&services, config, true).await.expect("the mesh starts");
+    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
+    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
+    let mut orchestrator = OrchestratorClient::new(channel);
+    let submitted = orchestrator
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+        .await
+        .expect("submitted")
+        .into_inner();
+    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+    let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
+    (mesh, job, trajectories)
+}
+
 /// drkernel through the real services (CPU backend): every evaluation counts its kernels, the reward service scores
 /// a correct kernel with the Dr. Kernel formula and the census's profiling ratio, and the feedback shows the census.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drkernel_job_is_scored_with_the_census_profiling_ratio() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-drkernel");
     let config = mesh_config(replay_file(&dir));
-    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
-    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
-    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
-    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
-    let mut orchestrator = OrchestratorClient::new(channel);
     let spec = pb::JobSpec {
         kind: pb::JobKind::Evaluation.into(),
         recipe: "drkernel".into(),
@@ -213,14 +226,8 @@ async fn a_drkernel_job_is_scored_with_the_census_profiling_ratio() {
         correctness_trials: 2,
         ..Default::default()
     };
-    let submitted = orchestrator
-        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
-        .await
-        .expect("submitted")
-        .into_inner();
-    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+    let (mesh, job, trajectories) = run_job(&config, spec).await;
     assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
-    let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
     let turns = &trajectories[0].turns;
     assert_eq!(verdicts(&trajectories[0]), ["incorrect", "correct"], "{turns:#?}");
     let correct = &turns[1];
@@ -268,11 +275,6 @@ async fn a_cudaforge_job_carries_the_judges_review_and_only_the_last_kernel() {
         backends: vec![BackendConfig { kind: BackendKind::Replay, file: Some(judge), ..Default::default() }],
         ..Default::default()
     });
-    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
-    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
-    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
-    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
-    let mut orchestrator = OrchestratorClient::new(channel);
     let spec = pb::JobSpec {
         kind: pb::JobKind::Evaluation.into(),
         recipe: "cudaforge".into(),
@@ -286,14 +288,8 @@ async fn a_cudaforge_job_carries_the_judges_review_and_only_the_last_kernel() {
         correctness_trials: 2,
         ..Default::default()
     };
-    let submitted = orchestrator
-        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
-        .await
-        .expect("submitted")
-        .into_inner();
-    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+    let (mesh, job, trajectories) = run_job(&config, spec).await;
     assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
-    let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
     let turns = &trajectories[0].turns;
     assert_eq!(verdicts(&trajectories[0]), ["incorrect", "compile_error", "correct"], "{turns:#?}");
 
