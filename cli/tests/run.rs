@@ -159,7 +159,18 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     assert_eq!((no_kernel.kernel.as_str(), no_kernel.evaluation.is_none(), no_kernel.score), ("", true, None));
     let flags = no_kernel.flags.clone().expect("diagnosed");
     assert!(flags.junk && flags.no_kernel && flags.not_okay, "{flags:?}");
+    // Kevin's credit at the job's end: returns by discounted sum (gamma 0.4), GRPO advantages over the task's
+    // samples (centred: they sum to 0), nothing for the turn that failed on the way.
+    let score = |turn: &pb::TurnRecord| turn.score.unwrap_or(0.0);
+    let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+    assert!(close(relu[1].return_value, score(&relu[1])), "{:?}", relu[1].return_value);
+    assert!(close(relu[0].return_value, score(&relu[0]) + 0.4 * score(&relu[1])), "{:?}", relu[0].return_value);
+    let relu_advantages: Vec<f64> =
+        trajectories[..2].iter().flat_map(|t| &t.turns).filter_map(|t| t.advantage).collect();
+    assert_eq!(relu_advantages.len(), 4);
+    assert!(relu_advantages.iter().sum::<f64>().abs() < 1e-9, "{relu_advantages:?}");
     let missing = &trajectories[3].turns[1];
+    assert_eq!((missing.return_value, missing.advantage), (None, None), "a failed turn gets no credit");
     assert!(
         missing.error.starts_with("gateway: NotFound")
             || missing.error.contains("NOT_FOUND")

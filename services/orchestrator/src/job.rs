@@ -18,6 +18,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::credit;
 use crate::error::OrchestratorError;
 use crate::judge::{self, Mode, ProfileView};
 use crate::metrics::job_metrics;
@@ -316,7 +317,15 @@ pub async fn run(
             return;
         }
         None if cancel.is_cancelled() => (pb::JobState::Cancelled, String::new()),
-        None => (pb::JobState::Succeeded, String::new()),
+        None => {
+            let position = |task_id: &str| plan.tasks.iter().position(|t| t.task_id == task_id).unwrap_or(0) as i64;
+            let mut reward = peers.reward.clone();
+            let store = &progress.store;
+            match credit::credit(plan.recipe, &mut reward, store, &progress.job_id, position).await {
+                Ok(()) => (pb::JobState::Succeeded, String::new()),
+                Err(error) => (pb::JobState::Failed, format!("returns and advantages: {error}")),
+            }
+        }
     };
     progress.finish(state, error).await;
 }

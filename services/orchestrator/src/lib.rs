@@ -5,6 +5,7 @@
 //! `single-turn` and `kevin` recipes, and the step API (StartEpisode, Step) for trainers that generate themselves
 //! (docs/ORCHESTRATOR.md).
 
+pub mod credit;
 pub mod error;
 pub mod job;
 pub mod judge;

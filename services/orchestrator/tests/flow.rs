@@ -161,6 +161,11 @@ async fn a_failed_episode_is_recorded_and_the_job_goes_on() {
     assert_eq!(keys, [key("a", 0, 0), key("b", 0, 0), key("b", 0, 1)], "the failed episode ended at its failure");
     assert!(turns[0].error.starts_with("gateway: Unavailable: backend down"), "{}", turns[0].error);
     assert_eq!((turns[0].verdict(), turns[0].score), (pb::Verdict::Unspecified, None));
+    // At the job's end each creditable turn gets a return and an advantage (the fakes': the score, less the task's
+    // mean); the failed turn gets neither.
+    assert_eq!((turns[0].return_value, turns[0].advantage), (None, None));
+    assert_eq!((turns[1].return_value, turns[1].advantage), (Some(1.8), Some(0.0)));
+    assert_eq!((turns[2].return_value, turns[2].advantage), (Some(1.8), Some(0.0)));
 
     // The same turns on /metrics: by turn index and verdict (the failed one as `failed`), fast ones (the fake
     // evaluator's kernels are 1.5x eager), and nothing left in flight.

@@ -317,18 +317,28 @@ impl pb::reward_server::Reward for Fakes {
         Ok(Response::new(pb::ScoreKernelsResponse { scores }))
     }
 
+    /// Returns equal to the rewards (gamma 0).
     async fn compute_returns(
         &self,
-        _request: Request<pb::ComputeReturnsRequest>,
+        request: Request<pb::ComputeReturnsRequest>,
     ) -> Result<Response<pb::ComputeReturnsResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        Ok(Response::new(pb::ComputeReturnsResponse { trajectories: request.into_inner().trajectories }))
     }
 
+    /// Advantages: each return less its group's mean.
     async fn compute_advantages(
         &self,
-        _request: Request<pb::ComputeAdvantagesRequest>,
+        request: Request<pb::ComputeAdvantagesRequest>,
     ) -> Result<Response<pb::ComputeAdvantagesResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        let mut groups = request.into_inner().groups;
+        for group in &mut groups {
+            let values: Vec<f64> = group.trajectories.iter().flat_map(|t| t.values.iter().copied()).collect();
+            let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+            for value in group.trajectories.iter_mut().flat_map(|t| t.values.iter_mut()) {
+                *value -= mean;
+            }
+        }
+        Ok(Response::new(pb::ComputeAdvantagesResponse { groups }))
     }
 
     async fn rejection_sample(
