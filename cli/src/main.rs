@@ -276,6 +276,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         model: args.model,
         judge_model,
         context_window: args.context_window,
+        reward: None,
         trajectories_per_task: args.trajectories,
         turns: args.turns.unwrap_or(if multi_turn { 3 } else { 1 }),
         backend: BackendArg::proto(args.backend).into(),

@@ -18,12 +18,12 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::credit;
 use crate::error::OrchestratorError;
 use crate::judge::{self, Mode, ProfileView};
 use crate::metrics::job_metrics;
 use crate::monitoring::OrchestratorMetrics;
 use crate::recipe::{self, Attempt, Recipe, Templates};
+use crate::reward::{self, RewardPlan};
 use crate::store::{Stage, Store, StoreError};
 
 /// A checked spec, with its tasks resolved.
@@ -32,6 +32,8 @@ pub struct Plan {
     pub spec: pb::JobSpec,
     pub recipe: Recipe,
     pub templates: Templates,
+    /// How its turns are scored and credited.
+    pub reward: RewardPlan,
     pub tasks: Vec<pb::Task>,
 }
 
@@ -59,11 +61,12 @@ impl Plan {
         if spec.context_window > 0 {
             templates.window = spec.context_window;
         }
+        let reward = RewardPlan::new(recipe, spec.reward.as_ref())?;
         let mut tasks = resolve_tasks(&spec)?;
         if spec.max_tasks > 0 {
             tasks.truncate(spec.max_tasks as usize);
         }
-        Ok(Self { spec, recipe, templates, tasks })
+        Ok(Self { spec, recipe, templates, reward, tasks })
     }
 
     /// The plan of a stored job: its spec checked again and its templates read again, with the tasks it was
@@ -321,7 +324,7 @@ pub async fn run(
             let position = |task_id: &str| plan.tasks.iter().position(|t| t.task_id == task_id).unwrap_or(0) as i64;
             let mut reward = peers.reward.clone();
             let store = &progress.store;
-            match credit::credit(plan.recipe, &mut reward, store, &progress.job_id, position).await {
+            match reward::credit(&plan.reward, &mut reward, store, &progress.job_id, position).await {
                 Ok(()) => (pb::JobState::Succeeded, String::new()),
                 Err(error) => (pb::JobState::Failed, format!("returns and advantages: {error}")),
             }
@@ -591,7 +594,7 @@ impl Episode {
                 policy: spec.policy.clone(),
                 correctness_trials: spec.correctness_trials,
                 measure_performance: spec.measure_performance.unwrap_or(true),
-                census: self.plan.recipe.census(),
+                census: self.plan.recipe.census() || self.plan.reward.needs_census(),
                 idempotency_key: format!("{job_id}/{}/{}/{turn}", self.task.task_id, self.trajectory),
                 priority: 0,
                 job_id: job_id.to_owned(),
@@ -610,19 +613,12 @@ impl Episode {
                 self.progress.stage(self.position, Stage::Evaluated, &record).await?;
             }
         }
-        let outcome = record.evaluation.as_ref().map(|e| kernel_outcome(e, self.plan.recipe.census()));
+        let census = self.plan.recipe.census() || self.plan.reward.needs_census();
+        let outcome = record.evaluation.as_ref().map(|e| kernel_outcome(e, census));
         let _stage = StageGuard::enter(&self.progress.in_flight.scoring, self.progress.metrics.in_flight("scoring"));
         self.progress.notify().await;
         if let Some(outcome) = outcome.clone().filter(|o| o.verdict() != pb::Verdict::InfraError) {
-            let request = pb::ScoreKernelsRequest {
-                formula: Some(match self.plan.recipe {
-                    Recipe::DrKernel => pb::score_kernels_request::Formula::Drkernel(pb::DrKernelReward::default()),
-                    _ => pb::score_kernels_request::Formula::Kevin(pb::KevinScore::default()),
-                }),
-                baseline: pb::SpeedupBaseline::Eager.into(),
-                hack_penalty: None,
-                outcomes: vec![outcome],
-            };
+            let request = self.plan.reward.score_request(outcome);
             let _permit = limits.reward.acquire().await.expect("the reward semaphore is never closed");
             match peers.reward.score_kernels(request).await {
                 Ok(response) => {

@@ -5,13 +5,13 @@
 //! `single-turn` and `kevin` recipes, and the step API (StartEpisode, Step) for trainers that generate themselves
 //! (docs/ORCHESTRATOR.md).
 
-pub mod credit;
 pub mod error;
 pub mod job;
 pub mod judge;
 pub mod metrics;
 pub mod monitoring;
 pub mod recipe;
+pub mod reward;
 pub mod store;
 
 use std::collections::HashMap;

@@ -262,6 +262,10 @@ async fn bad_input_is_invalid_argument_naming_the_field_or_the_line() {
         (on(jsonl("twice.jsonl", &[good.clone(), good.clone()])), "twice.jsonl line 2: task_id `t1` appears twice"),
         (on(jsonl("blank.jsonl", &["".into()])), "spec.task_set: "),
         (pb::JobSpec { levels: vec![1], ..on("examples".into()) }, "spec.levels: only a KernelBench directory"),
+        (
+            pb::JobSpec { reward: Some(pb::RewardSpec { gamma: Some(-0.1), ..Default::default() }), ..base.clone() },
+            "spec.reward.gamma: must be in [0, 1]",
+        ),
     ];
     for (spec, expected) in cases {
         let status = submit(&mut running.client, spec).await.expect_err(expected);
@@ -353,6 +357,25 @@ async fn a_drkernel_job_scores_with_the_profiling_ratio_and_shows_a_window_of_tu
     let headings: Vec<&str> = last.lines().filter(|l| l.starts_with("Attempt ")).collect();
     assert_eq!(headings.len(), 2, "the window's two turns: {last}");
     assert_eq!(headings.last(), Some(&"Attempt 3:"), "the latest always: {last}");
+    running.shutdown().await;
+}
+
+/// A job's reward spec replaces its recipe's defaults: a kevin job scored with the Dr. Kernel reward asks for the
+/// census (its PR) and sends that formula.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reward_spec_chooses_the_formula_over_the_recipe() {
+    let (peers, fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let reward = pb::RewardSpec {
+        formula: Some(pb::reward_spec::Formula::Drkernel(pb::DrKernelReward::default())),
+        ..Default::default()
+    };
+    let spec = pb::JobSpec { recipe: "kevin".into(), reward: Some(reward), ..spec(&["a"], 1, 2) };
+    let job = submit(&mut running.client, spec).await.expect("submitted");
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!(finished.state(), pb::JobState::Succeeded, "{finished:?}");
+    assert_eq!(*fakes.census_requests.lock().expect("lock"), 2, "the formula's PR needs the census");
+    assert_eq!(*fakes.scored.lock().expect("lock"), vec![("drkernel".to_owned(), Some(0.67)); 2]);
     running.shutdown().await;
 }
 
