@@ -52,8 +52,8 @@ impl RewardPlan {
         let default = pb::RewardSpec::default();
         let spec = spec.unwrap_or(&default);
         let formula = match (&spec.formula, recipe) {
-            (Some(pb::reward_spec::Formula::Kevin(kevin)), _) => Formula::Kevin(kevin.clone()),
-            (Some(pb::reward_spec::Formula::Drkernel(drkernel)), _) => Formula::Drkernel(drkernel.clone()),
+            (Some(pb::reward_spec::Formula::Kevin(kevin)), _) => Formula::Kevin(*kevin),
+            (Some(pb::reward_spec::Formula::Drkernel(drkernel)), _) => Formula::Drkernel(*drkernel),
             (None, Recipe::DrKernel) => Formula::Drkernel(pb::DrKernelReward::default()),
             (None, _) => Formula::Kevin(pb::KevinScore::default()),
         };
@@ -91,7 +91,7 @@ impl RewardPlan {
     /// The request scoring one outcome.
     pub fn score_request(&self, outcome: pb::KernelOutcome) -> pb::ScoreKernelsRequest {
         pb::ScoreKernelsRequest {
-            formula: Some(self.formula.clone()),
+            formula: Some(self.formula),
             baseline: self.baseline as i32,
             hack_penalty: self.hack_penalty,
             outcomes: vec![outcome],
@@ -254,7 +254,7 @@ mod tests {
             gamma: Some(0.9),
             estimator: pb::AdvantageEstimator::Rloo as i32,
         };
-        let custom = plan(Recipe::Kevin, Some(spec.clone()));
+        let custom = plan(Recipe::Kevin, Some(spec));
         assert!(matches!(custom.formula, Formula::Drkernel(_)) && !custom.needs_census(), "no PR weight, no census");
         assert_eq!((custom.baseline, custom.hack_penalty), (pb::SpeedupBaseline::Compile, Some(-1.0)));
         assert_eq!(credit(&custom), Some((pb::ReturnMethod::Max, 0.9, pb::AdvantageEstimator::Rloo)));
