@@ -72,12 +72,17 @@ async fn the_evaluator_refuses_a_harness_that_answers_in_another_version() {
         return;
     }
     let dir = scratch("answers-other");
-    // A harness that reads this evaluator's requests but answers as version 2.
-    let harness = harness_copy(&dir, "result[\"protocol\"] = PROTOCOL_VERSION", "result[\"protocol\"] = 2");
+    // A harness that reads this evaluator's requests but answers in the next version.
+    let other = PROTOCOL_VERSION + 1;
+    let harness =
+        harness_copy(&dir, "result[\"protocol\"] = PROTOCOL_VERSION", &format!("result[\"protocol\"] = {other}"));
     let error = compile_with(&harness, &dir).await.expect_err("refused");
-    assert!(matches!(error, StageError::Protocol { mode: "compile", harness: Some(2) }), "{error:?}");
+    assert!(
+        matches!(error, StageError::Protocol { mode: "compile", harness: Some(v) } if v == u64::from(other)),
+        "{error:?}"
+    );
     let text = error.to_string();
-    assert!(text.contains("protocol version 2, this evaluator 1"), "{text}");
+    assert!(text.contains(&format!("protocol version {other}, this evaluator {PROTOCOL_VERSION}")), "{text}");
 }
 
 #[tokio::test]
@@ -87,7 +92,8 @@ async fn a_harness_of_another_version_refuses_the_evaluators_request() {
     }
     let dir = scratch("speaks-other");
     let other = PROTOCOL_VERSION + 1;
-    let harness = harness_copy(&dir, "\nPROTOCOL_VERSION = 1\n", &format!("\nPROTOCOL_VERSION = {other}\n"));
+    let from = format!("\nPROTOCOL_VERSION = {PROTOCOL_VERSION}\n");
+    let harness = harness_copy(&dir, &from, &format!("\nPROTOCOL_VERSION = {other}\n"));
     // Through the evaluator: the harness refuses, and its answer (in its own version) is refused in turn.
     let error = compile_with(&harness, &dir).await.expect_err("refused");
     assert!(matches!(error, StageError::Protocol { harness: Some(v), .. } if v == u64::from(other)), "{error:?}");
