@@ -120,6 +120,9 @@ struct RunArgs {
     /// drkernel: earlier turns a prompt shows, the best by score and the latest (0: 4).
     #[arg(long, default_value_t = 0)]
     context_window: u32,
+    /// kevin and drkernel: the most characters earlier attempts take in a prompt, oldest left out first (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    context_budget_chars: u32,
     /// Parallel trajectories per task (m).
     #[arg(long, default_value_t = 1)]
     trajectories: u32,
@@ -276,6 +279,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         model: args.model,
         judge_model,
         context_window: args.context_window,
+        context_budget_chars: args.context_budget_chars,
         reward: None,
         trajectories_per_task: args.trajectories,
         turns: args.turns.unwrap_or(if multi_turn { 3 } else { 1 }),

@@ -64,6 +64,23 @@ pub fn last_fenced_block(text: &str) -> Option<&str> {
     fenced_blocks(text).last()
 }
 
+/// The text of `answer` outside its fenced code blocks (an unclosed final block included), lines trimmed, blank
+/// lines dropped: what a model wrote about its code, such as a summary of its change.
+pub fn prose(answer: &str) -> String {
+    let mut inside = false;
+    let mut kept = Vec::new();
+    for line in answer.lines() {
+        if line.trim_start().starts_with("```") {
+            inside = !inside;
+            continue;
+        }
+        if !inside && !line.trim().is_empty() {
+            kept.push(line.trim());
+        }
+    }
+    kept.join("\n")
+}
+
 /// The candidate kernel in an answer: the last fenced code block that defines `class ModelNew` (followed by `(`
 /// or `:`).
 pub fn extract_kernel(answer: &str) -> Option<&str> {
@@ -106,6 +123,13 @@ mod tests {
         assert_eq!((split.reasoning, split.answer, split.found), ("", "Just an answer with </b> html", false));
         let inner = split_reasoning("Answer <think>later</think> text");
         assert!(!inner.found, "a block that does not lead is not reasoning");
+    }
+
+    #[test]
+    fn prose_is_the_text_outside_code_blocks() {
+        let answer = "I fused the two loops.\n\n```python\nclass ModelNew: pass\n```\n  Then vectorised.  \n```cpp\nx";
+        assert_eq!(prose(answer), "I fused the two loops.\nThen vectorised.");
+        assert_eq!(prose("```python\nclass ModelNew: pass\n```"), "");
     }
 
     #[test]

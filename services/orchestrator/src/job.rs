@@ -61,6 +61,7 @@ impl Plan {
         if spec.context_window > 0 {
             templates.window = spec.context_window;
         }
+        templates.budget_chars = spec.context_budget_chars as usize;
         let reward = RewardPlan::new(recipe, spec.reward.as_ref())?;
         let mut tasks = resolve_tasks(&spec)?;
         if spec.max_tasks > 0 {
@@ -533,7 +534,12 @@ impl Episode {
             if stage == Stage::Recorded {
                 ended |= !record.error.is_empty();
                 first = record.turn + 1;
-                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback, score: record.score });
+                earlier.push(Attempt {
+                    summary: recipe::change_summary(record.completion.as_ref()),
+                    kernel: record.kernel,
+                    feedback: record.feedback,
+                    score: record.score,
+                });
             } else if record.turn == first {
                 pending = Some((stage, record));
             }
@@ -550,7 +556,12 @@ impl Episode {
                 };
                 self.progress.record(self.position, &record).await?;
                 let failed = !record.error.is_empty();
-                earlier.push(Attempt { kernel: record.kernel, feedback: record.feedback, score: record.score });
+                earlier.push(Attempt {
+                    summary: recipe::change_summary(record.completion.as_ref()),
+                    kernel: record.kernel,
+                    feedback: record.feedback,
+                    score: record.score,
+                });
                 if failed {
                     break;
                 }
@@ -965,7 +976,12 @@ pub async fn step(
     let attempts = |records: &[pb::TurnRecord]| -> Vec<Attempt> {
         records
             .iter()
-            .map(|r| Attempt { kernel: r.kernel.clone(), feedback: r.feedback.clone(), score: r.score })
+            .map(|r| Attempt {
+                kernel: r.kernel.clone(),
+                feedback: r.feedback.clone(),
+                score: r.score,
+                summary: recipe::change_summary(r.completion.as_ref()),
+            })
             .collect()
     };
     let outcome = |records: &[pb::TurnRecord], record: pb::TurnRecord| {

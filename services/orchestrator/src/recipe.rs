@@ -90,6 +90,9 @@ pub struct Templates {
     pub judge: JudgeTemplates,
     /// drkernel: earlier turns shown, the best by score and the latest ([`DEFAULT_WINDOW`] unless the spec says).
     pub window: u32,
+    /// kevin and drkernel: the most characters the earlier attempts take in a prompt; the oldest are left out first,
+    /// the latest always kept. 0: no limit.
+    pub budget_chars: usize,
 }
 
 /// The Judge's system prompt and its two modes' user prompts.
@@ -109,6 +112,22 @@ pub struct Attempt {
     pub feedback: String,
     /// The turn's score; `None` when it was not scored (no kernel, a failure on the way).
     pub score: Option<f64>,
+    /// What the model wrote outside its code ([`change_summary`]); empty when nothing.
+    pub summary: String,
+}
+
+/// The longest change summary a prompt shows, in characters.
+const SUMMARY_CHARS: usize = 600;
+
+/// The model's summary of its change: the answer's prose outside code blocks (reasoning left out), at most
+/// [`SUMMARY_CHARS`] characters.
+pub fn change_summary(completion: Option<&pb::Completion>) -> String {
+    let Some(completion) = completion else { return String::new() };
+    let prose = kforge_model_text::prose(kforge_model_text::split_reasoning(&completion.text).answer);
+    match prose.char_indices().nth(SUMMARY_CHARS) {
+        Some((cut, _)) => format!("{}...", &prose[..cut]),
+        None => prose,
+    }
 }
 
 impl Templates {
@@ -146,6 +165,7 @@ impl Templates {
                 optimization: read("judge_optimization.md")?,
             },
             window: DEFAULT_WINDOW,
+            budget_chars: 0,
         })
     }
 
@@ -178,10 +198,12 @@ impl Templates {
                             ("attempt", &(i + 1).to_string()),
                             ("kernel", kernel.trim_end()),
                             ("feedback", &attempt.feedback),
+                            ("summary", if attempt.summary.is_empty() { "(nothing)" } else { &attempt.summary }),
                         ],
                     )
                 })
                 .collect();
+            let attempts = within_budget(attempts, self.budget_chars);
             user.push_str("\n\n");
             user.push_str(&render(&self.refine, &[("attempts", attempts.join("\n").trim_end())]));
         }
@@ -192,6 +214,20 @@ impl Templates {
         messages.push(pb::ChatMessage { role: "user".into(), content: user.trim_end().to_owned() });
         messages
     }
+}
+
+/// `attempts` (rendered, oldest first) with the oldest left out while they take more than `budget` characters
+/// (0: no limit); the latest is always kept, and a line says how many were left out.
+fn within_budget(mut attempts: Vec<String>, budget: usize) -> Vec<String> {
+    let mut dropped = 0;
+    while budget > 0 && attempts.len() > 1 && attempts.iter().map(|a| a.chars().count() + 1).sum::<usize>() > budget {
+        attempts.remove(0);
+        dropped += 1;
+    }
+    if dropped > 0 {
+        attempts.insert(0, format!("({dropped} earlier attempts left out for the context budget.)\n"));
+    }
+    attempts
 }
 
 /// The earlier turns drkernel shows, in turn order: all of them within `window`; past it the latest, and the best
@@ -326,7 +362,8 @@ mod tests {
     #[test]
     fn single_turn_prompt_holds_the_task_and_ignores_history() {
         let templates = Templates::load(Recipe::SingleTurn, None).expect("built-in templates");
-        let earlier = [Attempt { kernel: "old".into(), feedback: "incorrect".into(), score: None }];
+        let earlier =
+            [Attempt { kernel: "old".into(), feedback: "incorrect".into(), score: None, summary: String::new() }];
         let prompt = templates.prompt(&task(), &earlier);
         assert_eq!(prompt.len(), 2);
         assert_eq!(prompt[0].role, "system");
@@ -348,10 +385,17 @@ mod tests {
                 kernel: "first_kernel".into(),
                 feedback: "incorrect: the outputs differ".into(),
                 score: Some(0.0),
+                summary: String::new(),
             },
-            Attempt { kernel: String::new(), feedback: "no kernel was found".into(), score: None },
+            Attempt {
+                kernel: String::new(),
+                feedback: "no kernel was found".into(),
+                score: None,
+                summary: String::new(),
+            },
         ];
         let user = &templates.prompt(&task(), &earlier)[1].content;
+        assert!(user.contains("What you said of it: (nothing)"), "{user}");
         let first = user.find("Attempt 1:").expect("attempt 1");
         let second = user.find("Attempt 2:").expect("attempt 2");
         assert!(first < second);
@@ -384,7 +428,12 @@ mod tests {
 
     #[test]
     fn drkernel_shows_the_best_earlier_turns_by_score_and_the_latest_in_turn_order() {
-        let attempt = |kernel: &str, score: Option<f64>| Attempt { kernel: kernel.into(), feedback: "f".into(), score };
+        let attempt = |kernel: &str, score: Option<f64>| Attempt {
+            kernel: kernel.into(),
+            feedback: "f".into(),
+            score,
+            summary: String::new(),
+        };
         let earlier = [
             attempt("k0", Some(0.0)),
             attempt("k1", Some(2.5)),
@@ -402,6 +451,37 @@ mod tests {
         let headings: Vec<&str> = user.lines().filter(|l| l.starts_with("Attempt ")).collect();
         assert_eq!(headings, ["Attempt 2:", "Attempt 5:", "Attempt 6:"], "numbered by their turns: {user}");
         assert!(user.contains("profiling ratio") && !user.contains("{{"), "{user}");
+    }
+
+    #[test]
+    fn kevin_shows_change_summaries_and_drops_the_oldest_attempts_past_the_budget() {
+        let completion = pb::Completion {
+            text: "<think>hmm</think>I unrolled the loop by four.\n```python\nclass ModelNew: pass\n```".into(),
+            ..Default::default()
+        };
+        assert_eq!(change_summary(Some(&completion)), "I unrolled the loop by four.");
+        let long = pb::Completion { text: "x".repeat(700), ..Default::default() };
+        assert_eq!(change_summary(Some(&long)).chars().count(), SUMMARY_CHARS + 3);
+        let attempt = |kernel: &str| Attempt {
+            kernel: kernel.repeat(50),
+            feedback: "correct".into(),
+            score: Some(1.0),
+            summary: format!("summary of {kernel}"),
+        };
+        let earlier = [attempt("a"), attempt("b"), attempt("c")];
+        let mut templates = Templates::load(Recipe::Kevin, None).expect("built-in templates");
+        let full = templates.prompt(&task(), &earlier)[1].content.clone();
+        assert!(full.contains("What you said of it: summary of a") && full.contains("Attempt 3:"), "{full}");
+        templates.budget_chars = 300;
+        let user = &templates.prompt(&task(), &earlier)[1].content;
+        assert!(!user.contains("Attempt 1:") && user.contains("Attempt 3:"), "the oldest go first: {user}");
+        assert!(user.contains("earlier attempts left out for the context budget"), "{user}");
+        templates.budget_chars = 1;
+        let user = &templates.prompt(&task(), &earlier)[1].content;
+        assert!(
+            user.contains("Attempt 3:") && user.contains("(2 earlier attempts left out"),
+            "the latest stays: {user}"
+        );
     }
 
     #[test]
@@ -439,11 +519,13 @@ mod tests {
                 kernel: "first_kernel".into(),
                 feedback: "compile error; judge: fix the typo".into(),
                 score: None,
+                summary: String::new(),
             },
             Attempt {
                 kernel: "second_kernel".into(),
                 feedback: "correct; judge: vectorise the loads".into(),
                 score: None,
+                summary: String::new(),
             },
         ];
         let user = &templates.prompt(&task(), &earlier)[1].content;
