@@ -201,6 +201,22 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     mesh.shutdown().await.expect("drains");
 }
 
+/// A job of the first example task (relu), one trajectory of `turns` turns, on the CPU, answered by `recorded`.
+fn relu_job(recipe: &str, turns: u32) -> pb::JobSpec {
+    pb::JobSpec {
+        kind: pb::JobKind::Evaluation.into(),
+        recipe: recipe.into(),
+        task_set: "examples".into(),
+        model: "recorded".into(),
+        trajectories_per_task: 1,
+        turns,
+        backend: pb::Backend::Cpu.into(),
+        max_tasks: 1,
+        correctness_trials: 2,
+        ..Default::default()
+    }
+}
+
 /// Starts the evaluator, reward, gateway and orchestrator in-process with `config`, submits `spec` and follows the
 /// job to its end: the mesh (to shut down), the finished job and its trajectories.
 async fn run_job(config: &MeshConfig, spec: pb::JobSpec) -> (Mesh, pb::Job, Vec<pb::Trajectory>) {
@@ -225,19 +241,7 @@ async fn run_job(config: &MeshConfig, spec: pb::JobSpec) -> (Mesh, pb::Job, Vec<
 async fn a_drkernel_job_is_scored_with_the_census_profiling_ratio() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-drkernel");
     let config = mesh_config(replay_file(&dir));
-    let spec = pb::JobSpec {
-        kind: pb::JobKind::Evaluation.into(),
-        recipe: "drkernel".into(),
-        task_set: "examples".into(),
-        model: "recorded".into(),
-        trajectories_per_task: 1,
-        turns: 2,
-        backend: pb::Backend::Cpu.into(),
-        max_tasks: 1,
-        correctness_trials: 2,
-        ..Default::default()
-    };
-    let (mesh, job, trajectories) = run_job(&config, spec).await;
+    let (mesh, job, trajectories) = run_job(&config, relu_job("drkernel", 2)).await;
     assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
     let turns = &trajectories[0].turns;
     assert_eq!(verdicts(&trajectories[0]), ["incorrect", "correct"], "{turns:#?}");
@@ -286,19 +290,7 @@ async fn a_cudaforge_job_carries_the_judges_review_and_only_the_last_kernel() {
         backends: vec![BackendConfig { kind: BackendKind::Replay, file: Some(judge), ..Default::default() }],
         ..Default::default()
     });
-    let spec = pb::JobSpec {
-        kind: pb::JobKind::Evaluation.into(),
-        recipe: "cudaforge".into(),
-        task_set: "examples".into(),
-        model: "recorded".into(),
-        judge_model: "judge".into(),
-        trajectories_per_task: 1,
-        turns: 3,
-        backend: pb::Backend::Cpu.into(),
-        max_tasks: 1,
-        correctness_trials: 2,
-        ..Default::default()
-    };
+    let spec = pb::JobSpec { judge_model: "judge".into(), ..relu_job("cudaforge", 3) };
     let (mesh, job, trajectories) = run_job(&config, spec).await;
     assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
     let turns = &trajectories[0].turns;

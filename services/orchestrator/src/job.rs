@@ -34,6 +34,8 @@ pub struct Plan {
     pub templates: Templates,
     /// How its turns are scored and credited.
     pub reward: RewardPlan,
+    /// Whether its evaluations count the kernels that ran: drkernel's feedback, and a formula's profiling ratio.
+    pub census: bool,
     pub tasks: Vec<pb::Task>,
 }
 
@@ -67,7 +69,8 @@ impl Plan {
         if spec.max_tasks > 0 {
             tasks.truncate(spec.max_tasks as usize);
         }
-        Ok(Self { spec, recipe, templates, reward, tasks })
+        let census = recipe == Recipe::DrKernel || reward.needs_census();
+        Ok(Self { spec, recipe, templates, reward, census, tasks })
     }
 
     /// The plan of a stored job: its spec checked again and its templates read again, with the tasks it was
@@ -605,7 +608,7 @@ impl Episode {
                 policy: spec.policy.clone(),
                 correctness_trials: spec.correctness_trials,
                 measure_performance: spec.measure_performance.unwrap_or(true),
-                census: self.plan.recipe.census() || self.plan.reward.needs_census(),
+                census: self.plan.census,
                 idempotency_key: format!("{job_id}/{}/{}/{turn}", self.task.task_id, self.trajectory),
                 priority: 0,
                 job_id: job_id.to_owned(),
@@ -624,8 +627,7 @@ impl Episode {
                 self.progress.stage(self.position, Stage::Evaluated, &record).await?;
             }
         }
-        let census = self.plan.recipe.census() || self.plan.reward.needs_census();
-        let outcome = record.evaluation.as_ref().map(|e| kernel_outcome(e, census));
+        let outcome = record.evaluation.as_ref().map(|e| kernel_outcome(e, self.plan.census));
         let _stage = StageGuard::enter(&self.progress.in_flight.scoring, self.progress.metrics.in_flight("scoring"));
         self.progress.notify().await;
         if let Some(outcome) = outcome.clone().filter(|o| o.verdict() != pb::Verdict::InfraError) {
@@ -665,7 +667,7 @@ impl Episode {
         // A turn resumed with its review keeps it: the Judge is not asked twice.
         if record.judge.is_none() {
             record.feedback = recipe::feedback(record.evaluation.as_ref(), &record.error);
-            if let Some(evaluation) = record.evaluation.as_ref().filter(|_| self.plan.recipe.census()) {
+            if let Some(evaluation) = record.evaluation.as_ref().filter(|_| self.plan.recipe == Recipe::DrKernel) {
                 record.feedback.push_str(&recipe::census_feedback(evaluation));
             }
             let reviewed = self.plan.recipe == Recipe::CudaForge && turn + 1 < spec.turns && record.error.is_empty();

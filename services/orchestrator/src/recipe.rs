@@ -45,11 +45,6 @@ impl Recipe {
             Self::DrKernel => "drkernel",
         }
     }
-
-    /// Whether its evaluations count the kernels that ran (the census): drkernel's feedback and reward use it.
-    pub fn census(self) -> bool {
-        self == Self::DrKernel
-    }
 }
 
 /// The recipes built, as errors list them.
