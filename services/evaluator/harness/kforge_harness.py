@@ -780,9 +780,14 @@ def watched_attributes():
         "builtins.open": (__builtins__ if isinstance(__builtins__, dict) else vars(__builtins__), "open"),
     }
     try:
+        import torch.autograd.profiler
         import torch.profiler
 
         watched["torch.profiler.profile"] = (torch.profiler, "profile")
+        # What the census profiles with.
+        watched["torch.autograd.profiler.profile"] = (torch.autograd.profiler, "profile")
+        watched["torch.autograd.profiler.profile.__enter__"] = (torch.autograd.profiler.profile, "__enter__")
+        watched["torch.autograd.profiler.profile.__exit__"] = (torch.autograd.profiler.profile, "__exit__")
     except Exception:
         pass
     return watched
@@ -1131,13 +1136,14 @@ class Census:
     device time is their own and nothing timed after them runs under the profiler."""
 
     def __init__(self, model, inputs, device, calls):
-        from torch.profiler import ProfilerActivity, profile
+        from torch.autograd import profiler
 
         self.model, self.inputs, self.device, self.calls = model, inputs, device, calls
         self.extension_calls = []  # per mode, the calls into the candidate's extensions (ExtensionCalls)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        self.profiler = profile(activities=activities)
-        self.profiler.start()
+        # torch's autograd profiler, which `torch.profiler.profile` wraps: the wrapper's first start imports
+        # torch._inductor (7-8 s on the H100 machine, bench/results/profiler-p50-*), which the census never uses.
+        self.profiler = profiler.profile(use_device="cuda" if device.type == "cuda" else None, use_kineto=True)
+        self.profiler.__enter__()
 
     def record(self):
         import torch
@@ -1162,14 +1168,14 @@ class Census:
                     self.extension_calls.append(EXTENSIONS.calls - before)
         finally:
             model.train(was_training)
-            self.profiler.stop()
+            self.profiler.__exit__(None, None, None)
 
     def records(self):
         from torch.autograd import DeviceType
 
         device, calls = self.device, self.calls
         names = [f"{'train' if training else 'eval'}/{'grad' if grad else 'no_grad'}" for training, grad in CENSUS_MODES]
-        events = self.profiler.events()
+        events = self.profiler.function_events
         windows = sorted((e.time_range.start, e.time_range.end) for e in events
                          if e.name == "kforge.mode" and e.device_type == DeviceType.CPU)
         if len(windows) != len(names):
