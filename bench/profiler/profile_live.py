@@ -130,6 +130,38 @@ def summarize_profile(response):
     }
 
 
+def start_kforge(run, args, scratch):
+    """`kforge up` with the evaluator and profiler on one engine, once the profiler answers; GetCapabilities
+    recorded."""
+    config = run.out / "kforge.toml"
+    config.write_text(f'[evaluator]\npython = {json.dumps(args.python)}\nwork_dir = {json.dumps(str(scratch / "work"))}\n'
+                      "bindings_pch = false\nbaseline_torch_compile = false\n\n"
+                      f'[profiler]\ntimeout_secs = {args.profile_timeout}\n\n'
+                      f'[orchestrator]\nstore = {json.dumps(str(scratch / "orchestrator.db"))}\n')
+    up = subprocess.Popen([run.kforge, "up", "--config", str(config)], stdout=open(run.out / "kforge.log", "w"),
+                          stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        ok, caps, _ = run.call("Profiler/GetCapabilities", {})
+        if ok or time.monotonic() > deadline or up.poll() is not None:
+            break
+        time.sleep(0.5)  # a readiness poll of a separate process, bounded above
+    run.record(call="GetCapabilities", ok=ok, response=caps)
+    log(f"capabilities: {json.dumps(caps)[:400]}")
+    if not ok:
+        stop_kforge(up)
+        raise SystemExit("profiler not ready")
+    return up
+
+
+def stop_kforge(up):
+    os.killpg(up.pid, signal.SIGTERM)
+    try:
+        up.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(up.pid, signal.SIGKILL)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -158,24 +190,8 @@ def main():
                                env=env, stdout=subprocess.DEVNULL, stderr=open(out / f"direct-build-{c.stem}.log", "w"))
               for c in direct]
 
-    config = out / "kforge.toml"
-    config.write_text(f'[evaluator]\npython = {json.dumps(args.python)}\nwork_dir = {json.dumps(str(scratch / "work"))}\n'
-                      "bindings_pch = false\nbaseline_torch_compile = false\n\n"
-                      f'[profiler]\ntimeout_secs = {args.profile_timeout}\n\n'
-                      f'[orchestrator]\nstore = {json.dumps(str(scratch / "orchestrator.db"))}\n')
-    up = subprocess.Popen([run.kforge, "up", "--config", str(config)], stdout=open(out / "kforge.log", "w"),
-                          stderr=subprocess.STDOUT, start_new_session=True)
+    up = start_kforge(run, args, scratch)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            ok, caps, _ = run.call("Profiler/GetCapabilities", {})
-            if ok or time.monotonic() > deadline or up.poll() is not None:
-                break
-            time.sleep(0.5)  # a readiness poll of a separate process, bounded above
-        run.record(call="GetCapabilities", ok=ok, response=caps)
-        log(f"capabilities: {json.dumps(caps)[:400]}")
-        if not ok:
-            raise SystemExit("profiler not ready")
         ok, spec, seconds = run.call("Profiler/GetDeviceSpec", {})
         run.record(call="GetDeviceSpec", ok=ok, response=spec, seconds=seconds)
         log(f"device spec: {json.dumps(spec)[:600]}")
@@ -279,11 +295,7 @@ def main():
             log(f"timed evaluation alone: median {med(alone)} ms ({seconds:.1f} s); beside a profile: "
                 f"{med(during)} ms ({seconds2:.1f} s), the profile took {beside['profile'][2]:.1f} s")
     finally:
-        os.killpg(up.pid, signal.SIGTERM)
-        try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
+        stop_kforge(up)
 
     # Nsight Compute directly, outside kforge: the same metrics on the same kernels.
     for build in builds:

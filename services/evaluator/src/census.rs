@@ -2,7 +2,8 @@
 //! checks that need it. The harness only records raw profiler events; everything here is computed by the
 //! evaluator.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex};
 
 use kforge_proto::v1 as pb;
 use serde::Deserialize;
@@ -252,6 +253,49 @@ fn union_us(records: &[Record]) -> f64 {
     total + current.map_or(0.0, |(s, e)| e - s)
 }
 
+/// The raw census records of the latest candidates, by the build and the task they ran (the artifact cache's key,
+/// which names the candidate's source, backend, versions and GPU architecture, and the task's key): a profile of a
+/// candidate just evaluated or profiled reads its census here instead of running the candidate under torch's
+/// profiler again. Records are kept raw, so each reader analyses them by its own policy.
+#[derive(Debug)]
+pub struct Recent {
+    capacity: usize,
+    entries: Mutex<VecDeque<RecentEntry>>,
+}
+
+/// (artifact key, task key) and the census records.
+type RecentEntry = ((String, String), Arc<Vec<ModeRecords>>);
+
+impl Recent {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, entries: Mutex::default() }
+    }
+
+    /// The records of `artifact` on `task`, when they are among the latest.
+    pub fn get(&self, artifact: &str, task: &str) -> Option<Arc<Vec<ModeRecords>>> {
+        let mut entries = self.entries.lock().expect("never poisoned");
+        let index = entries.iter().position(|((a, t), _)| a == artifact && t == task)?;
+        // The one read last is the last evicted.
+        let entry = entries.remove(index).expect("found above");
+        let records = entry.1.clone();
+        entries.push_back(entry);
+        Some(records)
+    }
+
+    /// Keeps `records` of `artifact` on `task`, the oldest entry leaving past the capacity.
+    pub fn put(&self, artifact: &str, task: &str, records: Vec<ModeRecords>) {
+        if self.capacity == 0 || records.is_empty() {
+            return;
+        }
+        let mut entries = self.entries.lock().expect("never poisoned");
+        entries.retain(|((a, t), _)| !(a == artifact && t == task));
+        if entries.len() == self.capacity {
+            entries.pop_front();
+        }
+        entries.push_back(((artifact.to_owned(), task.to_owned()), Arc::new(records)));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,5 +516,34 @@ mod tests {
     fn overlapping_records_count_once() {
         let records = [record("a", 0.0, 10.0), record("b", 5.0, 10.0), record("c", 20.0, 5.0)];
         assert_eq!(union_us(&records), 20.0);
+    }
+
+    #[test]
+    fn recent_censuses_are_found_by_build_and_task_and_the_least_read_leaves_first() {
+        let records = |mode: &str| {
+            vec![ModeRecords {
+                mode: mode.into(),
+                calls: 1,
+                call_us: 0.0,
+                records: vec![],
+                extension_functions: None,
+                extension_calls: None,
+            }]
+        };
+        let recent = Recent::new(2);
+        recent.put("a", "t", records("a"));
+        recent.put("b", "t", records("b"));
+        assert!(recent.get("a", "u").is_none(), "another task's census is not this one's");
+        assert_eq!(recent.get("a", "t").expect("kept")[0].mode, "a");
+        // `b` is now the least recently read: it leaves for `c`.
+        recent.put("c", "t", records("c"));
+        assert!(recent.get("b", "t").is_none());
+        assert_eq!(recent.get("a", "t").expect("kept")[0].mode, "a");
+        // A new census of the same build and task replaces the old one.
+        recent.put("a", "t", records("a2"));
+        assert_eq!(recent.get("a", "t").expect("kept")[0].mode, "a2");
+        let none = Recent::new(0);
+        none.put("a", "t", records("a"));
+        assert!(none.get("a", "t").is_none());
     }
 }

@@ -83,6 +83,8 @@ struct Inner {
     reference_peaks: Mutex<HashMap<(String, String), u64>>,
     /// The warm-up's outcome once it is over: the bindings' precompiled header, or why there is none.
     warm: watch::Receiver<Option<Result<PathBuf, String>>>,
+    /// The GPU censuses of the latest evaluations and profiles, which a profile reuses.
+    censuses: census::Recent,
 }
 
 /// The evaluator: cheap to clone, shared by every request.
@@ -481,6 +483,9 @@ impl Evaluator {
                     return Ok(pb::Verdict::Hack);
                 }
             };
+            if on_gpu {
+                inner.censuses.put(&artifact_key, &task_key, modes.clone());
+            }
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
             let candidate =
                 census::Candidate { kernels: &own_kernels, compiles, median_ms: median, policy: submission.policy };

@@ -1,17 +1,19 @@
 //! A profile job: a candidate checked and compiled exactly as an evaluation does it (the same static checks, the
-//! same artifact cache), then run on one device lease twice: its kernel census (the evaluator's definition and
-//! own-kernel rule), then its profiled calls in a stage that a launcher wraps (Nsight Compute, for the Profiler
-//! service). No outputs are compared and nothing is timed: correctness and speed are the evaluation's.
+//! same artifact cache), then run on one device lease: its kernel census (the evaluator's definition and own-kernel
+//! rule; the one kept from the latest evaluation or profile of the same build on the same task, else a stage of its
+//! own), then its profiled calls in a stage that a launcher wraps (Nsight Compute, for the Profiler service). No
+//! outputs are compared and nothing is timed: correctness and speed are the evaluation's.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
 use super::verdict::{finding_proto, hack_finding};
-use super::{Backend, Evaluator, InfraError, RemoveOnDrop, RequestError, Submission, ms};
+use super::{Backend, Evaluator, InfraError, RemoveOnDrop, RequestError, Submission, ms, phases_into};
 use crate::cache;
 use crate::census;
 use crate::protocol::CandidateRun;
@@ -98,8 +100,8 @@ impl Evaluator {
         let cancel = CancellationToken::new();
         let _cancel_on_drop = cancel.clone().drop_guard();
         let mut evaluation = pb::EvaluateResponse::default();
-        let mut gpu = None;
-        let run = self.profile_stages(&submission, &job, &scratch, &cancel, &mut evaluation, &mut gpu).await;
+        let mut ran = Ran::default();
+        let run = self.profile_stages(&submission, &job, &scratch, &cancel, &mut evaluation, &mut ran).await;
         let verdict = match run {
             Ok(verdict) => verdict,
             Err(error) => {
@@ -120,9 +122,10 @@ impl Evaluator {
             profiling_ratio: evaluation.profiling_ratio,
             stage_ms: evaluation.stage_ms,
             retryable: verdict == pb::Verdict::InfraError && evaluation.retryable,
+            census_reused: ran.census_reused,
             ..Default::default()
         };
-        Ok(Profiled { response, gpu, own_kernels: Evaluator::own_kernel_names(&submission.candidate) })
+        Ok(Profiled { response, gpu: ran.gpu, own_kernels: Evaluator::own_kernel_names(&submission.candidate) })
     }
 
     /// The job's stages, filling `evaluation` as an evaluation would be; the verdict.
@@ -133,7 +136,7 @@ impl Evaluator {
         scratch: &Path,
         cancel: &CancellationToken,
         evaluation: &mut pb::EvaluateResponse,
-        gpu_used: &mut Option<usize>,
+        ran: &mut Ran,
     ) -> Result<pb::Verdict, InfraError> {
         let inner = &self.inner;
         let started = Instant::now();
@@ -166,8 +169,14 @@ impl Evaluator {
                 Err(error) => return Err(InfraError::cache("artifact pin")(error)),
             }
         }
-        // Both processes start before the lane: their interpreters and torch load off the device's time.
-        let census_process = self.start_candidate(submission, &census_dir, &artifact_dir, cancel)?;
+        let task_key = cache::key(&[submission.task.as_bytes()]);
+        // The census of this build on this task when an evaluation or a profile just ran it; otherwise a stage of
+        // its own. Both processes start before the lane: their interpreters and torch load off the device's time.
+        let reused = inner.censuses.get(&artifact_key, &task_key);
+        let census_process = match reused {
+            Some(_) => None,
+            None => Some(self.start_candidate(submission, &census_dir, &artifact_dir, cancel)?),
+        };
         let profiled_process = match job.launch_limit {
             0 => None,
             _ => {
@@ -175,13 +184,12 @@ impl Evaluator {
             }
         };
         let started = Instant::now();
-        let task_key = cache::key(&[submission.task.as_bytes()]);
         let footprint = self.footprint(&task_key);
         let lane = inner.lanes.acquire(true, submission.priority, &submission.job_id, footprint).await?;
         // Counters of a kernel that shares its SMs with another process's say little: the device is this job's.
         lane.go_solo();
         evaluation.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
-        *gpu_used = lane.gpu();
+        ran.gpu = lane.gpu();
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
         let run = |census_calls, profiled_calls| CandidateRun {
             init_seed,
@@ -195,28 +203,41 @@ impl Evaluator {
             profiled_calls,
         };
 
-        let started = Instant::now();
-        let limits = self.call_limits(submission, lane.gpu());
         let census_calls = inner.config.census_calls.max(1);
-        let outcome = self.candidate_stage(census_process, &lane, &census_dir, run(census_calls, 0), limits).await;
-        evaluation.stage_ms.insert("census".into(), ms(started.elapsed()));
-        let result = match self.candidate_result(outcome, lane.gpu(), evaluation)? {
-            Ok(result) => result.body,
-            Err(verdict) => return Ok(verdict),
-        };
-        let modes = match result.census {
-            Some(Ok(modes)) if !modes.is_empty() => modes,
-            unreadable => {
-                let why = match unreadable {
-                    Some(Err(error)) => error,
-                    _ => "none were written".to_owned(),
-                };
-                evaluation.findings.push(hack_finding(
-                    "runtime.census_unreadable",
-                    format!("the census records are malformed: {why}"),
-                ));
-                return Ok(pb::Verdict::Hack);
+        let modes = match (reused, census_process) {
+            (Some(modes), _) => {
+                ran.census_reused = true;
+                modes
             }
+            (None, Some(process)) => {
+                let started = Instant::now();
+                let limits = self.call_limits(submission, lane.gpu());
+                let outcome = self.candidate_stage(process, &lane, &census_dir, run(census_calls, 0), limits).await;
+                evaluation.stage_ms.insert("census".into(), ms(started.elapsed()));
+                let result = match self.candidate_result(outcome, lane.gpu(), evaluation)? {
+                    Ok(result) => result,
+                    Err(verdict) => return Ok(verdict),
+                };
+                phases_into(&result, "census", evaluation);
+                match result.body.census {
+                    Some(Ok(modes)) if !modes.is_empty() => {
+                        inner.censuses.put(&artifact_key, &task_key, modes.clone());
+                        Arc::new(modes)
+                    }
+                    unreadable => {
+                        let why = match unreadable {
+                            Some(Err(error)) => error,
+                            _ => "none were written".to_owned(),
+                        };
+                        evaluation.findings.push(hack_finding(
+                            "runtime.census_unreadable",
+                            format!("the census records are malformed: {why}"),
+                        ));
+                        return Ok(pb::Verdict::Hack);
+                    }
+                }
+            }
+            (None, None) => unreachable!("a census process starts whenever none is reused"),
         };
         let own_kernels = Evaluator::own_kernel_names(&submission.candidate);
         let candidate =
@@ -239,7 +260,10 @@ impl Evaluator {
             self.candidate_stage(profiled_process, &lane, &profiled_dir, run(0, profiled_calls), limits).await;
         evaluation.stage_ms.insert("profiled".into(), ms(started.elapsed()));
         match self.candidate_result(outcome, lane.gpu(), evaluation)? {
-            Ok(_) => Ok(pb::Verdict::Correct),
+            Ok(result) => {
+                phases_into(&result, "profiled", evaluation);
+                Ok(pb::Verdict::Correct)
+            }
             Err(verdict) => Ok(verdict),
         }
     }
@@ -262,6 +286,13 @@ impl Evaluator {
         stage.wall = wall;
         Ok(self.start(stage, cancel))
     }
+}
+
+/// Where a profile job ran, and whether it measured its census or reused one.
+#[derive(Debug, Default)]
+struct Ran {
+    gpu: Option<usize>,
+    census_reused: bool,
 }
 
 /// Forward calls that make `launch_limit` launches of the candidate's own kernels, by the census's count of them

@@ -12,11 +12,16 @@ use tokio::sync::{Semaphore, watch};
 use super::{Evaluator, Inner};
 use crate::bindings_pch;
 use crate::cache::Cache;
+use crate::census;
 use crate::config::{BuildRecipe, EvaluatorConfig};
 use crate::devices::Lanes;
 use crate::disk::{self, DiskBudget};
 use crate::metrics::EvaluatorMetrics;
 use crate::python::{self, PythonEnv};
+
+/// Censuses kept for profiles to reuse (`census::Recent`): a few hundred KiB at most for ordinary candidates.
+const RECENT_CENSUSES: usize = 256;
+
 /// Each GPU's memory budget for admission (`EvaluatorConfig::gpu_memory_budget`).
 pub(super) fn gpu_memory_budgets(config: &EvaluatorConfig, python: &Result<PythonEnv, String>) -> Vec<Option<u64>> {
     let gpus = python.as_ref().map_or(&[][..], |env| env.gpus.as_slice());
@@ -156,6 +161,7 @@ impl Evaluator {
                 scratch_root,
                 metrics,
                 warm,
+                censuses: census::Recent::new(RECENT_CENSUSES),
             }),
         })
     }
