@@ -53,7 +53,8 @@ impl Evaluator {
             env.extend(python.gpu_threads_env().into_iter().map(|(k, v)| (k.into(), v.into())));
         }
         env.push(("TORCH_EXTENSIONS_DIR".into(), artifact_dir.join("ext").into()));
-        env.push(("TRITON_CACHE_DIR".into(), dir.join("triton").into()));
+        // The build's (`Evaluator::jit_cache`): a Triton kernel compiled by one stage is not compiled by the next.
+        env.push(("TRITON_CACHE_DIR".into(), artifact_dir.join("triton").into()));
         let stage = Stage {
             scratch: dir.to_owned(),
             readable: vec![],

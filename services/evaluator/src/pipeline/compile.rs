@@ -9,7 +9,7 @@ use kforge_sandbox::{Exit, tail as cap};
 use tokio_util::sync::CancellationToken;
 
 use super::{Backend, Evaluator, InfraError, Submission, ms};
-use crate::cache::Entry;
+use crate::cache::{Entry, EntryLock};
 use crate::protocol::{CompileSpec, Mode};
 use crate::python::PythonEnv;
 use crate::stage::{Request, Stage};
@@ -34,6 +34,27 @@ pub(super) fn gpu_arch(python: &PythonEnv) -> String {
 }
 
 impl Evaluator {
+    /// The artifact entry of a candidate that builds nothing ahead of time but compiles on a GPU when it runs
+    /// (Triton): its stages' just-in-time compiler cache (`TRITON_CACHE_DIR`) lives there, so a kernel compiled in
+    /// one stage of a build is not compiled again by its next stage, evaluation or profile. Created complete on
+    /// first use so eviction counts it like a build, and returned pinned for the evaluation's length.
+    pub(super) async fn jit_cache(&self, key: &str) -> Result<EntryLock, InfraError> {
+        let artifacts = &self.inner.artifacts;
+        if artifacts.get(key).is_none() {
+            let lock = artifacts.lock(key).await.map_err(InfraError::cache("artifact lock"))?;
+            if artifacts.get(key).is_none() {
+                let entry = Entry::Ready("the just-in-time compiler's cache of the candidate's stages".into());
+                artifacts.complete(key, &entry, &lock).map_err(InfraError::cache("artifact entry"))?;
+                self.evict_later("artifact", artifacts);
+            }
+        }
+        let pin = artifacts.pin(key).await.map_err(InfraError::cache("artifact pin"))?;
+        match artifacts.get(key) {
+            Some(_) => Ok(pin),
+            None => Err(InfraError::Evicted { what: "just-in-time compiler cache" }),
+        }
+    }
+
     /// Builds the candidate's extensions into the artifact cache; `Some(verdict)` when the evaluation ends here.
     pub(super) async fn compile(
         &self,

@@ -274,6 +274,8 @@ impl Evaluator {
                 Ok(_) => return Err(InfraError::Evicted { what: "compiled artifact" }),
                 Err(error) => return Err(InfraError::cache("artifact pin")(error)),
             }
+        } else if submission.backend != Backend::Cpu {
+            _artifact_pin = Some(self.jit_cache(&artifact_key).await?);
         }
 
         // On a GPU, the task's sizes (a dry run on the meta device, once per task): the disk its files take, and
@@ -567,7 +569,7 @@ impl Evaluator {
     }
 
     /// Evicts from `cache` in the background if it grew past its bound.
-    fn evict_later(&self, name: &'static str, cache: &Cache) {
+    pub(super) fn evict_later(&self, name: &'static str, cache: &Cache) {
         let (cache, metrics) = (cache.clone(), self.inner.metrics.clone());
         tokio::task::spawn_blocking(move || {
             let removed = cache.evict();

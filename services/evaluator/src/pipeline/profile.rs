@@ -168,6 +168,8 @@ impl Evaluator {
                 Ok(_) => return Err(InfraError::Evicted { what: "compiled artifact" }),
                 Err(error) => return Err(InfraError::cache("artifact pin")(error)),
             }
+        } else {
+            _artifact_pin = Some(self.jit_cache(&artifact_key).await?);
         }
         let task_key = cache::key(&[submission.task.as_bytes()]);
         // The census of this build on this task when an evaluation or a profile just ran it; otherwise a stage of
