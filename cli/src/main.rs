@@ -1,6 +1,6 @@
 //! `kforge`: run one service, the whole mesh, the main job or an evaluation, or call any RPC.
 
-use std::io::Read as _;
+use std::io::{IsTerminal as _, Read as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -326,14 +326,12 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
             .context(if args.resume.is_some() { "resuming the job" } else { "submitting the job" })?;
         let verb = if args.resume.is_some() { "resumed" } else { "submitted" };
         eprintln!("job {} {verb}: {} episodes, {} turns", job.job_id, job.episodes_total, job.turns_total);
-        let mut shown = String::new();
+        let shown = std::cell::RefCell::new(kforge::run::Progress::new(std::io::stderr().is_terminal()));
         let mut watcher = orchestrator.clone();
         let follow = kforge::run::follow(&mut watcher, &job.job_id, |progress| {
-            // A turn's stages, its record and its episode's end are separate updates: print each change once.
-            let line = kforge::run::progress_line(progress);
-            if line != shown {
-                eprintln!("{line}");
-                shown = line;
+            // A turn's stages, its record and its episode's end are separate updates: each change is shown once.
+            if let Some(text) = shown.borrow_mut().update(progress) {
+                eprint!("{text}");
             }
         });
         tokio::pin!(follow);
@@ -350,6 +348,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
                 follow.await
             }
         };
+        eprint!("{}", shown.borrow().finish());
         let job = followed.map_err(CallError::from).context("following the job")?;
         let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id)
             .await

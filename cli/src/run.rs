@@ -206,6 +206,46 @@ pub fn progress_line(progress: &pb::JobProgress) -> String {
     )
 }
 
+/// [`progress_line`] behind a bar of the job's turns done, `width` characters wide: what `kforge run` redraws in
+/// place on a terminal.
+pub fn progress_bar(progress: &pb::JobProgress, width: usize) -> String {
+    let job = progress.job.clone().unwrap_or_default();
+    let filled = match job.turns_total {
+        0 => 0,
+        total => (width as u64 * job.turns_done.min(total) / total) as usize,
+    };
+    format!("[{}{}] {}", "#".repeat(filled), "-".repeat(width - filled), progress_line(progress))
+}
+
+/// How `kforge run` shows progress: a bar redrawn in place on a terminal, else a line per change (logs, CI).
+#[derive(Debug)]
+pub struct Progress {
+    terminal: bool,
+    shown: String,
+}
+
+impl Progress {
+    pub fn new(terminal: bool) -> Self {
+        Self { terminal, shown: String::new() }
+    }
+
+    /// What to write to the terminal or log for `progress`, if it changed anything shown.
+    pub fn update(&mut self, progress: &pb::JobProgress) -> Option<String> {
+        let text = if self.terminal { progress_bar(progress, 24) } else { progress_line(progress) };
+        if text == self.shown {
+            return None;
+        }
+        self.shown.clone_from(&text);
+        // On a terminal: back to the line's start and clear it; the last bar stays (`finish`).
+        Some(if self.terminal { format!("\r\x1b[2K{text}") } else { format!("{text}\n") })
+    }
+
+    /// What ends the display: the newline after a bar left in place.
+    pub fn finish(&self) -> &'static str {
+        if self.terminal && !self.shown.is_empty() { "\n" } else { "" }
+    }
+}
+
 /// The final report: per task, each trajectory's verdicts by turn and the best speedup; then the totals.
 pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
     let mut out = String::new();
@@ -266,6 +306,31 @@ pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_is_a_bar_on_a_terminal_and_a_line_per_change_elsewhere() {
+        let at = |done: u64| pb::JobProgress {
+            job: Some(pb::Job { turns_done: done, turns_total: 8, ..Default::default() }),
+            ..Default::default()
+        };
+        assert!(progress_bar(&at(2), 8).starts_with("[##------] [2/8 turns"), "{}", progress_bar(&at(2), 8));
+        assert!(progress_bar(&at(8), 8).starts_with("[########]"));
+        let empty = pb::JobProgress::default();
+        assert!(progress_bar(&empty, 4).starts_with("[----] [0/0 turns"));
+
+        let mut terminal = Progress::new(true);
+        let first = terminal.update(&at(1)).expect("the first update shows");
+        assert!(first.starts_with("\r\x1b[2K[###") && !first.ends_with('\n'), "{first:?}");
+        assert_eq!(terminal.update(&at(1)), None, "nothing changed, nothing redrawn");
+        assert!(terminal.update(&at(2)).is_some());
+        assert_eq!(terminal.finish(), "\n");
+
+        let mut log = Progress::new(false);
+        let line = log.update(&at(1)).expect("shown");
+        assert!(line.starts_with("[1/8 turns") && line.ends_with('\n'), "{line:?}");
+        assert_eq!(log.update(&at(1)), None);
+        assert_eq!(log.finish(), "");
+    }
 
     #[test]
     fn the_embedded_replay_answers_every_example_candidate_at_turn_0() {

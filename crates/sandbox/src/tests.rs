@@ -54,8 +54,9 @@ async fn state_becomes(pid: &str, wanted: impl Fn(Option<char>) -> bool) -> Opti
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
     };
-    // Up to 5 s: a stopped or continued process changes state when it next runs, late on a loaded machine.
-    for _ in 0..250 {
+    // Up to 20 s: a stopped or continued process changes state when it next runs, late on a loaded machine (in a
+    // whole-suite run on 2 cores a shell stayed in uninterruptible sleep, `D`, for more than 5 s).
+    for _ in 0..1000 {
         if wanted(state()) {
             break;
         }
