@@ -123,6 +123,12 @@ struct RunArgs {
     /// kevin and drkernel: the most characters earlier attempts take in a prompt, oldest left out first (0: no limit).
     #[arg(long, default_value_t = 0)]
     context_budget_chars: u32,
+    /// The opening the model's reasoning is expected to start with (the not-okay check; default `Okay`).
+    #[arg(long, conflicts_with = "no_not_okay")]
+    opening: Option<String>,
+    /// No not-okay check, for a model without a fixed opening.
+    #[arg(long)]
+    no_not_okay: bool,
     /// Parallel trajectories per task (m).
     #[arg(long, default_value_t = 1)]
     trajectories: u32,
@@ -280,6 +286,11 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         judge_model,
         context_window: args.context_window,
         context_budget_chars: args.context_budget_chars,
+        diagnose: (args.opening.is_some() || args.no_not_okay).then_some(pb::DiagnoseParams {
+            opening: args.opening,
+            repetition_threshold: None,
+            not_okay_off: args.no_not_okay,
+        }),
         reward: None,
         trajectories_per_task: args.trajectories,
         turns: args.turns.unwrap_or(if multi_turn { 3 } else { 1 }),

@@ -93,7 +93,7 @@ pub fn write_report(
     trajectories: &[pb::Trajectory],
 ) -> anyhow::Result<kforge_report::ReportFiles> {
     let turns: Vec<pb::TurnRecord> = trajectories.iter().flat_map(|t| t.turns.iter().cloned()).collect();
-    let samples = kforge_orchestrator::metrics::samples(&turns);
+    let samples = kforge_orchestrator::metrics::samples(job.spec.as_ref(), &turns);
     let wall_time_s = job.metrics.as_ref().map_or(0.0, |m| m.wall_time_s);
     let metrics = kforge_reward_core::job_metrics(&kforge_orchestrator::metrics::params(wall_time_s), &samples)?;
     let spec = job.spec.clone().unwrap_or_default();

@@ -254,6 +254,41 @@ async fn a_drkernel_job_is_scored_with_the_census_profiling_ratio() {
     mesh.shutdown().await.expect("drains");
 }
 
+/// The model's expected opening is the job's (`JobSpec.diagnose`), through the real reward service: relu/0's
+/// reasonings open with "Okay", so a job expecting "Hmm" flags both turns not-okay, and a job with the check off
+/// flags none and leaves the not-okay ratio without a denominator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_not_okay_opening_is_the_jobs() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-opening");
+    let config = mesh_config(replay_file(&dir));
+    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
+    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
+    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
+    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
+    let mut orchestrator = OrchestratorClient::new(channel);
+    for (diagnose, flagged, overall) in [
+        (pb::DiagnoseParams { opening: Some("Hmm".into()), ..Default::default() }, [true, true], Some((2, 2))),
+        (pb::DiagnoseParams { not_okay_off: true, ..Default::default() }, [false, false], None),
+    ] {
+        let spec = pb::JobSpec { diagnose: Some(diagnose), ..relu_job("kevin", 2) };
+        let submitted = orchestrator
+            .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+            .await
+            .expect("submitted")
+            .into_inner();
+        let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+        assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
+        let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
+        let flags: Vec<bool> =
+            trajectories[0].turns.iter().map(|t| t.flags.as_ref().expect("diagnosed").not_okay).collect();
+        assert_eq!(flags, flagged);
+        let metrics = job.metrics.expect("metrics");
+        let not_okay = metrics.overall.and_then(|o| o.not_okay).map(|r| (r.numerator, r.denominator));
+        assert_eq!(not_okay, overall, "the not-okay ratio's counts");
+    }
+    mesh.shutdown().await.expect("drains");
+}
+
 const SYNTAX_ERROR: &str =
     "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x)\n        return x\n";
 
@@ -405,6 +440,20 @@ async fn bad_jobs_are_refused_naming_the_field() {
     assert_eq!((status.code(), status.message()), (tonic::Code::InvalidArgument, "spec.turns: must be at least 1"));
     let status = refused(pb::JobSpec { recipe: "nope".into(), ..spec.clone() }).await.expect_err("unknown recipe");
     assert!(status.message().starts_with("spec.recipe: unknown recipe"), "{status:?}");
+    let diagnose = |opening: Option<&str>, off: bool| pb::DiagnoseParams {
+        opening: opening.map(str::to_owned),
+        repetition_threshold: None,
+        not_okay_off: off,
+    };
+    let status = refused(pb::JobSpec { diagnose: Some(diagnose(Some("Okay"), true)), ..spec.clone() })
+        .await
+        .expect_err("an opening with not-okay detection off");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().starts_with("spec.diagnose.opening: must be unset"), "{status:?}");
+    let status = refused(pb::JobSpec { diagnose: Some(diagnose(Some(" "), false)), ..spec.clone() })
+        .await
+        .expect_err("an empty opening");
+    assert!(status.message().starts_with("spec.diagnose.opening: empty"), "{status:?}");
     let status = refused(spec).await.expect_err("no peers");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(status.message().starts_with(&format!("gateway at http://{closed} is unavailable")), "{status:?}");

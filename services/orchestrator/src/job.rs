@@ -65,6 +65,9 @@ impl Plan {
         }
         templates.budget_chars = spec.context_budget_chars as usize;
         let reward = RewardPlan::new(recipe, spec.reward.as_ref())?;
+        if let Some(diagnose) = &spec.diagnose {
+            check_diagnose(diagnose)?;
+        }
         let mut tasks = resolve_tasks(&spec)?;
         if spec.max_tasks > 0 {
             tasks.truncate(spec.max_tasks as usize);
@@ -94,6 +97,23 @@ impl Plan {
     pub fn turns_total(&self) -> u64 {
         self.episodes() * u64::from(self.spec.turns)
     }
+}
+
+/// The job's diagnosis parameters, as the reward service would refuse them (INVALID_ARGUMENT naming the field).
+fn check_diagnose(params: &pb::DiagnoseParams) -> Result<(), OrchestratorError> {
+    if params.not_okay_off && params.opening.is_some() {
+        return Err(OrchestratorError::invalid("spec.diagnose.opening", "must be unset when not_okay_off is true"));
+    }
+    if params.opening.as_deref().is_some_and(|opening| opening.trim().is_empty()) {
+        return Err(OrchestratorError::invalid("spec.diagnose.opening", "empty: leave it unset for the default"));
+    }
+    if let Some(threshold) = params.repetition_threshold.filter(|t| !(0.0..=1.0).contains(t)) {
+        return Err(OrchestratorError::invalid(
+            "spec.diagnose.repetition_threshold",
+            format!("must be in [0, 1], got {threshold}"),
+        ));
+    }
+    Ok(())
 }
 
 fn resolve_tasks(spec: &pb::JobSpec) -> Result<Vec<pb::Task>, OrchestratorError> {
@@ -393,7 +413,7 @@ impl Snapshot {
     fn refresh_metrics(&mut self, elapsed_s: f64, force: bool) {
         let due = self.metrics_at.is_none_or(|at| at.elapsed() >= REFRESH_EVERY);
         if force || due || self.turns.len() <= EXACT_METRICS_UP_TO {
-            self.job.metrics = Some(job_metrics(&self.turns, elapsed_s));
+            self.job.metrics = Some(job_metrics(self.job.spec.as_ref(), &self.turns, elapsed_s));
             self.metrics_at = Some(Instant::now());
         }
     }
@@ -644,7 +664,7 @@ impl Episode {
             }
         }
         let diagnose = pb::DiagnoseRequest {
-            params: None,
+            params: spec.diagnose.clone(),
             responses: vec![pb::ModelResponse {
                 response_id: String::new(),
                 text: completion.text.clone(),

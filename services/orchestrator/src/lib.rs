@@ -533,7 +533,7 @@ impl Orchestrator for OrchestratorService {
             state: pb::JobState::Queued.into(),
             episodes_total: plan.episodes(),
             turns_total: plan.turns_total(),
-            metrics: Some(metrics::job_metrics(&[], 0.0)),
+            metrics: Some(metrics::job_metrics(None, &[], 0.0)),
             created_at: Some(now()),
             updated_at: Some(now()),
             ..Default::default()
@@ -746,7 +746,7 @@ impl Orchestrator for OrchestratorService {
             state: pb::JobState::Running.into(),
             episodes_total: 1,
             turns_total: plan.turns_total(),
-            metrics: Some(metrics::job_metrics(&[], 0.0)),
+            metrics: Some(metrics::job_metrics(None, &[], 0.0)),
             created_at: Some(now()),
             updated_at: Some(now()),
             ..Default::default()

@@ -7,9 +7,9 @@ use kforge_proto::v1 as pb;
 use kforge_reward::metrics::{job_metrics_to_proto, turn_sample};
 use kforge_reward_core::{MetricsParams, TurnSample};
 
-/// Metrics over `turns`, with `wall_time_s` since the job started as measured by the caller.
-pub fn job_metrics(turns: &[pb::TurnRecord], wall_time_s: f64) -> pb::JobMetrics {
-    match kforge_reward_core::job_metrics(&params(wall_time_s), &samples(turns)) {
+/// Metrics over `turns` of a job of `spec`, with `wall_time_s` since the job started as measured by the caller.
+pub fn job_metrics(spec: Option<&pb::JobSpec>, turns: &[pb::TurnRecord], wall_time_s: f64) -> pb::JobMetrics {
+    match kforge_reward_core::job_metrics(&params(wall_time_s), &samples(spec, turns)) {
         Ok(metrics) => job_metrics_to_proto(&metrics),
         Err(error) => {
             // A turn the metrics refuse (a non-finite speedup from a faulty evaluator, say) must not stop the job:
@@ -20,10 +20,12 @@ pub fn job_metrics(turns: &[pb::TurnRecord], wall_time_s: f64) -> pb::JobMetrics
     }
 }
 
-/// The metrics' samples of recorded turns, one per turn (the job report plots them too).
-pub fn samples(turns: &[pb::TurnRecord]) -> Vec<TurnSample> {
-    // Not-okay detection runs with Diagnose's default opening for every job today.
-    turns.iter().map(|t| turn_sample(t, level(&t.task_id), t.wall_time_s.max(0.0), true)).collect()
+/// The metrics' samples of recorded turns of a job of `spec`, one per turn (the job report plots them too). Its
+/// responses were checked for their opening unless the spec switched not-okay detection off
+/// (`JobSpec.diagnose.not_okay_off`): then the not-okay ratio has no denominator.
+pub fn samples(spec: Option<&pb::JobSpec>, turns: &[pb::TurnRecord]) -> Vec<TurnSample> {
+    let checked = !spec.and_then(|s| s.diagnose.as_ref()).is_some_and(|d| d.not_okay_off);
+    turns.iter().map(|t| turn_sample(t, level(&t.task_id), t.wall_time_s.max(0.0), checked)).collect()
 }
 
 /// The metrics' parameters for a job that has run `wall_time_s`.
@@ -92,7 +94,7 @@ mod tests {
                 turns[i].turn = turns[i - 1].turn + 1;
             }
         }
-        let m = job_metrics(&turns, 12.5);
+        let m = job_metrics(None, &turns, 12.5);
         assert_eq!((m.turns, m.evaluated, m.correct, m.no_kernel, m.infra_errors), (8, 6, 3, 1, 1));
         assert_eq!(m.correctness, 0.5);
         assert_eq!(m.fast_p["1"], 2.0 / 6.0);
@@ -111,7 +113,7 @@ mod tests {
 
     #[test]
     fn no_turns_gives_zeros_not_nan() {
-        let m = job_metrics(&[], 0.0);
+        let m = job_metrics(None, &[], 0.0);
         assert_eq!(
             (m.evaluated, m.correctness, m.mean_speedup, m.geomean_speedup, m.junk_ratio),
             (0, 0.0, 0.0, 0.0, 0.0)
