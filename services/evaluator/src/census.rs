@@ -283,7 +283,7 @@ impl Recent {
     }
 
     /// Keeps `records` of `artifact` on `task`, the oldest entry leaving past the capacity.
-    pub fn put(&self, artifact: &str, task: &str, records: Vec<ModeRecords>) {
+    pub fn put(&self, artifact: &str, task: &str, records: Arc<Vec<ModeRecords>>) {
         if self.capacity == 0 || records.is_empty() {
             return;
         }
@@ -292,7 +292,7 @@ impl Recent {
         if entries.len() == self.capacity {
             entries.pop_front();
         }
-        entries.push_back(((artifact.to_owned(), task.to_owned()), Arc::new(records)));
+        entries.push_back(((artifact.to_owned(), task.to_owned()), records));
     }
 }
 
@@ -521,14 +521,14 @@ mod tests {
     #[test]
     fn recent_censuses_are_found_by_build_and_task_and_the_least_read_leaves_first() {
         let records = |mode: &str| {
-            vec![ModeRecords {
+            Arc::new(vec![ModeRecords {
                 mode: mode.into(),
                 calls: 1,
                 call_us: 0.0,
                 records: vec![],
                 extension_functions: None,
                 extension_calls: None,
-            }]
+            }])
         };
         let recent = Recent::new(2);
         recent.put("a", "t", records("a"));

@@ -486,7 +486,7 @@ impl Evaluator {
                 }
             };
             if on_gpu {
-                inner.censuses.put(&artifact_key, &task_key, modes.clone());
+                inner.censuses.put(&artifact_key, &task_key, Arc::new(modes.clone()));
             }
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
             let candidate =

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::verdict::{finding_proto, hack_finding};
 use super::{Backend, Evaluator, InfraError, RemoveOnDrop, RequestError, Submission, ms, phases_into};
 use crate::cache;
-use crate::census;
+use crate::census::{self, ModeRecords};
 use crate::protocol::CandidateRun;
 use crate::stage::{CallLimits, Started};
 use crate::static_checks::{self, Category};
@@ -174,10 +174,9 @@ impl Evaluator {
         let task_key = cache::key(&[submission.task.as_bytes()]);
         // The census of this build on this task when an evaluation or a profile just ran it; otherwise a stage of
         // its own. Both processes start before the lane: their interpreters and torch load off the device's time.
-        let reused = inner.censuses.get(&artifact_key, &task_key);
-        let census_process = match reused {
-            Some(_) => None,
-            None => Some(self.start_candidate(submission, &census_dir, &artifact_dir, cancel)?),
+        let census = match inner.censuses.get(&artifact_key, &task_key) {
+            Some(modes) => CensusFrom::Kept(modes),
+            None => CensusFrom::Stage(self.start_candidate(submission, &census_dir, &artifact_dir, cancel)?),
         };
         let profiled_process = match job.launch_limit {
             0 => None,
@@ -206,12 +205,12 @@ impl Evaluator {
         };
 
         let census_calls = inner.config.census_calls.max(1);
-        let modes = match (reused, census_process) {
-            (Some(modes), _) => {
+        let modes = match census {
+            CensusFrom::Kept(modes) => {
                 ran.census_reused = true;
                 modes
             }
-            (None, Some(process)) => {
+            CensusFrom::Stage(process) => {
                 let started = Instant::now();
                 let limits = self.call_limits(submission, lane.gpu());
                 let outcome = self.candidate_stage(process, &lane, &census_dir, run(census_calls, 0), limits).await;
@@ -223,8 +222,9 @@ impl Evaluator {
                 phases_into(&result, "census", evaluation);
                 match result.body.census {
                     Some(Ok(modes)) if !modes.is_empty() => {
+                        let modes = Arc::new(modes);
                         inner.censuses.put(&artifact_key, &task_key, modes.clone());
-                        Arc::new(modes)
+                        modes
                     }
                     unreadable => {
                         let why = match unreadable {
@@ -239,7 +239,6 @@ impl Evaluator {
                     }
                 }
             }
-            (None, None) => unreachable!("a census process starts whenever none is reused"),
         };
         let own_kernels = Evaluator::own_kernel_names(&submission.candidate);
         let candidate =
@@ -288,6 +287,12 @@ impl Evaluator {
         stage.wall = wall;
         Ok(self.start(stage, cancel))
     }
+}
+
+/// Where a profile job's census comes from: kept from the latest evaluation or profile, or a stage of its own.
+enum CensusFrom {
+    Kept(Arc<Vec<ModeRecords>>),
+    Stage(Started),
 }
 
 /// Where a profile job ran, and whether it measured its census or reused one.
