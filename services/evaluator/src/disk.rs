@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use kforge_sandbox::{Job, Limits, Sandbox};
 use serde::Deserialize;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OnceCell, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::python::PythonEnv;
@@ -74,8 +74,9 @@ pub fn available_bytes(path: &Path) -> Option<u64> {
 pub struct DiskBudget {
     permits: Arc<Semaphore>,
     capacity: u64,
-    /// By task key: the sizes its dry run gave, or `None` where it could not tell.
-    sizes: Mutex<HashMap<String, Option<TaskSizes>>>,
+    /// By task key: the sizes its dry run gave, or `None` where it could not tell; one dry run per task, which
+    /// every evaluation of the task waiting for it shares.
+    sizes: Mutex<HashMap<String, Arc<OnceCell<Option<TaskSizes>>>>>,
 }
 
 impl DiskBudget {
@@ -107,8 +108,8 @@ impl DiskBudget {
         sizes.map_or(self.capacity, |sizes| files_bytes(sizes, plan).min(self.capacity))
     }
 
-    /// The task's sizes: known, or found now by a dry run in `sandbox` (at most one per task at a time is not
-    /// guaranteed: two first evaluations of one task may both run it, and agree).
+    /// The task's sizes: known, or found by a dry run in `sandbox` (one per task: a caller that comes while it
+    /// runs waits for it; a caller cancelled meanwhile leaves it to the next).
     pub async fn task_sizes(
         &self,
         task_key: &str,
@@ -117,16 +118,15 @@ impl DiskBudget {
         python: &PythonEnv,
         scratch: &Path,
     ) -> Option<TaskSizes> {
-        if let Some(known) = self.sizes.lock().expect("never poisoned").get(task_key) {
-            return *known;
-        }
-        let sizes = dry_run(task_source, sandbox, python, scratch).await;
-        if let Err(error) = &sizes {
-            tracing::info!(%error, task = task_key, "the task's sizes are unknown: its evaluations write alone");
-        }
-        let sizes = sizes.ok();
-        self.sizes.lock().expect("never poisoned").insert(task_key.to_owned(), sizes);
-        sizes
+        let cell = self.sizes.lock().expect("never poisoned").entry(task_key.to_owned()).or_default().clone();
+        let sizes = cell.get_or_init(|| async {
+            let sizes = dry_run(task_source, sandbox, python, scratch).await;
+            if let Err(error) = &sizes {
+                tracing::info!(%error, task = task_key, "the task's sizes are unknown: its evaluations write alone");
+            }
+            sizes.ok()
+        });
+        *sizes.await
     }
 }
 

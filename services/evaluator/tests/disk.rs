@@ -52,3 +52,23 @@ async fn a_task_s_sizes_come_from_its_shapes_and_a_task_that_reads_values_writes
     assert_eq!(unknown, None);
     assert_eq!(budget.need(unknown, plan), budget.capacity(), "unknown: the whole budget");
 }
+
+/// Evaluations that meet a task at once share its one dry run: the second waits for the first's, whose scratch alone
+/// holds the task it ran.
+#[tokio::test]
+async fn concurrent_first_evaluations_of_a_task_share_one_dry_run() {
+    let Some(python) = support::python() else { return };
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("disk-dry-run-shared");
+    let _ = std::fs::remove_dir_all(&scratch);
+    let env = PythonEnv::probe(&python, &scratch.join("probe")).await.expect("python with torch");
+    let sandbox = Sandbox::detect_with(SandboxOptions::default()).await;
+    let budget = DiskBudget::new(1 << 30);
+    let (a, b) = (scratch.join("a"), scratch.join("b"));
+    let (first, second) = tokio::join!(
+        budget.task_sizes("shared", SHAPES, &sandbox, &env, &a),
+        budget.task_sizes("shared", SHAPES, &sandbox, &env, &b),
+    );
+    assert!(first.is_some() && first == second, "{first:?} {second:?}");
+    let ran = [&a, &b].map(|dir| dir.join("task.py").is_file());
+    assert_eq!(ran.iter().filter(|r| **r).count(), 1, "one dry run for both: {ran:?}");
+}

@@ -254,6 +254,7 @@ impl Evaluator {
         let task_key = cache::key(&[submission.task.as_bytes()]);
 
         self.baseline_ahead(submission);
+        self.sizes_ahead(submission, &task_key);
 
         // Compile: only candidates that build extensions; the rest are imported where they run.
         let (artifact_key, compiles) = self.artifact_key(submission);
@@ -501,6 +502,23 @@ impl Evaluator {
             }
         }
         Ok(pb::Verdict::Correct)
+    }
+
+    /// Starts the task's dry run (`disk.rs`, once per task) on a GPU now, beside the compile, in a scratch
+    /// directory of its own: the evaluation waits for it only after its compile, and one that ends early leaves it
+    /// to finish for the next.
+    fn sizes_ahead(&self, submission: &Submission, task_key: &str) {
+        if submission.backend == Backend::Cpu || self.inner.python.is_err() {
+            return;
+        }
+        let scratch = self.scratch_dir("sizes-");
+        let (evaluator, task_key, task) = (self.clone(), task_key.to_owned(), submission.task.clone());
+        tokio::spawn(async move {
+            let _cleanup = RemoveOnDrop(scratch.clone());
+            let inner = &evaluator.inner;
+            let python = inner.python.as_ref().expect("checked above");
+            inner.disk.task_sizes(&task_key, &task, &inner.sandbox, python, &scratch).await;
+        });
     }
 
     /// The artifact cache's key for `submission`'s build, and whether the candidate builds anything.
