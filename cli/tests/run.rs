@@ -86,11 +86,7 @@ fn verdicts(trajectory: &pb::Trajectory) -> Vec<String> {
 async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metrics() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-kevin");
     let config = mesh_config(replay_file(&dir));
-    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
-    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
-    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
-    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
-    let mut orchestrator = OrchestratorClient::new(channel);
+    let (mesh, mut orchestrator) = start_mesh(&config).await;
 
     let spec = pb::JobSpec {
         kind: pb::JobKind::Evaluation.into(),
@@ -220,19 +216,33 @@ fn relu_job(recipe: &str, turns: u32) -> pb::JobSpec {
 /// Starts the evaluator, reward, gateway and orchestrator in-process with `config`, submits `spec` and follows the
 /// job to its end: the mesh (to shut down), the finished job and its trajectories.
 async fn run_job(config: &MeshConfig, spec: pb::JobSpec) -> (Mesh, pb::Job, Vec<pb::Trajectory>) {
+    let (mesh, mut orchestrator) = start_mesh(config).await;
+    let (job, trajectories) = submit_and_follow(&mut orchestrator, spec).await;
+    (mesh, job, trajectories)
+}
+
+/// The evaluator, reward, gateway and orchestrator in-process with `config`, and a client of the orchestrator.
+async fn start_mesh(config: &MeshConfig) -> (Mesh, OrchestratorClient<kforge_server::client::Channel>) {
     let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
     let mesh = Mesh::start(&services, config, true).await.expect("the mesh starts");
     let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
     let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
-    let mut orchestrator = OrchestratorClient::new(channel);
+    (mesh, OrchestratorClient::new(channel))
+}
+
+/// Submits `spec` and follows the job to its end: the finished job and its trajectories.
+async fn submit_and_follow(
+    orchestrator: &mut OrchestratorClient<kforge_server::client::Channel>,
+    spec: pb::JobSpec,
+) -> (pb::Job, Vec<pb::Trajectory>) {
     let submitted = orchestrator
         .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
         .await
         .expect("submitted")
         .into_inner();
-    let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
-    let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
-    (mesh, job, trajectories)
+    let job = kforge::run::follow(orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+    let trajectories = kforge::run::trajectories(orchestrator, &job.job_id).await.expect("listed");
+    (job, trajectories)
 }
 
 /// drkernel through the real services (CPU backend): every evaluation counts its kernels, the reward service scores
@@ -260,25 +270,14 @@ async fn a_drkernel_job_is_scored_with_the_census_profiling_ratio() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_not_okay_opening_is_the_jobs() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-opening");
-    let config = mesh_config(replay_file(&dir));
-    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
-    let mesh = Mesh::start(&services, &config, true).await.expect("the mesh starts");
-    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
-    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
-    let mut orchestrator = OrchestratorClient::new(channel);
+    let (mesh, mut orchestrator) = start_mesh(&mesh_config(replay_file(&dir))).await;
     for (diagnose, flagged, overall) in [
         (pb::DiagnoseParams { opening: Some("Hmm".into()), ..Default::default() }, [true, true], Some((2, 2))),
         (pb::DiagnoseParams { not_okay_off: true, ..Default::default() }, [false, false], None),
     ] {
         let spec = pb::JobSpec { diagnose: Some(diagnose), ..relu_job("kevin", 2) };
-        let submitted = orchestrator
-            .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
-            .await
-            .expect("submitted")
-            .into_inner();
-        let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+        let (job, trajectories) = submit_and_follow(&mut orchestrator, spec).await;
         assert_eq!(job.state, pb::JobState::Succeeded as i32, "{job:#?}");
-        let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id).await.expect("listed");
         let flags: Vec<bool> =
             trajectories[0].turns.iter().map(|t| t.flags.as_ref().expect("diagnosed").not_okay).collect();
         assert_eq!(flags, flagged);
