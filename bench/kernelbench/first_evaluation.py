@@ -9,26 +9,18 @@ From the repository root on a GPU machine, with target/release/kforge built:
 Writes OUT/results.jsonl. Stdlib only.
 """
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiler"))
-from profile_live import HERE, Run, header, log, machine, start_kforge, stop_kforge  # noqa: E402
+from profile_live import HERE, Run, header, kforge_arguments, log, machine, start_kforge, stop_kforge  # noqa: E402
 
 EVALUATOR = "http://127.0.0.1:50051"
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--tasks-dir", required=True)
-    parser.add_argument("--kforge", default=str(HERE.parents[1] / "target" / "release" / "kforge"))
-    parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--scratch", default="/tmp/kforge-first-evaluation")
+    parser = kforge_arguments("/tmp/kforge-first-evaluation")
     parser.add_argument("--only", default="diag_scale,matmul_tiled")
-    parser.add_argument("--profile-timeout", type=int, default=300)
     args = parser.parse_args()
     run = Run(args)
     log(" | ".join(machine(run.out, args.python)))

@@ -9,7 +9,6 @@ From the repository root on a GPU machine, with target/release/kforge built:
 Writes OUT/results.jsonl. Stdlib only (the probe itself imports torch).
 """
 
-import argparse
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_live import HERE, Run, log, start_kforge, stop_kforge  # noqa: E402
+from profile_live import Run, kforge_arguments, log, start_kforge, stop_kforge  # noqa: E402
 
 # Times each step of starting torch's profiler; prints (or raises, inside kforge) a JSON line of seconds.
 PROBE = r'''
@@ -98,14 +97,7 @@ def get_init_inputs():
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--kforge", default=str(HERE.parents[1] / "target" / "release" / "kforge"))
-    parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--scratch", default="/tmp/kforge-census-start")
-    parser.add_argument("--profile-timeout", type=int, default=300)
-    parser.add_argument("--tasks-dir", default="")
-    args = parser.parse_args()
+    args = kforge_arguments("/tmp/kforge-census-start", tasks_required=False).parse_args()
     run = Run(args)
     probe = Path(args.scratch) / "probe.py"
     probe.parent.mkdir(parents=True, exist_ok=True)

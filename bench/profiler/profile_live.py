@@ -130,6 +130,19 @@ def summarize_profile(response):
     }
 
 
+def kforge_arguments(scratch, tasks_required=True):
+    """The arguments every script that starts `kforge up` takes (`start_kforge` reads them); add the script's own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tasks-dir", required=tasks_required, default="",
+                        help="KernelBench's task directory (holding level1/)")
+    parser.add_argument("--kforge", default=str(REPO / "target" / "release" / "kforge"))
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--scratch", default=scratch)
+    parser.add_argument("--profile-timeout", type=int, default=300, help="the profiler's timeout_secs")
+    return parser
+
+
 def start_kforge(run, args, scratch):
     """`kforge up` with the evaluator and profiler on one engine, once the profiler answers; GetCapabilities
     recorded."""
@@ -163,15 +176,9 @@ def stop_kforge(up):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--tasks-dir", required=True, help="KernelBench's task directory (holding level1/)")
-    parser.add_argument("--kforge", default=str(REPO / "target" / "release" / "kforge"))
-    parser.add_argument("--python", default=sys.executable)
+    parser = kforge_arguments("/tmp/kforge-profile-live")
     parser.add_argument("--warm", type=int, default=5)
-    parser.add_argument("--scratch", default="/tmp/kforge-profile-live")
     parser.add_argument("--only", default="", help="comma-separated candidate names")
-    parser.add_argument("--profile-timeout", type=int, default=300, help="the profiler's timeout_secs")
     args = parser.parse_args()
     run = Run(args)
     out = run.out

@@ -17,7 +17,6 @@ From the repository root, with target/release/kforge built and KernelBench's tas
 Writes OUT/results.jsonl (a record per call, as it goes), OUT/summary.json (p50s) and OUT/machine.txt. Stdlib only.
 """
 
-import argparse
 import json
 import os
 import re
@@ -28,7 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_live import HERE, Run, header, log, machine, start_kforge, stop_kforge, summarize_profile  # noqa: E402
+from profile_live import (HERE, Run, header, kforge_arguments, log, machine, start_kforge, stop_kforge,
+                          summarize_profile)  # noqa: E402
 
 EVALUATOR = "http://127.0.0.1:50051"
 
@@ -49,17 +49,11 @@ def profile(run, request, kind, launches, candidate, index):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--tasks-dir", required=True)
-    parser.add_argument("--kforge", default=str(HERE.parents[1] / "target" / "release" / "kforge"))
-    parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--scratch", default="/tmp/kforge-profile-p50")
+    parser = kforge_arguments("/tmp/kforge-profile-p50")
     parser.add_argument("--only", default="diag_scale,matmul_tiled")
     parser.add_argument("--launches", default="3,10", help="launch limits to time, comma-separated; 0 is the default")
     parser.add_argument("--measured", type=int, default=3, help="profiles with the census measured, per limit")
     parser.add_argument("--reused", type=int, default=4, help="profiles reusing the census, per limit")
-    parser.add_argument("--profile-timeout", type=int, default=300)
     args = parser.parse_args()
     run = Run(args)
     log(" | ".join(machine(run.out, args.python)))
