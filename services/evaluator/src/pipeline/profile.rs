@@ -174,7 +174,7 @@ impl Evaluator {
         let task_key = cache::key(&[submission.task.as_bytes()]);
         // The census of this build on this task when an evaluation or a profile just ran it; otherwise a stage of
         // its own. Both processes start before the lane: their interpreters and torch load off the device's time.
-        let census = match inner.censuses.get(&artifact_key, &task_key) {
+        let census_from = match inner.censuses.get(&artifact_key, &task_key) {
             Some(modes) => CensusFrom::Kept(modes),
             None => CensusFrom::Stage(self.start_candidate(submission, &census_dir, &artifact_dir, cancel)?),
         };
@@ -205,7 +205,7 @@ impl Evaluator {
         };
 
         let census_calls = inner.config.census_calls.max(1);
-        let modes = match census {
+        let modes = match census_from {
             CensusFrom::Kept(modes) => {
                 ran.census_reused = true;
                 modes
