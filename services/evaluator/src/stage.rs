@@ -93,6 +93,8 @@ pub struct StageOutcome<R> {
     /// How long it spent in calls into candidate code (announced by the harness; see [`converse`]), a call still
     /// open at its end included: what a stage killed at its wall-clock limit is charged to the candidate.
     pub in_calls: Duration,
+    /// Whether it closed its control socket and was still running [`CLOSED_GRACE`] later (killed then).
+    pub lingered: bool,
     /// Its place at the device's gate, kept after the process ended until the caller lets it go
     /// ([`StageOutcome::leave_gate`]): a device left in doubt (a kill, a fault) is checked first.
     membership: Option<Arc<Member>>,
@@ -138,6 +140,12 @@ impl<R> StageOutcome<R> {
         if !stderr.trim().is_empty() {
             return stderr;
         }
+        if self.lingered {
+            return format!(
+                "closed its control socket and was still running {} s later, so it was killed",
+                CLOSED_GRACE.as_secs()
+            );
+        }
         match &self.result {
             None => format!("ended ({:?}) without a readable result", self.finished.exit),
             Some(_) => format!("ended ({:?}) and reported failure without an error", self.finished.exit),
@@ -182,6 +190,8 @@ pub struct Started {
 #[derive(Debug, Default)]
 struct Watch {
     hung: Option<String>,
+    /// It closed its socket and ran on past [`CLOSED_GRACE`].
+    lingered: bool,
     /// Time in calls into candidate code that ended, and when the open one began.
     in_calls: Duration,
     open_call: Option<tokio::time::Instant>,
@@ -278,7 +288,10 @@ pub fn start(
                 match converse(&member, &control, waiting, socket, limits.as_ref(), &watch).await {
                     // The harness's socket closes as its interpreter shuts down; a stage that closed it and runs
                     // on would use the device outside the gate.
-                    Ended::Closed => tokio::time::sleep(CLOSED_GRACE).await,
+                    Ended::Closed => {
+                        tokio::time::sleep(CLOSED_GRACE).await;
+                        watch.lock().expect("never poisoned").lingered = true;
+                    }
                     Ended::Broken => {}
                     Ended::Hung(reason) => {
                         tracing::info!(%reason, "stopping a stage whose call never returned");
@@ -503,10 +516,10 @@ impl Started {
             Ok(result) => result?,
             Err(join) => return Err(StageError::Sandbox(SandboxError::Wait(std::io::Error::other(join.to_string())))),
         };
-        let (hung, in_calls, called) = {
+        let (hung, in_calls, called, lingered) = {
             let mut watch = self.watch.lock().expect("never poisoned");
             watch.call_ends();
-            (watch.hung.take(), watch.in_calls, watch.called)
+            (watch.hung.take(), watch.in_calls, watch.called, watch.lingered)
         };
         let result_path = &self.result_path;
         let result = match std::fs::read(result_path) {
@@ -526,7 +539,7 @@ impl Started {
             },
             Err(_) => None,
         };
-        Ok(StageOutcome { finished, result, gate: clock.times(), hung, in_calls, membership: member })
+        Ok(StageOutcome { finished, result, gate: clock.times(), hung, in_calls, lingered, membership: member })
     }
 }
 
@@ -617,6 +630,22 @@ mod tests {
             drop(outcome);
             tokio::time::timeout(Duration::from_secs(30), alone).await.expect("runs alone").expect("task");
         }
+    }
+
+    #[tokio::test]
+    async fn a_stage_that_runs_on_after_closing_its_socket_is_killed_and_told_so() {
+        // Its result written and its control socket closed, it does not end (as an interpreter slow to shut down,
+        // or candidate code that goes on using the device outside the gate).
+        let script = format!(
+            "cat >/dev/null; printf '{{\"protocol\": {PROTOCOL_VERSION}, \"ok\": true}}' > result.json; \
+             exec 3>&-; exec sleep 3600"
+        );
+        let gate = Arc::new(Gate::default());
+        let outcome = shell_stage(&script, &gate).await.expect("task").expect("the stage ran");
+        assert!(outcome.lingered, "{:?}", outcome.finished);
+        assert_eq!(outcome.finished.exit, kforge_sandbox::Exit::Signal(9), "killed: {:?}", outcome.finished);
+        assert!(!outcome.ok(), "a stage killed is not ok, whatever it wrote");
+        assert!(outcome.error_text().contains("closed its control socket"), "{}", outcome.error_text());
     }
 
     #[tokio::test]
