@@ -10,11 +10,13 @@
 //! ```text
 //! orchestrator-overhead [--trajectories 1000] [--turns 3] [--recipe kevin] [--generate-ms 2000]
 //!                       [--evaluate-ms 2000] [--store PATH|sqlite::memory:]
+//!                       [--durability process|power_loss]
 //! ```
 //! The store defaults to a SQLite file in a fresh temporary directory (the orchestrator's default kind of store).
 
 use std::time::Instant;
 
+use kforge_orchestrator::store::Durability;
 use kforge_orchestrator::{InFlightConfig, OrchestratorConfig, PeersConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
@@ -183,6 +185,11 @@ async fn main() {
     let dir = std::env::temp_dir().join(format!("kforge-orchestrator-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temporary directory");
     let store = arg("--store", &dir.join("orchestrator.db").display().to_string());
+    let durability = match arg("--durability", "process").as_str() {
+        "process" => Durability::Process,
+        "power_loss" => Durability::PowerLoss,
+        other => panic!("--durability: process or power_loss, not {other}"),
+    };
 
     // The fakes run on a runtime of their own (one thread), apart from the orchestrator's workers.
     let peers = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -209,6 +216,7 @@ async fn main() {
     });
     let config = OrchestratorConfig {
         store: store.clone(),
+        store_durability: durability,
         peers: PeersConfig {
             gateway: peers_url.clone(),
             evaluator: peers_url.clone(),
@@ -280,6 +288,7 @@ async fn main() {
         "turns_per_trajectory": turns,
         "recipe": recipe,
         "store": store,
+        "durability": format!("{durability:?}"),
         "turns": per_turn.len(),
         "generate_ms": peer.generate.as_millis() as u64,
         "evaluate_ms": peer.evaluate.as_millis() as u64,

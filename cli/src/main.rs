@@ -305,6 +305,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         measure_performance: None,
         max_concurrent_episodes: args.concurrency,
         levels: args.levels,
+        strict_format: None,
     };
     let mut config = config.clone();
     let scratch = std::env::temp_dir().join(format!("kforge-run-{}", std::process::id()));

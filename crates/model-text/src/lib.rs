@@ -95,9 +95,91 @@ fn defines_model_new(block: &str) -> bool {
     })
 }
 
+/// How a response breaks the strict format (Kevin's): the shape the prompts ask for is a change summary in prose
+/// and the whole `ModelNew` in one fenced block, after reasoning that ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FormatError {
+    /// The backend stopped at the token limit (`finish_reason` `length`).
+    Truncated,
+    /// A `<think>` block never closed: the answer is missing.
+    ReasoningUnclosed,
+    /// No fenced code block in the answer.
+    NoCodeBlock,
+    /// More than one fenced code block in the answer.
+    SeveralCodeBlocks(usize),
+    /// The one block does not define `class ModelNew`.
+    NoModelNew,
+    /// No prose beside the code: no summary of the change.
+    NoSummary,
+    /// The one block never closed.
+    UnclosedCodeBlock,
+}
+
+impl std::fmt::Display for FormatError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FormatError::Truncated => write!(f, "the response was cut at the token limit"),
+            FormatError::ReasoningUnclosed => write!(f, "the reasoning (<think>) never closed, so there is no answer"),
+            FormatError::NoCodeBlock => write!(f, "the answer has no fenced code block"),
+            FormatError::SeveralCodeBlocks(n) => {
+                write!(f, "the answer has {n} fenced code blocks; exactly one, with the whole ModelNew, is expected")
+            }
+            FormatError::NoModelNew => write!(f, "the code block does not define class ModelNew"),
+            FormatError::NoSummary => write!(f, "the answer has no summary of the change beside its code"),
+            FormatError::UnclosedCodeBlock => write!(f, "the code block is not closed"),
+        }
+    }
+}
+
+/// Checks a response against the strict format: not cut at the token limit, reasoning closed (when `reasoning`
+/// came separated by the backend, `text` is the answer), some prose outside the code, and exactly one closed
+/// fenced block, which defines `class ModelNew`.
+pub fn check_strict_format(text: &str, finish_reason: &str) -> Result<(), FormatError> {
+    if finish_reason == "length" {
+        return Err(FormatError::Truncated);
+    }
+    let split = split_reasoning(text);
+    if split.found && !text.contains(THINK_CLOSE) {
+        return Err(FormatError::ReasoningUnclosed);
+    }
+    let fences = split.answer.lines().filter(|line| line.trim_start().starts_with("```")).count();
+    let blocks: Vec<&str> = fenced_blocks(split.answer).collect();
+    match blocks.as_slice() {
+        [] => return Err(FormatError::NoCodeBlock),
+        [_] if fences % 2 == 1 => return Err(FormatError::UnclosedCodeBlock),
+        [block] if !defines_model_new(block) => return Err(FormatError::NoModelNew),
+        [_] => {}
+        several => return Err(FormatError::SeveralCodeBlocks(several.len())),
+    }
+    if !prose(split.answer).chars().any(char::is_alphabetic) {
+        return Err(FormatError::NoSummary);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_strict_format_takes_one_block_with_a_summary_and_names_each_breach() {
+        let kernel = "```python\nclass ModelNew(nn.Module):\n    pass\n```\n";
+        let good = format!("<think>Okay, plan.</think>I fused the two loops.\n{kernel}");
+        assert_eq!(check_strict_format(&good, "stop"), Ok(()));
+        assert_eq!(check_strict_format(&format!("Fused.\n{kernel}"), ""), Ok(()), "no reasoning block is fine");
+        let cases = [
+            (good.clone(), "length", FormatError::Truncated),
+            (format!("<think>Okay, {kernel}"), "stop", FormatError::ReasoningUnclosed),
+            ("I fused them.".to_owned(), "stop", FormatError::NoCodeBlock),
+            (format!("Two.\n{kernel}{kernel}"), "stop", FormatError::SeveralCodeBlocks(2)),
+            ("Mine.\n```python\nclass Model(nn.Module): pass\n```".to_owned(), "stop", FormatError::NoModelNew),
+            (kernel.to_owned(), "stop", FormatError::NoSummary),
+            ("Cut.\n```python\nclass ModelNew(nn.Module):\n".to_owned(), "stop", FormatError::UnclosedCodeBlock),
+        ];
+        for (text, finish, expected) in cases {
+            assert_eq!(check_strict_format(&text, finish), Err(expected), "{text}");
+        }
+    }
 
     #[test]
     fn splits_a_leading_think_block() {

@@ -43,7 +43,7 @@ fn samples() -> Vec<TurnSample> {
         turn("b", 0, 1, Some(Verdict::InfraError), None),
         turn("b", 0, 2, c, Some(1.1)),
         TurnSample {
-            response: Some(ResponseSample { junk: true, no_kernel: true, not_okay: Some(true) }),
+            response: Some(ResponseSample { junk: true, no_kernel: true, not_okay: Some(true), format_error: None }),
             ..turn("b", 1, 0, None, None)
         },
         turn("b", 1, 1, Some(Verdict::RuntimeError), None),

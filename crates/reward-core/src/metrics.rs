@@ -53,6 +53,8 @@ pub struct ResponseSample {
     pub no_kernel: bool,
     /// `None` when not-okay detection was off for the model.
     pub not_okay: Option<bool>,
+    /// Whether it broke the strict format policy; `None` when the job did not hold it to one.
+    pub format_error: Option<bool>,
 }
 
 /// Tokens and cost of generations.
@@ -143,6 +145,8 @@ pub struct Rates {
     pub no_kernel: Ratio,
     /// not-okay responses / responses checked for it; `None` when none was.
     pub not_okay: Option<Ratio>,
+    /// responses that broke the strict format / responses held to it; `None` when none was.
+    pub format_error: Option<Ratio>,
     /// One entry per threshold, in the order asked.
     pub fast_p: Vec<FastP>,
 }
@@ -331,6 +335,7 @@ fn rates(params: &MetricsParams, slice: &[&TurnSample]) -> Rates {
     let correct = count(&|s| s.verdict == Some(Verdict::Correct));
     let responses: Vec<ResponseSample> = slice.iter().filter_map(|s| s.response).collect();
     let checked: Vec<bool> = responses.iter().filter_map(|r| r.not_okay).collect();
+    let formats: Vec<bool> = responses.iter().filter_map(|r| r.format_error).collect();
     let fast = |p: f64, speedup: fn(&TurnSample) -> Option<f64>| {
         let unmeasured = count(&|s| s.verdict == Some(Verdict::Correct) && speedup(s).is_none());
         let fast = count(&|s| s.verdict == Some(Verdict::Correct) && speedup(s).is_some_and(|v| v > p));
@@ -345,6 +350,7 @@ fn rates(params: &MetricsParams, slice: &[&TurnSample]) -> Rates {
         junk: Ratio::of(responses.iter().filter(|r| r.junk).count(), responses.len()),
         no_kernel: Ratio::of(responses.iter().filter(|r| r.no_kernel).count(), responses.len()),
         not_okay: (!checked.is_empty()).then(|| Ratio::of(checked.iter().filter(|&&b| b).count(), checked.len())),
+        format_error: (!formats.is_empty()).then(|| Ratio::of(formats.iter().filter(|&&b| b).count(), formats.len())),
         fast_p: params
             .fast_p
             .iter()
@@ -546,7 +552,12 @@ mod tests {
             turn("b", 0, 1, Some(Verdict::InfraError), None),
             TurnSample { hack: true, ..turn("b", 1, 0, Some(Verdict::Rejected), None) },
             TurnSample {
-                response: Some(ResponseSample { junk: true, no_kernel: true, not_okay: Some(true) }),
+                response: Some(ResponseSample {
+                    junk: true,
+                    no_kernel: true,
+                    not_okay: Some(true),
+                    format_error: None,
+                }),
                 ..turn("b", 1, 1, None, None)
             },
         ];

@@ -28,7 +28,10 @@ fn turn() -> impl Strategy<Value = TurnSample> {
         speedup(),
         speedup(),
         any::<bool>(),
-        prop::option::weighted(0.9, (any::<bool>(), any::<bool>(), prop::option::of(any::<bool>()))),
+        prop::option::weighted(
+            0.9,
+            (any::<bool>(), any::<bool>(), prop::option::of(any::<bool>()), prop::option::of(any::<bool>())),
+        ),
         0.0f64..30.0,
         0.0f64..0.1,
     )
@@ -37,7 +40,12 @@ fn turn() -> impl Strategy<Value = TurnSample> {
             speedup_eager: eager,
             speedup_compile: compile,
             hack,
-            response: response.map(|(junk, no_kernel, not_okay)| ResponseSample { junk, no_kernel, not_okay }),
+            response: response.map(|(junk, no_kernel, not_okay, format_error)| ResponseSample {
+                junk,
+                no_kernel,
+                not_okay,
+                format_error,
+            }),
             wall_time_s: wall,
             usage: kforge_reward_core::Usage { completion_tokens: 7, cost_usd: cost, ..Default::default() },
             ..TurnSample::default()

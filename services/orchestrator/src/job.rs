@@ -17,6 +17,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::error::OrchestratorError;
 use crate::judge::{self, Mode, ProfileView};
@@ -34,8 +35,10 @@ pub struct Plan {
     pub templates: Templates,
     /// How its turns are scored and credited.
     pub reward: RewardPlan,
-    /// Whether its evaluations count the kernels that ran: drkernel's feedback, and a formula's profiling ratio.
+    /// Whether its evaluations count the kernels that ran: drkernel's feedback, a formula's profiling ratio, PRS.
     pub census: bool,
+    /// Whether responses must keep to the strict format to be evaluated (`JobSpec.strict_format`).
+    pub strict_format: bool,
     pub tasks: Vec<pb::Task>,
 }
 
@@ -64,7 +67,7 @@ impl Plan {
             templates.window = spec.context_window;
         }
         templates.budget_chars = spec.context_budget_chars as usize;
-        let reward = RewardPlan::new(recipe, spec.reward.as_ref())?;
+        let reward = RewardPlan::new(recipe, spec.reward.as_ref(), spec.seed)?;
         if let Some(diagnose) = &spec.diagnose {
             check_diagnose(diagnose)?;
         }
@@ -72,8 +75,9 @@ impl Plan {
         if spec.max_tasks > 0 {
             tasks.truncate(spec.max_tasks as usize);
         }
-        let census = recipe == Recipe::DrKernel || reward.needs_census();
-        Ok(Self { spec, recipe, templates, reward, census, tasks })
+        let census = recipe == Recipe::DrKernel || reward.needs_census() || reward.prs.is_some();
+        let strict_format = recipe::strict_format(&spec);
+        Ok(Self { spec, recipe, templates, reward, census, strict_format, tasks })
     }
 
     /// The plan of a stored job: its spec checked again and its templates read again, with the tasks it was
@@ -96,6 +100,18 @@ impl Plan {
 
     pub fn turns_total(&self) -> u64 {
         self.episodes() * u64::from(self.spec.turns)
+    }
+
+    /// A new turn's record of `completion`: its kernel, and under the strict format policy what breaks it.
+    fn read_completion(&self, mut record: pb::TurnRecord, completion: pb::Completion) -> pb::TurnRecord {
+        record.kernel = kforge_model_text::extract_kernel(&completion.text).unwrap_or_default().to_owned();
+        if self.strict_format
+            && let Err(error) = kforge_model_text::check_strict_format(&completion.text, &completion.finish_reason)
+        {
+            record.format_error = error.to_string();
+        }
+        record.completion = Some(completion);
+        record
     }
 }
 
@@ -301,6 +317,7 @@ pub async fn run(
     progress.set_state(pb::JobState::Running, String::new()).await;
     let limit = Arc::new(Semaphore::new(max_concurrent.max(1)));
     let mut episodes = JoinSet::new();
+    let job_id = progress.job_id.clone();
     // Episodes start in the job's order (task, then trajectory): each takes its permit before it is spawned.
     'start: for (position, task) in plan.tasks.iter().enumerate() {
         for trajectory in 0..plan.spec.trajectories_per_task {
@@ -317,10 +334,17 @@ pub async fn run(
                 progress: progress.clone(),
                 cancel: cancel.clone(),
             };
-            episodes.spawn(async move {
-                let _permit = permit;
-                episode.run().await
-            });
+            // One trace per episode: its root span, a span per turn under it, and one per call to a peer under
+            // the turn's, which the peer's own server span continues (W3C trace context in the call's metadata).
+            let span =
+                tracing::info_span!(parent: None, "episode", job_id = %job_id, task_id = %task.task_id, trajectory);
+            episodes.spawn(
+                async move {
+                    let _permit = permit;
+                    episode.run().await
+                }
+                .instrument(span),
+            );
         }
     }
     let mut failure = None;
@@ -573,8 +597,9 @@ impl Episode {
                     break;
                 }
                 let resumed = pending.take().filter(|(_, record)| record.turn == turn);
+                let turn_span = tracing::info_span!("turn", turn);
                 let record = tokio::select! {
-                    record = self.turn(&job_id, turn, &earlier, resumed) => record?,
+                    record = self.turn(&job_id, turn, &earlier, resumed).instrument(turn_span) => record?,
                     () = self.cancel.cancelled() => break,
                 };
                 self.progress.record(self.position, &record).await?;
@@ -619,7 +644,8 @@ impl Episode {
             return Ok(record);
         }
         let completion = record.completion.clone().unwrap_or_default();
-        if !record.kernel.is_empty() && stage < Some(Stage::Evaluated) {
+        let well_formed = record.format_error.is_empty();
+        if !record.kernel.is_empty() && well_formed && stage < Some(Stage::Evaluated) {
             let request = pb::EvaluateRequest {
                 request_id: String::new(),
                 task: Some(self.task.clone()),
@@ -647,13 +673,17 @@ impl Episode {
                 self.progress.stage(self.position, Stage::Evaluated, &record).await?;
             }
         }
-        let outcome = record.evaluation.as_ref().map(|e| kernel_outcome(e, self.plan.census));
+        let outcome = record.evaluation.as_ref().map(|e| reward::kernel_outcome(e, self.plan.census));
         let _stage = StageGuard::enter(&self.progress.in_flight.scoring, self.progress.metrics.in_flight("scoring"));
         self.progress.notify().await;
+        if !well_formed {
+            // Kevin's strict format: a response out of shape is worth nothing, whatever its code would do.
+            record.score = Some(0.0);
+        }
         if let Some(outcome) = outcome.clone().filter(|o| o.verdict() != pb::Verdict::InfraError) {
             let request = self.plan.reward.score_request(outcome);
             let _permit = limits.reward.acquire().await.expect("the reward semaphore is never closed");
-            match peers.reward.score_kernels(request).await {
+            match peers.reward.score_kernels(request).instrument(call_span("Reward/ScoreKernels")).await {
                 Ok(response) => {
                     if let Some(score) = response.into_inner().scores.into_iter().next() {
                         record.score = Some(score.score);
@@ -675,7 +705,7 @@ impl Episode {
         };
         let diagnosed = {
             let _permit = limits.reward.acquire().await.expect("the reward semaphore is never closed");
-            peers.reward.diagnose(diagnose).await
+            peers.reward.diagnose(diagnose).instrument(call_span("Reward/Diagnose")).await
         };
         match diagnosed {
             Ok(response) => record.flags = response.into_inner().flags.into_iter().next(),
@@ -686,7 +716,10 @@ impl Episode {
         }
         // A turn resumed with its review keeps it: the Judge is not asked twice.
         if record.judge.is_none() {
-            record.feedback = recipe::feedback(record.evaluation.as_ref(), &record.error);
+            record.feedback = match well_formed {
+                true => recipe::feedback(record.evaluation.as_ref(), &record.error),
+                false => recipe::format_feedback(&record.format_error),
+            };
             if let Some(evaluation) = record.evaluation.as_ref().filter(|_| self.plan.recipe == Recipe::DrKernel) {
                 record.feedback.push_str(&recipe::census_feedback(evaluation));
             }
@@ -743,8 +776,7 @@ impl Episode {
             record.feedback = recipe::feedback(None, &record.error);
             return Ok(record);
         };
-        record.kernel = kforge_model_text::extract_kernel(&completion.text).unwrap_or_default().to_owned();
-        record.completion = Some(completion);
+        let record = self.plan.read_completion(record, completion);
         self.progress.stage(self.position, Stage::Generated, &record).await?;
         Ok(record)
     }
@@ -865,7 +897,7 @@ impl Episode {
             StageGuard::enter(&self.progress.in_flight.generating, self.progress.metrics.in_flight("generating"));
         self.progress.notify().await;
         let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
-        peers.gateway.generate(request).await
+        peers.gateway.generate(request).instrument(call_span("Gateway/Generate")).await
     }
 
     /// The kernel's profile as the Judge is shown it, or why there is none.
@@ -895,7 +927,7 @@ impl Episode {
             let _stage =
                 StageGuard::enter(&self.progress.in_flight.evaluating, self.progress.metrics.in_flight("evaluating"));
             let _permit = peers.limits.profiler.acquire().await.expect("the profiler semaphore is never closed");
-            client.profile(request).await
+            client.profile(request).instrument(call_span("Profiler/Profile")).await
         };
         let profile = profiled.map_err(|status| peer_error("profiler", &status))?.into_inner();
         if profile.verdict() != pb::Verdict::Correct {
@@ -907,6 +939,12 @@ impl Episode {
         }
         ProfileView::of(&profile).ok_or_else(|| "Nsight Compute profiled no launch of the kernel's own kernels".into())
     }
+}
+
+/// The span of one call to a peer (`Service/Method`), under the current turn's: the call carries its context, so
+/// the peer's server span continues the episode's trace.
+fn call_span(method: &'static str) -> tracing::Span {
+    tracing::info_span!("call", otel.name = method, otel.kind = "client", rpc.method = method)
 }
 
 /// Evaluates, retrying with backoff while the evaluator is busy (RESOURCE_EXHAUSTED) or answers a retryable
@@ -923,7 +961,8 @@ async fn evaluate(
     loop {
         let answer = {
             let _permit = limits.evaluator.acquire().await.expect("the evaluator semaphore is never closed");
-            client.evaluate(request.clone()).await.map(tonic::Response::into_inner)
+            let call = client.evaluate(request.clone()).instrument(call_span("Evaluator/Evaluate"));
+            call.await.map(tonic::Response::into_inner)
         };
         let retryable = match &answer {
             Err(status) => status.code() == tonic::Code::ResourceExhausted,
@@ -954,6 +993,9 @@ pub enum StepError {
     /// episode that is over).
     #[error("{0}")]
     Precondition(String),
+    /// The episode ended, and its returns, advantages or PRS decisions could not be computed.
+    #[error("{0}")]
+    Credit(String),
 }
 
 /// A step taken (or replayed): the turn as recorded, the next turn's prompt (empty when done), and whether the
@@ -964,6 +1006,9 @@ pub struct Stepped {
     pub next_turn: u32,
     pub next_prompt: Vec<pb::ChatMessage>,
     pub done: bool,
+    /// When done: every turn as stored, with its return, advantage and keep, without prompt, completion and
+    /// evaluation (the trainer has them).
+    pub turns: Vec<pb::TurnRecord>,
 }
 
 /// The first observation's prompt of a step-API episode.
@@ -1013,8 +1058,10 @@ pub async fn step(
             next_prompt: if done { Vec::new() } else { plan.templates.prompt(&task, &attempts(records)) },
             done,
             record,
+            turns: Vec::new(),
         }
     };
+    let mut reward = peers.reward.clone();
     let next = recorded.len() as u32;
     if turn > next {
         return Err(StepError::Precondition(format!("turn {turn} is ahead of the episode: its next turn is {next}")));
@@ -1024,7 +1071,11 @@ pub async fn step(
     }
     if turn < next {
         let record = recorded[turn as usize].clone();
-        return Ok(outcome(&recorded[..=turn as usize], record));
+        let mut stepped = outcome(&recorded[..=turn as usize], record);
+        if stepped.done {
+            stepped.turns = credit_episode(&plan, &mut reward, &store, &job.job_id).await?;
+        }
+        return Ok(stepped);
     }
     if next >= plan.spec.turns || recorded.last().is_some_and(|r| !r.error.is_empty()) {
         return Err(StepError::Precondition("the episode is over".into()));
@@ -1038,10 +1089,9 @@ pub async fn step(
                 prompt: plan.templates.prompt(&task, &earlier),
                 task_id: task.task_id.clone(),
                 trajectory: 0,
-                kernel: kforge_model_text::extract_kernel(&completion.text).unwrap_or_default().to_owned(),
-                completion: Some(completion),
                 ..Default::default()
             };
+            let record = plan.read_completion(record, completion);
             store.put_turn(&job.job_id, 0, Stage::Generated, &record).await?;
             (Stage::Generated, record)
         }
@@ -1068,36 +1118,34 @@ pub async fn step(
     let record = episode.turn(&job_id, turn, &earlier, Some(resumed)).await?;
     progress.record(0, &record).await?;
     recorded.push(record.clone());
-    let stepped = outcome(&recorded, record);
+    let mut stepped = outcome(&recorded, record);
     if stepped.done {
+        stepped.turns = credit_episode(&plan, &mut reward, &progress.store, &job_id).await?;
         progress.episode_done().await;
         progress.finish(pb::JobState::Succeeded, String::new()).await;
     }
     Ok(stepped)
 }
 
+/// Credits the turns of a step-API episode that has ended (again, for a retried last step: the same values) and
+/// returns them as stored, without prompt, completion and evaluation (the trainer has them).
+async fn credit_episode(
+    plan: &Plan,
+    reward: &mut RewardClient<Channel>,
+    store: &Store,
+    job_id: &str,
+) -> Result<Vec<pb::TurnRecord>, StepError> {
+    reward::credit(&plan.reward, reward, store, job_id, |_| 0).await.map_err(StepError::Credit)?;
+    let turns = store.turns(job_id).await?;
+    Ok(turns
+        .into_iter()
+        .map(|turn| pb::TurnRecord { prompt: Vec::new(), completion: None, evaluation: None, ..turn })
+        .collect())
+}
+
 /// A peer's refusal as a turn records it: `evaluator: ResourceExhausted: queue full`.
 fn peer_error(peer: &str, status: &tonic::Status) -> String {
     format!("{peer}: {:?}: {}", status.code(), status.message())
-}
-
-/// The evaluation as the Reward service takes it.
-/// The reward service's view of an evaluation; with `census`, its profiling ratio (0 included: no kernel of the
-/// candidate's own ran) as the Dr. Kernel reward needs it.
-fn kernel_outcome(evaluation: &pb::EvaluateResponse, census: bool) -> pb::KernelOutcome {
-    let positive = |v: f64| (v > 0.0).then_some(v);
-    let median = |t: &Option<pb::TimingStats>| t.as_ref().and_then(|t| positive(t.median_ms));
-    pb::KernelOutcome {
-        sample_id: String::new(),
-        verdict: evaluation.verdict,
-        findings: evaluation.findings.clone(),
-        speedup_eager: positive(evaluation.speedup_eager),
-        speedup_compile: positive(evaluation.speedup_compile),
-        candidate_median_ms: median(&evaluation.candidate_timing),
-        eager_median_ms: median(&evaluation.eager_timing),
-        compile_median_ms: median(&evaluation.compile_timing),
-        profiling_ratio: if census { Some(evaluation.profiling_ratio) } else { positive(evaluation.profiling_ratio) },
-    }
 }
 
 #[cfg(test)]

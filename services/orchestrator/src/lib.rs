@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_server::{Orchestrator, OrchestratorServer};
-use kforge_server::client::ClientConfig;
+use kforge_server::client::{Channel, ClientConfig};
 use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -48,6 +48,9 @@ pub struct OrchestratorConfig {
     /// Where jobs and turns are kept: `postgres://...`, `sqlite://PATH`, a file path, or `sqlite::memory:`.
     /// Empty (the default): `orchestrator.db` under `$XDG_STATE_HOME/kforge` (else `~/.local/state/kforge`).
     pub store: String,
+    /// What a commit to a SQLite store survives: `process` (a killed orchestrator; the default) or `power_loss`
+    /// (every commit synced to disk, slower).
+    pub store_durability: store::Durability,
     /// This orchestrator's name in the store: it owns the jobs submitted to it (or resumed by it) and, with
     /// `resume_on_start`, resumes those left unfinished when it starts. Two orchestrators sharing a store need two
     /// names. Default `default`.
@@ -137,6 +140,7 @@ impl Default for OrchestratorConfig {
             peers: PeersConfig::default(),
             max_concurrent_episodes: 4,
             store: String::new(),
+            store_durability: store::Durability::default(),
             instance: "default".into(),
             resume_on_start: true,
             lease_ms: 30_000,
@@ -172,7 +176,7 @@ pub async fn serve(
     let mut host = Host::new("orchestrator", &config.server)?;
     let limit = host.max_message_bytes();
     let url = config.store_url();
-    let store = Store::open(&url)
+    let store = Store::open_with(&url, config.store_durability)
         .await
         .map_err(|error| ServeError::Setup { service: "orchestrator", message: error.to_string() })?;
     tracing::info!(backend = store.backend(), instance = %config.instance, "store open");
@@ -258,17 +262,16 @@ impl OrchestratorService {
     /// Clients of the services `plan` calls. The profiler is one of them for `cudaforge` on a GPU backend (a
     /// missing one is UNAVAILABLE), and is tried for `cudaforge` on the evaluator's default backend (which is the
     /// CPU where no GPU is: then the recipe gives correction-only feedback and says so).
+    /// A channel to `peer` at `url` (UNAVAILABLE naming both when it cannot be reached).
+    async fn channel(&self, peer: &'static str, url: &str) -> Result<Channel, OrchestratorError> {
+        kforge_server::client::connect(url, &self.config.peers.client).await.map_err(|error| {
+            OrchestratorError::PeerUnavailable { peer, url: url.to_owned(), message: error.to_string() }
+        })
+    }
+
     async fn connect(&self, plan: &Plan) -> Result<Peers, OrchestratorError> {
         let peers = &self.config.peers;
-        let channel = |peer: &'static str, url: &str| {
-            let url = url.to_owned();
-            let client = peers.client.clone();
-            async move {
-                kforge_server::client::connect(&url, &client).await.map_err(|error| {
-                    OrchestratorError::PeerUnavailable { peer, url: url.clone(), message: error.to_string() }
-                })
-            }
-        };
+        let channel = |peer, url| self.channel(peer, url);
         Ok(Peers {
             gateway: pb::gateway_client::GatewayClient::new(channel("gateway", &peers.gateway).await?),
             evaluator: pb::evaluator_client::EvaluatorClient::new(channel("evaluator", &peers.evaluator).await?),
@@ -511,6 +514,7 @@ fn sample(job_id: &str, position: store::TurnPosition, turn: pb::TurnRecord) -> 
         keep: turn.keep,
         error: turn.error,
         judge: turn.judge,
+        format_error: turn.format_error,
     }
 }
 
@@ -721,6 +725,8 @@ impl Orchestrator for OrchestratorService {
             turns: request.turns,
             backend: request.backend,
             policy: request.policy,
+            reward: request.reward,
+            strict_format: request.strict_format,
             ..Default::default()
         };
         // The episode's checks are the job's: name the request's fields, not the spec's.
@@ -736,7 +742,8 @@ impl Orchestrator for OrchestratorService {
             // trainer's.
             return Err(OrchestratorError::invalid(
                 "recipe",
-                "cudaforge reviews each kernel with a Judge model through the gateway: submit it as a job                  (SubmitJob); stepped episodes take single-turn or kevin",
+                "cudaforge reviews each kernel with a Judge model through the gateway: submit it as a job \
+                 (SubmitJob); stepped episodes take single-turn, kevin or drkernel",
             )
             .into());
         }
@@ -802,6 +809,9 @@ impl Orchestrator for OrchestratorService {
                 .map_err(|error| match error {
                 job::StepError::Store(error) => store_status(error),
                 job::StepError::Precondition(message) => OrchestratorError::Precondition(message).into(),
+                job::StepError::Credit(message) => Status::unavailable(format!(
+                    "returns and advantages: {message} (the step is recorded: retry it with the same key)"
+                )),
             })?;
         let record = stepped.record;
         Ok(Response::new(pb::Observation {
@@ -812,7 +822,54 @@ impl Orchestrator for OrchestratorService {
             evaluation: record.evaluation.clone(),
             done: stepped.done,
             record: Some(pb::TurnRecord { prompt: Vec::new(), completion: None, evaluation: None, ..record }),
+            turns: stepped.turns,
         }))
+    }
+
+    async fn reject_mismatched(
+        &self,
+        request: Request<pb::RejectMismatchedRequest>,
+    ) -> Result<Response<pb::RejectMismatchedResponse>, Status> {
+        let request = request.into_inner();
+        let job = self.job(&request.job_id).await?;
+        if request.samples.is_empty() {
+            return Err(OrchestratorError::invalid("samples", "required: at least one").into());
+        }
+        let mut positions = Vec::with_capacity(request.samples.len());
+        for (i, sample) in request.samples.iter().enumerate() {
+            let field = || format!("samples[{i}].cursor");
+            let position = parse_cursor(&sample.cursor)
+                .map_err(|_| OrchestratorError::invalid(field(), "not a cursor from ExportSamples"))?;
+            positions.push(position.ok_or_else(|| OrchestratorError::invalid(field(), "required"))?);
+        }
+        let stored: HashMap<store::TurnPosition, pb::TurnRecord> =
+            self.store.turns_after(&job.job_id, None, u32::MAX).await.map_err(store_status)?.into_iter().collect();
+        let mut inputs = Vec::with_capacity(request.samples.len());
+        for (i, (sample, position)) in request.samples.iter().zip(&positions).enumerate() {
+            let Some(turn) = stored.get(position) else {
+                let message = format!("job {} has no recorded sample {}", job.job_id, sample.cursor);
+                return Err(OrchestratorError::invalid(format!("samples[{i}].cursor"), message).into());
+            };
+            inputs.push(reward::mismatch_input(i, &sample.cursor, turn, &sample.logprobs)?);
+        }
+        let mrs = job.spec.as_ref().and_then(|s| s.reward.as_ref()).and_then(|r| r.mrs).unwrap_or_default();
+        let mut reward = pb::reward_client::RewardClient::new(self.channel("reward", &self.config.peers.reward).await?);
+        let decided = reward
+            .rejection_sample(pb::RejectionSampleRequest {
+                method: Some(pb::rejection_sample_request::Method::Mrs(mrs)),
+                seed: 0,
+                outcomes: Vec::new(),
+                trajectories: inputs,
+            })
+            .await
+            .map_err(|status| Status::new(status.code(), format!("reward RejectionSample: {}", status.message())))?
+            .into_inner();
+        for (position, decision) in positions.iter().zip(&decided.decisions) {
+            let mut turn = stored[position].clone();
+            turn.keep = Some(turn.keep.unwrap_or(true) && decision.keep);
+            self.store.put_turn(&job.job_id, position.0, store::Stage::Recorded, &turn).await.map_err(store_status)?;
+        }
+        Ok(Response::new(pb::RejectMismatchedResponse { decisions: decided.decisions, kept: decided.kept }))
     }
 }
 

@@ -4,7 +4,7 @@
 //! KernelBench level. Recomputed over every recorded turn as turns arrive.
 
 use kforge_proto::v1 as pb;
-use kforge_reward::metrics::{job_metrics_to_proto, turn_sample};
+use kforge_reward::metrics::{Checked, job_metrics_to_proto, turn_sample};
 use kforge_reward_core::{MetricsParams, TurnSample};
 
 /// Metrics over `turns` of a job of `spec`, with `wall_time_s` since the job started as measured by the caller.
@@ -22,9 +22,13 @@ pub fn job_metrics(spec: Option<&pb::JobSpec>, turns: &[pb::TurnRecord], wall_ti
 
 /// The metrics' samples of recorded turns of a job of `spec`, one per turn (the job report plots them too). Its
 /// responses were checked for their opening unless the spec switched not-okay detection off
-/// (`JobSpec.diagnose.not_okay_off`): then the not-okay ratio has no denominator.
+/// (`JobSpec.diagnose.not_okay_off`): then the not-okay ratio has no denominator; likewise the format-error ratio
+/// without the strict format policy.
 pub fn samples(spec: Option<&pb::JobSpec>, turns: &[pb::TurnRecord]) -> Vec<TurnSample> {
-    let checked = !spec.and_then(|s| s.diagnose.as_ref()).is_some_and(|d| d.not_okay_off);
+    let checked = Checked {
+        not_okay: !spec.and_then(|s| s.diagnose.as_ref()).is_some_and(|d| d.not_okay_off),
+        format: spec.is_some_and(crate::recipe::strict_format),
+    };
     turns.iter().map(|t| turn_sample(t, level(&t.task_id), t.wall_time_s.max(0.0), checked)).collect()
 }
 

@@ -301,6 +301,19 @@ pub fn render(template: &str, values: &[(&str, &str)]) -> String {
     out
 }
 
+/// Whether a job of `spec` holds responses to the strict format: `JobSpec.strict_format`, else on for `kevin`.
+pub fn strict_format(spec: &pb::JobSpec) -> bool {
+    spec.strict_format.unwrap_or_else(|| Recipe::parse(&spec.recipe).is_ok_and(|recipe| recipe == Recipe::Kevin))
+}
+
+/// The feedback on a response that broke the strict format: why, and the shape asked for.
+pub fn format_feedback(format_error: &str) -> String {
+    format!(
+        "not evaluated, scored 0: {format_error}. Answer with a short summary of your change, then the complete \
+         ModelNew in exactly one ```python fenced block"
+    )
+}
+
 /// The evaluation as the next turn's prompt shows it: the verdict, and what the model can act on.
 pub fn feedback(evaluation: Option<&pb::EvaluateResponse>, error: &str) -> String {
     let Some(evaluation) = evaluation else {

@@ -15,6 +15,11 @@
 //! counting 0. It ends before its first turn that failed on the way or whose evaluation was an infrastructure
 //! error: that turn and any after it get neither return nor advantage, so no sample is trained on a reward the
 //! evaluator never gave.
+//!
+//! With PRS in the spec (Dr. Kernel's profiling-based rejection sampling), the same creditable turns get `keep`:
+//! the reward service decides on each evaluated one by its verdict and profiling ratio, seeded by the job's seed
+//! and the turn (`task/trajectory/turn`), so a rerun decides alike; a turn with no evaluation (no kernel, or a
+//! response out of format) is kept, as the reward service keeps every sample that is not a correct kernel.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -35,6 +40,12 @@ pub struct RewardPlan {
     pub hack_penalty: Option<f64>,
     /// Returns and advantages; `None`: the job's turns get neither.
     pub credit: Option<Credit>,
+    /// Profiling-based rejection sampling of the job's turns, when asked for.
+    pub prs: Option<pb::PrsParams>,
+    /// The bounds of mismatch rejection sampling (`RejectMismatched`); `None` takes the reward service's.
+    pub mrs: Option<pb::MrsParams>,
+    /// The seed of PRS decisions: the job's.
+    pub seed: u64,
 }
 
 /// How scores become returns and advantages.
@@ -46,9 +57,10 @@ pub struct Credit {
 }
 
 impl RewardPlan {
-    /// The plan of `spec` for `recipe`; a gamma outside [0, 1] is INVALID_ARGUMENT naming it (the reward service
-    /// checks the formula's weights with the first score).
-    pub fn new(recipe: Recipe, spec: Option<&pb::RewardSpec>) -> Result<Self, OrchestratorError> {
+    /// The plan of `spec` for `recipe`, PRS seeded by `seed`; a gamma outside [0, 1] or rejection-sampling
+    /// parameters the reward service would refuse are INVALID_ARGUMENT naming them (the reward service checks the
+    /// formula's weights with the first score).
+    pub fn new(recipe: Recipe, spec: Option<&pb::RewardSpec>, seed: u64) -> Result<Self, OrchestratorError> {
         let default = pb::RewardSpec::default();
         let spec = spec.unwrap_or(&default);
         let formula = match (&spec.formula, recipe) {
@@ -80,7 +92,25 @@ impl RewardPlan {
                 chosen => chosen,
             },
         });
-        Ok(Self { formula, baseline, hack_penalty: spec.hack_penalty, credit })
+        if let Some(prs) = &spec.prs {
+            if let Some(tau) = prs.tau.filter(|t| !t.is_finite()) {
+                return Err(OrchestratorError::invalid("spec.reward.prs.tau", format!("must be finite, got {tau}")));
+            }
+            if let Some(scale) = prs.scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
+                return Err(OrchestratorError::invalid("spec.reward.prs.scale", format!("must be > 0, got {scale}")));
+            }
+        }
+        if let Some(mrs) = &spec.mrs {
+            let (lower, upper) = (mrs.lower.unwrap_or(0.999), mrs.upper.unwrap_or(1.001));
+            if !(lower.is_finite() && upper.is_finite() && 0.0 < lower && lower <= upper) {
+                let message = format!("needs 0 < lower <= upper, got lower {lower} and upper {upper}");
+                return Err(OrchestratorError::invalid("spec.reward.mrs", message));
+            }
+            if let Some(veto) = mrs.veto.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return Err(OrchestratorError::invalid("spec.reward.mrs.veto", format!("must be >= 0, got {veto}")));
+            }
+        }
+        Ok(Self { formula, baseline, hack_penalty: spec.hack_penalty, credit, prs: spec.prs, mrs: spec.mrs, seed })
     }
 
     /// Whether the formula needs the census's profiling ratio (the Dr. Kernel reward's PR).
@@ -135,8 +165,32 @@ pub fn creditable(turns: &[pb::TurnRecord]) -> Vec<Creditable> {
     by_trajectory.into_values().collect()
 }
 
-/// Computes the returns and advantages of the finished job's recorded turns through the reward service and stores
-/// them in the turn records (see the module's documentation). `position` gives a task's index in the job.
+/// The evaluation as the reward service takes it; with `census`, its profiling ratio (0 included: no kernel of the
+/// candidate's own ran) as the Dr. Kernel reward and PRS need it.
+pub fn kernel_outcome(evaluation: &pb::EvaluateResponse, census: bool) -> pb::KernelOutcome {
+    let positive = |v: f64| (v > 0.0).then_some(v);
+    let median = |t: &Option<pb::TimingStats>| t.as_ref().and_then(|t| positive(t.median_ms));
+    pb::KernelOutcome {
+        sample_id: String::new(),
+        verdict: evaluation.verdict,
+        findings: evaluation.findings.clone(),
+        speedup_eager: positive(evaluation.speedup_eager),
+        speedup_compile: positive(evaluation.speedup_compile),
+        candidate_median_ms: median(&evaluation.candidate_timing),
+        eager_median_ms: median(&evaluation.eager_timing),
+        compile_median_ms: median(&evaluation.compile_timing),
+        profiling_ratio: if census { Some(evaluation.profiling_ratio) } else { positive(evaluation.profiling_ratio) },
+    }
+}
+
+/// A turn's id in rejection sampling: `task/trajectory/turn`.
+pub fn sample_id(turn: &pb::TurnRecord) -> String {
+    format!("{}/{}/{}", turn.task_id, turn.trajectory, turn.turn)
+}
+
+/// Computes the returns and advantages of the finished job's recorded turns, and their PRS decisions when the plan
+/// has PRS, through the reward service, and stores them in the turn records (see the module's documentation).
+/// `position` gives a task's index in the job. Computing again gives the same values: a retry may.
 pub async fn credit(
     plan: &RewardPlan,
     reward: &mut RewardClient<Channel>,
@@ -144,12 +198,38 @@ pub async fn credit(
     job_id: &str,
     position: impl Fn(&str) -> i64,
 ) -> Result<(), String> {
-    let Some(credit) = plan.credit else { return Ok(()) };
+    if plan.credit.is_none() && plan.prs.is_none() {
+        return Ok(());
+    }
     let mut turns = store.turns(job_id).await.map_err(|error| format!("reading the turns: {error}"))?;
     let found = creditable(&turns);
     if found.is_empty() {
         return Ok(());
     }
+    if let Some(credit) = plan.credit {
+        returns_and_advantages(credit, reward, &found, &mut turns).await?;
+    }
+    if let Some(prs) = plan.prs {
+        let indices: Vec<usize> = found.iter().flat_map(|trajectory| trajectory.turns.iter().copied()).collect();
+        keep_by_prs(prs, plan.seed, reward, &indices, &mut turns).await?;
+    }
+    for &index in found.iter().flat_map(|trajectory| &trajectory.turns) {
+        let turn = &turns[index];
+        store
+            .put_turn(job_id, position(&turn.task_id), Stage::Recorded, turn)
+            .await
+            .map_err(|error| format!("storing a turn's return, advantage and keep: {error}"))?;
+    }
+    Ok(())
+}
+
+/// Fills `turns`' returns and advantages of the creditable trajectories `found`.
+async fn returns_and_advantages(
+    credit: Credit,
+    reward: &mut RewardClient<Channel>,
+    found: &[Creditable],
+    turns: &mut [pb::TurnRecord],
+) -> Result<(), String> {
     let trajectories = found
         .iter()
         .map(|c| pb::TrajectoryValues {
@@ -179,13 +259,79 @@ pub async fn credit(
             let turn = &mut turns[index];
             turn.return_value = returns.values.get(k).copied();
             turn.advantage = advantages.values.get(k).copied();
-            store
-                .put_turn(job_id, position(&turn.task_id), Stage::Recorded, turn)
-                .await
-                .map_err(|error| format!("storing a turn's return and advantage: {error}"))?;
         }
     }
     Ok(())
+}
+
+/// Sets `keep` of `turns[indices]` by PRS: the reward service decides on the evaluated ones; the others are kept.
+async fn keep_by_prs(
+    prs: pb::PrsParams,
+    seed: u64,
+    reward: &mut RewardClient<Channel>,
+    indices: &[usize],
+    turns: &mut [pb::TurnRecord],
+) -> Result<(), String> {
+    let evaluated: Vec<usize> = indices.iter().copied().filter(|&i| turns[i].evaluation.is_some()).collect();
+    for &index in indices {
+        turns[index].keep = Some(true);
+    }
+    if evaluated.is_empty() {
+        return Ok(());
+    }
+    let outcomes = evaluated
+        .iter()
+        .map(|&i| {
+            let turn = &turns[i];
+            let evaluation = turn.evaluation.as_ref().expect("filtered on its evaluation");
+            pb::KernelOutcome { sample_id: sample_id(turn), ..kernel_outcome(evaluation, true) }
+        })
+        .collect();
+    let request = pb::RejectionSampleRequest {
+        method: Some(pb::rejection_sample_request::Method::Prs(prs)),
+        seed,
+        outcomes,
+        trajectories: Vec::new(),
+    };
+    let decided = reward.rejection_sample(request).await.map_err(|status| peer("RejectionSample", &status))?;
+    let decisions = decided.into_inner().decisions;
+    if decisions.len() != evaluated.len() {
+        return Err(format!("reward RejectionSample: {} decisions for {} outcomes", decisions.len(), evaluated.len()));
+    }
+    for (&index, decision) in evaluated.iter().zip(decisions) {
+        turns[index].keep = Some(decision.keep);
+    }
+    Ok(())
+}
+
+/// MRS's input for the sample at `cursor` (the `index`th of a `RejectMismatched` request): the stored turn's
+/// rollout log-probabilities and the trainer's `train` ones, which must be as many and finite.
+pub fn mismatch_input(
+    index: usize,
+    cursor: &str,
+    turn: &pb::TurnRecord,
+    train: &[f64],
+) -> Result<pb::TokenLogprobs, OrchestratorError> {
+    let rollout = turn.completion.as_ref().map(|c| c.logprobs.as_slice()).unwrap_or_default();
+    if rollout.is_empty() {
+        return Err(OrchestratorError::Precondition(format!(
+            "samples[{index}]: sample {cursor} has no rollout log-probabilities (the backend gave none, or the job \
+             was not a rollout job, which asks for them)"
+        )));
+    }
+    let field = format!("samples[{index}].logprobs");
+    if train.len() != rollout.len() {
+        let message = format!("{} values for the response's {} tokens", train.len(), rollout.len());
+        return Err(OrchestratorError::invalid(field, message));
+    }
+    if let Some(k) = train.iter().position(|v| !v.is_finite()) {
+        return Err(OrchestratorError::invalid(field, format!("value {k} is not finite")));
+    }
+    Ok(pb::TokenLogprobs {
+        trajectory_id: cursor.to_owned(),
+        rollout_logprobs: rollout.to_vec(),
+        train_logprobs: train.to_vec(),
+    })
 }
 
 fn peer(method: &str, status: &tonic::Status) -> String {
@@ -231,7 +377,7 @@ mod tests {
 
     #[test]
     fn each_recipe_has_its_papers_defaults_and_the_spec_overrides_them() {
-        let plan = |recipe, spec: Option<pb::RewardSpec>| RewardPlan::new(recipe, spec.as_ref()).expect("valid");
+        let plan = |recipe, spec: Option<pb::RewardSpec>| RewardPlan::new(recipe, spec.as_ref(), 0).expect("valid");
         let credit = |p: &RewardPlan| p.credit.map(|c| (c.method, c.gamma, c.estimator));
         let (sum, grpo, trloo) = (pb::ReturnMethod::Sum, pb::AdvantageEstimator::Grpo, pb::AdvantageEstimator::Trloo);
         let kevin = plan(Recipe::Kevin, None);
@@ -253,6 +399,8 @@ mod tests {
             return_method: pb::ReturnMethod::Max as i32,
             gamma: Some(0.9),
             estimator: pb::AdvantageEstimator::Rloo as i32,
+            prs: None,
+            mrs: None,
         };
         let custom = plan(Recipe::Kevin, Some(spec));
         assert!(matches!(custom.formula, Formula::Drkernel(_)) && !custom.needs_census(), "no PR weight, no census");
@@ -260,7 +408,31 @@ mod tests {
         assert_eq!(credit(&custom), Some((pb::ReturnMethod::Max, 0.9, pb::AdvantageEstimator::Rloo)));
         let asked = plan(Recipe::CudaForge, Some(pb::RewardSpec { return_method: sum as i32, ..Default::default() }));
         assert_eq!(credit(&asked), Some((sum, 1.0, grpo)), "cudaforge's turns are credited when the spec asks");
-        let bad = RewardPlan::new(Recipe::Kevin, Some(&pb::RewardSpec { gamma: Some(1.5), ..spec }));
+        let bad = RewardPlan::new(Recipe::Kevin, Some(&pb::RewardSpec { gamma: Some(1.5), ..spec }), 0);
         assert!(bad.expect_err("gamma").to_string().starts_with("spec.reward.gamma: must be in [0, 1]"));
+    }
+
+    #[test]
+    fn rejection_sampling_parameters_are_checked_at_submission_naming_the_field() {
+        let with = |reward: pb::RewardSpec| RewardPlan::new(Recipe::DrKernel, Some(&reward), 7);
+        let prs = |tau, scale| pb::RewardSpec { prs: Some(pb::PrsParams { tau, scale }), ..Default::default() };
+        let mrs = |lower, upper, veto| pb::RewardSpec {
+            mrs: Some(pb::MrsParams { lower, upper, veto }),
+            ..Default::default()
+        };
+        let plan = with(prs(None, Some(0.2))).expect("valid");
+        assert_eq!((plan.prs.and_then(|p| p.scale), plan.seed), (Some(0.2), 7));
+        assert!(with(mrs(Some(0.9), Some(1.1), None)).is_ok());
+        let cases = [
+            (prs(Some(f64::NAN), None), "spec.reward.prs.tau"),
+            (prs(None, Some(0.0)), "spec.reward.prs.scale"),
+            (mrs(Some(1.2), Some(1.1), None), "spec.reward.mrs"),
+            (mrs(Some(0.0), None, None), "spec.reward.mrs"),
+            (mrs(None, None, Some(-1.0)), "spec.reward.mrs.veto"),
+        ];
+        for (reward, field) in cases {
+            let error = with(reward).expect_err(field).to_string();
+            assert!(error.starts_with(&format!("{field}: ")), "{error}");
+        }
     }
 }

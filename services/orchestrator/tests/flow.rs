@@ -550,6 +550,12 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
         backend: pb::Backend::Cpu.into(),
         idempotency_key: "episode-1".into(),
         policy: String::new(),
+        // PRS with a bar (tau 0.9) above the fake's profiling ratio (0.67): its correct kernels are dropped.
+        reward: Some(pb::RewardSpec {
+            prs: Some(pb::PrsParams { tau: Some(0.9), scale: Some(0.1) }),
+            ..Default::default()
+        }),
+        strict_format: None,
     };
     let first = running.client.start_episode(start.clone()).await.expect("started").into_inner();
     assert_eq!((first.turn, first.done, first.reward), (0, false, 0.0));
@@ -598,11 +604,35 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
         assert!(status.message().contains(expected), "{status:?}");
     }
 
-    // No kernel: recorded, not evaluated, rewarded 0; then the last turn ends the episode.
+    // No kernel: out of kevin's strict format, recorded, not evaluated, scored 0, and told why; then the last turn
+    // ends the episode.
     let stepped = running.client.step(step(1, respond("I cannot."), "s1")).await.expect("stepped").into_inner();
     assert_eq!((stepped.turn, stepped.done, stepped.reward, stepped.evaluation.is_none()), (2, false, 0.0, true));
+    let record = stepped.record.expect("the record");
+    assert_eq!((record.format_error.as_str(), record.score), ("the answer has no fenced code block", Some(0.0)));
+    assert!(record.feedback.starts_with("not evaluated, scored 0: the answer has no fenced code block"));
+    assert!(stepped.turns.is_empty(), "turns are credited when the episode ends");
     let last = running.client.step(step(2, kernel.clone(), "s2")).await.expect("stepped").into_inner();
     assert_eq!((last.turn, last.done, last.prompt.is_empty(), last.reward), (3, true, true, 1.8));
+    // The end credits the episode's turns (the fake's returns are the scores, its advantages less their mean) and
+    // decides PRS: the correct kernels' profiling ratio is under the bar; the unevaluated turn is kept.
+    let credited: Vec<(f64, f64, Option<bool>)> = last
+        .turns
+        .iter()
+        .map(|t| (t.return_value.expect("a return"), t.advantage.expect("an advantage"), t.keep))
+        .collect();
+    let expected = [(1.8, 0.6, Some(false)), (0.0, -1.2, Some(true)), (1.8, 0.6, Some(false))];
+    assert_eq!(credited.len(), expected.len(), "{credited:?}");
+    for ((r, a, keep), (er, ea, ekeep)) in credited.iter().zip(expected) {
+        assert!((r - er).abs() < 1e-9 && (a - ea).abs() < 1e-9 && *keep == ekeep, "{credited:?}");
+    }
+    let prs = fakes.rejections.lock().expect("lock").clone();
+    assert_eq!(prs.len(), 1, "one PRS call, over the evaluated turns");
+    assert_eq!(prs[0].outcomes.iter().map(|o| o.sample_id.as_str()).collect::<Vec<_>>(), ["a/0/0", "a/0/2"]);
+    assert!(prs[0].outcomes.iter().all(|o| o.profiling_ratio == Some(0.67)), "PRS asks for the census");
+    // A retried last step returns the same credited turns.
+    let again = running.client.step(step(2, kernel.clone(), "s2")).await.expect("retried").into_inner();
+    assert_eq!(again.turns, last.turns);
     let status = running.client.step(step(3, kernel, "s3")).await.expect_err("over");
     assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
     let job = running.client.get_job(pb::GetJobRequest { job_id: first.episode_id.clone() }).await.expect("a job");
@@ -798,4 +828,67 @@ async fn another_instance_takes_a_job_over_only_once_its_owner_s_lease_runs_out(
     assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 2));
     second.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatch_rejection_compares_the_trainers_log_probabilities_with_the_stored_ones() {
+    let (peers, fakes) = support::start_fakes().await;
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let mrs = pb::MrsParams { lower: Some(0.99), upper: Some(1.01), veto: None };
+    let spec = pb::JobSpec {
+        reward: Some(pb::RewardSpec { mrs: Some(mrs), ..Default::default() }),
+        ..spec(&["a", "b"], 1, 1)
+    };
+    let job = submit(&mut running.client, spec).await.expect("submitted");
+    watch(&mut running.client, &job.job_id).await;
+    let request = pb::ExportSamplesRequest { job_id: job.job_id.clone(), cursor: String::new(), limit: 0 };
+    let mut stream = running.client.export_samples(request).await.expect("exported").into_inner();
+    let mut cursors = Vec::new();
+    while let Some(sample) = stream.message().await.expect("a sample") {
+        assert_eq!(sample.keep, None, "undecided before");
+        cursors.push(sample.cursor);
+    }
+    assert_eq!(cursors.len(), 2);
+    // The fake's rollout log-probabilities are [-0.5, -0.25, -0.125]: the same under training keeps the sample; a
+    // mean shift of 0.1 (w = e^0.1) drops it.
+    let sample = |cursor: &str, logprobs: Vec<f64>| pb::TrainLogprobs { cursor: cursor.into(), logprobs };
+    let request = |samples| pb::RejectMismatchedRequest { job_id: job.job_id.clone(), samples };
+    let decided = running
+        .client
+        .reject_mismatched(request(vec![
+            sample(&cursors[0], vec![-0.5, -0.25, -0.125]),
+            sample(&cursors[1], vec![-0.4, -0.15, -0.025]),
+        ]))
+        .await
+        .expect("decided")
+        .into_inner();
+    let keeps: Vec<(String, bool)> = decided.decisions.iter().map(|d| (d.id.clone(), d.keep)).collect();
+    assert_eq!(keeps, [(cursors[0].clone(), true), (cursors[1].clone(), false)]);
+    assert_eq!(decided.kept, 1);
+    let mrs_asked = fakes.rejections.lock().expect("lock").last().cloned().expect("a call");
+    assert_eq!(mrs_asked.method, Some(pb::rejection_sample_request::Method::Mrs(mrs)), "the job's bounds");
+    let stored: Vec<Option<bool>> = turns(&mut running.client, &job.job_id).await.iter().map(|t| t.keep).collect();
+    assert_eq!(stored, [Some(true), Some(false)], "the decisions are stored in the turns");
+
+    let refused = [
+        (vec![], "samples: required", tonic::Code::InvalidArgument),
+        (vec![sample("x", vec![0.0])], "samples[0].cursor: not a cursor", tonic::Code::InvalidArgument),
+        (vec![sample("9.0.0", vec![0.0])], "samples[0].cursor: job", tonic::Code::InvalidArgument),
+        (
+            vec![sample(&cursors[0], vec![-0.5])],
+            "samples[0].logprobs: 1 values for the response's 3",
+            tonic::Code::InvalidArgument,
+        ),
+        (
+            vec![sample(&cursors[0], vec![-0.5, f64::NAN, 0.0])],
+            "samples[0].logprobs: value 1",
+            tonic::Code::InvalidArgument,
+        ),
+    ];
+    for (samples, expected, code) in refused {
+        let status = running.client.reject_mismatched(request(samples)).await.expect_err(expected);
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().starts_with(expected), "{status:?}");
+    }
+    running.shutdown().await;
 }

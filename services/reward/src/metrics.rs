@@ -7,9 +7,18 @@
 use kforge_proto::v1 as pb;
 use kforge_reward_core as core;
 
+/// What a job checked of every response, which a turn's record cannot tell by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Checked {
+    /// Not-okay detection was on for the job's model.
+    pub not_okay: bool,
+    /// The strict format policy held (`TurnRecord.format_error` says which responses broke it).
+    pub format: bool,
+}
+
 /// The sample of one stored turn. `level` is the task's KernelBench level (0 for none), `wall_time_s` the turn's
-/// duration, and `not_okay_checked` whether not-okay detection was on for the job's model (the flags cannot tell).
-pub fn turn_sample(record: &pb::TurnRecord, level: u32, wall_time_s: f64, not_okay_checked: bool) -> core::TurnSample {
+/// duration.
+pub fn turn_sample(record: &pb::TurnRecord, level: u32, wall_time_s: f64, checked: Checked) -> core::TurnSample {
     let verdict = verdict(record.verdict);
     let evaluation = record.evaluation.as_ref();
     let positive = |v: f64| (v > 0.0).then_some(v);
@@ -39,7 +48,8 @@ pub fn turn_sample(record: &pb::TurnRecord, level: u32, wall_time_s: f64, not_ok
         response: record.flags.as_ref().map(|f| core::ResponseSample {
             junk: f.junk,
             no_kernel: f.no_kernel,
-            not_okay: not_okay_checked.then_some(f.not_okay),
+            not_okay: checked.not_okay.then_some(f.not_okay),
+            format_error: checked.format.then_some(!record.format_error.is_empty()),
         }),
         wall_time_s,
         usage,
@@ -91,6 +101,7 @@ pub fn job_metrics_to_proto(metrics: &core::JobMetrics) -> pb::JobMetrics {
         turns: overall.turns,
         correct: overall.correct.numerator,
         no_kernel: overall.no_kernel.numerator,
+        format_errors: overall.format_error.map_or(0, |r| r.numerator),
         hacks: overall.hack.numerator,
         junk: overall.junk.numerator,
         not_okay: overall.not_okay.map_or(0, |r| r.numerator),
@@ -139,7 +150,18 @@ fn ratio(ratio: &core::Ratio) -> pb::CountRatio {
 }
 
 fn rates(rates: &core::Rates) -> pb::JobRates {
-    let core::Rates { turns, infra_errors, correct, compile_error, hack, junk, no_kernel, not_okay, fast_p } = rates;
+    let core::Rates {
+        turns,
+        infra_errors,
+        correct,
+        compile_error,
+        hack,
+        junk,
+        no_kernel,
+        not_okay,
+        format_error,
+        fast_p,
+    } = rates;
     pb::JobRates {
         turns: *turns,
         infra_errors: *infra_errors,
@@ -149,6 +171,7 @@ fn rates(rates: &core::Rates) -> pb::JobRates {
         junk: Some(ratio(junk)),
         no_kernel: Some(ratio(no_kernel)),
         not_okay: not_okay.as_ref().map(ratio),
+        format_error: format_error.as_ref().map(ratio),
         fast_p: fast_p
             .iter()
             .map(|f| pb::FastPRatio {
@@ -218,11 +241,13 @@ mod tests {
             record("b", 0, pb::Verdict::InfraError, 0.0, none()),
             pb::TurnRecord {
                 flags: Some(pb::ResponseFlags { junk: true, no_kernel: true, ..none() }),
+                format_error: "the answer has no fenced code block".into(),
                 evaluation: None,
                 ..record("b", 1, pb::Verdict::Unspecified, 0.0, none())
             },
         ];
-        let samples: Vec<core::TurnSample> = records.iter().map(|r| turn_sample(r, 1, 2.0, true)).collect();
+        let both = Checked { not_okay: true, format: true };
+        let samples: Vec<core::TurnSample> = records.iter().map(|r| turn_sample(r, 1, 2.0, both)).collect();
         assert_eq!(samples[0].speedup_eager, Some(2.0));
         assert_eq!(samples[1].speedup_eager, None, "an incorrect kernel has no speedup");
         assert_eq!(samples[0].speedup_compile, None, "the evaluator's 0 means no torch.compile baseline");
@@ -231,6 +256,8 @@ mod tests {
         let m = job_metrics_to_proto(&core::job_metrics(&params, &samples).expect("valid"));
         assert_eq!((m.turns, m.evaluated, m.correct, m.infra_errors, m.junk, m.not_okay), (4, 2, 1, 1, 1, 1));
         assert_eq!((m.correctness, m.junk_ratio, m.not_okay_ratio, m.wall_time_s), (0.5, 0.25, 0.25, 9.0));
+        let format = m.overall.as_ref().and_then(|o| o.format_error).expect("held to the format");
+        assert_eq!((m.format_errors, format.numerator, format.denominator), (1, 1, 4));
         let mut keys: Vec<&str> = m.fast_p.keys().map(String::as_str).collect();
         keys.sort_unstable();
         assert_eq!(keys, ["1", "1.2", "1.5", "2"]);
@@ -245,8 +272,9 @@ mod tests {
         let cost = m.cost.expect("cost");
         assert_eq!(cost.per_correct.map(|c| (c.count, c.cost_usd, c.seconds)), Some((1, 2.0, 8.0)));
         // Not-okay off: the ratio is not measured, so it is absent rather than 0 of something.
-        let off: Vec<core::TurnSample> = records.iter().map(|r| turn_sample(r, 1, 2.0, false)).collect();
+        let off: Vec<core::TurnSample> = records.iter().map(|r| turn_sample(r, 1, 2.0, Checked::default())).collect();
         let m = job_metrics_to_proto(&core::job_metrics(&params, &off).expect("valid"));
-        assert_eq!((m.not_okay_ratio, m.overall.expect("overall").not_okay), (0.0, None));
+        assert_eq!((m.not_okay_ratio, m.overall.as_ref().expect("overall").not_okay), (0.0, None));
+        assert_eq!((m.format_errors, m.overall.expect("overall").format_error), (0, None), "no format policy");
     }
 }

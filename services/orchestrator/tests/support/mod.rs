@@ -71,6 +71,8 @@ pub struct State {
     pub scored: Mutex<Vec<(String, Option<f64>)>>,
     /// Evaluations that asked for the census.
     pub census_requests: Mutex<u32>,
+    /// RejectionSample requests received.
+    pub rejections: Mutex<Vec<pb::RejectionSampleRequest>>,
 }
 
 impl State {
@@ -341,11 +343,13 @@ impl pb::reward_server::Reward for Fakes {
         Ok(Response::new(pb::ComputeAdvantagesResponse { groups }))
     }
 
+    /// The real reward service's decisions (pure functions of the request), with the requests kept.
     async fn rejection_sample(
         &self,
-        _request: Request<pb::RejectionSampleRequest>,
+        request: Request<pb::RejectionSampleRequest>,
     ) -> Result<Response<pb::RejectionSampleResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        self.0.rejections.lock().expect("lock").push(request.get_ref().clone());
+        kforge_reward::RewardService.rejection_sample(request).await
     }
 
     async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::DiagnoseResponse>, Status> {
