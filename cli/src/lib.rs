@@ -3,7 +3,7 @@
 //! - [`mesh`]: start any set of the five services in this process, on their configured or ephemeral ports.
 //! - [`run`]: the main job's embedded default (the replay model), its progress and its report.
 //! - [`call`]: call any RPC of the contract with proto3 JSON in and out, through reflection-free descriptors.
-//! - [`export`]: a job's training samples as JSONL.
+//! - [`export`]: a job's training samples as JSONL or Parquet.
 
 pub mod call;
 pub mod export;
