@@ -8,6 +8,8 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kforge::call::{self, CallError};
 use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge::run::{ModelServer, Role, Routed};
+use kforge_inference_gateway::config::BackendKind;
 use kforge_proto::v1 as pb;
 use kforge_server::client::{self, ClientConfig};
 use kforge_server::config::AuthConfig;
@@ -48,10 +50,11 @@ enum Command {
         remote: Remote,
     },
     /// Run the main job: every service in-process, a job over a task set, progress, and a report.
-    Run(RunArgs),
+    // Boxed: its flags outweigh every other command's (clippy::large_enum_variant).
+    Run(Box<RunArgs>),
     /// Evaluate one candidate kernel against one task and print the verdict.
     Eval(EvalArgs),
-    /// Write a job's training samples as JSONL, one sample per recorded turn.
+    /// Write a job's training samples as JSONL or Parquet, one sample per recorded turn.
     Export(kforge::export::ExportArgs),
 }
 
@@ -86,6 +89,36 @@ enum BackendArg {
     Triton,
 }
 
+/// What serves a `--model-url`: the gateway's backend kinds that speak HTTP.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ServerArg {
+    /// vLLM's OpenAI-compatible server (`vllm serve`).
+    Vllm,
+    /// SGLang's OpenAI-compatible server (`python -m sglang.launch_server`).
+    Sglang,
+    /// A hosted OpenAI-compatible API: only the standard fields are sent, and no health route is checked.
+    Openai,
+}
+
+impl ServerArg {
+    fn kind(server: Option<Self>) -> BackendKind {
+        match server {
+            None | Some(Self::Vllm) => BackendKind::Vllm,
+            Some(Self::Sglang) => BackendKind::Sglang,
+            Some(Self::Openai) => BackendKind::Openai,
+        }
+    }
+}
+
+/// `--temperature`: the gateway's range, checked before anything starts.
+fn temperature(value: &str) -> Result<f64, String> {
+    let temperature: f64 = value.parse().map_err(|e| format!("{e}"))?;
+    if !(0.0..=100.0).contains(&temperature) {
+        return Err(format!("must be in [0, 100], got {temperature}"));
+    }
+    Ok(temperature)
+}
+
 impl BackendArg {
     fn proto(backend: Option<Self>) -> pb::Backend {
         match backend {
@@ -117,6 +150,34 @@ struct RunArgs {
     /// the model itself).
     #[arg(long)]
     judge_model: Option<String>,
+    /// The OpenAI-compatible server of --model for this run: its base URL as an OpenAI client takes it, e.g.
+    /// http://host:8000/v1 (a URL without a path gets /v1). Adds a gateway pool for --model; a pool of that name in
+    /// the config keeps its settings and gets this server as its only backend.
+    #[arg(long, value_name = "URL")]
+    model_url: Option<String>,
+    /// What serves --model-url (default vllm); openai: a hosted API (standard fields only, no health checks).
+    #[arg(long, value_enum, value_name = "KIND", requires = "model_url")]
+    model_server: Option<ServerArg>,
+    /// Environment variable holding --model-url's API key, sent as `Authorization: Bearer` (a variable, so that
+    /// the key never shows in a process list).
+    #[arg(long, value_name = "VAR", requires = "model_url")]
+    api_key_env: Option<String>,
+    /// cudaforge: the OpenAI-compatible server of --judge-model, as --model-url.
+    #[arg(long, value_name = "URL")]
+    judge_model_url: Option<String>,
+    /// What serves --judge-model-url (default: --model-server's kind).
+    #[arg(long, value_enum, value_name = "KIND", requires = "judge_model_url")]
+    judge_model_server: Option<ServerArg>,
+    /// Environment variable holding --judge-model-url's API key.
+    #[arg(long, value_name = "VAR", requires = "judge_model_url")]
+    judge_api_key_env: Option<String>,
+    /// Sampling temperature of every generation, in [0, 100] (default: the gateway pool's, 1.0 unless configured).
+    #[arg(long, value_parser = temperature)]
+    temperature: Option<f64>,
+    /// Token limit of each generation (default: the gateway pool's, 4096 unless configured; a reasoning model
+    /// needs more).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    max_tokens: Option<u32>,
     /// drkernel: earlier turns a prompt shows, the best by score and the latest (0: 4).
     #[arg(long, default_value_t = 0)]
     context_window: u32,
@@ -220,7 +281,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             mesh.run_until(kforge_server::shutdown_signal()).await?;
         }
         Command::Call { target, remote } => call_command(&config, &target, &remote).await?,
-        Command::Run(args) => run_command(&config, args).await?,
+        Command::Run(args) => run_command(&config, *args).await?,
         Command::Eval(args) => eval_command(&config, args).await?,
         Command::Export(args) => kforge::export::command(&config, args).await?,
     }
@@ -270,6 +331,7 @@ async fn call_command(config: &MeshConfig, target: &str, remote: &Remote) -> any
 }
 
 async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
+    let servers = model_servers(&args)?;
     let multi_turn = args.recipe != "single-turn";
     let judge_model = match args.judge_model {
         Some(model) => model,
@@ -297,7 +359,11 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         backend: BackendArg::proto(args.backend).into(),
         prompt_dir: String::new(),
         max_tasks: args.max_tasks,
-        sampling: None,
+        sampling: (args.temperature.is_some() || args.max_tokens.is_some()).then(|| pb::SamplingParams {
+            temperature: args.temperature,
+            max_tokens: args.max_tokens,
+            ..Default::default()
+        }),
         seed: args.seed,
         tasks: Vec::new(),
         policy: String::new(),
@@ -318,6 +384,20 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
             }
             None => (spec.model.clone(), spec.judge_model.clone()),
         };
+        for server in &servers {
+            let routed = match server.role {
+                Role::Model => &model,
+                Role::Judge if judge_model.is_empty() || judge_model == model => {
+                    bail!("--judge-model-url needs a Judge model other than the job's model `{model}`")
+                }
+                Role::Judge => &judge_model,
+            };
+            let note = match kforge::run::route_model_server(&mut config, routed, server)? {
+                Routed::Added => String::new(),
+                Routed::Replaced { backends } => format!(" (replacing the {backends} backends of its configured pool)"),
+            };
+            eprintln!("{:<13} {routed} at {} ({}){note}", "model", server.url, server.kind.name());
+        }
         for model in [model, judge_model] {
             kforge::run::route_default_replay(&mut config, &model, &scratch)
                 .with_context(|| format!("writing the embedded replay file under {}", scratch.display()))?;
@@ -380,7 +460,45 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     if job.state != pb::JobState::Succeeded as i32 {
         bail!("job {} did not succeed", job.job_id);
     }
+    // A job whose every turn failed on the way (a model server down, a wrong URL) succeeded as a job but measured
+    // nothing: say so, and fail.
+    if let Some(error) = kforge::run::every_turn_failed(&trajectories) {
+        bail!("job {}: every turn failed before evaluation, the first with: {error}", job.job_id);
+    }
     Ok(())
+}
+
+/// The servers `--model-url` and `--judge-model-url` name, checked before anything starts.
+fn model_servers(args: &RunArgs) -> anyhow::Result<Vec<ModelServer>> {
+    let named = [
+        (Role::Model, &args.model_url, args.model_server, &args.api_key_env),
+        (Role::Judge, &args.judge_model_url, args.judge_model_server.or(args.model_server), &args.judge_api_key_env),
+    ];
+    let mut servers = Vec::new();
+    for (role, url, server, api_key_env) in named {
+        let Some(url) = url else { continue };
+        if args.remote.addr.is_some() {
+            bail!(
+                "{} routes a model in the gateway this command starts; with --addr, the remote mesh's gateway \
+                 routes models (its config's [[gateway.pools]])",
+                role.url_flag()
+            );
+        }
+        let server =
+            ModelServer { role, url: url.clone(), kind: ServerArg::kind(server), api_key_env: api_key_env.clone() };
+        server.check()?;
+        servers.push(server);
+    }
+    // A resumed job's models are its stored spec's.
+    if args.resume.is_none() {
+        if args.model_url.is_some() && args.model == kforge::run::DEFAULT_MODEL {
+            bail!("--model-url needs --model NAME: the name the server serves the model under");
+        }
+        if args.judge_model_url.is_some() && args.judge_model.is_none() {
+            bail!("--judge-model-url needs --judge-model NAME: the name the server serves the Judge under");
+        }
+    }
+    Ok(servers)
 }
 
 async fn eval_command(config: &MeshConfig, args: EvalArgs) -> anyhow::Result<()> {

@@ -1,6 +1,7 @@
 //! `kforge run`: the main job. The embedded default is the example tasks answered by the `replay` model from a
 //! replay file built into this binary (cli/build.rs derives it from examples/tasks/*/candidates/); this module
-//! hands it to the gateway, follows the job through WatchJob, and renders the final report.
+//! hands it to the gateway, follows the job through WatchJob, and renders the final report. A real model is routed
+//! the same way for one run: `--model-url` adds a gateway pool for it (docs/REAL_MODEL.md).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -45,6 +46,145 @@ pub fn route_default_replay(config: &mut MeshConfig, model: &str, dir: &Path) ->
         ..Default::default()
     });
     Ok(Some(file))
+}
+
+/// Which model of the job a server named on the command line serves: the messages name that model's flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// `--model-url`, `--api-key-env`.
+    Model,
+    /// `--judge-model-url`, `--judge-api-key-env`.
+    Judge,
+}
+
+impl Role {
+    pub fn url_flag(self) -> &'static str {
+        match self {
+            Self::Model => "--model-url",
+            Self::Judge => "--judge-model-url",
+        }
+    }
+
+    pub fn key_flag(self) -> &'static str {
+        match self {
+            Self::Model => "--api-key-env",
+            Self::Judge => "--judge-api-key-env",
+        }
+    }
+}
+
+/// An OpenAI-compatible server (vLLM, SGLang, a hosted API) that serves a model for one `kforge run`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelServer {
+    pub role: Role,
+    /// The OpenAI base URL as given, e.g. `http://host:8000/v1`; the gateway adds `/v1` to a URL without a path
+    /// (`BackendConfig::url`).
+    pub url: String,
+    pub kind: BackendKind,
+    /// The environment variable holding the API key: a key given as a flag's value would show in `ps`.
+    pub api_key_env: Option<String>,
+}
+
+/// Why a server named on the command line cannot be routed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelServerError {
+    #[error("{flag} {url:?} is not an http(s) URL: {reason}")]
+    BadUrl { flag: &'static str, url: String, reason: String },
+    #[error("{flag} {url:?} names a route: give the base URL, e.g. http://host:8000/v1 (the gateway adds the route)")]
+    RouteUrl { flag: &'static str, url: String },
+    #[error("{flag} {var}: the environment variable is not set")]
+    KeyUnset { flag: &'static str, var: String },
+    #[error("{flag} {var}: the environment variable is empty")]
+    KeyEmpty { flag: &'static str, var: String },
+    #[error("{flag} {var}: the environment variable is not valid unicode")]
+    KeyNotUnicode { flag: &'static str, var: String },
+}
+
+/// How [`route_model_server`] routed the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routed {
+    /// A new pool.
+    Added,
+    /// The config's pool of that name, whose `backends` (this many) the server replaced.
+    Replaced { backends: usize },
+}
+
+impl ModelServer {
+    /// Checks the URL and the API key's variable, so that a mistake is named before any service starts. The key is
+    /// not kept: the gateway reads the variable itself when it starts, in this process.
+    pub fn check(&self) -> Result<(), ModelServerError> {
+        let bad = |reason: &str| ModelServerError::BadUrl {
+            flag: self.role.url_flag(),
+            url: self.url.clone(),
+            reason: reason.to_owned(),
+        };
+        if !self.url.contains("://") {
+            return Err(bad("no scheme; write it as http://host:port/v1"));
+        }
+        let uri: http::Uri = self.url.parse().map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
+        match uri.scheme_str() {
+            Some("http" | "https") => {}
+            Some(other) => return Err(bad(&format!("the scheme is `{other}`"))),
+            None => return Err(bad("no scheme; write it as http://host:port/v1")),
+        }
+        if uri.host().is_none_or(str::is_empty) {
+            return Err(bad("no host"));
+        }
+        if uri.query().is_some() {
+            return Err(bad("a base URL has no query"));
+        }
+        if uri.path().trim_end_matches('/').ends_with("completions") {
+            return Err(ModelServerError::RouteUrl { flag: self.role.url_flag(), url: self.url.clone() });
+        }
+        if let Some(var) = &self.api_key_env {
+            let (flag, var) = (self.role.key_flag(), var.clone());
+            match std::env::var(&var) {
+                Ok(key) if key.is_empty() => return Err(ModelServerError::KeyEmpty { flag, var }),
+                Ok(_) => {}
+                Err(std::env::VarError::NotPresent) => return Err(ModelServerError::KeyUnset { flag, var }),
+                Err(std::env::VarError::NotUnicode(_)) => return Err(ModelServerError::KeyNotUnicode { flag, var }),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Routes `model` to `server` in the gateway `kforge run` starts: a pool whose one backend is the server. A pool of
+/// that name in the config keeps its settings (upstream model, sampling defaults, limits, prices) and gets the
+/// server as its only backend: the command line wins over the file, as `KFORGE__*` variables do.
+pub fn route_model_server(
+    config: &mut MeshConfig,
+    model: &str,
+    server: &ModelServer,
+) -> Result<Routed, ModelServerError> {
+    server.check()?;
+    let backend = BackendConfig {
+        kind: server.kind,
+        url: server.url.clone(),
+        api_key_env: server.api_key_env.clone(),
+        ..Default::default()
+    };
+    if let Some(pool) = config.gateway.pools.iter_mut().find(|pool| pool.model == model) {
+        let backends = std::mem::replace(&mut pool.backends, vec![backend]).len();
+        return Ok(Routed::Replaced { backends });
+    }
+    config.gateway.pools.push(PoolConfig { model: model.to_owned(), backends: vec![backend], ..Default::default() });
+    Ok(Routed::Added)
+}
+
+/// The first turn's error when the job recorded turns and every one of them failed on the way (no evaluation, an
+/// `error`); `None` when any turn got through.
+pub fn every_turn_failed(trajectories: &[pb::Trajectory]) -> Option<&str> {
+    let mut turns = trajectories.iter().flat_map(|t| &t.turns).peekable();
+    turns.peek()?;
+    let mut first = None;
+    for turn in turns {
+        if turn.error.is_empty() {
+            return None;
+        }
+        first.get_or_insert(turn.error.as_str());
+    }
+    first
 }
 
 /// Tunes the in-process evaluator of `kforge run` for one job in a short-lived process: no torch.compile
@@ -382,6 +522,72 @@ mod tests {
         assert_eq!(route_default_replay(&mut config, "replay", &dir).expect("ok"), None, "already routed");
         assert_eq!(route_default_replay(&mut MeshConfig::default(), "gpt", &dir).expect("ok"), None);
         std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_job_whose_every_turn_failed_is_named_and_one_that_got_through_is_not() {
+        let turn = |error: &str| pb::TurnRecord { error: error.into(), ..Default::default() };
+        let trajectory = |turns| pb::Trajectory { turns, ..Default::default() };
+        let down = "gateway: Unavailable: backend down";
+        assert_eq!(every_turn_failed(&[]), None, "no turns: nothing to say");
+        assert_eq!(every_turn_failed(&[trajectory(vec![turn(down)]), trajectory(vec![turn("x")])]), Some(down));
+        assert_eq!(every_turn_failed(&[trajectory(vec![turn(down)]), trajectory(vec![turn("")])]), None);
+    }
+
+    #[test]
+    fn a_model_url_adds_a_pool_or_replaces_the_configured_pools_backends() {
+        let server = |url: &str| ModelServer {
+            role: Role::Model,
+            url: url.to_owned(),
+            kind: BackendKind::Vllm,
+            api_key_env: None,
+        };
+        let mut config = MeshConfig::default();
+        let routed = route_model_server(&mut config, "qwen", &server("http://10.0.0.5:8000/v1")).expect("routed");
+        assert_eq!(routed, Routed::Added);
+        assert_eq!(config.gateway.pools[0].model, "qwen");
+        assert_eq!(config.gateway.pools[0].backends[0].url, "http://10.0.0.5:8000/v1");
+        config.gateway.validate().expect("the gateway takes the pool");
+
+        // A configured pool keeps its settings; the command line's server is its only backend.
+        config.gateway.pools[0].upstream_model = Some("Qwen/Qwen3-8B".into());
+        config.gateway.pools[0]
+            .backends
+            .push(BackendConfig { url: "http://10.0.0.6:8000".into(), ..Default::default() });
+        let routed = route_model_server(&mut config, "qwen", &server("https://models.example/v1")).expect("routed");
+        assert_eq!(routed, Routed::Replaced { backends: 2 });
+        let pool = &config.gateway.pools[0];
+        assert_eq!(pool.upstream_model.as_deref(), Some("Qwen/Qwen3-8B"));
+        let urls: Vec<&str> = pool.backends.iter().map(|b| b.url.as_str()).collect();
+        assert_eq!(urls, ["https://models.example/v1"]);
+
+        for (url, reason) in [
+            ("localhost:8000/v1", "no scheme"),
+            ("10.0.0.5:8000", "no scheme"),
+            ("ftp://host/v1", "the scheme is `ftp`"),
+            ("http://", ""),
+            ("http://host:8000/v1 ", ""),
+            ("http://host:8000/v1?key=x", "no query"),
+        ] {
+            let error = route_model_server(&mut config, "qwen", &server(url)).expect_err(url);
+            let text = error.to_string();
+            assert!(text.starts_with(&format!("--model-url {url:?} is not an http(s) URL")), "{text}");
+            assert!(text.contains(reason), "{text}");
+        }
+        let route = route_model_server(&mut config, "qwen", &server("http://host:8000/v1/chat/completions"));
+        assert!(route.expect_err("a route").to_string().contains("names a route: give the base URL"));
+
+        let keyed = |var: &str| ModelServer {
+            role: Role::Judge,
+            api_key_env: Some(var.to_owned()),
+            ..server("http://host:8000/v1")
+        };
+        let unset = "KFORGE_RUN_UNIT_TEST_UNSET_KEY";
+        assert_eq!(
+            keyed(unset).check().expect_err("unset").to_string(),
+            format!("--judge-api-key-env {unset}: the environment variable is not set")
+        );
+        keyed("PATH").check().expect("a set variable");
     }
 
     #[test]

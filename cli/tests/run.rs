@@ -9,6 +9,9 @@ use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use support::{start_mesh, submit_and_follow};
+
+mod support;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -151,8 +154,10 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
         assert!(turn.score.is_some_and(|s| s >= 0.3), "Kevin's score of a correct kernel: {:?}", turn.score);
         assert_eq!(turn.flags.as_ref().map(|f| (f.junk, f.not_okay)), Some((false, false)));
     }
+    // No kernel: out of kevin's strict format, so not evaluated and scored 0, told why.
     let no_kernel = &trajectories[1].turns[0];
-    assert_eq!((no_kernel.kernel.as_str(), no_kernel.evaluation.is_none(), no_kernel.score), ("", true, None));
+    assert_eq!((no_kernel.kernel.as_str(), no_kernel.evaluation.is_none(), no_kernel.score), ("", true, Some(0.0)));
+    assert_eq!(no_kernel.format_error, "the answer has no fenced code block");
     let flags = no_kernel.flags.clone().expect("diagnosed");
     assert!(flags.junk && flags.no_kernel && flags.not_okay, "{flags:?}");
     // Kevin's credit at the job's end: returns by discounted sum (gamma 0.4), GRPO advantages over the task's
@@ -180,6 +185,8 @@ async fn a_kevin_job_runs_every_turn_through_the_services_and_reports_its_metric
     assert_eq!((metrics.turns, metrics.evaluated, metrics.correct, metrics.no_kernel), (8, 6, 3, 1));
     assert_eq!(metrics.correctness, 0.5);
     assert_eq!((metrics.junk, metrics.not_okay, metrics.hacks, metrics.infra_errors), (1, 1, 0, 0));
+    let format = metrics.overall.as_ref().and_then(|o| o.format_error).expect("kevin holds responses to the format");
+    assert_eq!((metrics.format_errors, format.numerator, format.denominator), (1, 1, 7));
     assert_eq!(metrics.junk_ratio, 1.0 / 7.0);
     let by_turn: Vec<(u32, u64)> =
         metrics.by_turn.iter().map(|t| (t.turn, t.rates.as_ref().map_or(0, |r| r.turns))).collect();
@@ -219,30 +226,6 @@ async fn run_job(config: &MeshConfig, spec: pb::JobSpec) -> (Mesh, pb::Job, Vec<
     let (mesh, mut orchestrator) = start_mesh(config).await;
     let (job, trajectories) = submit_and_follow(&mut orchestrator, spec).await;
     (mesh, job, trajectories)
-}
-
-/// The evaluator, reward, gateway and orchestrator in-process with `config`, and a client of the orchestrator.
-async fn start_mesh(config: &MeshConfig) -> (Mesh, OrchestratorClient<kforge_server::client::Channel>) {
-    let services = [Service::Evaluator, Service::Reward, Service::Gateway, Service::Orchestrator];
-    let mesh = Mesh::start(&services, config, true).await.expect("the mesh starts");
-    let address = mesh.address(Service::Orchestrator).expect("orchestrator runs").to_owned();
-    let channel = kforge_server::client::connect(&address, &Default::default()).await.expect("connects");
-    (mesh, OrchestratorClient::new(channel))
-}
-
-/// Submits `spec` and follows the job to its end: the finished job and its trajectories.
-async fn submit_and_follow(
-    orchestrator: &mut OrchestratorClient<kforge_server::client::Channel>,
-    spec: pb::JobSpec,
-) -> (pb::Job, Vec<pb::Trajectory>) {
-    let submitted = orchestrator
-        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
-        .await
-        .expect("submitted")
-        .into_inner();
-    let job = kforge::run::follow(orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
-    let trajectories = kforge::run::trajectories(orchestrator, &job.job_id).await.expect("listed");
-    (job, trajectories)
 }
 
 /// drkernel through the real services (CPU backend): every evaluation counts its kernels, the reward service scores
@@ -578,4 +561,185 @@ fn a_killed_kforge_run_resumes_and_its_samples_export_as_jsonl() {
     assert_eq!(rest.lines().count(), 1, "{rest}");
     assert!(rest.contains("examples/gelu_tanh"), "{rest}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What the fake OpenAI-compatible server saw of each chat request: its `Authorization` header and its JSON body.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, serde_json::Value)>>>;
+
+/// A fake vLLM on a free loopback port (served by `runtime`): `GET /health`, and `POST /v1/chat/completions`
+/// streamed as vLLM streams it: a reasoning opening with `Okay`, the k-th request's text `answers[k]` (the last
+/// one again past the end), then the usage.
+fn fake_vllm(runtime: &tokio::runtime::Runtime, answers: Vec<String>) -> (std::net::SocketAddr, Seen) {
+    use axum::http::{HeaderMap, header};
+    use axum::routing::{get, post};
+    let chunk = |value: serde_json::Value| format!("data: {value}\n\n");
+    let streams: Vec<String> = answers
+        .iter()
+        .map(|answer| {
+            [
+                chunk(serde_json::json!({"object": "chat.completion.chunk", "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "reasoning_content": "Okay, let me see."}}
+                ]})),
+                chunk(serde_json::json!({"object": "chat.completion.chunk", "choices": [
+                    {"index": 0, "delta": {"content": answer}, "finish_reason": "stop"}
+                ]})),
+                chunk(serde_json::json!({"choices": [], "usage": {"prompt_tokens": 300, "completion_tokens": 40}})),
+                "data: [DONE]\n\n".to_owned(),
+            ]
+            .concat()
+        })
+        .collect();
+    let seen = Seen::default();
+    let recorded = seen.clone();
+    let app = axum::Router::new().route("/health", get(|| async { "" })).route(
+        "/v1/chat/completions",
+        post(move |headers: HeaderMap, body: String| {
+            let recorded = recorded.clone();
+            let streams = streams.clone();
+            async move {
+                let auth = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or_default();
+                let body = serde_json::from_str(&body).unwrap_or(serde_json::Value::Null);
+                let mut recorded = recorded.lock().expect("not poisoned");
+                recorded.push((auth.to_owned(), body));
+                let stream = streams[(recorded.len() - 1).min(streams.len() - 1)].clone();
+                ([(header::CONTENT_TYPE, "text/event-stream")], stream)
+            }
+        }),
+    );
+    let addr = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        tokio::spawn(async move { axum::serve(listener, app).await.expect("serves") });
+        addr
+    });
+    (addr, seen)
+}
+
+/// `kforge run` with the environment of these tests (the venv, the evaluator's caches), `args` and a fresh `work_dir`.
+fn kforge_run(work_dir: &Path, args: &[&str]) -> Command {
+    let _ = std::fs::remove_dir_all(work_dir);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
+    command
+        .arg("run")
+        .args(args)
+        .arg("--work-dir")
+        .arg(work_dir)
+        .env("KFORGE__EVALUATOR__PYTHON", python())
+        .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
+        .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false");
+    command
+}
+
+/// `kforge run` against a real model as a new user points it at one, with flags alone: the model served by an
+/// OpenAI-compatible server (a fake vLLM here) at `--model-url`, its key in the variable `--api-key-env` names. The
+/// server gets the model's name, the key and the sampling flags; its kernel is evaluated correct; the report prints.
+#[test]
+fn kforge_run_against_a_model_url_evaluates_its_kernel() {
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let (addr, seen) = fake_vllm(&runtime, vec![fenced(RELU_TORCH)]);
+    let url = format!("http://{addr}/v1");
+    let output = kforge_run(
+        &Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-model-url"),
+        &["--model", "fake-model", "--model-url", &url, "--api-key-env", "KFORGE_FAKE_MODEL_KEY"],
+    )
+    .args(["--max-tasks", "1", "--backend", "cpu", "--temperature", "0.6", "--max-tokens", "2048"])
+    .env("KFORGE_FAKE_MODEL_KEY", "sk-fake-test")
+    .output()
+    .expect("kforge runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains(&format!("fake-model at http://{addr}/v1 (vllm)")), "{stderr}");
+
+    let seen = seen.lock().expect("not poisoned").clone();
+    assert_eq!(seen.len(), 1, "one task, one trajectory, one turn: {seen:#?}");
+    let (auth, body) = &seen[0];
+    assert_eq!(auth, "Bearer sk-fake-test");
+    assert_eq!(body["model"], "fake-model");
+    assert_eq!((body["temperature"].as_f64(), body["max_tokens"].as_u64()), (Some(0.6), Some(2048)), "{body}");
+    let prompt = body["messages"].to_string();
+    assert!(prompt.contains("examples/relu") && prompt.contains("ModelNew"), "the task's prompt: {prompt}");
+
+    assert!(stdout.lines().next().is_some_and(|l| l.starts_with("job job-") && l.ends_with(" succeeded")), "{stdout}");
+    let row = stdout.lines().find(|l| l.starts_with("examples/relu")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(row.contains(" correct "), "the fake's kernel is correct: {row}");
+    assert!(stdout.contains("totals: 1 turns, 1 evaluated, 1 correct (100.0%)"), "{stdout}");
+    assert!(stdout.contains("not-okay 0"), "the reasoning opens with `Okay`: {stdout}");
+    // The server's token counts reach the report.
+    let line = stdout.lines().find_map(|l| l.strip_prefix("report: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let html = Path::new(line.split(" (").next().expect("the html path"));
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(html.with_file_name("report.json")).expect("report.json written"))
+            .expect("report.json is JSON");
+    let cost = &report["metrics"]["cost"];
+    assert_eq!((cost["prompt_tokens"].as_u64(), cost["completion_tokens"].as_u64()), (Some(300), Some(40)), "{cost}");
+}
+
+/// `kforge run --model-url` refuses what it cannot route, naming the flag, before any service starts.
+#[test]
+fn kforge_run_model_url_refuses_bad_input() {
+    let work_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-model-url-refused");
+    let refused = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_kforge"))
+            .arg("run")
+            .args(args)
+            .arg("--work-dir")
+            .arg(&work_dir)
+            .env_remove("KFORGE_UNSET_MODEL_KEY")
+            .output()
+            .expect("kforge runs");
+        assert!(!output.status.success(), "{args:?} was accepted");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let url = "http://127.0.0.1:9/v1";
+    let stderr = refused(&["--model", "m", "--model-url", "localhost:8000/v1"]);
+    assert!(stderr.contains(r#"--model-url "localhost:8000/v1" is not an http(s) URL: no scheme"#), "{stderr}");
+    let stderr = refused(&["--model", "m", "--model-url", url, "--addr", "http://127.0.0.1:9"]);
+    assert!(stderr.contains("--model-url routes a model in the gateway this command starts; with --addr"), "{stderr}");
+    let stderr = refused(&["--model", "m", "--model-url", url, "--api-key-env", "KFORGE_UNSET_MODEL_KEY"]);
+    assert!(stderr.contains("--api-key-env KFORGE_UNSET_MODEL_KEY: the environment variable is not set"), "{stderr}");
+    let stderr = refused(&["--model-url", url]);
+    assert!(stderr.contains("--model-url needs --model NAME"), "{stderr}");
+    let stderr = refused(&["--model", "m", "--api-key-env", "KFORGE_UNSET_MODEL_KEY"]);
+    assert!(stderr.contains("--model-url"), "a key without a server: {stderr}");
+    let stderr = refused(&["--recipe", "cudaforge", "--model", "m", "--judge-model", "m", "--judge-model-url", url]);
+    assert!(stderr.contains("--judge-model-url needs a Judge model other than the job's model `m`"), "{stderr}");
+}
+
+/// cudaforge against two servers, as flags alone set them up: the Coder at `--model-url` (a wrong kernel, then a
+/// correct one) and the Judge at `--judge-model-url` with a key of its own, asked once (the last turn is not
+/// reviewed), its advice shown to the Coder's second turn.
+#[test]
+fn kforge_run_cudaforge_with_a_judge_model_url() {
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let (coder, coder_seen) = fake_vllm(&runtime, vec![fenced(RELU_TIMES_TWO), fenced(RELU_TORCH)]);
+    let advice =
+        r#"{"critical_issue": "it doubles x", "why_it_matters": "relu clamps", "minimal_fix_hint": "use max(x, 0)"}"#;
+    let (judge, judge_seen) = fake_vllm(&runtime, vec![advice.to_owned()]);
+    let (coder_url, judge_url) = (format!("http://{coder}/v1"), format!("http://{judge}"));
+    let output = kforge_run(
+        &Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-judge-model-url"),
+        &["--recipe", "cudaforge", "--turns", "2", "--max-tasks", "1", "--backend", "cpu"],
+    )
+    .args(["--model", "coder", "--model-url", &coder_url, "--judge-model", "judge", "--judge-model-url", &judge_url])
+    .args(["--judge-api-key-env", "KFORGE_FAKE_JUDGE_KEY"])
+    .env("KFORGE_FAKE_JUDGE_KEY", "sk-judge")
+    .output()
+    .expect("kforge runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let row = stdout.lines().find(|l| l.starts_with("examples/relu")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(row.contains("incorrect,correct"), "{row}");
+
+    let coder_seen = coder_seen.lock().expect("not poisoned").clone();
+    let judge_seen = judge_seen.lock().expect("not poisoned").clone();
+    assert_eq!(coder_seen.len(), 2, "{coder_seen:#?}");
+    assert!(
+        coder_seen.iter().all(|(auth, body)| auth.is_empty() && body["model"] == "coder"),
+        "no key: {coder_seen:#?}"
+    );
+    assert_eq!(judge_seen.len(), 1, "only the first turn is reviewed: {judge_seen:#?}");
+    let (auth, body) = &judge_seen[0];
+    assert_eq!((auth.as_str(), &body["model"]), ("Bearer sk-judge", &serde_json::json!("judge")));
+    let second_prompt = coder_seen[1].1["messages"].to_string();
+    assert!(second_prompt.contains("use max(x, 0)"), "the Judge's advice reaches the Coder: {second_prompt}");
 }
