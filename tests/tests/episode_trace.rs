@@ -1,0 +1,208 @@
+//! One trace per episode: a job's episode is the root of its own trace, each turn a span under it, each call to a
+//! peer a span under the turn's, and the peers' own server spans (gateway, evaluator, reward) continue it through
+//! the W3C trace context in the calls' metadata. Every span reaches a real OTLP/gRPC collector (an in-process
+//! `TraceService` server) through the exporter configured by OTEL_* variables.
+//!
+//! The services run in this process (as `kforge run` runs them): the gateway on a replay file, the evaluator on the
+//! CPU backend with the repository's venv (`scripts/setup.sh --test`), reward and orchestrator. One test in this
+//! file on purpose: telemetry is process-global, and the OTEL_* variables must be set before any other thread exists.
+
+#![allow(unsafe_code)]
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use kforge::mesh::{MeshConfig, Service};
+use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_proto::v1 as pb;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::trace::v1::Span;
+
+#[derive(Clone, Default)]
+struct Collector {
+    spans: Arc<Mutex<Vec<Span>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let spans = request.into_inner().resource_spans.into_iter().flat_map(|r| r.scope_spans).flat_map(|s| s.spans);
+        self.spans.lock().expect("collector lock").extend(spans);
+        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
+    }
+}
+
+fn attribute(span: &Span, key: &str) -> Option<String> {
+    span.attributes.iter().find(|kv| kv.key == key).and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
+        Value::StringValue(s) => Some(s.clone()),
+        Value::IntValue(i) => Some(i.to_string()),
+        _ => None,
+    })
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+const RELU_TASK: &str = include_str!("../../examples/tasks/relu/task.py");
+const RELU: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
+
+/// The replay file: task `relu`, trajectories 0 and 1, turns 0 and 1, each a kernel in one fenced block.
+fn replay_file(dir: &Path) -> PathBuf {
+    let text = json_string(&format!("I wrote ModelNew.\n\n```python\n{RELU}```\n"));
+    let mut lines = String::new();
+    for trajectory in 0..2 {
+        for turn in 0..2 {
+            lines.push_str(&format!(
+                "{{\"task_id\": \"relu\", \"trajectory\": {trajectory}, \"turn\": {turn}, \
+                 \"completions\": [{{\"text\": {text}}}]}}\n"
+            ));
+        }
+    }
+    std::fs::create_dir_all(dir).expect("replay dir");
+    let file = dir.join("replay.jsonl");
+    std::fs::write(&file, lines).expect("replay written");
+    file
+}
+
+/// `text` as a JSON string literal.
+fn json_string(text: &str) -> String {
+    let mut out = String::from("\"");
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[test]
+fn each_episode_is_one_trace_across_the_services() {
+    let python = root().join(".venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    // Bound before the runtime exists, so its address can go into the environment while this is the only thread.
+    let collector_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("collector binds");
+    let collector_addr = collector_listener.local_addr().expect("collector address");
+    // SAFETY: no other thread exists yet in this test binary (one test, no runtime), so nothing reads the
+    // environment concurrently.
+    unsafe {
+        std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{collector_addr}"));
+        std::env::set_var("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc");
+    }
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async move {
+        let collector = Collector::default();
+        collector_listener.set_nonblocking(true).expect("nonblocking");
+        let listener = tokio::net::TcpListener::from_std(collector_listener).expect("tokio listener");
+        let server = tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(collector.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        let collector_task = tokio::spawn(server);
+        let telemetry = kforge_telemetry::init("kforge-episode-trace-test", "info").expect("telemetry");
+        assert!(telemetry.exporting(), "OTEL_EXPORTER_OTLP_ENDPOINT switches export on");
+
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("episode-trace");
+        let mut config = MeshConfig::default();
+        config.evaluator.python = python;
+        config.evaluator.work_dir = dir.join("evaluator");
+        kforge::run::evaluator_for_one_job(&mut config, false);
+        config.gateway.pools.push(PoolConfig {
+            model: "recorded".into(),
+            backends: vec![BackendConfig {
+                kind: BackendKind::Replay,
+                file: Some(replay_file(&dir)),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let services = [Service::Gateway, Service::Evaluator, Service::Reward, Service::Orchestrator];
+        let mesh = kforge_tests::start(&services, &config).await;
+        let channel = kforge_tests::connect(&mesh, Service::Orchestrator, &Default::default()).await;
+        let mut orchestrator = pb::orchestrator_client::OrchestratorClient::new(channel);
+        let spec = pb::JobSpec {
+            kind: pb::JobKind::Evaluation.into(),
+            recipe: "kevin".into(),
+            task_set: "inline".into(),
+            tasks: vec![pb::Task { task_id: "relu".into(), source: RELU_TASK.into() }],
+            model: "recorded".into(),
+            trajectories_per_task: 2,
+            turns: 2,
+            backend: pb::Backend::Cpu.into(),
+            correctness_trials: 1,
+            measure_performance: Some(false),
+            ..Default::default()
+        };
+        let submitted = orchestrator
+            .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+            .await
+            .expect("submitted")
+            .into_inner();
+        let job = kforge::run::follow(&mut orchestrator, &submitted.job_id, |_| {}).await.expect("watched");
+        assert_eq!(job.state(), pb::JobState::Succeeded, "{}", job.error);
+        mesh.shutdown().await.expect("mesh drains");
+
+        // force_flush blocks until the exporter has sent everything; the runtime must keep running meanwhile.
+        let telemetry = tokio::task::spawn_blocking(move || {
+            assert!(telemetry.flush(), "spans exported");
+            telemetry
+        })
+        .await
+        .expect("flush thread");
+        let spans = collector.spans.lock().expect("collector lock").clone();
+        let names = || spans.iter().map(|s| s.name.as_str()).collect::<Vec<_>>();
+
+        let episodes: Vec<&Span> = spans.iter().filter(|s| s.name == "episode").collect();
+        assert_eq!(episodes.len(), 2, "one episode span per trajectory: {:?}", names());
+        let traces: HashSet<&[u8]> = episodes.iter().map(|s| s.trace_id.as_slice()).collect();
+        assert_eq!(traces.len(), 2, "each episode is a trace of its own");
+        for episode in &episodes {
+            assert!(episode.parent_span_id.is_empty(), "an episode is its trace's root");
+            assert_eq!(attribute(episode, "job_id").as_deref(), Some(job.job_id.as_str()));
+            let in_trace: Vec<&Span> = spans.iter().filter(|s| s.trace_id == episode.trace_id).collect();
+            let by_id: HashMap<&[u8], &Span> = in_trace.iter().map(|s| (s.span_id.as_slice(), *s)).collect();
+            let turns: Vec<&&Span> = in_trace.iter().filter(|s| s.name == "turn").collect();
+            assert_eq!(turns.len(), 2, "a span per turn: {:?}", in_trace.iter().map(|s| &s.name).collect::<Vec<_>>());
+            for turn in &turns {
+                assert_eq!(turn.parent_span_id, episode.span_id, "a turn is the episode's child");
+                // Each call of the turn, and the peer's server span under it.
+                for (call, service, server) in [
+                    ("Gateway/Generate", "gateway", "kforge.v1.Gateway/Generate"),
+                    ("Evaluator/Evaluate", "evaluator", "kforge.v1.Evaluator/Evaluate"),
+                    ("Reward/ScoreKernels", "reward", "kforge.v1.Reward/ScoreKernels"),
+                    ("Reward/Diagnose", "reward", "kforge.v1.Reward/Diagnose"),
+                ] {
+                    let client = in_trace
+                        .iter()
+                        .find(|s| s.name == call && s.parent_span_id == turn.span_id)
+                        .unwrap_or_else(|| panic!("no {call} call under a turn: {:?}", names()));
+                    let served = in_trace
+                        .iter()
+                        .find(|s| s.name == server && s.parent_span_id == client.span_id)
+                        .unwrap_or_else(|| panic!("no {server} span under the {call} call: {:?}", names()));
+                    assert_eq!(attribute(served, "kforge.service").as_deref(), Some(service), "{server}");
+                }
+            }
+            // Nothing of the trace hangs outside it: every span's parent is in the same trace.
+            for span in &in_trace {
+                assert!(
+                    span.parent_span_id.is_empty() || by_id.contains_key(span.parent_span_id.as_slice()),
+                    "{} has a parent outside the episode's trace",
+                    span.name
+                );
+            }
+        }
+        drop(telemetry);
+        collector_task.abort();
+    });
+}
