@@ -57,6 +57,11 @@ pub struct OrchestratorConfig {
     pub instance: String,
     /// Resume this instance's queued and running jobs at start. Default true.
     pub resume_on_start: bool,
+    /// Take over, while serving, the queued and running jobs of other instances whose lease ran out (a replica
+    /// that died and does not come back under its name), checking at a third of `lease_ms`; the store's claim lets
+    /// one replica have each. Default false: `kforge run`'s interrupted jobs wait for `--resume`. The chart turns it
+    /// on for its replicas.
+    pub take_over_orphans: bool,
     /// How long a job stays this instance's after its last renewal (renewed at a third of it while the job runs):
     /// another instance's ResumeJob may take the job over only after that. Default 30000.
     pub lease_ms: u64,
@@ -143,6 +148,7 @@ impl Default for OrchestratorConfig {
             store_durability: store::Durability::default(),
             instance: "default".into(),
             resume_on_start: true,
+            take_over_orphans: false,
             lease_ms: 30_000,
             max_in_flight: InFlightConfig::default(),
             retry: RetryConfig::default(),
@@ -187,6 +193,10 @@ pub async fn serve(
         service.resume_unfinished().await;
     }
     let (jobs, stop) = (service.tracker.clone(), service.stop.clone());
+    if service.config.take_over_orphans {
+        let service = service.clone();
+        jobs.spawn(async move { service.take_over_orphans().await });
+    }
     host.add_service(
         OrchestratorServer::new(service).max_decoding_message_size(limit).max_encoding_message_size(limit),
     );
@@ -378,6 +388,34 @@ impl OrchestratorService {
         tracing::info!(job_id, instance = %self.config.instance, "job resumed");
         self.start(plan, job.clone(), peers);
         Ok(job)
+    }
+
+    /// Until the service stops: at a third of the lease, takes over the jobs of other instances whose lease ran
+    /// out (`take_over_orphans`). A job another replica claimed first is left to it.
+    async fn take_over_orphans(&self) {
+        let mut sweep = tokio::time::interval(self.lease() / 3);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = sweep.tick() => {}
+                () = self.stop.cancelled() => return,
+            }
+            let orphans = match self.store.orphaned_jobs(&self.config.instance, lease_until(Duration::ZERO)).await {
+                Ok(orphans) => orphans,
+                Err(error) => {
+                    tracing::error!(%error, "listing orphaned jobs failed");
+                    continue;
+                }
+            };
+            for job_id in orphans {
+                match self.resume(&job_id).await {
+                    Ok(_) => tracing::info!(%job_id, instance = %self.config.instance, "took over an orphaned job"),
+                    // Another replica claimed it first, or it cannot run here now: the next sweep looks again.
+                    Err(status) => tracing::info!(%job_id, code = ?status.code(), message = status.message(),
+                        "orphaned job not taken over"),
+                }
+            }
+        }
     }
 
     /// Resumes every queued or running job this instance owns (at start). A job that cannot resume now (a peer

@@ -368,6 +368,25 @@ impl Store {
         Ok(rows.into_iter().map(|(id,)| id).collect())
     }
 
+    /// Ids of the queued or running jobs whose owner is not `owner` and whose lease ran out by `now_ms`, oldest
+    /// first, leaving out step-API episodes (owned by `<instance>/step`: their trainer advances them): the jobs a
+    /// replica whose peer died may take over ([`Store::claim`] decides which replica does).
+    pub async fn orphaned_jobs(&self, owner: &str, now_ms: i64) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = on_pool!(&self.pool, p => {
+            sqlx::query_as(
+                "SELECT job_id FROM jobs WHERE owner <> $1 AND state IN ($2, $3) AND lease_until_ms <= $4 \
+                 AND owner NOT LIKE '%/step' ORDER BY seq",
+            )
+            .bind(owner)
+            .bind(pb::JobState::Queued as i64)
+            .bind(pb::JobState::Running as i64)
+            .bind(now_ms)
+            .fetch_all(p)
+            .await?
+        });
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
     /// Writes `turn` at `stage`, committed when this returns. The same (task, trajectory, turn) written again at
     /// the same or a later stage replaces the stored row; at an earlier stage the write is a no-op.
     pub async fn put_turn(

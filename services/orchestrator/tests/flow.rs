@@ -892,3 +892,71 @@ async fn mismatch_rejection_compares_the_trainers_log_probabilities_with_the_sto
     }
     running.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_take_over_the_jobs_of_one_that_died_and_each_job_runs_on_one_of_them() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flow-take-over");
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = format!("sqlite://{}", dir.join("kforge.db").display());
+    let (peers, fakes) = support::start_fakes().await;
+    let replica = |name: &'static str, take_over: bool| {
+        let store = store.clone();
+        move |c: &mut OrchestratorConfig| {
+            c.store = store;
+            c.instance = name.into();
+            c.lease_ms = 300;
+            c.take_over_orphans = take_over;
+        }
+    };
+    // Readiness by polling the fakes' counters: the calls in question have reached them.
+    let arrived = |n: usize| {
+        let fakes = fakes.clone();
+        async move {
+            tokio::time::timeout(std::time::Duration::from_secs(30), async {
+                while fakes.arrivals.lock().expect("lock").len() < n {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            })
+            .await
+            .expect("the evaluations arrived");
+        }
+    };
+    // Two jobs on the first replica, each waiting in its first evaluation when the replica dies.
+    let gate = fakes.gate_evaluations();
+    let mut first = orchestrator(&peers, replica("one", false)).await;
+    let a = submit(&mut first.client, spec(&["a"], 1, 2)).await.expect("submitted");
+    let b = submit(&mut first.client, spec(&["b"], 1, 2)).await.expect("submitted");
+    arrived(2).await;
+    first.shutdown().await;
+    // Two replicas that take orphans over: once the dead one's lease has run out, each job is claimed by one.
+    let mut second = orchestrator(&peers, replica("two", true)).await;
+    let third = orchestrator(&peers, replica("three", true)).await;
+    arrived(4).await;
+    gate.add_permits(100);
+    for job in [&a, &b] {
+        let finished = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            loop {
+                let got = second.client.get_job(pb::GetJobRequest { job_id: job.job_id.clone() }).await;
+                let got = got.expect("read").into_inner();
+                if got.state() == pb::JobState::Succeeded {
+                    break got;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("finished by a taker");
+        assert_eq!(finished.turns_done, 2);
+    }
+    // Each turn-0 evaluation reached the fakes twice, the dead replica's and one taker's (never both takers'), and
+    // each turn-1 evaluation once.
+    let mut arrivals = fakes.arrivals.lock().expect("lock").clone();
+    arrivals.sort();
+    let (a0, a1, b0, b1) = (key("a", 0, 0), key("a", 0, 1), key("b", 0, 0), key("b", 0, 1));
+    assert_eq!(arrivals, [a0.clone(), a0, a1, b0.clone(), b0, b1]);
+    let (_, generated) = fakes.generate_counts();
+    assert_eq!((generated[&key("a", 0, 1)], generated[&key("b", 0, 1)]), (1, 1), "turn 1 generated once each");
+    second.shutdown().await;
+    third.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
