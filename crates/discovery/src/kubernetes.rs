@@ -149,6 +149,16 @@ pub struct KubeDiscovery {
 }
 
 impl KubeDiscovery {
+    /// Starts watching with the client the environment gives (a pod's service account, else `KUBECONFIG`); an empty
+    /// `target.namespace` is the client's default namespace (a pod's own).
+    pub async fn start_in_environment(mut target: KubeTarget) -> Result<Self, kube::Error> {
+        let client = Client::try_default().await?;
+        if target.namespace.is_empty() {
+            target.namespace = client.default_namespace().to_owned();
+        }
+        Ok(Self::start(client, target))
+    }
+
     /// Starts watching. The list is empty until the first EndpointSlices arrive.
     pub fn start(client: Client, target: KubeTarget) -> Self {
         let endpoints = watch::Sender::new(Endpoints::from(Vec::new()));

@@ -57,6 +57,13 @@ fn endpoint(url: &str, config: &ClientConfig) -> Result<Endpoint, ClientError> {
     Ok(endpoint)
 }
 
+/// A channel that connects on its first call and reconnects as needed: for endpoints that come and go (a pool's
+/// pods); an unreachable server fails the call, UNAVAILABLE.
+pub fn connect_lazy(url: &str, config: &ClientConfig) -> Result<Channel, ClientError> {
+    let outbound = Outbound::new(Token::resolve(&config.auth)?);
+    Ok(InterceptedService::new(endpoint(url, config)?.connect_lazy(), outbound))
+}
+
 /// Connects now, failing if the server is unreachable.
 pub async fn connect(url: &str, config: &ClientConfig) -> Result<Channel, ClientError> {
     let outbound = Outbound::new(Token::resolve(&config.auth)?);

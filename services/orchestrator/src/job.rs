@@ -19,6 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::balance::Balancer;
 use crate::error::OrchestratorError;
 use crate::judge::{self, Mode, ProfileView};
 use crate::metrics::job_metrics;
@@ -223,10 +224,11 @@ fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
 #[derive(Debug, Clone)]
 pub struct Peers {
     pub gateway: GatewayClient<Channel>,
-    pub evaluator: EvaluatorClient<Channel>,
+    /// The evaluator pool, each call to one of its endpoints (`balance.rs`).
+    pub evaluator: Arc<Balancer>,
     pub reward: RewardClient<Channel>,
-    /// The profiler, for `cudaforge` jobs that may profile (see `OrchestratorService::connect`).
-    pub profiler: Option<ProfilerClient<Channel>>,
+    /// The profiler pool, for `cudaforge` jobs that may profile (see `OrchestratorService::connect`).
+    pub profiler: Option<Arc<Balancer>>,
     pub limits: Arc<Limits>,
     pub metrics: OrchestratorMetrics,
 }
@@ -662,7 +664,7 @@ impl Episode {
             let _stage =
                 StageGuard::enter(&self.progress.in_flight.evaluating, self.progress.metrics.in_flight("evaluating"));
             self.progress.notify().await;
-            match evaluate(&mut peers.evaluator, &limits, request, &self.cancel).await {
+            match evaluate(&peers.evaluator, &limits, request, &self.cancel).await {
                 Ok(evaluation) => {
                     record.verdict = evaluation.verdict;
                     record.evaluation = Some(evaluation);
@@ -903,7 +905,7 @@ impl Episode {
     /// The kernel's profile as the Judge is shown it, or why there is none.
     async fn profile(&self, job_id: &str, kernel: &str, peers: &mut Peers) -> Result<ProfileView, String> {
         let spec = &self.plan.spec;
-        let Some(client) = peers.profiler.as_mut() else {
+        let Some(profilers) = peers.profiler.as_ref() else {
             return Err(if spec.backend() == pb::Backend::Cpu {
                 "the job evaluates on the CPU, and Nsight Compute profiles GPU kernels".into()
             } else {
@@ -927,7 +929,13 @@ impl Episode {
             let _stage =
                 StageGuard::enter(&self.progress.in_flight.evaluating, self.progress.metrics.in_flight("evaluating"));
             let _permit = peers.limits.profiler.acquire().await.expect("the profiler semaphore is never closed");
-            client.profile(request).instrument(call_span("Profiler/Profile")).await
+            match profilers.acquire(&format!("{job_id}/{}", self.task.task_id)).await {
+                Ok(place) => {
+                    let mut client = ProfilerClient::new(place.channel());
+                    client.profile(request).instrument(call_span("Profiler/Profile")).await
+                }
+                Err(status) => Err(status),
+            }
         };
         let profile = profiled.map_err(|status| peer_error("profiler", &status))?.into_inner();
         if profile.verdict() != pb::Verdict::Correct {
@@ -952,7 +960,7 @@ fn call_span(method: &'static str) -> tracing::Span {
 /// is recorded, never scored). Retries reuse the idempotency key, so an evaluation the evaluator did finish is not
 /// run again.
 async fn evaluate(
-    client: &mut EvaluatorClient<Channel>,
+    evaluators: &Arc<Balancer>,
     limits: &Limits,
     request: pb::EvaluateRequest,
     cancel: &CancellationToken,
@@ -961,8 +969,14 @@ async fn evaluate(
     loop {
         let answer = {
             let _permit = limits.evaluator.acquire().await.expect("the evaluator semaphore is never closed");
-            let call = client.evaluate(request.clone()).instrument(call_span("Evaluator/Evaluate"));
-            call.await.map(tonic::Response::into_inner)
+            match evaluators.acquire(&request.idempotency_key).await {
+                Ok(place) => {
+                    let mut client = EvaluatorClient::new(place.channel());
+                    let call = client.evaluate(request.clone()).instrument(call_span("Evaluator/Evaluate"));
+                    call.await.map(tonic::Response::into_inner)
+                }
+                Err(status) => Err(status),
+            }
         };
         let retryable = match &answer {
             Err(status) => status.code() == tonic::Code::ResourceExhausted,

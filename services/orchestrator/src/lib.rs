@@ -5,6 +5,7 @@
 //! `single-turn` and `kevin` recipes, and the step API (StartEpisode, Step) for trainers that generate themselves
 //! (docs/ORCHESTRATOR.md).
 
+pub mod balance;
 pub mod error;
 pub mod job;
 pub mod judge;
@@ -32,6 +33,7 @@ use tokio_util::task::TaskTracker;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response, Status};
 
+use balance::Balancer;
 pub use error::OrchestratorError;
 use job::{Limits, Peers, Plan, RetryPolicy};
 use store::Store;
@@ -67,6 +69,9 @@ pub struct OrchestratorConfig {
     pub lease_ms: u64,
     /// Calls in flight to each peer across every job (`[orchestrator.max_in_flight]`).
     pub max_in_flight: InFlightConfig,
+    /// Evaluator and profiler pods to balance calls over, by their capacity (`[orchestrator.discovery.*]`); a peer
+    /// without one is called at its `peers` URL.
+    pub discovery: DiscoveriesConfig,
     /// Retries of a busy evaluator or a retryable infrastructure error (`[orchestrator.retry]`).
     pub retry: RetryConfig,
 }
@@ -107,6 +112,77 @@ pub struct RetryConfig {
 impl Default for RetryConfig {
     fn default() -> Self {
         Self { attempts: 8, initial_backoff_ms: 250, max_backoff_ms: 15_000 }
+    }
+}
+
+/// The GPU pools whose endpoints are discovered (`balance.rs`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveriesConfig {
+    pub evaluator: Option<DiscoveryConfig>,
+    pub profiler: Option<DiscoveryConfig>,
+}
+
+/// Where a pool's endpoints are: a static list (`endpoints`, one machine or a cluster without API access) or a
+/// Kubernetes Service whose EndpointSlices are watched (`service`). Exactly one of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// `host:port` addresses (IP addresses), each taking `capacity` calls.
+    pub endpoints: Vec<String>,
+    /// The (headless) Service's name.
+    pub service: String,
+    /// Its namespace; empty: the client's (in a pod, the pod's own).
+    pub namespace: String,
+    /// The Service port's name. Default `grpc`.
+    pub port: String,
+    /// Label selector of the Service's pods, whose `kforge.dev/capacity` annotation gives each one's capacity.
+    pub pod_selector: String,
+    /// Calls an endpoint takes at once when nothing says otherwise. Default 4.
+    pub capacity: u32,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            service: String::new(),
+            namespace: String::new(),
+            port: "grpc".into(),
+            pod_selector: String::new(),
+            capacity: 4,
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    /// Starts the discovery this config names; `key` is its config path, for errors.
+    async fn start(&self, key: &str) -> Result<Arc<dyn kforge_discovery::Discovery>, String> {
+        match (self.endpoints.is_empty(), self.service.is_empty()) {
+            (false, true) => {
+                let mut addresses = Vec::new();
+                for (i, text) in self.endpoints.iter().enumerate() {
+                    let address: std::net::SocketAddr =
+                        text.parse().map_err(|e| format!("{key}.endpoints[{i}]: {text:?} is not an ip:port: {e}"))?;
+                    addresses.push(address);
+                }
+                Ok(Arc::new(kforge_discovery::StaticDiscovery::from_addresses(addresses, self.capacity.max(1))))
+            }
+            (true, false) => {
+                let target = kforge_discovery::KubeTarget {
+                    namespace: self.namespace.clone(),
+                    service: self.service.clone(),
+                    port_name: self.port.clone(),
+                    pod_selector: self.pod_selector.clone(),
+                    default_capacity: self.capacity.max(1),
+                };
+                let discovery = kforge_discovery::KubeDiscovery::start_in_environment(target).await.map_err(|e| {
+                    format!("{key}.service: no Kubernetes API client (a pod's service account, or KUBECONFIG): {e}")
+                })?;
+                Ok(Arc::new(discovery))
+            }
+            _ => Err(format!("{key}: name exactly one of `endpoints` (a static list) and `service` (Kubernetes)")),
+        }
     }
 }
 
@@ -151,6 +227,7 @@ impl Default for OrchestratorConfig {
             take_over_orphans: false,
             lease_ms: 30_000,
             max_in_flight: InFlightConfig::default(),
+            discovery: DiscoveriesConfig::default(),
             retry: RetryConfig::default(),
         }
     }
@@ -188,7 +265,16 @@ pub async fn serve(
     tracing::info!(backend = store.backend(), instance = %config.instance, "store open");
     let resume = config.resume_on_start;
     let metrics = monitoring::OrchestratorMetrics::register(host.registry());
-    let service = OrchestratorService::new(config, store, metrics);
+    let setup = |message: String| ServeError::Setup { service: "orchestrator", message };
+    let evaluators = match &config.discovery.evaluator {
+        Some(discovery) => Some(discovery.start("orchestrator.discovery.evaluator").await.map_err(setup)?),
+        None => None,
+    };
+    let profilers = match &config.discovery.profiler {
+        Some(discovery) => Some(discovery.start("orchestrator.discovery.profiler").await.map_err(setup)?),
+        None => None,
+    };
+    let service = OrchestratorService::new(config, store, metrics).with_discovery(evaluators, profilers);
     if resume {
         service.resume_unfinished().await;
     }
@@ -226,6 +312,9 @@ pub struct OrchestratorService {
     config: Arc<OrchestratorConfig>,
     store: Store,
     limits: Arc<Limits>,
+    /// The evaluator and profiler pools every job's calls are spread over.
+    evaluators: Arc<Balancer>,
+    profilers: Arc<Balancer>,
     running: Arc<Mutex<HashMap<String, Running>>>,
     /// Owner of every job's task: cancelled and awaited at shutdown.
     tracker: TaskTracker,
@@ -248,7 +337,13 @@ impl OrchestratorService {
                 max_backoff: Duration::from_millis(config.retry.max_backoff_ms),
             },
         };
+        let client = config.peers.client.clone();
+        let evaluators =
+            Balancer::fixed("evaluator", &config.peers.evaluator, config.max_in_flight.evaluator, client.clone());
+        let profilers = Balancer::fixed("profiler", &config.peers.profiler, config.max_in_flight.profiler, client);
         Self {
+            evaluators,
+            profilers,
             config: Arc::new(config),
             store,
             limits: Arc::new(limits),
@@ -258,6 +353,22 @@ impl OrchestratorService {
             next_id: Arc::default(),
             metrics,
         }
+    }
+
+    /// Spreads evaluator and profiler calls over the endpoints these find instead of the `peers` URLs.
+    pub fn with_discovery(
+        mut self,
+        evaluators: Option<Arc<dyn kforge_discovery::Discovery>>,
+        profilers: Option<Arc<dyn kforge_discovery::Discovery>>,
+    ) -> Self {
+        let client = &self.config.peers.client;
+        if let Some(discovery) = evaluators {
+            self.evaluators = Balancer::discovered("evaluator", discovery, client.clone());
+        }
+        if let Some(discovery) = profilers {
+            self.profilers = Balancer::discovered("profiler", discovery, client.clone());
+        }
+        self
     }
 
     fn lease(&self) -> Duration {
@@ -282,16 +393,18 @@ impl OrchestratorService {
     async fn connect(&self, plan: &Plan) -> Result<Peers, OrchestratorError> {
         let peers = &self.config.peers;
         let channel = |peer, url| self.channel(peer, url);
+        self.evaluators.check().await?;
         Ok(Peers {
             gateway: pb::gateway_client::GatewayClient::new(channel("gateway", &peers.gateway).await?),
-            evaluator: pb::evaluator_client::EvaluatorClient::new(channel("evaluator", &peers.evaluator).await?),
+            evaluator: self.evaluators.clone(),
             reward: pb::reward_client::RewardClient::new(channel("reward", &peers.reward).await?),
             profiler: match (plan.recipe, plan.spec.backend()) {
                 (recipe::Recipe::CudaForge, pb::Backend::Cuda | pb::Backend::Triton) => {
-                    Some(pb::profiler_client::ProfilerClient::new(channel("profiler", &peers.profiler).await?))
+                    self.profilers.check().await?;
+                    Some(self.profilers.clone())
                 }
                 (recipe::Recipe::CudaForge, pb::Backend::Unspecified) => {
-                    channel("profiler", &peers.profiler).await.ok().map(pb::profiler_client::ProfilerClient::new)
+                    self.profilers.check().await.ok().map(|()| self.profilers.clone())
                 }
                 _ => None,
             },

@@ -960,3 +960,41 @@ async fn replicas_take_over_the_jobs_of_one_that_died_and_each_job_runs_on_one_o
     third.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluations_spread_over_a_static_pool_within_each_endpoints_capacity() {
+    let (peers, fakes) = support::start_fakes().await;
+    let (other, other_fakes) = support::start_fakes().await;
+    let gates = [fakes.gate_evaluations(), other_fakes.gate_evaluations()];
+    let endpoint = |url: &str| url.trim_start_matches("http://").to_owned();
+    let mut running = orchestrator(&peers, |c| {
+        c.max_concurrent_episodes = 8;
+        c.discovery.evaluator = Some(kforge_orchestrator::DiscoveryConfig {
+            endpoints: vec![endpoint(&peers), endpoint(&other)],
+            capacity: 1,
+            ..Default::default()
+        });
+    })
+    .await;
+    let job = submit(&mut running.client, spec(&["a", "b", "c", "d"], 2, 1)).await.expect("submitted");
+    // Readiness by polling: one evaluation waits at each endpoint (its capacity), the other six in the orchestrator.
+    let waiting = |f: &support::State| f.evaluating.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        while waiting(&fakes) + waiting(&other_fakes) < 2 {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both endpoints busy");
+    for gate in &gates {
+        gate.add_permits(100);
+    }
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 8));
+    let answered = |f: &support::State| f.evaluate_counts().1.values().sum::<u32>();
+    assert_eq!(answered(&fakes) + answered(&other_fakes), 8);
+    assert!(answered(&fakes) > 0 && answered(&other_fakes) > 0, "both endpoints took calls");
+    let most = |f: &support::State| f.max_evaluating.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!((most(&fakes), most(&other_fakes)), (1, 1), "never more than an endpoint's capacity at once");
+    running.shutdown().await;
+}
