@@ -94,8 +94,8 @@ pub enum Durability {
     /// The last commits may roll back after a power loss or a kernel crash, never corrupting the file.
     #[default]
     Process,
-    /// Power loss too: every commit waits for its fsync (`synchronous = FULL`; a turn's three commits cost about
-    /// 5 ms more at p99 on the development VM's disk: bench/results/orchestrator-overhead-2026-11-25-dev).
+    /// Power loss too: every commit waits for its fsync (`synchronous = FULL`; slower: on the GPU machine's disk,
+    /// p99 per turn 40 ms against 36 ms pinned to two cores, bench/results/orchestrator-overhead-2026-11-25-dev).
     PowerLoss,
 }
 
