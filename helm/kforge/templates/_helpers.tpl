@@ -32,6 +32,21 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s-%s" (index . 0).Release.Name (index . 1) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* A component's pod selector as a label selector string (k=v,...); argument: (list $ "evaluator"). */}}
+{{- define "kforge.selectorString" -}}
+{{- $labels := include "kforge.selector" . | fromYaml -}}
+{{- $pairs := list -}}
+{{- range $key := keys $labels | sortAlpha -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key (index $labels $key | toString)) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
+{{/* Whether the orchestrator balances over the GPU pools through the Kubernetes API ("true" or ""). */}}
+{{- define "kforge.discovery" -}}
+{{- if .Values.orchestrator.discovery.enabled -}}true{{- end -}}
+{{- end -}}
+
 {{- define "kforge.tokenSecret" -}}
 {{- default (printf "%s-kforge-token" .Release.Name) .Values.auth.existingSecret -}}
 {{- end -}}
@@ -67,7 +82,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $name := index . 1 -}}
 {{- $values := index $root.Values $name -}}
 {{- $table := deepCopy ($values.config | default dict) -}}
-{{- $owned := dict "orchestrator" (list "server" "peers" "store" "instance") "evaluator" (list "server" "work_dir" "sandbox") -}}
+{{- $owned := dict "orchestrator" (list "server" "peers" "store" "instance" "discovery") "evaluator" (list "server" "work_dir" "sandbox") -}}
 {{- range $key := (index $owned $name | default (list "server")) -}}
 {{- if hasKey $table $key -}}
 {{- fail (printf "%s.config.%s is set by the chart (helm/kforge/README.md, \"Keys the chart sets\"); use the chart's values instead" $name $key) -}}
@@ -78,10 +93,23 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $client := dict "auth" (dict "token_file" "/var/run/kforge/token/token") -}}
 {{- if $root.Values.tls.enabled -}}
 {{- $_ := set $client "tls_ca_file" "/var/run/kforge/tls/ca.crt" -}}
+{{- if include "kforge.discovery" $root -}}
+{{- /* Discovered pods are called by address: verify the name of the evaluator's Service instead, which the
+       release's one certificate covers along with every other service's (tls_domain is one for all peers). */ -}}
+{{- $_ := set $client "tls_domain" (printf "%s.%s.svc" (include "kforge.name" (list $root "evaluator")) $root.Release.Namespace) -}}
+{{- end -}}
 {{- end -}}
 {{- $_ := set $table "peers" (dict "gateway" (include "kforge.url" (list $root "gateway")) "evaluator" (include "kforge.url" (list $root "evaluator")) "reward" (include "kforge.url" (list $root "reward")) "profiler" (include "kforge.url" (list $root "profiler")) "client" $client) -}}
 {{- if not $values.database.existingSecret -}}
 {{- $_ := set $table "store" "sqlite:///var/lib/kforge/orchestrator.db" -}}
+{{- end -}}
+{{- if include "kforge.discovery" $root -}}
+{{- /* Each pool: its headless Service's EndpointSlices (port `grpc`) and exactly its pods, in the pod's own
+       namespace. Evaluator pods advertise their queue_capacity (kforge.dev/capacity, workloads.yaml), also the
+       fallback here; profiler pods advertise none and take the config's default (4). */ -}}
+{{- $evaluator := dict "service" (printf "%s-pods" (include "kforge.name" (list $root "evaluator"))) "port" "grpc" "pod_selector" (include "kforge.selectorString" (list $root "evaluator")) "capacity" (dig "queue_capacity" 64 ($root.Values.evaluator.config | default dict) | int) -}}
+{{- $profiler := dict "service" (printf "%s-pods" (include "kforge.name" (list $root "profiler"))) "port" "grpc" "pod_selector" (include "kforge.selectorString" (list $root "profiler")) -}}
+{{- $_ := set $table "discovery" (dict "evaluator" $evaluator "profiler" $profiler) -}}
 {{- end -}}
 {{- else if eq $name "evaluator" -}}
 {{- $_ := set $table "work_dir" "/var/lib/kforge/evaluator" -}}
