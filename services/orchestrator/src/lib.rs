@@ -393,9 +393,10 @@ impl OrchestratorService {
     async fn connect(&self, plan: &Plan) -> Result<Peers, OrchestratorError> {
         let peers = &self.config.peers;
         let channel = |peer, url| self.channel(peer, url);
+        let gateway = pb::gateway_client::GatewayClient::new(channel("gateway", &peers.gateway).await?);
         self.evaluators.check().await?;
         Ok(Peers {
-            gateway: pb::gateway_client::GatewayClient::new(channel("gateway", &peers.gateway).await?),
+            gateway,
             evaluator: self.evaluators.clone(),
             reward: pb::reward_client::RewardClient::new(channel("reward", &peers.reward).await?),
             profiler: match (plan.recipe, plan.spec.backend()) {
