@@ -10,21 +10,9 @@ use kforge::mesh::{MeshConfig, Service};
 use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use serde_json::{Value, json};
-use support::{start_mesh, submit_and_follow};
+use support::{python, start_mesh, submit_and_follow};
 
 mod support;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The repository's venv (scripts/setup.sh --test): the evaluator runs in it, so the test fails, naming it, where
-/// it is missing.
-fn python() -> PathBuf {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    python
-}
 
 /// Whether the venv has pyarrow (scripts/setup.sh --test installs it). Without it, reading the Parquet file back
 /// is a visible `SKIP:`, or a failure under `KFORGE_CI=1`.

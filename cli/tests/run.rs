@@ -9,20 +9,9 @@ use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
-use support::{start_mesh, submit_and_follow};
+use support::{python, start_mesh, submit_and_follow};
 
 mod support;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The repository's venv (scripts/setup.sh --test): these tests fail, naming it, where it is missing.
-fn python() -> PathBuf {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    python
-}
 
 /// The evaluator's caches for one test, under cargo's target directory.
 fn evaluator_work_dir(test: &str) -> PathBuf {

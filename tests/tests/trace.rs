@@ -6,60 +6,20 @@
 
 #![allow(unsafe_code)]
 
-use std::sync::{Arc, Mutex};
-
 use kforge::mesh::{MeshConfig, Service};
 use kforge_proto::v1 as pb;
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
-use opentelemetry_proto::tonic::common::v1::any_value::Value;
-use opentelemetry_proto::tonic::trace::v1::Span;
+use otlp::{Collector, attribute};
 use tracing::Instrument;
 
-#[derive(Clone, Default)]
-struct Collector {
-    spans: Arc<Mutex<Vec<Span>>>,
-}
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let spans = request.into_inner().resource_spans.into_iter().flat_map(|r| r.scope_spans).flat_map(|s| s.spans);
-        self.spans.lock().expect("collector lock").extend(spans);
-        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
-    }
-}
-
-fn attribute<'a>(span: &'a Span, key: &str) -> Option<&'a str> {
-    span.attributes.iter().find(|kv| kv.key == key).and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
-        Value::StringValue(s) => Some(s.as_str()),
-        _ => None,
-    })
-}
+mod otlp;
 
 #[test]
 fn one_trace_spans_the_caller_and_both_services() {
-    // Bound before the runtime exists, so its address can go into the environment while this is the only thread.
-    let collector_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("collector binds");
-    let collector_addr = collector_listener.local_addr().expect("collector address");
-    // SAFETY: no other thread exists yet in this test binary (one test, no runtime), so nothing reads the
-    // environment concurrently.
-    unsafe {
-        std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{collector_addr}"));
-        std::env::set_var("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc");
-    }
+    // SAFETY: no other thread exists yet in this test binary (one test, no runtime).
+    let collector_listener = unsafe { otlp::point_exporter_here() };
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async move {
-        let collector = Collector::default();
-        collector_listener.set_nonblocking(true).expect("nonblocking");
-        let listener = tokio::net::TcpListener::from_std(collector_listener).expect("tokio listener");
-        let server = tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
-        let collector_task = tokio::spawn(server);
+        let (collector, collector_task) = Collector::serve(collector_listener);
 
         let telemetry = kforge_telemetry::init("kforge-trace-test", "info").expect("telemetry");
         assert!(telemetry.exporting(), "OTEL_EXPORTER_OTLP_ENDPOINT switches export on");
@@ -96,12 +56,15 @@ fn one_trace_spans_the_caller_and_both_services() {
         .await
         .expect("flush thread");
 
-        let spans = collector.spans.lock().expect("collector lock").clone();
+        let spans = collector.spans();
         let root = spans.iter().find(|s| s.name == "trainer.step").expect("the caller's span reached the collector");
         let server_span = |service: &str, name: &str| {
-            spans.iter().find(|s| attribute(s, "kforge.service") == Some(service) && s.name == name).unwrap_or_else(
-                || panic!("no {name} span from {service}: {:?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>()),
-            )
+            spans
+                .iter()
+                .find(|s| attribute(s, "kforge.service").as_deref() == Some(service) && s.name == name)
+                .unwrap_or_else(|| {
+                    panic!("no {name} span from {service}: {:?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>())
+                })
         };
         let reward_span = server_span("reward", "kforge.v1.Reward/ComputeReturns");
         let orchestrator_span = server_span("orchestrator", "kforge.v1.Orchestrator/GetJob");
