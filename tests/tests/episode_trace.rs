@@ -29,36 +29,20 @@ const RELU: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.p
 
 /// The replay file: task `relu`, trajectories 0 and 1, turns 0 and 1, each a kernel in one fenced block.
 fn replay_file(dir: &Path) -> PathBuf {
-    let text = json_string(&format!("I wrote ModelNew.\n\n```python\n{RELU}```\n"));
+    let text = format!("I wrote ModelNew.\n\n```python\n{RELU}```\n");
     let mut lines = String::new();
     for trajectory in 0..2 {
         for turn in 0..2 {
-            lines.push_str(&format!(
-                "{{\"task_id\": \"relu\", \"trajectory\": {trajectory}, \"turn\": {turn}, \
-                 \"completions\": [{{\"text\": {text}}}]}}\n"
-            ));
+            let record = serde_json::json!({
+                "task_id": "relu", "trajectory": trajectory, "turn": turn, "completions": [{"text": text}],
+            });
+            lines.push_str(&format!("{record}\n"));
         }
     }
     std::fs::create_dir_all(dir).expect("replay dir");
     let file = dir.join("replay.jsonl");
     std::fs::write(&file, lines).expect("replay written");
     file
-}
-
-/// `text` as a JSON string literal.
-fn json_string(text: &str) -> String {
-    let mut out = String::from("\"");
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[test]
