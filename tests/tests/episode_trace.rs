@@ -97,13 +97,7 @@ fn each_episode_is_one_trace_across_the_services() {
         assert_eq!(job.state(), pb::JobState::Succeeded, "{}", job.error);
         mesh.shutdown().await.expect("mesh drains");
 
-        // force_flush blocks until the exporter has sent everything; the runtime must keep running meanwhile.
-        let telemetry = tokio::task::spawn_blocking(move || {
-            assert!(telemetry.flush(), "spans exported");
-            telemetry
-        })
-        .await
-        .expect("flush thread");
+        let telemetry = otlp::flush(telemetry).await;
         let spans = collector.spans();
         let names = || spans.iter().map(|s| s.name.as_str()).collect::<Vec<_>>();
 

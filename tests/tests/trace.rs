@@ -48,13 +48,7 @@ fn one_trace_spans_the_caller_and_both_services() {
         .await;
         mesh.shutdown().await.expect("mesh drains");
 
-        // force_flush blocks until the exporter has sent everything; the runtime must keep running meanwhile.
-        let telemetry = tokio::task::spawn_blocking(move || {
-            assert!(telemetry.flush(), "spans exported");
-            telemetry
-        })
-        .await
-        .expect("flush thread");
+        let telemetry = otlp::flush(telemetry).await;
 
         let spans = collector.spans();
         let root = spans.iter().find(|s| s.name == "trainer.step").expect("the caller's span reached the collector");

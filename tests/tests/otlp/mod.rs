@@ -60,6 +60,17 @@ pub unsafe fn point_exporter_here() -> std::net::TcpListener {
     listener
 }
 
+/// Waits until the exporter has sent every span. force_flush blocks, and the runtime must keep running meanwhile:
+/// it runs on a blocking thread.
+pub async fn flush(telemetry: kforge_telemetry::TelemetryGuard) -> kforge_telemetry::TelemetryGuard {
+    tokio::task::spawn_blocking(move || {
+        assert!(telemetry.flush(), "spans exported");
+        telemetry
+    })
+    .await
+    .expect("flush thread")
+}
+
 /// A span's string (or integer, as text) attribute.
 pub fn attribute(span: &Span, key: &str) -> Option<String> {
     span.attributes.iter().find(|kv| kv.key == key).and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
