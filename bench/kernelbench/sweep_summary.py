@@ -2,7 +2,8 @@
 
     python3 bench/kernelbench/sweep_summary.py SWEEP.jsonl [MORE.jsonl ...] > summary.md
 
-Per kind of candidate (`reproduce`, `analytical`, `partial`): verdicts and finding codes; for the reproducing
+Per kind of candidate (`reproduce`, `analytical`, `partial`), and per pass (`cold`, `warm`) where the sweep ran
+with `--again`: verdicts and finding codes; for the reproducing
 candidates, wall time per evaluation (p50, p95, max; from submission to result, with `--in-flight` bounding what
 was submitted at once), the stage that dominated each of the slowest, and peak device memory (the candidate's
 process and the task's reference). Then one row per evaluation.
@@ -38,7 +39,8 @@ def main():
     print(f"# KernelBench sweep: {len(rows)} evaluations ({', '.join(sys.argv[1:])})\n")
     by_kind = collections.defaultdict(list)
     for row in rows:
-        by_kind[row.get("kind") or "-"].append(row)
+        kind = row.get("kind") or "-"
+        by_kind[f"{kind}, {row['pass']}" if row.get("pass") else kind].append(row)
     for kind, group in by_kind.items():
         verdicts = collections.Counter(r.get("verdict") or f"REFUSED {r.get('refused', '')[:60]}" for r in group)
         codes = collections.Counter(f["code"] for r in group for f in r.get("findings", []))
@@ -58,17 +60,17 @@ def main():
                 f"{r['task']} {r['wall_s']:.0f} s ({dominant(r.get('stage_ms'))[0]} "
                 f"{dominant(r.get('stage_ms'))[1] / 1000:.0f} s)" for r in slowest) + "\n")
     print("## Every evaluation\n")
-    print("| task | kind | verdict | wall s | queue_device s | run s | check s | timing s | cand peak GiB | "
+    print("| task | kind | pass | verdict | wall s | queue_device s | run s | check s | timing s | cand peak GiB | "
           "ref peak GiB | findings |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r.get("task", ""), r.get("kind", ""))):
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r.get("task", ""), r.get("kind", ""), r.get("pass", ""))):
         s = r.get("stage_ms") or {}
         sec = lambda k: f"{s[k] / 1000:.1f}" if k in s else "-"  # noqa: E731
         codes = " ".join(f["code"] for f in r.get("findings", []))
         verdict = r.get("verdict") or "REFUSED"
         if r.get("error") and verdict != "VERDICT_CORRECT":
             codes += " " + r["error"][:80].replace("|", "/").replace("\n", " ")
-        print(f"| {r.get('task')} | {r.get('kind')} | {verdict} | {r.get('wall_s', 0):.1f} | {sec('queue_device')} | "
+        print(f"| {r.get('task')} | {r.get('kind')} | {r.get('pass', '-')} | {verdict} | {r.get('wall_s', 0):.1f} | {sec('queue_device')} | "
               f"{sec('run')} | {sec('check')} | {sec('timing')} | {gib(r.get('device_peak_bytes'))} | "
               f"{gib(r.get('reference_peak_bytes'))} | {codes} |")
 

@@ -5,9 +5,12 @@
 //! evaluator-kernelbench --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out FILE]
 //!                       [--no-torch-compile] [--trials N] [--only SUBSTRING] [--gpu-slots N] [--in-flight N]
 //!                       [--no-landlock]
-//!                       [--no-network-namespace]
+//!                       [--no-network-namespace] [--again]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py` writes (candidates and manifest.json).
+//! `--again` evaluates each candidate a second time as soon as its first evaluation ends (its compile, reference
+//! outputs and baselines then cached): each line says its `pass`, `cold` or `warm`, so a sweep cut short still has
+//! both figures for every task it finished.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -29,6 +32,7 @@ struct Args {
     in_flight: Option<usize>,
     landlock: bool,
     network_namespace: bool,
+    again: bool,
 }
 
 fn args() -> Result<Args, String> {
@@ -45,6 +49,7 @@ fn args() -> Result<Args, String> {
         in_flight: None,
         landlock: true,
         network_namespace: true,
+        again: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -62,6 +67,7 @@ fn args() -> Result<Args, String> {
             "--no-torch-compile" => args.torch_compile = false,
             "--no-landlock" => args.landlock = false,
             "--no-network-namespace" => args.network_namespace = false,
+            "--again" => args.again = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -138,83 +144,90 @@ async fn run(args: Args) -> std::process::ExitCode {
         };
         let evaluator = evaluator.clone();
         let trials = args.trials;
+        let passes: &[&'static str] = if args.again { &["cold", "warm"] } else { &["cold"] };
         let in_flight = in_flight.clone();
         running.spawn(async move {
             let _permit = in_flight.acquire_owned().await.expect("never closed");
-            let request = pb::EvaluateRequest {
-                request_id: format!("{task}:{}", backend.as_str_name()),
-                task: Some(pb::Task { task_id: task.clone(), source: task_source }),
-                candidate_source,
-                backend: backend.into(),
-                correctness_trials: trials,
-                measure_performance: true,
-                census: true,
-                ..Default::default()
-            };
-            let began = Instant::now();
-            let result = evaluator.evaluate(request).await;
-            (task, kind, backend, result, began.elapsed())
+            let mut results = Vec::with_capacity(passes.len());
+            for &pass in passes {
+                let request = pb::EvaluateRequest {
+                    request_id: format!("{task}:{}:{pass}", backend.as_str_name()),
+                    task: Some(pb::Task { task_id: task.clone(), source: task_source.clone() }),
+                    candidate_source: candidate_source.clone(),
+                    backend: backend.into(),
+                    correctness_trials: trials,
+                    measure_performance: true,
+                    census: true,
+                    ..Default::default()
+                };
+                let began = Instant::now();
+                let result = evaluator.evaluate(request).await;
+                results.push((pass, result, began.elapsed()));
+            }
+            (task, kind, backend, results)
         });
     }
     // Each line is appended as it finishes, so a run cut short keeps what it measured.
     let mut out = args.out.as_ref().map(|path| std::fs::File::create(path).map(std::io::BufWriter::new));
     let mut lines = 0usize;
     while let Some(joined) = running.join_next().await {
-        let Ok((task, kind, backend, result, elapsed)) = joined else { continue };
-        let line = match result {
-            Ok(r) => {
-                let verdict = pb::Verdict::try_from(r.verdict).map_or("?", |v| v.as_str_name());
-                let median = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.median_ms);
-                let iqr = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.iqr_ms);
-                let samples = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.samples_ms.len());
-                println!(
-                    "{task:<55} {:<14} {verdict:<22} PR {:.3} eager x{:<7.3} compile x{:<7.3} cand {:>9.4} ms eager {:>9.4} ms compile {:>9.4} ms  wall {:>6.1} s",
-                    backend.as_str_name(),
-                    r.profiling_ratio,
-                    r.speedup_eager,
-                    r.speedup_compile,
-                    median(&r.candidate_timing).unwrap_or(0.0),
-                    median(&r.eager_timing).unwrap_or(0.0),
-                    median(&r.compile_timing).unwrap_or(0.0),
-                    elapsed.as_secs_f64()
-                );
-                for finding in &r.findings {
-                    println!("    finding {}: {}", finding.code, finding.message);
+        let Ok((task, kind, backend, results)) = joined else { continue };
+        for (pass, result, elapsed) in results {
+            let line = match result {
+                Ok(r) => {
+                    let verdict = pb::Verdict::try_from(r.verdict).map_or("?", |v| v.as_str_name());
+                    let median = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.median_ms);
+                    let iqr = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.iqr_ms);
+                    let samples = |t: &Option<pb::TimingStats>| t.as_ref().map(|t| t.samples_ms.len());
+                    println!(
+                        "{task:<55} {pass:<4} {:<14} {verdict:<22} PR {:.3} eager x{:<7.3} compile x{:<7.3} cand {:>9.4} ms eager {:>9.4} ms compile {:>9.4} ms  wall {:>6.1} s",
+                        backend.as_str_name(),
+                        r.profiling_ratio,
+                        r.speedup_eager,
+                        r.speedup_compile,
+                        median(&r.candidate_timing).unwrap_or(0.0),
+                        median(&r.eager_timing).unwrap_or(0.0),
+                        median(&r.compile_timing).unwrap_or(0.0),
+                        elapsed.as_secs_f64()
+                    );
+                    for finding in &r.findings {
+                        println!("    finding {}: {}", finding.code, finding.message);
+                    }
+                    if !r.error.is_empty() || !r.compile_log.is_empty() {
+                        let text = if r.error.is_empty() { &r.compile_log } else { &r.error };
+                        let tail: String = text.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
+                        println!("    {}", tail.replace('\n', "\n    "));
+                    }
+                    json!({
+                        "task": task, "kind": kind, "pass": pass, "backend": backend.as_str_name(), "verdict": verdict,
+                        "device_peak_bytes": r.device_peak_bytes, "reference_peak_bytes": r.reference_peak_bytes,
+                        "speedup_eager": r.speedup_eager, "speedup_compile": r.speedup_compile,
+                        "candidate_median_ms": median(&r.candidate_timing), "candidate_iqr_ms": iqr(&r.candidate_timing),
+                        "candidate_samples": samples(&r.candidate_timing),
+                        "eager_median_ms": median(&r.eager_timing), "eager_iqr_ms": iqr(&r.eager_timing),
+                        "eager_samples": samples(&r.eager_timing),
+                        "compile_median_ms": median(&r.compile_timing),
+                        "profiling_ratio": r.profiling_ratio,
+                        "findings": r.findings.iter().map(|f| json!({"code": f.code, "message": f.message})).collect::<Vec<_>>(),
+                        "kernels": r.kernels.iter().filter(|k| k.mode == "train/no_grad").map(|k| json!({"name": k.name, "own": k.own, "launches": k.launches, "total_ms": k.total_ms})).collect::<Vec<_>>(),
+                        "stage_ms": r.stage_ms, "compile_cache_hit": r.compile_cache_hit, "device": r.device,
+                        "mismatch": r.mismatch.map(|m| json!({"trial": m.trial, "index": m.element_index, "expected": m.expected, "got": m.got, "max_abs": m.max_abs_error, "detail": m.detail})),
+                        "error": r.error.chars().take(2000).collect::<String>(),
+                        "compile_log": r.compile_log.chars().rev().take(2000).collect::<String>().chars().rev().collect::<String>(),
+                        "wall_s": elapsed.as_secs_f64(),
+                    })
                 }
-                if !r.error.is_empty() || !r.compile_log.is_empty() {
-                    let text = if r.error.is_empty() { &r.compile_log } else { &r.error };
-                    let tail: String = text.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
-                    println!("    {}", tail.replace('\n', "\n    "));
+                Err(error) => {
+                    println!("{task:<55} {:<14} REFUSED {error}", backend.as_str_name());
+                    json!({"task": task, "kind": kind, "pass": pass, "backend": backend.as_str_name(), "refused": error.to_string()})
                 }
-                json!({
-                    "task": task, "kind": kind, "backend": backend.as_str_name(), "verdict": verdict,
-                    "device_peak_bytes": r.device_peak_bytes, "reference_peak_bytes": r.reference_peak_bytes,
-                    "speedup_eager": r.speedup_eager, "speedup_compile": r.speedup_compile,
-                    "candidate_median_ms": median(&r.candidate_timing), "candidate_iqr_ms": iqr(&r.candidate_timing),
-                    "candidate_samples": samples(&r.candidate_timing),
-                    "eager_median_ms": median(&r.eager_timing), "eager_iqr_ms": iqr(&r.eager_timing),
-                    "eager_samples": samples(&r.eager_timing),
-                    "compile_median_ms": median(&r.compile_timing),
-                    "profiling_ratio": r.profiling_ratio,
-                    "findings": r.findings.iter().map(|f| json!({"code": f.code, "message": f.message})).collect::<Vec<_>>(),
-                    "kernels": r.kernels.iter().filter(|k| k.mode == "train/no_grad").map(|k| json!({"name": k.name, "own": k.own, "launches": k.launches, "total_ms": k.total_ms})).collect::<Vec<_>>(),
-                    "stage_ms": r.stage_ms, "compile_cache_hit": r.compile_cache_hit, "device": r.device,
-                    "mismatch": r.mismatch.map(|m| json!({"trial": m.trial, "index": m.element_index, "expected": m.expected, "got": m.got, "max_abs": m.max_abs_error, "detail": m.detail})),
-                    "error": r.error.chars().take(2000).collect::<String>(),
-                    "compile_log": r.compile_log.chars().rev().take(2000).collect::<String>().chars().rev().collect::<String>(),
-                    "wall_s": elapsed.as_secs_f64(),
-                })
-            }
-            Err(error) => {
-                println!("{task:<55} {:<14} REFUSED {error}", backend.as_str_name());
-                json!({"task": task, "kind": kind, "backend": backend.as_str_name(), "refused": error.to_string()})
-            }
-        };
-        lines += 1;
-        if let Some(Ok(writer)) = out.as_mut() {
-            use std::io::Write;
-            if let Err(error) = writeln!(writer, "{line}").and_then(|()| writer.flush()) {
-                eprintln!("evaluator-kernelbench: writing results: {error}");
+            };
+            lines += 1;
+            if let Some(Ok(writer)) = out.as_mut() {
+                use std::io::Write;
+                if let Err(error) = writeln!(writer, "{line}").and_then(|()| writer.flush()) {
+                    eprintln!("evaluator-kernelbench: writing results: {error}");
+                }
             }
         }
     }

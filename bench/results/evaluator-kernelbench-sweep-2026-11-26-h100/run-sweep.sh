@@ -1,0 +1,33 @@
+#!/bin/bash
+# KernelBench sweep over all tasks of levels 1-3 (plus the six loss shortcuts), resumable across commands and
+# machines: each candidate is evaluated cold and then at once again warm (`--again`: compile, reference outputs and
+# baselines cached), 6 evaluations in flight on 6 GPU slots, tasks in a seeded random order. A task counts as done
+# once its warm line exists, in this machine's /tmp/res or in results carried from earlier machines (.kb/done/).
+cd "$(dirname "$0")/../../.."
+T0=$(date +%s)
+D=$OUT/${NAME:?}; R=/tmp/res; mkdir -p $D $R target/release && cp .kb/bin/* target/release/
+[ -f $R/machine.txt ] || { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; free -g; df -h / /tmp; cat .kb/bin/COMMIT; } > $R/machine.txt 2>&1
+trap 'kill $LOGGER 2>/dev/null; cp $R/*.jsonl $R/machine.txt $D/ 2>/dev/null; tar czf $D/logs.tgz -C $R . 2>/dev/null' EXIT
+if [ ! -d /tmp/cand ]; then
+  python3 bench/kernelbench/make_candidates.py --reproduce .kb/kernelbench /tmp/cand 1 2 3 > /dev/null
+  python3 bench/kernelbench/make_candidates.py --loss-shortcuts /tmp/ls > /dev/null; cp /tmp/ls/*.py /tmp/cand/
+  python3 -c "import json;a=json.load(open('/tmp/ls/manifest.json'));b=json.load(open('/tmp/cand/manifest.json'));json.dump(a+b,open('/tmp/cand/all.json','w'))"
+fi
+rm -rf /tmp/todo && mkdir -p /tmp/todo && cp -r /tmp/cand/. /tmp/todo/
+LEFT=$(python3 -c "
+import json,glob,random
+done={(x['task'],x.get('kind')) for f in glob.glob('$R/sweep-*.jsonl')+glob.glob('.kb/done/*.jsonl') for x in map(json.loads,filter(str.strip,open(f))) if x.get('pass')=='warm'}
+m=[e for e in json.load(open('/tmp/cand/all.json')) if (e['task'],e.get('kind')) not in done]
+random.Random(0).shuffle(m)  # large level-1 tasks beside small ones of every level
+json.dump(m,open('/tmp/todo/manifest.json','w')); print(len(m))")
+echo "$LEFT left"
+( while true; do echo "$(( $(date +%s) - T0 )) $(df -BG --output=used,avail / | tail -1 | tr -s ' ') $(free -g | awk '/Mem/{print $3}') $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; sleep 10; done >> $R/usage-$T0.log 2>&1 ) > /dev/null 2>&1 &
+LOGGER=$!
+if [ "$LEFT" != 0 ]; then
+  timeout $(( ${BUDGET:-570} - ($(date +%s) - T0) )) target/release/evaluator-kernelbench --kernelbench .kb/kernelbench \
+    --python $(which python3) --work /tmp/kfs --no-torch-compile --again --candidates /tmp/todo --gpu-slots 6 \
+    --in-flight 6 --out $R/sweep-$T0.jsonl > $R/sweep-$T0.log 2>&1
+  echo "rc=$? $(( $(date +%s) - T0 )) s, $(grep -c . $R/sweep-$T0.jsonl) lines"
+fi
+python3 bench/kernelbench/sweep_summary.py $R/sweep-*.jsonl .kb/done/*.jsonl 2>&1 | tail -40
+echo "total $(( $(date +%s) - T0 )) s"; df -h / | tail -1
