@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use crate::balance::Balancer;
+use crate::config::{InFlightConfig, RetryConfig};
 use crate::monitoring::OrchestratorMetrics;
 
 /// Clients of the services a job calls, and the limits and metrics shared by every job of this orchestrator.
@@ -49,6 +50,24 @@ pub struct RetryPolicy {
     /// The wait after the first failure; doubled after each later one, up to `max_backoff`.
     pub initial_backoff: Duration,
     pub max_backoff: Duration,
+}
+
+impl Limits {
+    /// A semaphore of each peer's `max_in_flight` places (at least one), and the retry policy.
+    pub fn new(in_flight: &InFlightConfig, retry: &RetryConfig) -> Self {
+        let permits = |n: u32| Semaphore::new((n as usize).max(1));
+        Self {
+            gateway: permits(in_flight.gateway),
+            evaluator: permits(in_flight.evaluator),
+            reward: permits(in_flight.reward),
+            profiler: permits(in_flight.profiler),
+            retry: RetryPolicy {
+                attempts: retry.attempts.max(1),
+                initial_backoff: Duration::from_millis(retry.initial_backoff_ms),
+                max_backoff: Duration::from_millis(retry.max_backoff_ms),
+            },
+        }
+    }
 }
 
 impl RetryPolicy {
