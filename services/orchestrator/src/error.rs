@@ -1,6 +1,9 @@
-//! The orchestrator's errors and their one mapping to gRPC codes.
+//! The orchestrator's errors and their one mapping to gRPC codes, and the store's errors as the handlers return
+//! them.
 
 use tonic::{Code, Status};
+
+use crate::store::StoreError;
 
 /// Why an orchestrator call failed.
 #[derive(Debug, thiserror::Error)]
@@ -34,5 +37,15 @@ impl From<OrchestratorError> for Status {
             OrchestratorError::PeerUnavailable { .. } => Code::Unavailable,
         };
         Status::new(code, error.to_string())
+    }
+}
+
+/// A store failure as a handler returns it: UNAVAILABLE, except a stored record that no longer decodes (DATA_LOSS).
+pub(crate) fn store_status(error: StoreError) -> Status {
+    match &error {
+        StoreError::Database(_) | StoreError::Migration(_) | StoreError::BadUrl { .. } => {
+            Status::unavailable(error.to_string())
+        }
+        StoreError::Corrupt { .. } => Status::data_loss(error.to_string()),
     }
 }

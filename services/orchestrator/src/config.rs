@@ -1,0 +1,221 @@
+//! The orchestrator's configuration, the `[orchestrator]` section of kforge.toml: where it listens, its peers and
+//! how many calls each may take at once, its store, its instance name and leases, the GPU pools to discover, and
+//! how a busy evaluator is retried. Deserialized with unknown keys refused; every field has a default, so an empty
+//! section serves on loopback with the default ports (docs/ORCHESTRATOR.md, "Configuration").
+
+use std::sync::Arc;
+
+use kforge_server::client::ClientConfig;
+use kforge_server::{ServerConfig, ServiceConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::store;
+
+/// Configuration of the Orchestrator service (`[orchestrator]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OrchestratorConfig {
+    pub server: ServerConfig,
+    /// The services a job calls (`[orchestrator.peers]`).
+    pub peers: PeersConfig,
+    /// Episodes run at once per job when its spec names no limit. Default 4.
+    pub max_concurrent_episodes: u32,
+    /// Where jobs and turns are kept: `postgres://...`, `sqlite://PATH`, a file path, or `sqlite::memory:`.
+    /// Empty (the default): `orchestrator.db` under `$XDG_STATE_HOME/kforge` (else `~/.local/state/kforge`).
+    pub store: String,
+    /// What a commit to a SQLite store survives: `process` (a killed orchestrator; the default) or `power_loss`
+    /// (every commit synced to disk, slower).
+    pub store_durability: store::Durability,
+    /// This orchestrator's name in the store: it owns the jobs submitted to it (or resumed by it) and, with
+    /// `resume_on_start`, resumes those left unfinished when it starts. Two orchestrators sharing a store need two
+    /// names. Default `default`.
+    pub instance: String,
+    /// Resume this instance's queued and running jobs at start. Default true.
+    pub resume_on_start: bool,
+    /// Take over, while serving, the queued and running jobs of other instances whose lease ran out (a replica
+    /// that died and does not come back under its name), checking at a third of `lease_ms`; the store's claim lets
+    /// one replica have each. Default false: `kforge run`'s interrupted jobs wait for `--resume`. The chart turns it
+    /// on for its replicas.
+    pub take_over_orphans: bool,
+    /// How long a job stays this instance's after its last renewal (renewed at a third of it while the job runs):
+    /// another instance's ResumeJob may take the job over only after that. Default 30000.
+    pub lease_ms: u64,
+    /// Calls in flight to each peer across every job (`[orchestrator.max_in_flight]`).
+    pub max_in_flight: InFlightConfig,
+    /// Evaluator and profiler pods to balance calls over, by their capacity (`[orchestrator.discovery.*]`); a peer
+    /// without one is called at its `peers` URL.
+    pub discovery: DiscoveriesConfig,
+    /// Retries of a busy evaluator or a retryable infrastructure error (`[orchestrator.retry]`).
+    pub retry: RetryConfig,
+}
+
+/// Calls in flight to each peer, across every job: the orchestrator's share of each service, handed out first
+/// come, first served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InFlightConfig {
+    /// Default 256.
+    pub gateway: u32,
+    /// Default 64 (the evaluator queues and admits by its own resources; this bounds what waits there).
+    pub evaluator: u32,
+    /// Default 64.
+    pub reward: u32,
+    /// Default 8 (each profile holds a GPU alone for seconds; `cudaforge` profiles every correct kernel).
+    pub profiler: u32,
+}
+
+impl Default for InFlightConfig {
+    fn default() -> Self {
+        Self { gateway: 256, evaluator: 64, reward: 64, profiler: 8 }
+    }
+}
+
+/// Backoff of evaluations answered RESOURCE_EXHAUSTED or with a retryable VERDICT_INFRA_ERROR.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Calls in all, the first included; the last answer is recorded (an infra error is never scored). Default 8.
+    pub attempts: u32,
+    /// Wait after the first failure, doubled after each later one. Default 250.
+    pub initial_backoff_ms: u64,
+    /// Longest wait. Default 15000.
+    pub max_backoff_ms: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self { attempts: 8, initial_backoff_ms: 250, max_backoff_ms: 15_000 }
+    }
+}
+
+/// The GPU pools whose endpoints are discovered (`balance.rs`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveriesConfig {
+    pub evaluator: Option<DiscoveryConfig>,
+    pub profiler: Option<DiscoveryConfig>,
+}
+
+/// Where a pool's endpoints are: a static list (`endpoints`, one machine or a cluster without API access) or a
+/// Kubernetes Service whose EndpointSlices are watched (`service`). Exactly one of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// `host:port` addresses (IP addresses), each taking `capacity` calls.
+    pub endpoints: Vec<String>,
+    /// The (headless) Service's name.
+    pub service: String,
+    /// Its namespace; empty: the client's (in a pod, the pod's own).
+    pub namespace: String,
+    /// The Service port's name. Default `grpc`.
+    pub port: String,
+    /// Label selector of the Service's pods, whose `kforge.dev/capacity` annotation gives each one's capacity.
+    pub pod_selector: String,
+    /// Calls an endpoint takes at once when nothing says otherwise. Default 4.
+    pub capacity: u32,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            service: String::new(),
+            namespace: String::new(),
+            port: "grpc".into(),
+            pod_selector: String::new(),
+            capacity: 4,
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    /// Starts the discovery this config names; `key` is its config path, for errors.
+    pub(crate) async fn start(&self, key: &str) -> Result<Arc<dyn kforge_discovery::Discovery>, String> {
+        match (self.endpoints.is_empty(), self.service.is_empty()) {
+            (false, true) => {
+                let mut addresses = Vec::new();
+                for (i, text) in self.endpoints.iter().enumerate() {
+                    let address: std::net::SocketAddr =
+                        text.parse().map_err(|e| format!("{key}.endpoints[{i}]: {text:?} is not an ip:port: {e}"))?;
+                    addresses.push(address);
+                }
+                Ok(Arc::new(kforge_discovery::StaticDiscovery::from_addresses(addresses, self.capacity.max(1))))
+            }
+            (true, false) => {
+                let target = kforge_discovery::KubeTarget {
+                    namespace: self.namespace.clone(),
+                    service: self.service.clone(),
+                    port_name: self.port.clone(),
+                    pod_selector: self.pod_selector.clone(),
+                    default_capacity: self.capacity.max(1),
+                };
+                let discovery = kforge_discovery::KubeDiscovery::start_in_environment(target).await.map_err(|e| {
+                    format!("{key}.service: no Kubernetes API client (a pod's service account, or KUBECONFIG): {e}")
+                })?;
+                Ok(Arc::new(discovery))
+            }
+            _ => Err(format!("{key}: name exactly one of `endpoints` (a static list) and `service` (Kubernetes)")),
+        }
+    }
+}
+
+/// Where the orchestrator's peers listen. `kforge up` and `kforge run` set these to the in-process services.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeersConfig {
+    /// The gateway's URL. Default `http://127.0.0.1:50054`.
+    pub gateway: String,
+    /// The evaluator's URL. Default `http://127.0.0.1:50051`.
+    pub evaluator: String,
+    /// The reward service's URL. Default `http://127.0.0.1:50053`.
+    pub reward: String,
+    /// The profiler's URL, called by `cudaforge` jobs on a GPU backend. Default `http://127.0.0.1:50052`.
+    pub profiler: String,
+    /// TLS and token for calling them.
+    pub client: ClientConfig,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        Self {
+            gateway: "http://127.0.0.1:50054".into(),
+            evaluator: "http://127.0.0.1:50051".into(),
+            reward: "http://127.0.0.1:50053".into(),
+            profiler: "http://127.0.0.1:50052".into(),
+            client: ClientConfig::default(),
+        }
+    }
+}
+
+impl Default for OrchestratorConfig {
+    fn default() -> Self {
+        Self {
+            server: ServerConfig::listening_on(([127, 0, 0, 1], 50055).into()),
+            peers: PeersConfig::default(),
+            max_concurrent_episodes: 4,
+            store: String::new(),
+            store_durability: store::Durability::default(),
+            instance: "default".into(),
+            resume_on_start: true,
+            take_over_orphans: false,
+            lease_ms: 30_000,
+            max_in_flight: InFlightConfig::default(),
+            discovery: DiscoveriesConfig::default(),
+            retry: RetryConfig::default(),
+        }
+    }
+}
+
+impl OrchestratorConfig {
+    /// The store's URL: `store`, or the default file.
+    pub fn store_url(&self) -> String {
+        if self.store.is_empty() { store::default_url() } else { self.store.clone() }
+    }
+}
+
+impl ServiceConfig for OrchestratorConfig {
+    const SECTION: &'static str = "orchestrator";
+    fn server(&self) -> &ServerConfig {
+        &self.server
+    }
+}

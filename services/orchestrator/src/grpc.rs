@@ -1,0 +1,367 @@
+//! The gRPC face of the service: `kforge.v1.Orchestrator`'s handlers. Each checks its request (INVALID_ARGUMENT
+//! naming the field), then calls the service (`service.rs`: submitting, resuming and cancelling jobs), the store
+//! (reading jobs, trajectories and samples), the step API (`job::step`) or the reward service (RejectMismatched),
+//! and maps what fails to a gRPC status (`error.rs`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::orchestrator_server::Orchestrator;
+use tonic::codegen::BoxStream;
+use tonic::{Request, Response, Status};
+
+use crate::error::{OrchestratorError, store_status};
+use crate::export::{self, parse_cursor};
+use crate::job::{self, Plan};
+use crate::service::{OrchestratorService, lease_until};
+use crate::{metrics, now, recipe, reward, store};
+
+#[tonic::async_trait]
+impl Orchestrator for OrchestratorService {
+    async fn submit_job(&self, request: Request<pb::SubmitJobRequest>) -> Result<Response<pb::Job>, Status> {
+        let request = request.into_inner();
+        let spec = request.spec.ok_or_else(|| OrchestratorError::invalid("spec", "required"))?;
+        if let Some(job) = self.store.job_by_key(&request.idempotency_key).await.map_err(store_status)? {
+            return Ok(Response::new(job));
+        }
+        // A KernelBench directory or a JSONL file is read from disk: off the async threads.
+        let plan = tokio::task::spawn_blocking(move || Plan::new(spec))
+            .await
+            .map_err(|error| Status::internal(format!("resolving the task set panicked: {error}")))??;
+        let peers = self.connect(&plan).await?;
+        let job = pb::Job {
+            job_id: self.next_job_id(),
+            spec: Some(plan.spec.clone()),
+            state: pb::JobState::Queued.into(),
+            episodes_total: plan.episodes(),
+            turns_total: plan.turns_total(),
+            metrics: Some(metrics::job_metrics(None, &[], 0.0)),
+            created_at: Some(now()),
+            updated_at: Some(now()),
+            ..Default::default()
+        };
+        let existing = self
+            .store
+            .create_job(&job, &request.idempotency_key, &self.config.instance, lease_until(self.lease()), &plan.tasks)
+            .await
+            .map_err(store_status)?;
+        if let Some(existing) = existing {
+            // A concurrent submission with the same key won.
+            return Ok(Response::new(existing));
+        }
+        tracing::info!(job_id = %job.job_id, "job submitted");
+        self.start(plan, job.clone(), peers);
+        Ok(Response::new(job))
+    }
+
+    async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
+        let job_id = request.into_inner().job_id;
+        // A job running here is read live; the store's snapshot of it is refreshed about once a second.
+        let live = self.running().get(&job_id).and_then(|running| running.updates.borrow().job.clone());
+        match live {
+            Some(job) => Ok(Response::new(job)),
+            None => Ok(Response::new(self.job(&job_id).await?)),
+        }
+    }
+
+    type WatchJobStream = BoxStream<pb::JobProgress>;
+
+    async fn watch_job(&self, request: Request<pb::WatchJobRequest>) -> Result<Response<Self::WatchJobStream>, Status> {
+        let job = self.job(&request.into_inner().job_id).await?;
+        let receiver = self.running().get(&job.job_id).map(|r| r.updates.clone());
+        // The job's task drops the sender once the job is terminal: the stream yields the last state and ends. A
+        // job not running here (finished, or interrupted and not resumed) is sent once, as stored.
+        let stream: Self::WatchJobStream = match receiver {
+            Some(receiver) => {
+                Box::pin(tokio_stream::StreamExt::map(tokio_stream::wrappers::WatchStream::new(receiver), Ok))
+            }
+            None => Box::pin(tokio_stream::once(Ok(pb::JobProgress {
+                job: Some(job),
+                in_flight: Some(pb::StageCounts::default()),
+                recorded: None,
+            }))),
+        };
+        Ok(Response::new(stream))
+    }
+
+    async fn list_jobs(&self, request: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let request = request.into_inner();
+        let before: Option<i64> = token("page_token", &request.page_token)?;
+        let page_size = match request.page_size {
+            0 => 50,
+            n => n.min(500),
+        };
+        let state = (request.state != pb::JobState::Unspecified as i32).then_some(request.state);
+        // One more than the page tells whether another page follows.
+        let mut listed = self.store.list_jobs(before, state, page_size + 1).await.map_err(store_status)?;
+        let more = listed.len() > page_size as usize;
+        listed.truncate(page_size as usize);
+        let next_page_token = match listed.last() {
+            Some(last) if more => last.seq.to_string(),
+            _ => String::new(),
+        };
+        Ok(Response::new(pb::ListJobsResponse { jobs: listed.into_iter().map(|l| l.job).collect(), next_page_token }))
+    }
+
+    async fn resume_job(&self, request: Request<pb::ResumeJobRequest>) -> Result<Response<pb::Job>, Status> {
+        Ok(Response::new(self.resume(&request.into_inner().job_id).await?))
+    }
+
+    async fn cancel_job(&self, request: Request<pb::CancelJobRequest>) -> Result<Response<pb::Job>, Status> {
+        let mut job = self.job(&request.into_inner().job_id).await?;
+        if is_terminal(job.state) {
+            return Ok(Response::new(job));
+        }
+        let running = self.running().get(&job.job_id).map(|running| running.cancel.clone());
+        if let Some(cancel) = running {
+            // Its task records CANCELLED once its episodes have stopped.
+            cancel.cancel();
+            return Ok(Response::new(job));
+        }
+        // Not running here: an interrupted job (so that no start resumes it), unless a live instance runs it.
+        let now_ms = lease_until(Duration::ZERO);
+        if let Err((owner, _)) =
+            self.store.claim(&job.job_id, &self.config.instance, now_ms, now_ms).await.map_err(store_status)?
+        {
+            let message = format!("{} runs on instance `{owner}`: cancel it there", job.job_id);
+            return Err(OrchestratorError::Precondition(message).into());
+        }
+        job.state = pb::JobState::Cancelled.into();
+        job.updated_at = Some(now());
+        self.store.put_job(&job).await.map_err(store_status)?;
+        Ok(Response::new(job))
+    }
+
+    async fn list_trajectories(
+        &self,
+        request: Request<pb::ListTrajectoriesRequest>,
+    ) -> Result<Response<pb::ListTrajectoriesResponse>, Status> {
+        let request = request.into_inner();
+        let job = self.job(&request.job_id).await?;
+        let offset: usize = token("page_token", &request.page_token)?.unwrap_or(0);
+        let page_size = match request.page_size {
+            0 => 100,
+            n => n as usize,
+        };
+        let mut trajectories: Vec<pb::Trajectory> = Vec::new();
+        for turn in self.store.turns(&job.job_id).await.map_err(store_status)? {
+            if !request.task_id.is_empty() && turn.task_id != request.task_id {
+                continue;
+            }
+            let id = format!("{}/{}/{}", job.job_id, turn.task_id, turn.trajectory);
+            match trajectories.last_mut() {
+                Some(last) if last.trajectory_id == id => last.turns.push(turn),
+                _ => trajectories.push(pb::Trajectory {
+                    trajectory_id: id,
+                    task_id: turn.task_id.clone(),
+                    turns: vec![turn],
+                }),
+            }
+        }
+        let total = trajectories.len();
+        let page: Vec<pb::Trajectory> = trajectories.into_iter().skip(offset).take(page_size).collect();
+        let next = offset + page.len();
+        let next_page_token = if next < total { next.to_string() } else { String::new() };
+        Ok(Response::new(pb::ListTrajectoriesResponse { trajectories: page, next_page_token }))
+    }
+
+    type ExportSamplesStream = BoxStream<pb::Sample>;
+
+    async fn export_samples(
+        &self,
+        request: Request<pb::ExportSamplesRequest>,
+    ) -> Result<Response<Self::ExportSamplesStream>, Status> {
+        let request = request.into_inner();
+        let job = self.job(&request.job_id).await?;
+        let after = parse_cursor(&request.cursor)?;
+        let left = match request.limit {
+            0 => u64::MAX,
+            n => u64::from(n),
+        };
+        // Pages of turns read one at a time, as the client takes them: a large job never sits in memory whole.
+        let (sender, receiver) = tokio::sync::mpsc::channel(64);
+        self.tracker.spawn(export::send_samples(self.store.clone(), job.job_id, after, left, sender));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
+    }
+
+    async fn start_episode(
+        &self,
+        request: Request<pb::StartEpisodeRequest>,
+    ) -> Result<Response<pb::Observation>, Status> {
+        let request = request.into_inner();
+        let task = request.task.ok_or_else(|| OrchestratorError::invalid("task", "required"))?;
+        let spec = pb::JobSpec {
+            kind: pb::JobKind::Rollout.into(),
+            recipe: request.recipe,
+            task_set: "inline".into(),
+            tasks: vec![task],
+            model: job::STEP_MODEL.into(),
+            trajectories_per_task: 1,
+            turns: request.turns,
+            backend: request.backend,
+            policy: request.policy,
+            reward: request.reward,
+            strict_format: request.strict_format,
+            ..Default::default()
+        };
+        // The episode's checks are the job's: name the request's fields, not the spec's.
+        let plan = Plan::new(spec).map_err(|error| match error {
+            OrchestratorError::InvalidArgument { field, message } => OrchestratorError::InvalidArgument {
+                field: field.replace("spec.tasks[0]", "task").trim_start_matches("spec.").to_owned(),
+                message,
+            },
+            other => other,
+        })?;
+        if plan.recipe == recipe::Recipe::CudaForge {
+            // Its Judge is a second model the orchestrator asks through the gateway; a stepped episode has one, the
+            // trainer's.
+            return Err(OrchestratorError::invalid(
+                "recipe",
+                "cudaforge reviews each kernel with a Judge model through the gateway: submit it as a job \
+                 (SubmitJob); stepped episodes take single-turn, kevin or drkernel",
+            )
+            .into());
+        }
+        let job = pb::Job {
+            job_id: self.next_job_id(),
+            spec: Some(plan.spec.clone()),
+            state: pb::JobState::Running.into(),
+            episodes_total: 1,
+            turns_total: plan.turns_total(),
+            metrics: Some(metrics::job_metrics(None, &[], 0.0)),
+            created_at: Some(now()),
+            updated_at: Some(now()),
+            ..Default::default()
+        };
+        // Owned apart from this instance's jobs: a restart has nothing to resume in it (the trainer steps it).
+        let owner = format!("{}/step", self.config.instance);
+        let existing = self
+            .store
+            .create_job(&job, &request.idempotency_key, &owner, 0, &plan.tasks)
+            .await
+            .map_err(store_status)?;
+        // A retry gets the stored episode's first prompt, whatever this request says.
+        let (job, plan) = match existing {
+            Some(existing) => {
+                let tasks = self.store.tasks(&existing.job_id).await.map_err(store_status)?;
+                let plan = Plan::resumed(existing.spec.clone().unwrap_or_default(), tasks)?;
+                (existing, plan)
+            }
+            None => (job, plan),
+        };
+        Ok(Response::new(pb::Observation {
+            episode_id: job.job_id,
+            turn: 0,
+            prompt: job::first_prompt(&plan),
+            ..Default::default()
+        }))
+    }
+
+    async fn step(&self, request: Request<pb::StepRequest>) -> Result<Response<pb::Observation>, Status> {
+        let request = request.into_inner();
+        if request.episode_id.is_empty() {
+            return Err(OrchestratorError::invalid("episode_id", "required").into());
+        }
+        let completion = request.completion.ok_or_else(|| OrchestratorError::invalid("completion", "required"))?;
+        if request.idempotency_key.is_empty() {
+            return Err(
+                OrchestratorError::invalid("idempotency_key", "required: a retried step carries the same key").into()
+            );
+        }
+        let job = self.job(&request.episode_id).await?;
+        let spec = job.spec.clone().unwrap_or_default();
+        if spec.model != job::STEP_MODEL {
+            let message = format!("{} is a job, not a step-API episode", job.job_id);
+            return Err(OrchestratorError::Precondition(message).into());
+        }
+        let tasks = self.store.tasks(&job.job_id).await.map_err(store_status)?;
+        let plan = Arc::new(Plan::resumed(spec, tasks)?);
+        let peers = self.connect(&plan).await?;
+        let episode_id = job.job_id.clone();
+        let stepped =
+            job::step(plan, job, peers, self.store.clone(), request.turn, completion, &request.idempotency_key)
+                .await
+                .map_err(|error| match error {
+                job::StepError::Store(error) => store_status(error),
+                job::StepError::Precondition(message) => OrchestratorError::Precondition(message).into(),
+                job::StepError::Credit(message) => Status::unavailable(format!(
+                    "returns and advantages: {message} (the step is recorded: retry it with the same key)"
+                )),
+            })?;
+        let record = stepped.record;
+        Ok(Response::new(pb::Observation {
+            episode_id,
+            turn: stepped.next_turn,
+            prompt: stepped.next_prompt,
+            reward: record.score.unwrap_or(0.0),
+            evaluation: record.evaluation.clone(),
+            done: stepped.done,
+            record: Some(pb::TurnRecord { prompt: Vec::new(), completion: None, evaluation: None, ..record }),
+            turns: stepped.turns,
+        }))
+    }
+
+    async fn reject_mismatched(
+        &self,
+        request: Request<pb::RejectMismatchedRequest>,
+    ) -> Result<Response<pb::RejectMismatchedResponse>, Status> {
+        let request = request.into_inner();
+        let job = self.job(&request.job_id).await?;
+        if request.samples.is_empty() {
+            return Err(OrchestratorError::invalid("samples", "required: at least one").into());
+        }
+        let mut positions = Vec::with_capacity(request.samples.len());
+        for (i, sample) in request.samples.iter().enumerate() {
+            let field = || format!("samples[{i}].cursor");
+            let position = parse_cursor(&sample.cursor)
+                .map_err(|_| OrchestratorError::invalid(field(), "not a cursor from ExportSamples"))?;
+            positions.push(position.ok_or_else(|| OrchestratorError::invalid(field(), "required"))?);
+        }
+        let stored: HashMap<store::TurnPosition, pb::TurnRecord> =
+            self.store.turns_after(&job.job_id, None, u32::MAX).await.map_err(store_status)?.into_iter().collect();
+        let mut inputs = Vec::with_capacity(request.samples.len());
+        for (i, (sample, position)) in request.samples.iter().zip(&positions).enumerate() {
+            let Some(turn) = stored.get(position) else {
+                let message = format!("job {} has no recorded sample {}", job.job_id, sample.cursor);
+                return Err(OrchestratorError::invalid(format!("samples[{i}].cursor"), message).into());
+            };
+            inputs.push(reward::mismatch_input(i, &sample.cursor, turn, &sample.logprobs)?);
+        }
+        let mrs = job.spec.as_ref().and_then(|s| s.reward.as_ref()).and_then(|r| r.mrs).unwrap_or_default();
+        let mut reward = pb::reward_client::RewardClient::new(self.channel("reward", &self.config.peers.reward).await?);
+        let decided = reward
+            .rejection_sample(pb::RejectionSampleRequest {
+                method: Some(pb::rejection_sample_request::Method::Mrs(mrs)),
+                seed: 0,
+                outcomes: Vec::new(),
+                trajectories: inputs,
+            })
+            .await
+            .map_err(|status| Status::new(status.code(), format!("reward RejectionSample: {}", status.message())))?
+            .into_inner();
+        for (position, decision) in positions.iter().zip(&decided.decisions) {
+            let mut turn = stored[position].clone();
+            turn.keep = Some(turn.keep.unwrap_or(true) && decision.keep);
+            self.store.put_turn(&job.job_id, position.0, store::Stage::Recorded, &turn).await.map_err(store_status)?;
+        }
+        Ok(Response::new(pb::RejectMismatchedResponse { decisions: decided.decisions, kept: decided.kept }))
+    }
+}
+
+/// Parses a page token or cursor this service wrote.
+fn token<T: std::str::FromStr>(field: &str, token: &str) -> Result<Option<T>, OrchestratorError> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    token.parse().map(Some).map_err(|_| OrchestratorError::invalid(field, "not a token this service wrote"))
+}
+
+/// Whether a job in `state` is over (succeeded, failed or cancelled).
+fn is_terminal(state: i32) -> bool {
+    matches!(
+        pb::JobState::try_from(state),
+        Ok(pb::JobState::Succeeded | pb::JobState::Failed | pb::JobState::Cancelled)
+    )
+}

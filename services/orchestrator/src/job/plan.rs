@@ -1,0 +1,263 @@
+//! A job's plan: its spec checked (INVALID_ARGUMENT naming the field) and resolved into what the job runs: the
+//! recipe and its templates, how its turns are rewarded, and its tasks (the examples, inline tasks, a KernelBench
+//! directory by level, or a JSONL file). A resumed job's plan is its stored spec checked again with the tasks it was
+//! resolved to at submission.
+
+use std::path::Path;
+
+use kforge_proto::v1 as pb;
+
+use crate::error::OrchestratorError;
+use crate::recipe::{self, Recipe, Templates};
+use crate::reward::RewardPlan;
+
+/// A checked spec, with its tasks resolved.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub spec: pb::JobSpec,
+    pub recipe: Recipe,
+    pub templates: Templates,
+    /// How its turns are scored and credited.
+    pub reward: RewardPlan,
+    /// Whether its evaluations count the kernels that ran: drkernel's feedback, a formula's profiling ratio, PRS.
+    pub census: bool,
+    /// Whether responses must keep to the strict format to be evaluated (`JobSpec.strict_format`).
+    pub strict_format: bool,
+    pub tasks: Vec<pb::Task>,
+}
+
+impl Plan {
+    /// Validates `spec` (INVALID_ARGUMENT naming the field) and resolves its task set.
+    pub fn new(spec: pb::JobSpec) -> Result<Self, OrchestratorError> {
+        if spec.kind() == pb::JobKind::Unspecified {
+            return Err(OrchestratorError::invalid("spec.kind", "required: JOB_KIND_ROLLOUT or JOB_KIND_EVALUATION"));
+        }
+        let recipe = Recipe::parse(&spec.recipe)?;
+        if spec.model.is_empty() {
+            return Err(OrchestratorError::invalid("spec.model", "required"));
+        }
+        if spec.trajectories_per_task == 0 {
+            return Err(OrchestratorError::invalid("spec.trajectories_per_task", "must be at least 1"));
+        }
+        if spec.turns == 0 {
+            return Err(OrchestratorError::invalid("spec.turns", "must be at least 1"));
+        }
+        let prompt_dir = (!spec.prompt_dir.is_empty()).then(|| Path::new(&spec.prompt_dir));
+        if let Some(dir) = prompt_dir.filter(|d| !d.is_dir()) {
+            return Err(OrchestratorError::invalid("spec.prompt_dir", format!("{} is not a directory", dir.display())));
+        }
+        let mut templates = Templates::load(recipe, prompt_dir)?;
+        if spec.context_window > 0 {
+            templates.window = spec.context_window;
+        }
+        templates.budget_chars = spec.context_budget_chars as usize;
+        let reward = RewardPlan::new(recipe, spec.reward.as_ref(), spec.seed)?;
+        if let Some(diagnose) = &spec.diagnose {
+            check_diagnose(diagnose)?;
+        }
+        let mut tasks = resolve_tasks(&spec)?;
+        if spec.max_tasks > 0 {
+            tasks.truncate(spec.max_tasks as usize);
+        }
+        let census = recipe == Recipe::DrKernel || reward.needs_census() || reward.prs.is_some();
+        let strict_format = recipe::strict_format(&spec);
+        Ok(Self { spec, recipe, templates, reward, census, strict_format, tasks })
+    }
+
+    /// The plan of a stored job: its spec checked again and its templates read again, with the tasks it was
+    /// resolved to at submission (a task directory may have changed since).
+    pub fn resumed(spec: pb::JobSpec, tasks: Vec<pb::Task>) -> Result<Self, OrchestratorError> {
+        let inline = pb::JobSpec {
+            task_set: "inline".into(),
+            tasks: tasks.clone(),
+            max_tasks: 0,
+            levels: Vec::new(),
+            ..spec.clone()
+        };
+        let plan = Self::new(inline)?;
+        Ok(Self { spec, tasks, ..plan })
+    }
+
+    pub fn episodes(&self) -> u64 {
+        self.tasks.len() as u64 * u64::from(self.spec.trajectories_per_task)
+    }
+
+    pub fn turns_total(&self) -> u64 {
+        self.episodes() * u64::from(self.spec.turns)
+    }
+
+    /// A new turn's record of `completion`: its kernel, and under the strict format policy what breaks it.
+    pub(super) fn read_completion(&self, mut record: pb::TurnRecord, completion: pb::Completion) -> pb::TurnRecord {
+        record.kernel = kforge_model_text::extract_kernel(&completion.text).unwrap_or_default().to_owned();
+        if self.strict_format
+            && let Err(error) = kforge_model_text::check_strict_format(&completion.text, &completion.finish_reason)
+        {
+            record.format_error = error.to_string();
+        }
+        record.completion = Some(completion);
+        record
+    }
+}
+
+/// The job's diagnosis parameters, as the reward service would refuse them (INVALID_ARGUMENT naming the field).
+fn check_diagnose(params: &pb::DiagnoseParams) -> Result<(), OrchestratorError> {
+    if params.not_okay_off && params.opening.is_some() {
+        return Err(OrchestratorError::invalid("spec.diagnose.opening", "must be unset when not_okay_off is true"));
+    }
+    if params.opening.as_deref().is_some_and(|opening| opening.trim().is_empty()) {
+        return Err(OrchestratorError::invalid("spec.diagnose.opening", "empty: leave it unset for the default"));
+    }
+    if let Some(threshold) = params.repetition_threshold.filter(|t| !(0.0..=1.0).contains(t)) {
+        return Err(OrchestratorError::invalid(
+            "spec.diagnose.repetition_threshold",
+            format!("must be in [0, 1], got {threshold}"),
+        ));
+    }
+    Ok(())
+}
+
+fn resolve_tasks(spec: &pb::JobSpec) -> Result<Vec<pb::Task>, OrchestratorError> {
+    let field = "spec.task_set";
+    if !spec.tasks.is_empty() && spec.task_set != "inline" {
+        return Err(OrchestratorError::invalid("spec.tasks", "inline tasks need task_set `inline`"));
+    }
+    let tasks: Vec<pb::Task> = match spec.task_set.as_str() {
+        "" => {
+            return Err(OrchestratorError::invalid(field, "required: `examples`, `inline` or a KernelBench directory"));
+        }
+        "examples" => kforge_evaluator::tasks::examples()
+            .into_iter()
+            .map(|t| pb::Task { task_id: t.id, source: t.source })
+            .collect(),
+        "inline" => {
+            for (i, task) in spec.tasks.iter().enumerate() {
+                if task.task_id.is_empty() || task.source.trim().is_empty() {
+                    return Err(OrchestratorError::invalid(format!("spec.tasks[{i}]"), "needs a task_id and a source"));
+                }
+                if spec.tasks[..i].iter().any(|t| t.task_id == task.task_id) {
+                    return Err(OrchestratorError::invalid(
+                        format!("spec.tasks[{i}]"),
+                        format!("task_id `{}` appears twice", task.task_id),
+                    ));
+                }
+            }
+            spec.tasks.clone()
+        }
+        path if path.ends_with(".jsonl") => jsonl_tasks(Path::new(path))?,
+        path => {
+            let dir = Path::new(path);
+            if !dir.is_dir() {
+                return Err(OrchestratorError::invalid(
+                    field,
+                    format!("{path} is not a directory (a KernelBench directory) or a .jsonl file"),
+                ));
+            }
+            let (tasks, _rejected) = kforge_evaluator::tasks::import_kernelbench(dir)
+                .map_err(|e| OrchestratorError::invalid(field, e.to_string()))?;
+            tasks
+                .into_iter()
+                .filter(|t| {
+                    spec.levels.is_empty() || spec.levels.iter().any(|l| t.id.starts_with(&format!("level{l}/")))
+                })
+                .map(|t| pb::Task { task_id: t.id, source: t.source })
+                .collect()
+        }
+    };
+    if !spec.levels.is_empty() && !Path::new(&spec.task_set).is_dir() {
+        return Err(OrchestratorError::invalid("spec.levels", "only a KernelBench directory has levels"));
+    }
+    if tasks.is_empty() {
+        return Err(OrchestratorError::invalid(field, format!("`{}` holds no tasks", spec.task_set)));
+    }
+    Ok(tasks)
+}
+
+/// A JSONL task set: one `{"task_id": "...", "source": "..."}` object per line (blank lines skipped), each source a
+/// KernelBench-format task; the first line that is not one is INVALID_ARGUMENT naming it.
+fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Line {
+        task_id: String,
+        source: String,
+    }
+    let field = "spec.task_set";
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| OrchestratorError::invalid(field, format!("cannot read {}: {e}", path.display())))?;
+    let mut tasks: Vec<pb::Task> = Vec::new();
+    for (index, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let at = |message: String| {
+            OrchestratorError::invalid(field, format!("{} line {}: {message}", path.display(), index + 1))
+        };
+        let task: Line = serde_json::from_str(line).map_err(|e| at(format!("not a task object: {e}")))?;
+        if task.task_id.is_empty() {
+            return Err(at("task_id is empty".into()));
+        }
+        if tasks.iter().any(|t| t.task_id == task.task_id) {
+            return Err(at(format!("task_id `{}` appears twice", task.task_id)));
+        }
+        kforge_evaluator::statics::check_task(&task.source)
+            .map_err(|reason| at(format!("source is not a task: {reason}")))?;
+        tasks.push(pb::Task { task_id: task.task_id, source: task.source });
+    }
+    Ok(tasks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> pb::JobSpec {
+        pb::JobSpec {
+            kind: pb::JobKind::Evaluation.into(),
+            recipe: "single-turn".into(),
+            task_set: "examples".into(),
+            model: "replay".into(),
+            trajectories_per_task: 2,
+            turns: 3,
+            ..Default::default()
+        }
+    }
+
+    fn invalid(spec: pb::JobSpec) -> String {
+        Plan::new(spec).expect_err("invalid").to_string()
+    }
+
+    #[test]
+    fn a_plan_resolves_the_examples_and_counts_its_turns() {
+        let plan = Plan::new(pb::JobSpec { max_tasks: 2, ..spec() }).expect("valid");
+        let ids: Vec<&str> = plan.tasks.iter().map(|t| t.task_id.as_str()).collect();
+        assert_eq!(ids, ["examples/relu", "examples/gelu_tanh"]);
+        assert_eq!((plan.episodes(), plan.turns_total()), (4, 12));
+        assert_eq!(Plan::new(spec()).expect("valid").tasks.len(), 13);
+    }
+
+    #[test]
+    fn a_stored_job_resumes_with_the_tasks_it_was_resolved_to() {
+        let dir = std::env::temp_dir().join(format!("kforge-resumed-plan-{}", std::process::id()));
+        let spec = pb::JobSpec { task_set: dir.display().to_string(), levels: vec![2], max_tasks: 1, ..spec() };
+        let tasks = vec![pb::Task { task_id: "level2/1_a".into(), source: "class Model: pass".into() }];
+        let plan = Plan::resumed(spec.clone(), tasks.clone()).expect("the directory need not exist any more");
+        assert_eq!((plan.episodes(), plan.turns_total()), (2, 6));
+        assert_eq!((plan.tasks, plan.spec), (tasks, spec));
+    }
+
+    #[test]
+    fn bad_specs_name_their_field() {
+        assert!(invalid(pb::JobSpec { kind: 0, ..spec() }).starts_with("spec.kind:"));
+        assert!(invalid(pb::JobSpec { recipe: "x".into(), ..spec() }).starts_with("spec.recipe:"));
+        assert!(invalid(pb::JobSpec { model: String::new(), ..spec() }).starts_with("spec.model:"));
+        assert!(invalid(pb::JobSpec { trajectories_per_task: 0, ..spec() }).starts_with("spec.trajectories_per_task:"));
+        assert!(invalid(pb::JobSpec { turns: 0, ..spec() }).starts_with("spec.turns:"));
+        assert!(invalid(pb::JobSpec { task_set: "/nonexistent/dir".into(), ..spec() }).starts_with("spec.task_set:"));
+        let empty = std::env::temp_dir().join(format!("kforge-empty-tasks-{}", std::process::id()));
+        std::fs::create_dir_all(&empty).expect("dir");
+        assert!(invalid(pb::JobSpec { task_set: empty.display().to_string(), ..spec() }).starts_with("spec.task_set:"));
+        let task = |id: &str| pb::Task { task_id: id.into(), source: "class Model: pass".into() };
+        let twice = pb::JobSpec { task_set: "inline".into(), tasks: vec![task("a"), task("a")], ..spec() };
+        assert!(invalid(twice).starts_with("spec.tasks[1]:"));
+        let inline = pb::JobSpec { task_set: "inline".into(), tasks: vec![task("a"), task("b")], ..spec() };
+        assert_eq!(Plan::new(inline).expect("valid").tasks.len(), 2);
+        assert!(invalid(pb::JobSpec { tasks: vec![task("a")], ..spec() }).starts_with("spec.tasks:"));
+    }
+}
