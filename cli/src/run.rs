@@ -386,37 +386,37 @@ impl Progress {
     }
 }
 
-/// The final report: per task, each trajectory's verdicts by turn and the best speedup; then the totals.
+/// The final report: per task, each trajectory's verdicts by turn and the job's best correct kernel (its speedup,
+/// trajectory and turn); then the totals.
 pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
     let mut out = String::new();
     let state = pb::JobState::try_from(job.state).map_or("unknown", |s| s.as_str_name());
     let _ = writeln!(out, "job {} {}", job.job_id, state.trim_start_matches("JOB_STATE_").to_ascii_lowercase());
-    let _ = writeln!(out, "{:<28} {:<44} {:>8}", "task", "verdicts by trajectory (turn 0, 1, ...)", "best");
+    let _ = writeln!(out, "{:<28} {:<44} {:>12}", "task", "verdicts by trajectory (turn 0, 1, ...)", "best @t/turn");
     let mut tasks: Vec<&str> = Vec::new();
     for trajectory in trajectories {
         if !tasks.contains(&trajectory.task_id.as_str()) {
             tasks.push(&trajectory.task_id);
         }
     }
+    let metrics = job.metrics.clone().unwrap_or_default();
     for task in tasks {
         let of_task: Vec<&pb::Trajectory> = trajectories.iter().filter(|t| t.task_id == task).collect();
         let verdicts: Vec<String> = of_task
             .iter()
             .map(|t| t.turns.iter().map(|turn| verdict_name(turn.verdict)).collect::<Vec<_>>().join(","))
             .collect();
-        let best = of_task
-            .iter()
-            .flat_map(|t| &t.turns)
-            .filter(|turn| turn.verdict == pb::Verdict::Correct as i32)
-            .filter_map(|turn| turn.speedup)
-            .fold(None, |best: Option<f64>, s| Some(best.map_or(s, |b| b.max(s))));
-        let best = best.map_or("-".into(), |s| format!("{s:.2}x"));
-        let _ = writeln!(out, "{task:<28} {:<44} {best:>8}", verdicts.join(" | "));
+        // The job's answer for the task: its best correct kernel, and where it is (trajectory/turn).
+        let best = metrics.best_kernels.iter().find(|b| b.task_id == task).map_or("-".into(), |b| {
+            let speedup = if b.speedup_eager > 0.0 { format!("{:.2}x", b.speedup_eager) } else { "untimed".into() };
+            format!("{speedup} @{}/{}", b.trajectory, b.turn)
+        });
+        let _ = writeln!(out, "{task:<28} {:<44} {best:>12}", verdicts.join(" | "));
         for turn in of_task.iter().flat_map(|t| &t.turns).filter(|turn| !turn.error.is_empty()) {
             let _ = writeln!(out, "{:<28}   trajectory {} turn {}: {}", "", turn.trajectory, turn.turn, turn.error);
         }
     }
-    let m = job.metrics.clone().unwrap_or_default();
+    let m = metrics;
     let percent = |ratio: f64| format!("{:.1}%", ratio * 100.0);
     let _ = writeln!(
         out,

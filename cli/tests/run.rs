@@ -456,7 +456,8 @@ fn kforge_run_on_the_embedded_default_reports_every_task() {
     for task in ["examples/relu", "examples/gelu_tanh"] {
         let row = stdout.lines().find(|l| l.starts_with(task)).unwrap_or_else(|| panic!("no row for {task}: {stdout}"));
         assert!(row.contains(" correct "), "{row}");
-        assert!(row.trim_end().ends_with('x'), "a best speedup: {row}");
+        // The kept kernel: its speedup and where it is (trajectory 0, turn 0 of a one-turn job).
+        assert!(row.trim_end().ends_with("x @0/0"), "a best speedup and its turn: {row}");
     }
     assert!(stdout.contains("totals: 2 turns, 2 evaluated, 2 correct (100.0%)"), "{stdout}");
     // The report beside the store: report.html plots and report.json holds the job's metrics.

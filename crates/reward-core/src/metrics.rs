@@ -241,6 +241,19 @@ pub struct JobMetrics {
     /// By k, then turn budget 1..=n.
     pub at_k: Vec<AtK>,
     pub cost: Cost,
+    /// Each task's best correct turn, by task.
+    pub best: Vec<BestKernel>,
+}
+
+/// A task's best correct turn: the highest speedup against eager (a timed kernel before an untimed one), the
+/// earliest trajectory and turn on a tie, so the same turns always give the same answer.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BestKernel {
+    pub task: String,
+    pub trajectory: u32,
+    pub turn: u32,
+    pub speedup_eager: Option<f64>,
+    pub speedup_compile: Option<f64>,
 }
 
 /// Computes every metric of a job from its turns. Empty input gives zero counts, never NaN.
@@ -267,9 +280,33 @@ pub fn job_metrics(params: &MetricsParams, samples: &[TurnSample]) -> Result<Job
         speedup_eager: speedup_stats(&params.quantiles, &correct, |s| s.speedup_eager),
         speedup_compile: speedup_stats(&params.quantiles, &correct, |s| s.speedup_compile),
         at_k: at_k(params, samples),
+        best: best_kernels(&correct),
         overall,
         cost,
     })
+}
+
+fn best_kernels(correct: &[&TurnSample]) -> Vec<BestKernel> {
+    let mut best: BTreeMap<&str, &TurnSample> = BTreeMap::new();
+    for &sample in correct {
+        let rank = |s: &TurnSample| (s.speedup_eager.unwrap_or(-1.0), std::cmp::Reverse((s.trajectory, s.turn)));
+        let better = best.get(sample.task.as_str()).is_none_or(|kept| {
+            let (a, b) = (rank(sample), rank(kept));
+            a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).is_gt()
+        });
+        if better {
+            best.insert(&sample.task, sample);
+        }
+    }
+    best.into_values()
+        .map(|s| BestKernel {
+            task: s.task.clone(),
+            trajectory: s.trajectory,
+            turn: s.turn,
+            speedup_eager: s.speedup_eager,
+            speedup_compile: s.speedup_compile,
+        })
+        .collect()
 }
 
 fn validate(params: &MetricsParams, samples: &[TurnSample]) -> Result<(), InvalidInput> {
@@ -591,6 +628,27 @@ mod tests {
         assert_eq!((m.cost.usage.prompt_tokens, m.cost.per_task.count, m.cost.per_correct.count), (800, 2, 3));
         assert!((m.cost.per_task.cost_usd - 0.04).abs() < 1e-12 && m.cost.per_task.seconds == 8.0);
         assert_eq!(m.cost.elapsed_s, 5.0);
+        // Each task's answer: a's trajectory 0 turn 1 (1.5 beats 0.8), b's only correct turn.
+        let best: Vec<(&str, u32, u32, Option<f64>)> =
+            m.best.iter().map(|b| (b.task.as_str(), b.trajectory, b.turn, b.speedup_eager)).collect();
+        assert_eq!(best, [("a", 0, 1, Some(1.5)), ("b", 0, 0, Some(3.0))]);
+    }
+
+    #[test]
+    fn the_best_kernel_is_the_fastest_correct_turn_and_ties_go_to_the_earliest() {
+        let samples = vec![
+            turn("t", 1, 0, C, Some(2.0)),
+            turn("t", 0, 2, C, Some(2.0)),
+            turn("t", 0, 3, W, None),
+            turn("t", 2, 0, C, None),
+            turn("u", 0, 0, C, None),
+            turn("u", 0, 1, C, Some(0.5)),
+            turn("v", 0, 0, W, None),
+        ];
+        let m = job_metrics(&MetricsParams::default(), &samples).expect("valid");
+        let best: Vec<(&str, u32, u32)> = m.best.iter().map(|b| (b.task.as_str(), b.trajectory, b.turn)).collect();
+        // t: two at 2.0, trajectory 0 first; u: a timed kernel beats an untimed one; v: nothing correct.
+        assert_eq!(best, [("t", 0, 2), ("u", 0, 1)]);
     }
 
     #[test]

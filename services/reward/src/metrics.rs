@@ -83,6 +83,7 @@ pub fn job_metrics_to_proto(metrics: &core::JobMetrics) -> pb::JobMetrics {
         speedup_compile,
         at_k,
         cost,
+        best,
     } = metrics;
     let usage = usage(&cost.usage);
     pb::JobMetrics {
@@ -132,6 +133,16 @@ pub fn job_metrics_to_proto(metrics: &core::JobMetrics) -> pb::JobMetrics {
             per_evaluated: Some(cost_per(&cost.per_evaluated)),
             per_correct: Some(cost_per(&cost.per_correct)),
         }),
+        best_kernels: best
+            .iter()
+            .map(|b| pb::BestKernel {
+                task_id: b.task.clone(),
+                trajectory: b.trajectory,
+                turn: b.turn,
+                speedup_eager: b.speedup_eager.unwrap_or(0.0),
+                speedup_compile: b.speedup_compile.unwrap_or(0.0),
+            })
+            .collect(),
     }
 }
 
