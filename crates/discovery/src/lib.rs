@@ -14,6 +14,8 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
+/// Why [`KubeDiscovery::start_in_environment`] found no Kubernetes API client.
+pub use kube::Error as KubeError;
 pub use kubernetes::{KubeDiscovery, KubeTarget, Pool};
 
 /// The pod annotation that advertises how many calls a pod takes at once (an evaluator's queue capacity, say). A

@@ -303,55 +303,101 @@ impl Default for HealthConfig {
     }
 }
 
+/// What [`GatewayConfig::validate`] found wrong; each names the setting (`pools[i].backends[j].url`) and the value.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("pools[{pool}].model must be set")]
+    ModelUnset { pool: usize },
+    #[error("pools[{pool}].model `{model}` names two pools")]
+    ModelTwice { pool: usize, model: String },
+    #[error("pools[{pool}].backends: pool `{model}` has no backend")]
+    NoBackend { pool: usize, model: String },
+    #[error("pools[{pool}].affinity_load_factor must be >= 1, got {got}")]
+    AffinityLoadFactor { pool: usize, got: f64 },
+    #[error("pools[{pool}]: max_n and max_tokens_limit must be > 0")]
+    ZeroLimit { pool: usize },
+    #[error("pools[{pool}].backends[{backend}].file must name the replay JSONL file")]
+    ReplayFileUnset { pool: usize, backend: usize },
+    #[error("pools[{pool}].backends[{backend}].url must be an http(s) URL, got {url:?}")]
+    NotHttpUrl { pool: usize, backend: usize, url: String },
+    #[error("retry.max_attempts must be >= 1")]
+    NoAttempts,
+    #[error("retry.budget_ratio must be >= 0, got {got}")]
+    BudgetRatio { got: f64 },
+    #[error("breaker.failure_threshold must be >= 1")]
+    BreakerThreshold,
+    #[error("health.interval_ms and health.timeout_ms must be > 0")]
+    HealthInterval,
+}
+
 impl GatewayConfig {
     /// Checks what serde cannot: names present and unique, backends complete, limits and factors sensible.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let mut seen = std::collections::HashSet::new();
         for (i, pool) in self.pools.iter().enumerate() {
-            let at = format!("pools[{i}]");
             if pool.model.is_empty() {
-                return Err(format!("{at}.model must be set"));
+                return Err(ConfigError::ModelUnset { pool: i });
             }
             if !seen.insert(pool.model.as_str()) {
-                return Err(format!("{at}.model `{}` names two pools", pool.model));
+                return Err(ConfigError::ModelTwice { pool: i, model: pool.model.clone() });
             }
             if pool.backends.is_empty() {
-                return Err(format!("{at}.backends: pool `{}` has no backend", pool.model));
+                return Err(ConfigError::NoBackend { pool: i, model: pool.model.clone() });
             }
             if !(pool.affinity_load_factor.is_finite() && pool.affinity_load_factor >= 1.0) {
-                return Err(format!("{at}.affinity_load_factor must be >= 1, got {}", pool.affinity_load_factor));
+                return Err(ConfigError::AffinityLoadFactor { pool: i, got: pool.affinity_load_factor });
             }
             if pool.max_n == 0 || pool.max_tokens_limit == 0 {
-                return Err(format!("{at}: max_n and max_tokens_limit must be > 0"));
+                return Err(ConfigError::ZeroLimit { pool: i });
             }
             for (j, backend) in pool.backends.iter().enumerate() {
-                let at = format!("{at}.backends[{j}]");
                 match backend.kind {
                     BackendKind::Replay => {
                         if backend.file.is_none() {
-                            return Err(format!("{at}.file must name the replay JSONL file"));
+                            return Err(ConfigError::ReplayFileUnset { pool: i, backend: j });
                         }
                     }
                     BackendKind::Vllm | BackendKind::Sglang | BackendKind::Openai => {
                         if !(backend.url.starts_with("http://") || backend.url.starts_with("https://")) {
-                            return Err(format!("{at}.url must be an http(s) URL, got {:?}", backend.url));
+                            return Err(ConfigError::NotHttpUrl { pool: i, backend: j, url: backend.url.clone() });
                         }
                     }
                 }
             }
         }
         if self.retry.max_attempts == 0 {
-            return Err("retry.max_attempts must be >= 1".into());
+            return Err(ConfigError::NoAttempts);
         }
         if !(self.retry.budget_ratio.is_finite() && self.retry.budget_ratio >= 0.0) {
-            return Err(format!("retry.budget_ratio must be >= 0, got {}", self.retry.budget_ratio));
+            return Err(ConfigError::BudgetRatio { got: self.retry.budget_ratio });
         }
         if self.breaker.failure_threshold == 0 {
-            return Err("breaker.failure_threshold must be >= 1".into());
+            return Err(ConfigError::BreakerThreshold);
         }
         if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {
-            return Err("health.interval_ms and health.timeout_ms must be > 0".into());
+            return Err(ConfigError::HealthInterval);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_setting_and_the_value() {
+        let pool = |backends| PoolConfig { model: "m".into(), backends, ..Default::default() };
+        let config = |pools| GatewayConfig { pools, ..Default::default() };
+        let replay = BackendConfig { kind: BackendKind::Replay, ..Default::default() };
+        let error = config(vec![pool(vec![replay])]).validate().expect_err("no file");
+        assert_eq!(error, ConfigError::ReplayFileUnset { pool: 0, backend: 0 });
+        assert_eq!(error.to_string(), "pools[0].backends[0].file must name the replay JSONL file");
+        let bare = BackendConfig { url: "localhost:8000".into(), ..Default::default() };
+        let error = config(vec![pool(vec![bare])]).validate().expect_err("no scheme");
+        assert_eq!(error.to_string(), "pools[0].backends[0].url must be an http(s) URL, got \"localhost:8000\"");
+        let http = BackendConfig { url: "http://localhost:8000".into(), ..Default::default() };
+        let error = config(vec![pool(vec![http.clone()]), pool(vec![http])]).validate().expect_err("twice");
+        assert_eq!(error.to_string(), "pools[1].model `m` names two pools");
     }
 }

@@ -4,12 +4,15 @@
 //! were made; its code says what the caller can do: UNAVAILABLE (retry later), RESOURCE_EXHAUSTED (rate limited),
 //! DEADLINE_EXCEEDED, INTERNAL (the backend answered something the API does not allow), NOT_FOUND (a replay file
 //! has no record for the keys).
+//!
+//! What stops the gateway from starting is a [`SetupError`]: it ends the process, never a call.
 
 use std::time::Duration;
 
 use tonic::{Code, Status};
 
-use crate::backends::AttemptError;
+use crate::backends::{AttemptError, BackendError};
+use crate::config::ConfigError;
 use crate::request::InvalidField;
 
 #[derive(Debug, thiserror::Error)]
@@ -63,4 +66,16 @@ impl From<GatewayError> for Status {
     fn from(error: GatewayError) -> Self {
         Status::new(error.code(), error.to_string())
     }
+}
+
+/// Why the gateway could not be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("http client: {0}")]
+    HttpClient(#[source] reqwest::Error),
+    /// A pool's backend could not be built (its API key or replay file).
+    #[error("pool `{model}` backends[{index}]: {source}")]
+    Backend { model: String, index: usize, source: BackendError },
 }

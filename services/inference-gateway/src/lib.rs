@@ -23,7 +23,9 @@ mod service;
 
 use std::future::Future;
 
-pub use config::GatewayConfig;
+pub use backends::BackendError;
+pub use config::{ConfigError, GatewayConfig};
+pub use error::SetupError;
 use kforge_proto::v1::gateway_server::GatewayServer;
 use kforge_server::{Host, ServeError};
 pub use service::GatewayService;
@@ -37,7 +39,7 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let mut host = Host::new("gateway", &config.server)?;
     let service = GatewayService::new(&config, host.registry())
-        .map_err(|message| ServeError::Setup { service: "gateway", message })?;
+        .map_err(|error| ServeError::Setup { service: "gateway", message: error.to_string() })?;
     let limit = host.max_message_bytes();
     host.add_service(GatewayServer::new(service).max_decoding_message_size(limit).max_encoding_message_size(limit));
     host.serve(listener, shutdown).await

@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::backends::BackendClient;
 use crate::backends::openai::OpenAiBackend;
 use crate::backends::replay::ReplayBackend;
+use crate::backends::{BackendClient, BackendError};
 use crate::breaker::Breaker;
 use crate::config::{BackendConfig, BackendKind, GatewayConfig, Policy, PoolConfig};
+use crate::error::SetupError;
 use crate::retry::RetryBudget;
 use crate::routing::{self, Candidate, Ring};
 
@@ -40,10 +41,10 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Backend {
     /// The backend of `config`; HTTP kinds share `http` (one connection pool per gateway).
-    pub fn new(config: &BackendConfig, gateway: &GatewayConfig, http: &reqwest::Client) -> Result<Self, String> {
+    pub fn new(config: &BackendConfig, gateway: &GatewayConfig, http: &reqwest::Client) -> Result<Self, BackendError> {
         let client = match config.kind {
             BackendKind::Replay => {
-                let file = config.file.as_deref().ok_or("a replay backend needs `file`")?;
+                let file = config.file.as_deref().ok_or(BackendError::ReplayFileUnset)?;
                 BackendClient::Replay(ReplayBackend::load(file)?)
             }
             BackendKind::Vllm | BackendKind::Sglang | BackendKind::Openai => {
@@ -186,11 +187,14 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(config: &PoolConfig, gateway: &GatewayConfig, http: &reqwest::Client) -> Result<Self, String> {
+    pub fn new(config: &PoolConfig, gateway: &GatewayConfig, http: &reqwest::Client) -> Result<Self, SetupError> {
         let mut backends = Vec::with_capacity(config.backends.len());
         for (i, backend) in config.backends.iter().enumerate() {
-            let built = Backend::new(backend, gateway, http)
-                .map_err(|e| format!("pool `{}` backends[{i}]: {e}", config.model))?;
+            let built = Backend::new(backend, gateway, http).map_err(|source| SetupError::Backend {
+                model: config.model.clone(),
+                index: i,
+                source,
+            })?;
             backends.push(Arc::new(built));
         }
         let labels: Vec<String> = backends.iter().map(|b| b.label.clone()).collect();

@@ -24,7 +24,7 @@ use crate::backends::{DeltaSink, UsageOut};
 use crate::config::{GatewayConfig, RetryConfig};
 use crate::control::{self, Action};
 use crate::dispatch::{self, Served};
-use crate::error::GatewayError;
+use crate::error::{GatewayError, SetupError};
 use crate::pool::Pool;
 use crate::request::{self, GenerateSpec, Input, InvalidField};
 
@@ -49,14 +49,14 @@ pub struct GatewayService {
 impl GatewayService {
     /// Builds every pool (reading replay files and API keys now) and starts the health checks. Metrics join
     /// `registry`. Must run inside a Tokio runtime.
-    pub fn new(config: &GatewayConfig, registry: &mut Registry) -> Result<Self, String> {
+    pub fn new(config: &GatewayConfig, registry: &mut Registry) -> Result<Self, SetupError> {
         config.validate()?;
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
             .tcp_nodelay(true)
             .pool_max_idle_per_host(1024)
             .build()
-            .map_err(|e| format!("http client: {e}"))?;
+            .map_err(SetupError::HttpClient)?;
         let mut pools = HashMap::new();
         let mut order = Vec::new();
         for pool in &config.pools {

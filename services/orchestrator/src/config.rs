@@ -128,15 +128,33 @@ impl Default for DiscoveryConfig {
     }
 }
 
+/// Why a [`DiscoveryConfig`] could not start; `key` is its config path (`orchestrator.discovery.evaluator`).
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("{key}.endpoints[{index}]: {text:?} is not an ip:port: {source}")]
+    BadEndpoint { key: &'static str, index: usize, text: String, source: std::net::AddrParseError },
+    #[error("{key}.service: no Kubernetes API client (a pod's service account, or KUBECONFIG): {source}")]
+    NoKubeClient { key: &'static str, source: kforge_discovery::KubeError },
+    #[error("{key}: name exactly one of `endpoints` (a static list) and `service` (Kubernetes)")]
+    NotExactlyOne { key: &'static str },
+}
+
 impl DiscoveryConfig {
     /// Starts the discovery this config names; `key` is its config path, for errors.
-    pub(crate) async fn start(&self, key: &str) -> Result<Arc<dyn kforge_discovery::Discovery>, String> {
+    pub(crate) async fn start(
+        &self,
+        key: &'static str,
+    ) -> Result<Arc<dyn kforge_discovery::Discovery>, DiscoveryError> {
         match (self.endpoints.is_empty(), self.service.is_empty()) {
             (false, true) => {
                 let mut addresses = Vec::new();
-                for (i, text) in self.endpoints.iter().enumerate() {
-                    let address: std::net::SocketAddr =
-                        text.parse().map_err(|e| format!("{key}.endpoints[{i}]: {text:?} is not an ip:port: {e}"))?;
+                for (index, text) in self.endpoints.iter().enumerate() {
+                    let address: std::net::SocketAddr = text.parse().map_err(|source| DiscoveryError::BadEndpoint {
+                        key,
+                        index,
+                        text: text.clone(),
+                        source,
+                    })?;
                     addresses.push(address);
                 }
                 Ok(Arc::new(kforge_discovery::StaticDiscovery::from_addresses(addresses, self.capacity.max(1))))
@@ -149,12 +167,12 @@ impl DiscoveryConfig {
                     pod_selector: self.pod_selector.clone(),
                     default_capacity: self.capacity.max(1),
                 };
-                let discovery = kforge_discovery::KubeDiscovery::start_in_environment(target).await.map_err(|e| {
-                    format!("{key}.service: no Kubernetes API client (a pod's service account, or KUBECONFIG): {e}")
-                })?;
+                let discovery = kforge_discovery::KubeDiscovery::start_in_environment(target)
+                    .await
+                    .map_err(|source| DiscoveryError::NoKubeClient { key, source })?;
                 Ok(Arc::new(discovery))
             }
-            _ => Err(format!("{key}: name exactly one of `endpoints` (a static list) and `service` (Kubernetes)")),
+            _ => Err(DiscoveryError::NotExactlyOne { key }),
         }
     }
 }

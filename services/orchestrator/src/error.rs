@@ -40,12 +40,15 @@ impl From<OrchestratorError> for Status {
     }
 }
 
-/// A store failure as a handler returns it: UNAVAILABLE, except a stored record that no longer decodes (DATA_LOSS).
-pub(crate) fn store_status(error: StoreError) -> Status {
-    match &error {
-        StoreError::Database(_) | StoreError::Migration(_) | StoreError::BadUrl { .. } => {
-            Status::unavailable(error.to_string())
-        }
-        StoreError::Corrupt { .. } => Status::data_loss(error.to_string()),
+/// A store failure's gRPC code: UNAVAILABLE, except a stored record that no longer decodes (DATA_LOSS).
+pub(crate) fn store_code(error: &StoreError) -> Code {
+    match error {
+        StoreError::Database(_) | StoreError::Migration(_) | StoreError::BadUrl { .. } => Code::Unavailable,
+        StoreError::Corrupt { .. } => Code::DataLoss,
     }
+}
+
+/// A store failure as a handler returns it, with [`store_code`].
+pub(crate) fn store_status(error: StoreError) -> Status {
+    Status::new(store_code(&error), error.to_string())
 }

@@ -286,9 +286,10 @@ impl Orchestrator for OrchestratorService {
                 .map_err(|error| match error {
                 job::StepError::Store(error) => store_status(error),
                 job::StepError::Precondition(message) => OrchestratorError::Precondition(message).into(),
-                job::StepError::Credit(message) => Status::unavailable(format!(
-                    "returns and advantages: {message} (the step is recorded: retry it with the same key)"
-                )),
+                job::StepError::Credit(error) => Status::new(
+                    error.code(),
+                    format!("returns and advantages: {error} (the step is recorded: retry it with the same key)"),
+                ),
             })?;
         let record = stepped.record;
         Ok(Response::new(pb::Observation {

@@ -190,13 +190,23 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
     if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 }
 }
 
+/// Why a Judge answer gave no advice.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MalformedAnswer {
+    #[error("no JSON object in the answer")]
+    NoObject,
+    /// The last JSON object in the answer lacks these fields of the mode.
+    #[error("the JSON object lacks {} (a non-empty string each)", .missing.join(", "))]
+    Lacks { missing: Vec<&'static str> },
+}
+
 /// The Judge's advice: its mode's fields, each a non-empty string, from the first JSON object in `text` that has
 /// them (a bare object, or one in a fenced block, with prose around it). The error says what was missing.
-pub fn parse(mode: Mode, text: &str) -> Result<Map<String, Value>, String> {
+pub fn parse(mode: Mode, text: &str) -> Result<Map<String, Value>, MalformedAnswer> {
     let wanted = fields(mode);
-    let mut last_error = "no JSON object in the answer".to_owned();
+    let mut last_error = MalformedAnswer::NoObject;
     for object in json_objects(text) {
-        let missing: Vec<&str> = wanted
+        let missing: Vec<&'static str> = wanted
             .iter()
             .map(|(key, _)| *key)
             .filter(|key| object.get(*key).and_then(Value::as_str).is_none_or(|v| v.trim().is_empty()))
@@ -204,7 +214,7 @@ pub fn parse(mode: Mode, text: &str) -> Result<Map<String, Value>, String> {
         if missing.is_empty() {
             return Ok(wanted.iter().map(|(key, _)| ((*key).to_owned(), object[*key].clone())).collect());
         }
-        last_error = format!("the JSON object lacks {} (a non-empty string each)", missing.join(", "));
+        last_error = MalformedAnswer::Lacks { missing };
     }
     Err(last_error)
 }
@@ -275,13 +285,13 @@ mod tests {
         let two = "{\"note\": 1} then {\"bottleneck\": \"dram\", \"optimisation_method\": \"vectorise\", \
                    \"modification_plan\": \"float4 loads\"}";
         assert_eq!(parse(Mode::Optimization, two).expect("second object")["bottleneck"], "dram");
-        assert_eq!(
-            parse(Mode::Correction, "I think the loop bound is wrong.").expect_err("no json"),
-            "no JSON object in the answer"
-        );
+        let none = parse(Mode::Correction, "I think the loop bound is wrong.").expect_err("no json");
+        assert_eq!(none, MalformedAnswer::NoObject);
+        assert_eq!(none.to_string(), "no JSON object in the answer");
         let partial =
             parse(Mode::Correction, "{\"critical_issue\": \"x\", \"why_it_matters\": \"\"}").expect_err("partial");
-        assert!(partial.contains("why_it_matters, minimal_fix_hint"), "{partial}");
+        assert_eq!(partial, MalformedAnswer::Lacks { missing: vec!["why_it_matters", "minimal_fix_hint"] });
+        assert!(partial.to_string().contains("why_it_matters, minimal_fix_hint"), "{partial}");
         assert!(
             parse(Mode::Correction, "{\"critical_issue\": 3,").is_err(),
             "truncated JSON is malformed, not a panic"

@@ -33,7 +33,9 @@ use kforge_proto::v1::orchestrator_server::OrchestratorServer;
 use kforge_server::{Host, ServeError};
 use tokio::net::TcpListener;
 
-pub use config::{DiscoveriesConfig, DiscoveryConfig, InFlightConfig, OrchestratorConfig, PeersConfig, RetryConfig};
+pub use config::{
+    DiscoveriesConfig, DiscoveryConfig, DiscoveryError, InFlightConfig, OrchestratorConfig, PeersConfig, RetryConfig,
+};
 pub use error::OrchestratorError;
 pub use service::OrchestratorService;
 use store::Store;
@@ -56,7 +58,7 @@ pub async fn serve(
     tracing::info!(backend = store.backend(), instance = %config.instance, "store open");
     let resume = config.resume_on_start;
     let metrics = monitoring::OrchestratorMetrics::register(host.registry());
-    let setup = |message: String| ServeError::Setup { service: "orchestrator", message };
+    let setup = |error: DiscoveryError| ServeError::Setup { service: "orchestrator", message: error.to_string() };
     let evaluators = match &config.discovery.evaluator {
         Some(discovery) => Some(discovery.start("orchestrator.discovery.evaluator").await.map_err(setup)?),
         None => None,

@@ -27,10 +27,43 @@ use kforge_proto::v1 as pb;
 use kforge_proto::v1::reward_client::RewardClient;
 use kforge_proto::v1::score_kernels_request::Formula;
 use kforge_server::client::Channel;
+use tonic::Code;
 
-use crate::error::OrchestratorError;
+use crate::error::{OrchestratorError, store_code};
 use crate::recipe::Recipe;
-use crate::store::{Stage, Store};
+use crate::store::{Stage, Store, StoreError};
+
+/// Why a finished job's turns could not be credited (returns, advantages, PRS decisions). Computing again gives the
+/// same values, so every one of them may be retried.
+#[derive(Debug, thiserror::Error)]
+pub enum CreditError {
+    #[error("reading the turns: {0}")]
+    ReadTurns(#[source] StoreError),
+    #[error("storing a turn's return, advantage and keep: {0}")]
+    StoreTurn(#[source] StoreError),
+    /// A reward service call failed.
+    #[error("reward {method}: {code:?}: {message}")]
+    Reward { method: &'static str, code: Code, message: String },
+    /// The reward service answered with a different number of PRS decisions than outcomes sent.
+    #[error("reward RejectionSample: {decisions} decisions for {outcomes} outcomes")]
+    DecisionCount { decisions: usize, outcomes: usize },
+}
+
+impl CreditError {
+    fn reward(method: &'static str, status: &tonic::Status) -> Self {
+        Self::Reward { method, code: status.code(), message: status.message().to_owned() }
+    }
+
+    /// The gRPC code of a step that this fails (the step itself stays recorded): the store's code, UNAVAILABLE
+    /// for a reward service that could not answer, INTERNAL for one that answered wrong.
+    pub fn code(&self) -> Code {
+        match self {
+            Self::ReadTurns(error) | Self::StoreTurn(error) => store_code(error),
+            Self::Reward { .. } => Code::Unavailable,
+            Self::DecisionCount { .. } => Code::Internal,
+        }
+    }
+}
 
 /// A job's scoring and credit: its spec's `reward`, the recipe's defaults where it is silent.
 #[derive(Debug, Clone, PartialEq)]
@@ -197,11 +230,11 @@ pub async fn credit(
     store: &Store,
     job_id: &str,
     position: impl Fn(&str) -> i64,
-) -> Result<(), String> {
+) -> Result<(), CreditError> {
     if plan.credit.is_none() && plan.prs.is_none() {
         return Ok(());
     }
-    let mut turns = store.turns(job_id).await.map_err(|error| format!("reading the turns: {error}"))?;
+    let mut turns = store.turns(job_id).await.map_err(CreditError::ReadTurns)?;
     let found = creditable(&turns);
     if found.is_empty() {
         return Ok(());
@@ -215,10 +248,7 @@ pub async fn credit(
     }
     for &index in found.iter().flat_map(|trajectory| &trajectory.turns) {
         let turn = &turns[index];
-        store
-            .put_turn(job_id, position(&turn.task_id), Stage::Recorded, turn)
-            .await
-            .map_err(|error| format!("storing a turn's return, advantage and keep: {error}"))?;
+        store.put_turn(job_id, position(&turn.task_id), Stage::Recorded, turn).await.map_err(CreditError::StoreTurn)?;
     }
     Ok(())
 }
@@ -229,7 +259,7 @@ async fn returns_and_advantages(
     reward: &mut RewardClient<Channel>,
     found: &[Creditable],
     turns: &mut [pb::TurnRecord],
-) -> Result<(), String> {
+) -> Result<(), CreditError> {
     let trajectories = found
         .iter()
         .map(|c| pb::TrajectoryValues {
@@ -238,7 +268,8 @@ async fn returns_and_advantages(
         })
         .collect();
     let request = pb::ComputeReturnsRequest { method: credit.method as i32, gamma: Some(credit.gamma), trajectories };
-    let returns = reward.compute_returns(request).await.map_err(|status| peer("ComputeReturns", &status))?;
+    let returns =
+        reward.compute_returns(request).await.map_err(|status| CreditError::reward("ComputeReturns", &status))?;
     let returns = returns.into_inner().trajectories;
     // `found` is ordered by task: each task's trajectories are one group.
     let mut groups: Vec<pb::AdvantageGroup> = Vec::new();
@@ -251,7 +282,8 @@ async fn returns_and_advantages(
     }
     let request =
         pb::ComputeAdvantagesRequest { estimator: credit.estimator as i32, groups, normalize_std: None, epsilon: None };
-    let advantages = reward.compute_advantages(request).await.map_err(|status| peer("ComputeAdvantages", &status))?;
+    let advantages =
+        reward.compute_advantages(request).await.map_err(|status| CreditError::reward("ComputeAdvantages", &status))?;
     let advantages = advantages.into_inner().groups;
     let advantages = advantages.iter().flat_map(|group| &group.trajectories);
     for ((trajectory, returns), advantages) in found.iter().zip(&returns).zip(advantages) {
@@ -271,7 +303,7 @@ async fn keep_by_prs(
     reward: &mut RewardClient<Channel>,
     indices: &[usize],
     turns: &mut [pb::TurnRecord],
-) -> Result<(), String> {
+) -> Result<(), CreditError> {
     let evaluated: Vec<usize> = indices.iter().copied().filter(|&i| turns[i].evaluation.is_some()).collect();
     for &index in indices {
         turns[index].keep = Some(true);
@@ -293,10 +325,11 @@ async fn keep_by_prs(
         outcomes,
         trajectories: Vec::new(),
     };
-    let decided = reward.rejection_sample(request).await.map_err(|status| peer("RejectionSample", &status))?;
+    let decided =
+        reward.rejection_sample(request).await.map_err(|status| CreditError::reward("RejectionSample", &status))?;
     let decisions = decided.into_inner().decisions;
     if decisions.len() != evaluated.len() {
-        return Err(format!("reward RejectionSample: {} decisions for {} outcomes", decisions.len(), evaluated.len()));
+        return Err(CreditError::DecisionCount { decisions: decisions.len(), outcomes: evaluated.len() });
     }
     for (&index, decision) in evaluated.iter().zip(decisions) {
         turns[index].keep = Some(decision.keep);
@@ -332,10 +365,6 @@ pub fn mismatch_input(
         rollout_logprobs: rollout.to_vec(),
         train_logprobs: train.to_vec(),
     })
-}
-
-fn peer(method: &str, status: &tonic::Status) -> String {
-    format!("reward {method}: {:?}: {}", status.code(), status.message())
 }
 
 #[cfg(test)]
@@ -410,6 +439,16 @@ mod tests {
         assert_eq!(credit(&asked), Some((sum, 1.0, grpo)), "cudaforge's turns are credited when the spec asks");
         let bad = RewardPlan::new(Recipe::Kevin, Some(&pb::RewardSpec { gamma: Some(1.5), ..spec }), 0);
         assert!(bad.expect_err("gamma").to_string().starts_with("spec.reward.gamma: must be in [0, 1]"));
+    }
+
+    #[test]
+    fn credit_errors_say_which_call_failed_and_map_to_a_code() {
+        let refused = CreditError::reward("ComputeReturns", &tonic::Status::unavailable("down"));
+        assert_eq!(refused.to_string(), "reward ComputeReturns: Unavailable: down");
+        assert_eq!(refused.code(), Code::Unavailable);
+        let short = CreditError::DecisionCount { decisions: 1, outcomes: 2 };
+        assert_eq!(short.to_string(), "reward RejectionSample: 1 decisions for 2 outcomes");
+        assert_eq!(short.code(), Code::Internal);
     }
 
     #[test]

@@ -3,12 +3,14 @@
 //! [`openai`] speaks the OpenAI-compatible HTTP API of vLLM, SGLang and hosted services; [`replay`] answers from
 //! a recorded JSONL file. An attempt reports its text as it arrives through a [`DeltaSink`] (which also records
 //! whether any token arrived: a failure after that is never retried) and ends with a [`Generation`] or an
-//! [`AttemptError`] that says whether a retry may help and whether the backend is to blame.
+//! [`AttemptError`] that says whether a retry may help and whether the backend is to blame. A backend that cannot
+//! be built from its configuration (an API key or a replay file that cannot be read) is a [`BackendError`].
 
 pub mod openai;
 pub mod replay;
 pub mod token_route;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
@@ -88,6 +90,30 @@ impl DeltaSink {
     pub fn streamed(&self) -> bool {
         self.streamed
     }
+}
+
+/// Why a backend could not be built from its configuration; read at start-up, so the gateway does not start.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("a replay backend needs `file`")]
+    ReplayFileUnset,
+    #[error("replay file {}: {source}", .path.display())]
+    ReplayRead { path: PathBuf, source: std::io::Error },
+    #[error("replay file {} line {line}: {source}", .path.display())]
+    ReplayLine { path: PathBuf, line: usize, source: serde_json::Error },
+    #[error("replay file {} line {line}: no completions", .path.display())]
+    ReplayNoCompletions { path: PathBuf, line: usize },
+    #[error(
+        "replay file {} line {line}: task {task_id:?}, trajectory {trajectory}, turn {turn} is recorded twice",
+        .path.display()
+    )]
+    ReplayDuplicate { path: PathBuf, line: usize, task_id: String, trajectory: u32, turn: u32 },
+    #[error("api key file {} of {url}: {source}", .path.display())]
+    ApiKeyFile { path: PathBuf, url: String, source: std::io::Error },
+    #[error("api key variable {variable} of {url} is not set")]
+    ApiKeyUnset { variable: String, url: String },
+    #[error("the api key of {url} is empty")]
+    ApiKeyEmpty { url: String },
 }
 
 /// Why one upstream attempt failed.

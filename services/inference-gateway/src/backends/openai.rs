@@ -17,7 +17,7 @@ use serde_json::{Map, Value, json};
 use tokio_stream::StreamExt;
 
 use super::token_route::{self, Answer};
-use super::{AttemptError, CompletionOut, Delta, DeltaSink, Generation, UsageOut};
+use super::{AttemptError, BackendError, CompletionOut, Delta, DeltaSink, Generation, UsageOut};
 use crate::config::{BackendConfig, BackendKind};
 use crate::request::{GenerateSpec, Input};
 
@@ -36,6 +36,17 @@ impl fmt::Debug for ApiKey {
     }
 }
 
+/// Why a control call (`post_control`) got no 2xx answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// No response: connection, TLS or timeout; the text is the whole cause chain.
+    #[error("{}", describe(.0))]
+    Send(reqwest::Error),
+    /// The backend answered with an error status.
+    #[error("http {status}: {body}")]
+    Status { status: u16, body: String },
+}
+
 /// One OpenAI-compatible server.
 #[derive(Debug)]
 pub struct OpenAiBackend {
@@ -52,7 +63,7 @@ pub struct OpenAiBackend {
 
 impl OpenAiBackend {
     /// A backend for `config`, reading its API key now. Errors name what is missing.
-    pub fn new(config: &BackendConfig, http: reqwest::Client) -> Result<Self, String> {
+    pub fn new(config: &BackendConfig, http: reqwest::Client) -> Result<Self, BackendError> {
         let url = config.url.trim_end_matches('/');
         let (root, api_base) = match url.split_once("://").map(|(_, rest)| rest.contains('/')) {
             Some(true) => {
@@ -62,16 +73,20 @@ impl OpenAiBackend {
             _ => (url.to_owned(), format!("{url}/v1")),
         };
         let api_key = if let Some(path) = &config.api_key_file {
-            let raw =
-                std::fs::read_to_string(path).map_err(|e| format!("api key file {} of {url}: {e}", path.display()))?;
+            let raw = std::fs::read_to_string(path).map_err(|source| BackendError::ApiKeyFile {
+                path: path.clone(),
+                url: url.to_owned(),
+                source,
+            })?;
             Some(raw.trim().to_owned())
         } else if let Some(name) = &config.api_key_env {
-            Some(std::env::var(name).map_err(|_| format!("api key variable {name} of {url} is not set"))?)
+            let unset = |_| BackendError::ApiKeyUnset { variable: name.clone(), url: url.to_owned() };
+            Some(std::env::var(name).map_err(unset)?)
         } else {
             None
         };
         if api_key.as_ref().is_some_and(String::is_empty) {
-            return Err(format!("the api key of {url} is empty"));
+            return Err(BackendError::ApiKeyEmpty { url: url.to_owned() });
         }
         Ok(Self {
             kind: config.kind,
@@ -91,17 +106,17 @@ impl OpenAiBackend {
     }
 
     /// `POST {root}{path}` with an optional JSON body, for control routes: the status, or why none came.
-    pub async fn post_control(&self, path: &str, body: Option<Value>, timeout: Duration) -> Result<u16, String> {
+    pub async fn post_control(&self, path: &str, body: Option<Value>, timeout: Duration) -> Result<u16, ControlError> {
         let mut request = self.authorized(self.http.post(format!("{}{path}", self.root))).timeout(timeout);
         if let Some(body) = body {
             request = request.json(&body);
         }
-        let response = request.send().await.map_err(|e| describe(&e))?;
+        let response = request.send().await.map_err(ControlError::Send)?;
         let status = response.status().as_u16();
         if response.status().is_success() {
             Ok(status)
         } else {
-            Err(format!("http {status}: {}", error_body(response).await))
+            Err(ControlError::Status { status, body: error_body(response).await })
         }
     }
 

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use serde::Deserialize;
 
-use super::{AttemptError, CompletionOut, Delta, DeltaSink, Generation, UsageOut};
+use super::{AttemptError, BackendError, CompletionOut, Delta, DeltaSink, Generation, UsageOut};
 use crate::request::GenerateSpec;
 
 #[derive(Debug, Deserialize)]
@@ -72,28 +72,33 @@ pub struct ReplayBackend {
 
 impl ReplayBackend {
     /// Reads `file`. Errors name the file and the line.
-    pub fn load(file: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(file).map_err(|e| format!("replay file {}: {e}", file.display()))?;
+    pub fn load(file: &Path) -> Result<Self, BackendError> {
+        let text = std::fs::read_to_string(file)
+            .map_err(|source| BackendError::ReplayRead { path: file.to_owned(), source })?;
         let mut records = HashMap::new();
         for (number, line) in text.lines().enumerate() {
             let number = number + 1;
             if line.trim().is_empty() {
                 continue;
             }
-            let record: Record =
-                serde_json::from_str(line).map_err(|e| format!("replay file {} line {number}: {e}", file.display()))?;
+            let record: Record = serde_json::from_str(line).map_err(|source| BackendError::ReplayLine {
+                path: file.to_owned(),
+                line: number,
+                source,
+            })?;
             if record.completions.is_empty() {
-                return Err(format!("replay file {} line {number}: no completions", file.display()));
+                return Err(BackendError::ReplayNoCompletions { path: file.to_owned(), line: number });
             }
             let key = (record.task_id.clone(), record.trajectory, record.turn);
             if records.insert(key.clone(), record).is_some() {
-                return Err(format!(
-                    "replay file {} line {number}: task {:?}, trajectory {}, turn {} is recorded twice",
-                    file.display(),
-                    key.0,
-                    key.1,
-                    key.2
-                ));
+                let (task_id, trajectory, turn) = key;
+                return Err(BackendError::ReplayDuplicate {
+                    path: file.to_owned(),
+                    line: number,
+                    task_id,
+                    trajectory,
+                    turn,
+                });
             }
         }
         tracing::info!(file = %file.display(), records = records.len(), "replay file loaded");
@@ -166,10 +171,12 @@ mod tests {
             "{\"task_id\":\"t\",\"trajectory\":0,\"turn\":0,\"completions\":[{\"text\":\"a\"}]}\nnot json\n",
         );
         let error = ReplayBackend::load(&bad).expect_err("malformed");
-        assert!(error.contains("line 2"), "{error}");
+        assert!(matches!(error, BackendError::ReplayLine { line: 2, .. }), "{error}");
+        assert!(error.to_string().contains("line 2"), "{error}");
         let line = "{\"task_id\":\"t\",\"trajectory\":0,\"turn\":0,\"completions\":[{\"text\":\"a\"}]}\n";
         let twice = write("twice", &line.repeat(2));
         let error = ReplayBackend::load(&twice).expect_err("duplicate");
-        assert!(error.contains("recorded twice"), "{error}");
+        assert!(matches!(error, BackendError::ReplayDuplicate { line: 2, trajectory: 0, turn: 0, .. }), "{error}");
+        assert!(error.to_string().contains("recorded twice"), "{error}");
     }
 }

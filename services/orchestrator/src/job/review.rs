@@ -13,6 +13,22 @@ use super::peers::{Peers, call_span, peer_error};
 use super::progress::StageGuard;
 use crate::judge::{self, Mode, ProfileView};
 
+/// Why a turn's kernel has no profile for the Judge; recorded as the review's `profile_note`.
+#[derive(Debug, thiserror::Error)]
+enum NoProfile {
+    #[error("the job evaluates on the CPU, and Nsight Compute profiles GPU kernels")]
+    CpuBackend,
+    #[error("no profiler was reachable when the job started")]
+    NoProfiler,
+    /// The profiler (or its pool) answered with an error status.
+    #[error("profiler: {code:?}: {message}")]
+    Profiler { code: tonic::Code, message: String },
+    #[error("the profile ended {verdict:?}: {first_line}")]
+    Failed { verdict: pb::Verdict, first_line: String },
+    #[error("Nsight Compute profiled no launch of the kernel's own kernels")]
+    NoLaunch,
+}
+
 impl Episode {
     /// The cudaforge Judge's review of a turn's evaluated kernel (`judge.rs`) and the feedback it makes for the
     /// next turn. Never fails the turn: a missing profile, a failed generation or a malformed answer is recorded
@@ -38,7 +54,8 @@ impl Episode {
                     review.metrics.clone_from(&view.metrics);
                     judge::optimization_prompt(templates, &self.task, &record.kernel, &shown, &view)
                 }
-                Err(note) => {
+                Err(why) => {
+                    let note = why.to_string();
                     let feedback = judge::feedback_without_review(
                         &shown,
                         &format!("no hardware profile, {note}; correction only"),
@@ -87,14 +104,10 @@ impl Episode {
     }
 
     /// The kernel's profile as the Judge is shown it, or why there is none.
-    async fn profile(&self, job_id: &str, kernel: &str, peers: &mut Peers) -> Result<ProfileView, String> {
+    async fn profile(&self, job_id: &str, kernel: &str, peers: &mut Peers) -> Result<ProfileView, NoProfile> {
         let spec = &self.plan.spec;
         let Some(profilers) = peers.profiler.as_ref() else {
-            return Err(if spec.backend() == pb::Backend::Cpu {
-                "the job evaluates on the CPU, and Nsight Compute profiles GPU kernels".into()
-            } else {
-                "no profiler was reachable when the job started".into()
-            });
+            return Err(if spec.backend() == pb::Backend::Cpu { NoProfile::CpuBackend } else { NoProfile::NoProfiler });
         };
         let request = pb::ProfileRequest {
             request_id: String::new(),
@@ -121,14 +134,13 @@ impl Episode {
                 Err(status) => Err(status),
             }
         };
-        let profile = profiled.map_err(|status| peer_error("profiler", &status))?.into_inner();
+        let refused =
+            |status: tonic::Status| NoProfile::Profiler { code: status.code(), message: status.message().to_owned() };
+        let profile = profiled.map_err(refused)?.into_inner();
         if profile.verdict() != pb::Verdict::Correct {
-            return Err(format!(
-                "the profile ended {:?}: {}",
-                profile.verdict(),
-                profile.error.lines().next().unwrap_or("")
-            ));
+            let first_line = profile.error.lines().next().unwrap_or("").to_owned();
+            return Err(NoProfile::Failed { verdict: profile.verdict(), first_line });
         }
-        ProfileView::of(&profile).ok_or_else(|| "Nsight Compute profiled no launch of the kernel's own kernels".into())
+        ProfileView::of(&profile).ok_or(NoProfile::NoLaunch)
     }
 }

@@ -33,8 +33,8 @@ pub enum StepError {
     #[error("{0}")]
     Precondition(String),
     /// The episode ended, and its returns, advantages or PRS decisions could not be computed.
-    #[error("{0}")]
-    Credit(String),
+    #[error(transparent)]
+    Credit(#[from] reward::CreditError),
 }
 
 /// A step taken (or replayed): the turn as recorded, the next turn's prompt (empty when done), and whether the
@@ -174,7 +174,7 @@ async fn credit_episode(
     store: &Store,
     job_id: &str,
 ) -> Result<Vec<pb::TurnRecord>, StepError> {
-    reward::credit(&plan.reward, reward, store, job_id, |_| 0).await.map_err(StepError::Credit)?;
+    reward::credit(&plan.reward, reward, store, job_id, |_| 0).await?;
     let turns = store.turns(job_id).await?;
     Ok(turns
         .into_iter()
