@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::static_checks;
+use kforge_execution::static_checks;
 
 /// A task in KernelBench format.
 #[derive(Debug, Clone, PartialEq, Eq)]

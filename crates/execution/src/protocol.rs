@@ -39,7 +39,7 @@ pub enum Mode {
     Check,
     /// Times the reference, eagerly and under torch.compile.
     Baseline,
-    /// Precompiles torch's extension header for the bindings (`crate::bindings_pch`).
+    /// Precompiles torch's extension header for the bindings (`crate::precompiled_header`).
     BindingsPch,
 }
 
