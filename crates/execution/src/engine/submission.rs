@@ -108,7 +108,7 @@ impl Engine {
                 format!("{} bytes, over the {}-byte limit", task.source.len(), config.max_source_bytes),
             ));
         }
-        static_checks::check_task(&task.source).map_err(|reason| invalid("task.source", reason))?;
+        static_checks::check_task(&task.source).map_err(|reason| invalid("task.source", reason.to_string()))?;
         if candidate_source.trim().is_empty() {
             return Err(invalid("candidate_source", "required"));
         }
