@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kforge_sandbox::{Job, Limits, Sandbox, resolve_on_path};
+use kforge_sandbox::{Command, Limits, Sandbox, resolve_on_path};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
@@ -126,7 +126,7 @@ impl PythonEnv {
         std::fs::create_dir_all(scratch).map_err(|e| unavailable(format!("scratch {}: {e}", scratch.display())))?;
         let python =
             &resolve_on_path(python).ok_or_else(|| unavailable(format!("{} is not on PATH", python.display())))?;
-        let job = Job {
+        let command = Command {
             program: python.to_owned(),
             args: vec!["-c".into(), PROBE.into()],
             env: vec![("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())],
@@ -136,7 +136,7 @@ impl PythonEnv {
             limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
         };
         let finished = Sandbox::basic()
-            .run(job, CancellationToken::new())
+            .run(command, CancellationToken::new())
             .await
             .map_err(|e| unavailable(format!("cannot run {}: {e}", python.display())))?;
         if !finished.success() {
@@ -357,7 +357,7 @@ pub async fn sandbox_probe(
     } else {
         "import importlib.util as u; open(u.find_spec('torch').origin).close(); print('ok')"
     };
-    let job = Job {
+    let command = Command {
         program: python.python.clone(),
         args: vec!["-c".into(), script.into()],
         env: python.env_on(scratch, gpu.then_some(0)),
@@ -366,7 +366,8 @@ pub async fn sandbox_probe(
         writable: vec![],
         limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
     };
-    let finished = sandbox.run(job, CancellationToken::new()).await.map_err(|e| SandboxProbeFailed(e.to_string()))?;
+    let finished =
+        sandbox.run(command, CancellationToken::new()).await.map_err(|e| SandboxProbeFailed(e.to_string()))?;
     if finished.success() {
         return Ok(());
     }

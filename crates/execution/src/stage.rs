@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError};
+use kforge_sandbox::{Command, Control, Finished, Limits, Sandbox, SandboxError};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::CallLimitsConfig;
@@ -273,7 +273,7 @@ pub fn start(
         }
         None => (python.python.clone(), vec![harness.into()]),
     };
-    let job = Job {
+    let command = Command {
         program,
         args,
         env: stage.env,
@@ -327,7 +327,7 @@ pub fn start(
             }
         }
     };
-    let finished = tokio::spawn(async move { sandbox.run_with_control(job, input, converse, cancel).await });
+    let finished = tokio::spawn(async move { sandbox.run_with_control(command, input, converse, cancel).await });
     Started { request: Some(request), finished, result_path, watch }
 }
 

@@ -59,7 +59,11 @@ impl Engine {
             self.inner.config.build_recipe.name().as_bytes(),
             // Who owns the build's files: a build made as the engine's user (before job users, or where they are
             // off) has files a job user cannot write, such as the lock a later run takes.
-            if self.inner.sandbox.job_users_active() { b"owned by the jobs' group" } else { b"owned by the evaluator" },
+            if self.inner.sandbox.command_users_active() {
+                b"owned by the jobs' group"
+            } else {
+                b"owned by the evaluator"
+            },
         ])
     }
 

@@ -45,17 +45,17 @@ impl Engine {
         let Err(reason) = python::sandbox_probe(&sandbox, env, scratch, gpu).await else { return sandbox };
         let no_users = format!("disabled: {what} fails as a job user on this host ({reason})");
         let no_landlock = format!("disabled: {what} fails under it on this host ({reason})");
-        let (users, landlock) = (sandbox.job_users_active(), gpu && sandbox.landlock_active());
+        let (users, landlock) = (sandbox.command_users_active(), gpu && sandbox.landlock_active());
         let mut fallbacks = Vec::new();
         if users {
-            fallbacks.push(("job_user", sandbox.without_job_users(no_users.clone())));
+            fallbacks.push(("job_user", sandbox.without_command_users(no_users.clone())));
         }
         if landlock {
             fallbacks.push(("landlock", sandbox.without_landlock(no_landlock.clone())));
         }
         if users && landlock {
             fallbacks
-                .push(("job_user and landlock", sandbox.without_job_users(no_users).without_landlock(no_landlock)));
+                .push(("job_user and landlock", sandbox.without_command_users(no_users).without_landlock(no_landlock)));
         }
         for (dropped, fallback) in fallbacks {
             if python::sandbox_probe(&fallback, env, scratch, gpu).await.is_ok() {
