@@ -69,7 +69,7 @@ pub fn available_bytes(path: &Path) -> Option<u64> {
     Some(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
-/// The disk budget shared by every evaluation of this evaluator, and each task's sizes once known.
+/// The disk budget shared by every run of this engine, and each task's sizes once known.
 #[derive(Debug)]
 pub struct DiskBudget {
     permits: Arc<Semaphore>,

@@ -27,7 +27,7 @@ pub struct Unavailable {
     pub quarantined: String,
 }
 
-/// The device lanes of one evaluator, and the health of its GPUs.
+/// The device lanes of one engine, and the health of its GPUs.
 #[derive(Debug)]
 pub struct Lanes {
     cpu: Mutex<Pool>,

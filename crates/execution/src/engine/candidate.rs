@@ -105,7 +105,7 @@ impl Engine {
     }
 
     /// The result of a candidate stage that finished cleanly with nothing found at run time; otherwise the
-    /// verdict, with `response` filled in, or the evaluator's own failure.
+    /// verdict, with `response` filled in, or the engine's own failure.
     pub fn candidate_result(
         &self,
         outcome: Result<StageOutcome<CandidateResult>, InfraError>,
@@ -152,8 +152,8 @@ impl Engine {
 }
 
 /// The verdict of a candidate stage that did not finish cleanly; `None` when it did; an error where the failure
-/// is the evaluator's.
-pub fn candidate_failure<R>(
+/// is the engine's.
+fn candidate_failure<R>(
     outcome: &StageOutcome<R>,
     response: &mut pb::EvaluateResponse,
 ) -> Result<Option<pb::Verdict>, InfraError> {

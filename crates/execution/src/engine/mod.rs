@@ -40,7 +40,7 @@ mod findings;
 mod setup;
 mod submission;
 
-pub use candidate::{candidate_failure, out_of_memory};
+pub use candidate::out_of_memory;
 pub use compile::Built;
 pub use error::InfraError;
 pub use findings::{finding_proto, hack_finding};
@@ -122,11 +122,6 @@ impl Engine {
 
     pub fn lanes(&self) -> &Arc<Lanes> {
         &self.inner.lanes
-    }
-
-    /// The compiled builds, by [`Engine::artifact_key`].
-    pub fn artifacts(&self) -> &Cache {
-        &self.inner.artifacts
     }
 
     pub fn disk(&self) -> &DiskBudget {

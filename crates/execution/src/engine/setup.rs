@@ -93,7 +93,7 @@ impl Engine {
         let work = std::path::absolute(&config.work_dir)?;
         let harness_dir = work.join("harness");
         std::fs::create_dir_all(&harness_dir)?;
-        // Replaced atomically: evaluators in other processes may share the work directory and be starting the
+        // Replaced atomically: engines in other processes may share the work directory and be starting the
         // harness right now (a truncated file would run as an empty script and exit 0 without a result).
         for (name, contents) in python::HARNESS_FILES {
             let path = harness_dir.join(name);

@@ -1,6 +1,6 @@
 //! Library compute called from an extension's C++/CUDA sources (`static.library_compute`).
 
-use super::rules::{ALLOCATION_OPS, COMPUTE_METHODS};
+use super::torch_ops::{ALLOCATION_OPS, COMPUTE_METHODS};
 
 /// Beyond [`ALLOCATION_OPS`], ATen and torch functions that allocate, make views, or describe tensors and
 /// devices: not compute when an extension calls them. (`contiguous` copies, but only to lay out what the

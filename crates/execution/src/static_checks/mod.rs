@@ -22,115 +22,26 @@
 //! Python: imports, calls, attributes, `ModelNew`), [`tensors`](self::tensors) (which expressions of a strict
 //! `forward` are tensors), [`library`](self::library) (library compute called from an extension's C++/CUDA),
 //! [`kernels`](self::kernels) (the kernels a candidate defines), [`precision`](self::precision) (a precision
-//! downgrade against the task).
+//! downgrade against the task), [`torch_ops`](self::torch_ops) (torch's calls and methods as both rule sets
+//! read them).
 
+mod findings;
 mod kernels;
 mod library;
 mod parse;
+mod policy;
 mod precision;
 mod rules;
 mod tensors;
+mod torch_ops;
 
+pub use findings::{Category, Finding};
 pub use kernels::own_kernel_names;
+pub use policy::{LAZY_WORK_RATIO, Policy};
 pub use precision::precision_downgrade;
 
+use findings::finding;
 use parse::{Source, parse, syntax_error};
-
-/// What kind of problem a finding is (the wire's `FindingCategory`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Category {
-    Hack,
-    Policy,
-    Notice,
-}
-
-/// One problem in a source.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Finding {
-    pub code: &'static str,
-    pub message: String,
-    pub line: u32,
-    pub category: Category,
-}
-
-/// A named, versioned static policy.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Policy {
-    pub name: &'static str,
-    pub version: u32,
-    strict: bool,
-    /// Whether a candidate whose own kernels do not run in some census mode (or whose compiled extension forward
-    /// never calls) is only a notice (a decoy, the work done by torch or another path, is otherwise a hack). No
-    /// shipped policy relaxes it.
-    unlaunched_kernels_allowed: bool,
-    /// A profiling ratio below this is lazy work (`runtime.low_profiling_ratio`): a notice where the policy lets
-    /// torch do the work, a hack where it does not. Candidates whose own code does the work measure about 0.99 on
-    /// the CPU census and 1.0 on a GPU; the lazy ones seen measured 0.03-0.29 (and 0 without code of their own).
-    min_profiling_ratio: f64,
-}
-
-/// The profiling ratio under which the shipped policies name lazy work: between the lazy candidates measured
-/// (at most 0.29) and the ones doing their own work (about 0.99), with room on both sides.
-pub const LAZY_WORK_RATIO: f64 = 0.5;
-
-impl Policy {
-    pub const PERMISSIVE: Policy = Policy {
-        name: "permissive",
-        version: 3,
-        strict: false,
-        unlaunched_kernels_allowed: false,
-        min_profiling_ratio: LAZY_WORK_RATIO,
-    };
-    pub const KEVIN_STRICT: Policy = Policy {
-        name: "kevin-strict",
-        version: 2,
-        strict: true,
-        unlaunched_kernels_allowed: false,
-        min_profiling_ratio: LAZY_WORK_RATIO,
-    };
-    pub const ALL: [Policy; 2] = [Self::PERMISSIVE, Self::KEVIN_STRICT];
-
-    /// Whether the policy demands the candidate's own kernels do the work (Kevin's rules).
-    pub fn strict(&self) -> bool {
-        self.strict
-    }
-
-    /// Whether torch and libraries may do the work (a low profiling ratio is then a notice, not a hack).
-    pub fn torch_compute_allowed(&self) -> bool {
-        !self.strict
-    }
-
-    /// Whether own kernels that never run are a hack (see `census::analyse`).
-    pub fn unlaunched_kernels_are_hacks(&self) -> bool {
-        !self.unlaunched_kernels_allowed
-    }
-
-    /// The profiling ratio below which the census names lazy work.
-    pub fn min_profiling_ratio(&self) -> f64 {
-        self.min_profiling_ratio
-    }
-
-    /// The same policy with decoys relaxed to notices (no shipped policy does this).
-    #[cfg(test)]
-    pub(crate) fn relaxing_unlaunched_kernels(mut self) -> Policy {
-        self.unlaunched_kernels_allowed = true;
-        self
-    }
-
-    /// `name@version`.
-    pub fn id(&self) -> String {
-        format!("{}@{}", self.name, self.version)
-    }
-
-    /// Resolves `name` or `name@version`.
-    pub fn resolve(requested: &str) -> Option<Policy> {
-        let (name, version) = match requested.split_once('@') {
-            Some((name, version)) => (name, Some(version.parse::<u32>().ok()?)),
-            None => (requested, None),
-        };
-        Self::ALL.into_iter().find(|p| p.name == name && version.is_none_or(|v| v == p.version))
-    }
-}
 
 /// The static verdict on a candidate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -204,8 +115,5 @@ pub fn check_candidate(source: &str, policy: Policy) -> CandidateReport {
     CandidateReport { syntax_error: false, findings: rules::check(source, root, policy) }
 }
 
-fn finding(code: &'static str, message: String, line: u32, category: Category) -> Finding {
-    Finding { code, message, line, category }
-}
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,6 @@
 //! A precision downgrade: a candidate in a low-precision type for a task that uses none.
 
-use super::{Category, Finding, finding};
+use super::findings::{Category, Finding, finding};
 
 /// Low-precision types, in Python or in CUDA source strings.
 const LOW_PRECISION: &[&str] = &[

@@ -3,10 +3,12 @@
 
 use tree_sitter::Node;
 
+use super::findings::{Category, Finding, finding};
 use super::library::library_calls;
 use super::parse::{Source, line, walk};
+use super::policy::Policy;
 use super::tensors::{TORCH_COMPUTE_NAMESPACES, Tensors};
-use super::{Category, Finding, Policy, finding};
+use super::torch_ops::{ALLOCATION_OPS, COMPUTE_METHODS};
 
 /// The findings of the candidate `source` (parsed as `root`) under `policy`.
 pub(super) fn check(source: &str, root: Node<'_>, policy: Policy) -> Vec<Finding> {
@@ -83,107 +85,6 @@ pub(super) const STRICT_ALLOWED_MODULES: &[&str] = &[
     "__future__",
 ];
 
-/// `torch.<name>(...)` calls that allocate or describe tensors rather than compute on them.
-pub(super) const ALLOCATION_OPS: &[&str] = &[
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "zeros",
-    "zeros_like",
-    "ones",
-    "ones_like",
-    "full",
-    "full_like",
-    "arange",
-    "tensor",
-    "as_tensor",
-    "device",
-    "Size",
-    "finfo",
-    "iinfo",
-    "is_tensor",
-    "numel",
-    "get_default_dtype",
-    "manual_seed",
-];
-
-/// Tensor methods that compute (rather than reshape, allocate or move) — forbidden in a strict `forward`.
-pub(super) const COMPUTE_METHODS: &[&str] = &[
-    "matmul",
-    "mm",
-    "bmm",
-    "addmm",
-    "baddbmm",
-    "einsum",
-    "conv1d",
-    "conv2d",
-    "conv3d",
-    "relu",
-    "relu_",
-    "gelu",
-    "sigmoid",
-    "tanh",
-    "softmax",
-    "log_softmax",
-    "exp",
-    "log",
-    "sqrt",
-    "rsqrt",
-    "pow",
-    "sum",
-    "mean",
-    "var",
-    "std",
-    "max",
-    "min",
-    "amax",
-    "amin",
-    "argmax",
-    "argmin",
-    "cumsum",
-    "cumprod",
-    "prod",
-    "norm",
-    "add",
-    "add_",
-    "sub",
-    "mul",
-    "mul_",
-    "div",
-    "div_",
-    "abs",
-    "clamp",
-    "clamp_",
-    "clip",
-    "where",
-    "masked_fill",
-    "sort",
-    "topk",
-    "logsumexp",
-    "softplus",
-    "sin",
-    "cos",
-    "erf",
-    "neg",
-    "reciprocal",
-    "square",
-    "maximum",
-    "minimum",
-    "matrix_power",
-    "tril",
-    "triu",
-    "diag",
-    "outer",
-    "dot",
-    "mv",
-    "lerp",
-    "addcmul",
-    "addcdiv",
-    "scatter",
-    "gather",
-    "index_select",
-];
-
 struct Checker<'a> {
     src: Source<'a>,
     policy: Policy,
@@ -203,7 +104,7 @@ impl Checker<'_> {
             "class_definition" if node.child_by_field_name("name").is_some_and(|n| self.src.text(n) == "ModelNew") => {
                 model_new = Some(node);
             }
-            "try_statement" if self.policy.strict => self.add(
+            "try_statement" if self.policy.strict() => self.add(
                 "static.try_except",
                 "try/except is not allowed: a fallback can hide a failing kernel".into(),
                 node,
@@ -242,7 +143,7 @@ impl Checker<'_> {
                 "static.fast_math",
                 "fast-math compilation trades accuracy for speed on an exact task".into(),
                 node,
-                if self.policy.strict { Category::Policy } else { Category::Notice },
+                if self.policy.strict() { Category::Policy } else { Category::Notice },
             ),
             _ => {}
         });
@@ -255,7 +156,7 @@ impl Checker<'_> {
             )),
             Some(class) => self.check_model_new(class),
         }
-        if self.policy.strict {
+        if self.policy.strict() {
             self.check_library_compute(root);
         }
     }
@@ -279,14 +180,14 @@ impl Checker<'_> {
         }
         for module in modules {
             let root = module.trim_start_matches('.').split('.').next().unwrap_or("").to_owned();
-            if HOSTILE_MODULES.contains(&root.as_str()) || (root == "os" && self.policy.strict) {
+            if HOSTILE_MODULES.contains(&root.as_str()) || (root == "os" && self.policy.strict()) {
                 self.add(
                     "static.forbidden_import",
                     format!("import of `{module}` is not allowed in a kernel"),
                     node,
                     Category::Hack,
                 );
-            } else if self.policy.strict && !STRICT_ALLOWED_MODULES.contains(&root.as_str()) && root != "os" {
+            } else if self.policy.strict() && !STRICT_ALLOWED_MODULES.contains(&root.as_str()) && root != "os" {
                 self.add(
                     "static.import_not_allowed",
                     format!("`{module}` is outside the import allowlist"),
@@ -316,7 +217,7 @@ impl Checker<'_> {
                     Category::Hack,
                 )
             }
-            "open" if self.policy.strict => {
+            "open" if self.policy.strict() => {
                 self.add("static.file_access", "kernels do not open files".into(), node, Category::Policy)
             }
             "torch.set_float32_matmul_precision" => self.add(
@@ -407,7 +308,7 @@ impl Checker<'_> {
         };
         let forward = method("forward");
         let init = method("__init__");
-        if inherits_reference && (self.policy.strict || forward.is_none()) {
+        if inherits_reference && (self.policy.strict() || forward.is_none()) {
             let message = if forward.is_none() {
                 "ModelNew only inherits the reference Model: it would run the reference".to_owned()
             } else {
@@ -418,7 +319,7 @@ impl Checker<'_> {
         if forward.is_none() && !inherits_reference {
             self.add("static.no_forward", "ModelNew defines no forward()".into(), class, Category::Policy);
         }
-        if let (true, Some(forward)) = (self.policy.strict, forward) {
+        if let (true, Some(forward)) = (self.policy.strict(), forward) {
             let layers = init.map(|init| self.torch_layers(init)).unwrap_or_default();
             self.check_strict_forward(forward, init, &layers);
         }

@@ -68,11 +68,6 @@ impl std::fmt::Debug for Evaluator {
 }
 
 impl Evaluator {
-    /// The engine this evaluator runs candidates on.
-    pub fn engine(&self) -> &Engine {
-        &self.inner.engine
-    }
-
     /// What this evaluator can do: its engine's backends, devices, policies and protections.
     pub fn capabilities(&self) -> pb::GetCapabilitiesResponse {
         self.inner.engine.capabilities()

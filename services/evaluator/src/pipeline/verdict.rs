@@ -1,5 +1,5 @@
 //! A mismatch in its proto form (how a candidate stage that did not finish cleanly is judged is the engine's:
-//! `kforge_execution::engine::candidate_failure`).
+//! `Engine::candidate_result`).
 
 use kforge_execution::protocol::MismatchRecord;
 use kforge_proto::v1 as pb;
