@@ -10,7 +10,7 @@ for the .cu file, the link), nvcc's own phase times (`nvcc --time`, stock nvcc o
 - stock: what torch's load_inline does by default;
 - light: the .cu file includes torch/types.h where it asked for torch/extension.h (all.h and the Python bindings
   are not parsed three times by nvcc);
-- light+parallel: light, built through kforge's nvcc (services/evaluator/harness/kforge_nvcc.py: nvcc's own steps,
+- light+parallel: light, built through kforge's nvcc (crates/execution/harness/kforge_nvcc.py: nvcc's own steps,
   the host and device front ends side by side). Its object is compared with the light build's: equal but for the
   temporary file names nvcc itself varies per run.
 
@@ -72,7 +72,7 @@ def sass_digest(library):
     return hashlib.sha256(body.encode()).hexdigest()[:16], len(out)
 
 
-WRAPPER = os.path.join(os.path.dirname(__file__), "..", "..", "services", "evaluator", "harness", "kforge_nvcc.py")
+WRAPPER = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "execution", "harness", "kforge_nvcc.py")
 
 
 def object_words(path):

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HARNESS = os.path.join(HERE, "..", "..", "services", "evaluator", "harness")
+HARNESS = os.path.join(HERE, "..", "..", "crates", "execution", "harness")
 sys.path.insert(0, HARNESS)
 import kforge_harness  # noqa: E402
 import kforge_nvcc  # noqa: E402

@@ -40,8 +40,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use kforge_evaluator::config::BuildRecipe;
-use kforge_evaluator::devices::GateAccount;
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics};
+use kforge_execution::devices::GateAccount;
 use kforge_proto::v1 as pb;
 use serde_json::{Value, json};
 

@@ -110,7 +110,7 @@ pub async fn serve(
         Service::Profiler => {
             // One engine per process: the profiler runs its candidates on the evaluator's (`[evaluator]`).
             let profiler =
-                kforge_profiler::ProfilerConfig { execution: config.evaluator.clone(), ..config.profiler.clone() };
+                kforge_profiler::ProfilerConfig { execution: config.evaluator.execution(), ..config.profiler.clone() };
             kforge_profiler::serve(profiler, listener, shutdown).await
         }
         Service::Reward => kforge_reward::serve(config.reward.clone(), listener, shutdown).await,

@@ -1,4 +1,4 @@
-//! Runs one command in this host's sandbox and prints how it ended: for diagnosing what a job needs on a new host
+//! Runs one command in this host's sandbox and prints how it ended: for diagnosing what a command needs on a new host
 //! (which paths a GPU driver reads, whether Landlock lets it start).
 //!
 //! `cargo run -p kforge-sandbox --example sandboxed -- [--read PATH]... [--write PATH]... [--env K=V]...
@@ -7,7 +7,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use kforge_sandbox::{Job, Limits, Sandbox, SandboxOptions};
+use kforge_sandbox::{Command, Limits, Sandbox, SandboxOptions};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main(flavor = "current_thread")]
@@ -44,7 +44,7 @@ async fn main() {
     for protection in sandbox.protections() {
         println!("{:<18} {:<5} {}", protection.name, protection.active, protection.detail);
     }
-    let job = Job {
+    let command = Command {
         program,
         args: args.collect(),
         env,
@@ -53,7 +53,7 @@ async fn main() {
         writable,
         limits: Limits::default(),
     };
-    let finished = sandbox.run(job, CancellationToken::new()).await.expect("the sandbox starts the job");
+    let finished = sandbox.run(command, CancellationToken::new()).await.expect("the sandbox starts the job");
     println!("exit: {:?} after {:?}", finished.exit, finished.wall);
     println!("--- stdout\n{}", String::from_utf8_lossy(&finished.stdout));
     println!("--- stderr\n{}", String::from_utf8_lossy(&finished.stderr));

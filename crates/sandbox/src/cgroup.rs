@@ -1,10 +1,10 @@
-//! A pids cgroup per job: a cap on the job's processes and threads that holds for root too (RLIMIT_NPROC does
-//! not: it binds neither root nor, usefully, jobs that share one user), and a list of every process of the job,
+//! A pids cgroup per command: a cap on the command's processes and threads that holds for root too (RLIMIT_NPROC does
+//! not: it binds neither root nor, usefully, commands that share one user), and a list of every process of the command,
 //! including those that left its process group with `setsid`, so that all of them are killed at its end.
 //!
 //! The evaluator must be able to create cgroups in the pids hierarchy it is in: cgroup v1's `pids` hierarchy, or
 //! its own cgroup v2 cgroup, writable, with `pids` available (the processes in it then move to a leaf beside the
-//! job cgroups: see [`enable_pids_v2`]). Where it cannot, the protection is reported inactive with the reason.
+//! command cgroups: see [`enable_pids_v2`]). Where it cannot, the protection is reported inactive with the reason.
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::sys;
 
-/// Why this host gives jobs no pids cgroup (the protection's report says so).
+/// Why this host gives commands no pids cgroup (the protection's report says so).
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum CgroupUnavailable {
     #[error("{}: {source}", path.display())]
@@ -35,23 +35,23 @@ fn read(path: &Path) -> Result<String, CgroupUnavailable> {
     std::fs::read_to_string(path).map_err(|source| CgroupUnavailable::Read { path: path.to_owned(), source })
 }
 
-/// Where this process may create job cgroups: the directory of its own cgroup in a hierarchy with `pids`.
+/// Where this process may create command cgroups: the directory of its own cgroup in a hierarchy with `pids`.
 #[derive(Debug, Clone)]
 pub(crate) struct PidsCgroups {
     parent: PathBuf,
     version: u8,
 }
 
-/// One job's cgroup; removed (after killing what is left in it) on drop.
+/// One command's cgroup; removed (after killing what is left in it) on drop.
 #[derive(Debug)]
-pub(crate) struct JobCgroup {
+pub(crate) struct CommandCgroup {
     dir: PathBuf,
     /// `cgroup.procs`, opened for the child to write itself into between fork and exec (close-on-exec).
     procs: OwnedFd,
 }
 
 impl PidsCgroups {
-    /// Finds the pids hierarchy of this process and checks that a job cgroup can be made there.
+    /// Finds the pids hierarchy of this process and checks that a command cgroup can be made there.
     pub(crate) fn detect() -> Result<Self, CgroupUnavailable> {
         let (own, mounts) = (read(Path::new("/proc/self/cgroup"))?, read(Path::new("/proc/self/mountinfo"))?);
         let (parent, version) = own_dir(&own, &mounts)?;
@@ -60,13 +60,13 @@ impl PidsCgroups {
         }
         let cgroups = Self { parent, version };
         cgroups.remove_stale();
-        // A real job cgroup, made and removed: creating and limiting are what jobs need.
+        // A real command cgroup, made and removed: creating and limiting are what commands need.
         let made = cgroups.create(16);
         drop(made.map_err(|source| CgroupUnavailable::Create { dir: cgroups.parent.clone(), source })?);
         Ok(cgroups)
     }
 
-    /// Removes the job cgroups of evaluators that are gone (a crash leaves them), killing what is left in them.
+    /// Removes the command cgroups of evaluators that are gone (a crash leaves them), killing what is left in them.
     fn remove_stale(&self) {
         let Ok(entries) = std::fs::read_dir(&self.parent) else { return };
         for entry in entries.flatten() {
@@ -78,19 +78,19 @@ impl PidsCgroups {
             if sys::process_gone(owner) {
                 let (dir, procs) = (entry.path(), std::fs::File::open(entry.path().join("cgroup.procs")));
                 if let Ok(procs) = procs {
-                    drop(JobCgroup { dir, procs: procs.into() });
+                    drop(CommandCgroup { dir, procs: procs.into() });
                 }
             }
         }
     }
 
-    /// What the protection's report says about where job cgroups go.
+    /// What the protection's report says about where command cgroups go.
     pub(crate) fn describe(&self) -> String {
         format!("cgroup v{} pids controller under {}", self.version, self.parent.display())
     }
 
-    /// A new job cgroup limited to `max` processes and threads.
-    pub(crate) fn create(&self, max: u64) -> std::io::Result<JobCgroup> {
+    /// A new command cgroup limited to `max` processes and threads.
+    pub(crate) fn create(&self, max: u64) -> std::io::Result<CommandCgroup> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = self.parent.join(format!("kforge-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
         std::fs::create_dir(&dir)?;
@@ -103,7 +103,7 @@ impl PidsCgroups {
             Ok(std::fs::OpenOptions::new().write(true).open(dir.join("cgroup.procs"))?.into())
         };
         match made() {
-            Ok(procs) => Ok(JobCgroup { dir, procs }),
+            Ok(procs) => Ok(CommandCgroup { dir, procs }),
             Err(error) => {
                 let _ = std::fs::remove_dir(&dir);
                 Err(error)
@@ -112,7 +112,7 @@ impl PidsCgroups {
     }
 }
 
-impl JobCgroup {
+impl CommandCgroup {
     /// The descriptor the child writes `0` to, to move itself in.
     pub(crate) fn procs_fd(&self) -> i32 {
         self.procs.as_raw_fd()
@@ -143,7 +143,7 @@ impl JobCgroup {
     }
 }
 
-impl Drop for JobCgroup {
+impl Drop for CommandCgroup {
     fn drop(&mut self) {
         self.kill_all();
         // Killed processes leave the cgroup once they have exited; until then it cannot be removed.
@@ -195,10 +195,10 @@ fn own_dir(own: &str, mountinfo: &str) -> Result<(PathBuf, u8), CgroupUnavailabl
     }
 }
 
-/// Under cgroup v2, job cgroups need `pids` in `dir`'s `cgroup.subtree_control`, and a cgroup that enables
+/// Under cgroup v2, command cgroups need `pids` in `dir`'s `cgroup.subtree_control`, and a cgroup that enables
 /// controllers for its children may hold no processes itself: the processes of `dir` (this evaluator, and
 /// whatever shares its cgroup, such as a container's other processes) move to a leaf `kforge-evaluator` beside
-/// the jobs first. They stay inside `dir`, under its limits.
+/// the commands first. They stay inside `dir`, under its limits.
 fn enable_pids_v2(dir: &Path) -> Result<(), CgroupUnavailable> {
     let read = |name: &str| read(&dir.join(name));
     if read("cgroup.subtree_control")?.split_whitespace().any(|c| c == "pids") {

@@ -1,23 +1,23 @@
-//! The caller's hold on a running job in a conversation (see [`crate::Sandbox::run_with_control`]): stopping and
+//! The caller's hold on a running command in a conversation (see [`crate::Sandbox::run_with_control`]): stopping and
 //! continuing its process group, reading how much CPU it has used or wanted, and its wall clock, which does not run
-//! while the caller holds the job stopped.
+//! while the caller holds the command stopped.
 
 use std::time::{Duration, Instant};
 
 use crate::sys;
 
-/// The caller's hold on a running job in a conversation (see [`crate::Sandbox::run_with_control`]).
+/// The caller's hold on a running command in a conversation (see [`crate::Sandbox::run_with_control`]).
 #[derive(Debug)]
 pub struct Control {
-    /// The job's process group, to stop and continue it.
+    /// The command's process group, to stop and continue it.
     pub group: libc::pid_t,
-    /// The job's own user and group, when it has one: its signals reach every process of that user too (one that
+    /// The command's own user and group, when it has one: its signals reach every process of that user too (one that
     /// left the group with `setsid`).
     user: Option<(u32, u32)>,
     clock: tokio::sync::watch::Sender<Clock>,
 }
 
-/// The job's wall clock: time spent stopped by the caller does not count against its limit.
+/// The command's wall clock: time spent stopped by the caller does not count against its limit.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Clock {
     held_since: Option<Instant>,
@@ -29,19 +29,19 @@ impl Control {
         Self { group, user, clock }
     }
 
-    /// Stops the job's process group (`SIGSTOP`) and its wall clock: it waits for the caller and does no work.
+    /// Stops the command's process group (`SIGSTOP`) and its wall clock: it waits for the caller and does no work.
     pub fn stop(&self) {
         self.signal(libc::SIGSTOP);
         self.hold_clock();
     }
 
-    /// Restarts the job's wall clock and continues its process group (`SIGCONT`) after [`Control::stop`].
+    /// Restarts the command's wall clock and continues its process group (`SIGCONT`) after [`Control::stop`].
     pub fn resume(&self) {
         self.release_clock();
         self.signal(libc::SIGCONT);
     }
 
-    /// Stops the job's wall clock only, for a job that waits for the caller but must not be stopped by a signal
+    /// Stops the command's wall clock only, for a command that waits for the caller but must not be stopped by a signal
     /// (one run under a program that follows its child's stops, such as Nsight Compute, which reports a stopped and
     /// continued child as ended with status 18).
     pub fn hold_clock(&self) {
@@ -52,7 +52,7 @@ impl Control {
         });
     }
 
-    /// Restarts the job's wall clock after [`Control::hold_clock`].
+    /// Restarts the command's wall clock after [`Control::hold_clock`].
     pub fn release_clock(&self) {
         self.clock.send_if_modified(|clock| match clock.held_since.take() {
             Some(since) => {
@@ -63,13 +63,13 @@ impl Control {
         });
     }
 
-    /// Kills the job's process group (`SIGKILL`): for a job that broke the conversation's protocol. Only while the
-    /// job is known to be running (it has just spoken), so the group cannot have been reused.
+    /// Kills the command's process group (`SIGKILL`): for a command that broke the conversation's protocol. Only while the
+    /// command is known to be running (it has just spoken), so the group cannot have been reused.
     pub fn kill(&self) {
         self.signal(libc::SIGKILL);
     }
 
-    /// How long the job's process group has wanted a CPU so far: the CPU time it used (its processes' own, and
+    /// How long the command's process group has wanted a CPU so far: the CPU time it used (its processes' own, and
     /// that of the children they waited for) plus the time its threads waited runnable in a run queue
     /// (`/proc/<pid>/task/<tid>/schedstat`), so that a process starved by others on a loaded machine still counts
     /// as busy, not as waiting. `None` where `/proc` does not say.
@@ -87,7 +87,7 @@ impl Control {
         Some(cpu + Duration::from_nanos(waited_ns))
     }
 
-    /// The processes of the job's group now.
+    /// The processes of the command's group now.
     fn pids(&self) -> Vec<i32> {
         let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
         entries
@@ -101,7 +101,7 @@ impl Control {
             .collect()
     }
 
-    /// CPU time the job's process group has used so far: its processes' own, and that of the children they
+    /// CPU time the command's process group has used so far: its processes' own, and that of the children they
     /// waited for. `None` where `/proc` does not say.
     pub fn cpu_time(&self) -> Option<Duration> {
         let ticks = sys::clock_ticks()?;
@@ -136,7 +136,7 @@ impl Control {
     }
 }
 
-/// Resolves when the job has run `wall` since `started`, not counting the time its clock was held.
+/// Resolves when the command has run `wall` since `started`, not counting the time its clock was held.
 pub(crate) async fn deadline(wall: Duration, started: Instant, mut clock: tokio::sync::watch::Receiver<Clock>) {
     loop {
         let now = *clock.borrow_and_update();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use landlock::ABI;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Job, Limits, cgroup, sys, users};
+use crate::{Command, Limits, cgroup, sys, users};
 
 /// One protection and whether it is enforced on this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,9 +24,9 @@ pub struct Sandbox {
     pub(crate) network_namespace: bool,
     pub(crate) landlock: Option<ABI>,
     pub(crate) pids: Option<cgroup::PidsCgroups>,
-    /// What the pids cgroup probe found: where job cgroups go (with `pids`), or why there are none.
+    /// What the pids cgroup probe found: where command cgroups go (with `pids`), or why there are none.
     cgroup_detail: String,
-    pub(crate) users: Option<Arc<users::JobUsers>>,
+    pub(crate) users: Option<Arc<users::CommandUsers>>,
     protections: Vec<Protection>,
 }
 
@@ -35,17 +35,19 @@ pub struct Sandbox {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SandboxOptions {
-    /// A fresh network namespace per job (no network).
+    /// A fresh network namespace per command (no network).
     pub network_namespace: bool,
-    /// Landlock: jobs read only system paths and the paths they are given, and write only their scratch.
+    /// Landlock: commands read only system paths and the paths they are given, and write only their scratch.
     pub landlock: bool,
-    /// A pids cgroup per job: a cap on its processes and threads (`Limits::processes`), and every process of the
-    /// job killed at its end, also those that left its process group.
+    /// A pids cgroup per command: a cap on its processes and threads (`Limits::processes`), and every process of the
+    /// command killed at its end, also those that left its process group.
     pub process_limit: bool,
-    /// Where the evaluator is root: each job runs as a user of its own (`job_user_base` and up, group
-    /// `job_user_base`), so RLIMIT_NPROC caps its processes and it can signal and trace no other process.
+    /// Where the evaluator is root: each command runs as a user of its own (`job_user_base` and up, group
+    /// `job_user_base`), so RLIMIT_NPROC caps its processes and it can signal and trace no other process. (The
+    /// configuration's keys and the reported protection, `job_user`, keep the name these command users had when a
+    /// sandboxed command was called a job.)
     pub job_users: bool,
-    /// The first job user id; the pool has [`crate::JOB_USERS`] ids, unused by anything else on the host.
+    /// The first command user id; the pool has [`crate::COMMAND_USERS`] ids, unused by anything else on the host.
     pub job_user_base: u32,
 }
 
@@ -70,7 +72,7 @@ impl Sandbox {
     /// Probes the optional protections that `options` allows.
     pub async fn detect_with(options: SandboxOptions) -> Self {
         let mut sandbox = Self::basic();
-        // The probes' own scratch: a job's scratch is handed to its user.
+        // The probes' own scratch: a command's scratch is handed to its user.
         let scratch = std::env::temp_dir().join(format!("kforge-sandbox-probe-{}", std::process::id()));
         if let Err(error) = std::fs::create_dir_all(&scratch) {
             tracing::warn!(%error, dir = %scratch.display(), "the sandbox's probe directory");
@@ -79,7 +81,7 @@ impl Sandbox {
             let sandbox = sandbox.clone();
             let scratch = scratch.clone();
             async move {
-                let job = Job {
+                let command = Command {
                     program: "/bin/true".into(),
                     args: vec![],
                     env: vec![],
@@ -88,7 +90,7 @@ impl Sandbox {
                     writable: vec![],
                     limits: Limits { wall: Duration::from_secs(10), ..Limits::default() },
                 };
-                sandbox.run(job, CancellationToken::new()).await
+                sandbox.run(command, CancellationToken::new()).await
             }
         };
 
@@ -138,7 +140,7 @@ impl Sandbox {
         let landlock_ok = sandbox.landlock.is_some();
 
         let users_detail = if options.job_users {
-            match users::JobUsers::detect(options.job_user_base) {
+            match users::CommandUsers::detect(options.job_user_base) {
                 Ok(users) => {
                     let detail = format!(
                         "{}: one per running job; it cannot signal or trace the evaluator or other jobs, and all \
@@ -231,12 +233,12 @@ impl Sandbox {
         &self.protections
     }
 
-    /// Whether Landlock restricts jobs.
+    /// Whether Landlock restricts commands.
     pub fn landlock_active(&self) -> bool {
         self.landlock.is_some()
     }
 
-    /// This sandbox without Landlock, reporting `reason` (for hosts where a job's own needs, such as a GPU
+    /// This sandbox without Landlock, reporting `reason` (for hosts where a command's own needs, such as a GPU
     /// driver, conflict with it).
     pub fn without_landlock(&self, reason: String) -> Self {
         let mut sandbox = self.clone();
@@ -248,9 +250,9 @@ impl Sandbox {
         sandbox
     }
 
-    /// This sandbox with jobs running as the evaluator's user, reporting `reason` (for hosts where a job's own
-    /// needs, such as an interpreter under a private home directory, are out of a job user's reach).
-    pub fn without_job_users(&self, reason: String) -> Self {
+    /// This sandbox with commands running as the evaluator's user, reporting `reason` (for hosts where a command's own
+    /// needs, such as an interpreter under a private home directory, are out of a command user's reach).
+    pub fn without_command_users(&self, reason: String) -> Self {
         let mut sandbox = self.clone();
         sandbox.users = None;
         let limit = sandbox.process_limit();
@@ -264,12 +266,12 @@ impl Sandbox {
         sandbox
     }
 
-    /// Whether jobs run as users of their own.
-    pub fn job_users_active(&self) -> bool {
+    /// Whether commands run as users of their own.
+    pub fn command_users_active(&self) -> bool {
         self.users.is_some()
     }
 
-    /// The process cap as it stands: the pids cgroup's, the job users' RLIMIT_NPROC, both or neither.
+    /// The process cap as it stands: the pids cgroup's, the command users' RLIMIT_NPROC, both or neither.
     fn process_limit(&self) -> Protection {
         let cap = Limits::default().processes;
         let detail = &self.cgroup_detail;

@@ -1,4 +1,4 @@
-//! Running one job: spawning it with the protections this sandbox enforces, delivering its input, holding its
+//! Running one command: spawning it with the protections this sandbox enforces, delivering its input, holding its
 //! conversation, capping its output, and ending it (on exit, timeout or cancellation) with nothing it started left
 //! behind.
 
@@ -12,39 +12,39 @@ use tokio_util::sync::CancellationToken;
 
 use crate::control::{Clock, Control, deadline};
 use crate::sys::{self, ChildSetup};
-use crate::{Exit, Finished, Job, Sandbox, SandboxError, cgroup, ruleset, users};
+use crate::{Command, Exit, Finished, Sandbox, SandboxError, cgroup, ruleset, users};
 
-/// The conversation of a job that has none.
+/// The conversation of a command that has none.
 type NoConversation = fn(Control, tokio::net::UnixStream) -> std::future::Ready<()>;
 
 impl Sandbox {
-    /// Runs `job` to completion, timeout or cancellation. The process group is killed in every case before this
-    /// returns, so nothing the job started outlives it; with a process limit, so is every process in the job's
+    /// Runs `command` to completion, timeout or cancellation. The process group is killed in every case before this
+    /// returns, so nothing the command started outlives it; with a process limit, so is every process in the command's
     /// cgroup (one that left the group with `setsid` too).
-    pub async fn run(&self, job: Job, cancel: CancellationToken) -> Result<Finished, SandboxError> {
-        self.execute(job, None::<std::future::Ready<Option<Vec<u8>>>>, None::<NoConversation>, cancel).await
+    pub async fn run(&self, command: Command, cancel: CancellationToken) -> Result<Finished, SandboxError> {
+        self.execute(command, None::<std::future::Ready<Option<Vec<u8>>>>, None::<NoConversation>, cancel).await
     }
 
-    /// Runs `job` like [`Sandbox::run`], its stdin a pipe: the job starts at once, and what `input` resolves to
+    /// Runs `command` like [`Sandbox::run`], its stdin a pipe: the command starts at once, and what `input` resolves to
     /// is written to its stdin, which then closes. The wall-clock limit (and [`Finished::wall`]) counts from that
-    /// moment, so a job can be started before the resource it needs is free and prepare while it waits. `None`
-    /// from `input` cancels the job; a job that exits first is finished as it ended.
+    /// moment, so a command can be started before the resource it needs is free and prepare while it waits. `None`
+    /// from `input` cancels the command; a command that exits first is finished as it ended.
     pub async fn run_with_input(
         &self,
-        job: Job,
+        command: Command,
         input: impl Future<Output = Option<Vec<u8>>>,
         cancel: CancellationToken,
     ) -> Result<Finished, SandboxError> {
-        self.execute(job, Some(input), None::<NoConversation>, cancel).await
+        self.execute(command, Some(input), None::<NoConversation>, cancel).await
     }
 
-    /// Runs `job` like [`Sandbox::run_with_input`], with a control channel: the job's file descriptor 3 is a
-    /// stream socket whose other end goes to `converse`, with a [`Control`] of the job's process group and wall
-    /// clock, once the input is delivered. `converse` runs until the job ends (it is dropped then) and may hold the
-    /// job's clock while the job waits for it.
+    /// Runs `command` like [`Sandbox::run_with_input`], with a control channel: the command's file descriptor 3 is a
+    /// stream socket whose other end goes to `converse`, with a [`Control`] of the command's process group and wall
+    /// clock, once the input is delivered. `converse` runs until the command ends (it is dropped then) and may hold the
+    /// command's clock while the command waits for it.
     pub async fn run_with_control<F, Fut>(
         &self,
-        job: Job,
+        command: Command,
         input: impl Future<Output = Option<Vec<u8>>>,
         converse: F,
         cancel: CancellationToken,
@@ -53,12 +53,12 @@ impl Sandbox {
         F: FnOnce(Control, tokio::net::UnixStream) -> Fut,
         Fut: Future<Output = ()>,
     {
-        self.execute(job, Some(input), Some(converse), cancel).await
+        self.execute(command, Some(input), Some(converse), cancel).await
     }
 
     async fn execute<F, Fut>(
         &self,
-        job: Job,
+        command: Command,
         input: Option<impl Future<Output = Option<Vec<u8>>>>,
         converse: Option<F>,
         cancel: CancellationToken,
@@ -67,33 +67,34 @@ impl Sandbox {
         F: FnOnce(Control, tokio::net::UnixStream) -> Fut,
         Fut: Future<Output = ()>,
     {
-        let spawn_error = |source| SandboxError::Spawn { program: job.program.clone(), source };
+        let spawn_error = |source| SandboxError::Spawn { program: command.program.clone(), source };
         let ruleset = match self.landlock {
-            Some(abi) => Some(ruleset::for_job(abi, &job)?),
+            Some(abi) => Some(ruleset::for_command(abi, &command)?),
             None => None,
         };
         let user = match &self.users {
             Some(users) => {
-                let user = users.take().ok_or_else(|| SandboxError::NoJobUser { program: job.program.clone() })?;
-                for dir in std::iter::once(&job.scratch).chain(&job.writable).filter(|dir| dir.exists()) {
+                let user =
+                    users.take().ok_or_else(|| SandboxError::NoCommandUser { program: command.program.clone() })?;
+                for dir in std::iter::once(&command.scratch).chain(&command.writable).filter(|dir| dir.exists()) {
                     users::share_with_group(dir, user.gid).map_err(spawn_error)?;
                 }
                 Some(user)
             }
             None => None,
         };
-        let mut command = tokio::process::Command::new(&job.program);
-        command.env_clear();
+        let mut process = tokio::process::Command::new(&command.program);
+        process.env_clear();
         if let Some(user) = &user {
-            // Tools that look their user up (Python's getpass) find it here: job users are in no passwd file.
+            // Tools that look their user up (Python's getpass) find it here: command users are in no passwd file.
             let name = format!("kforge-job-{}", user.uid);
-            command.env("USER", &name).env("LOGNAME", &name);
+            process.env("USER", &name).env("LOGNAME", &name);
         }
-        command
-            .args(&job.args)
-            .envs(job.env.iter().map(|(k, v)| (k, v)))
-            .env("TMPDIR", &job.scratch)
-            .current_dir(&job.scratch)
+        process
+            .args(&command.args)
+            .envs(command.env.iter().map(|(k, v)| (k, v)))
+            .env("TMPDIR", &command.scratch)
+            .current_dir(&command.scratch)
             .stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -105,22 +106,22 @@ impl Sandbox {
             None => None,
         };
         let cgroup = match &self.pids {
-            Some(pids) => Some(pids.create(job.limits.processes).map_err(spawn_error)?),
+            Some(pids) => Some(pids.create(command.limits.processes).map_err(spawn_error)?),
             None => None,
         };
         let setup = ChildSetup {
-            cgroup_procs_fd: cgroup.as_ref().map(cgroup::JobCgroup::procs_fd),
-            limits: job.limits.clone(),
+            cgroup_procs_fd: cgroup.as_ref().map(cgroup::CommandCgroup::procs_fd),
+            limits: command.limits.clone(),
             network_namespace: self.network_namespace,
             landlock_fd: ruleset.as_ref().map(AsRawFd::as_raw_fd),
             control_fd: control.as_ref().map(|(_, child)| child.as_raw_fd()),
             user: user.as_ref().map(|user| (user.uid, user.gid)),
         };
         let job_user = setup.user;
-        setup.install(&mut command);
+        setup.install(&mut process);
 
         let mut started = Instant::now();
-        let mut child = command.spawn().map_err(spawn_error)?;
+        let mut child = process.spawn().map_err(spawn_error)?;
         drop(ruleset);
         let ours = match control {
             Some((ours, theirs)) => {
@@ -132,8 +133,8 @@ impl Sandbox {
         };
         let pid = child.id().map(|pid| pid as libc::pid_t);
         let group = GroupKiller(pid);
-        let stdout = tokio::spawn(read_capped(child.stdout.take(), job.limits.output_bytes));
-        let stderr = tokio::spawn(read_capped(child.stderr.take(), job.limits.output_bytes));
+        let stdout = tokio::spawn(read_capped(child.stdout.take(), command.limits.output_bytes));
+        let stderr = tokio::spawn(read_capped(child.stderr.take(), command.limits.output_bytes));
 
         let exit = 'run: {
             if let Some(input) = input {
@@ -145,7 +146,7 @@ impl Sandbox {
                     () = cancel.cancelled() => None,
                 };
                 let (Some(bytes), Some(mut pipe)) = (bytes, pipe) else { break 'run Exit::Cancelled };
-                // Written aside, so a job that never reads cannot hold this up; closing the pipe is the end.
+                // Written aside, so a command that never reads cannot hold this up; closing the pipe is the end.
                 tokio::spawn(async move {
                     let _ = pipe.write_all(&bytes).await;
                 });
@@ -160,12 +161,12 @@ impl Sandbox {
             };
             tokio::select! {
                 status = child.wait() => Exit::from(status.map_err(SandboxError::Wait)?),
-                () = deadline(job.limits.wall, started, clock_seen) => Exit::TimedOut,
+                () = deadline(command.limits.wall, started, clock_seen) => Exit::TimedOut,
                 () = cancel.cancelled() => Exit::Cancelled,
                 () = conversation => unreachable!("a conversation never ends by itself"),
             }
         };
-        // Kill whatever is left of the group (the job itself on timeout, background children otherwise) and of
+        // Kill whatever is left of the group (the command itself on timeout, background children otherwise) and of
         // its cgroup (what left the group), so the pipes close and the readers finish.
         drop(group);
         // The cgroup's reads, kills and waits for emptiness block: off the async threads.
@@ -180,7 +181,7 @@ impl Sandbox {
         };
         let _ = child.wait().await;
         if let Some(user) = user {
-            // Every process of the job's user (one that left the group too) is gone before this returns.
+            // Every process of the command's user (one that left the group too) is gone before this returns.
             let _ = tokio::task::spawn_blocking(move || user.release()).await;
         }
         let (stdout, stdout_cut) = stdout.await.unwrap_or_default();

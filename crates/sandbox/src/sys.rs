@@ -1,5 +1,5 @@
 //! Every raw system call of the sandbox, and so all of its `unsafe` code, in one place: what the child does to
-//! itself between `fork` and `exec` ([`ChildSetup`]), signals to process groups, processes and a job user's
+//! itself between `fork` and `exec` ([`ChildSetup`]), signals to process groups, processes and a command user's
 //! processes, and the few queries std has no safe call for.
 //!
 //! Between fork and exec only raw system calls on integers are made (no allocation, no lock), because the parent
@@ -106,14 +106,14 @@ pub(crate) fn signal_all_as_user(uid: u32, gid: u32, signal: libc::c_int) {
 /// What the child does to itself between fork and exec. Plain data only.
 #[derive(Debug, Clone)]
 pub(crate) struct ChildSetup {
-    /// The job cgroup's `cgroup.procs`: the child moves itself in first, so everything it starts is counted.
+    /// The command cgroup's `cgroup.procs`: the child moves itself in first, so everything it starts is counted.
     pub cgroup_procs_fd: Option<i32>,
     pub limits: Limits,
     pub network_namespace: bool,
     pub landlock_fd: Option<i32>,
     /// Becomes the child's descriptor 3.
     pub control_fd: Option<i32>,
-    /// The job's own user and group, switched to once what needs root is done.
+    /// The command's own user and group, switched to once what needs root is done.
     pub user: Option<(u32, u32)>,
 }
 
@@ -166,7 +166,7 @@ impl ChildSetup {
             unsafe { check(libc::unshare(libc::CLONE_NEWNET))? };
         }
         if let Some((uid, gid)) = self.user {
-            // Binds a user, not root: counted over every process and thread of the job's user.
+            // Binds a user, not root: counted over every process and thread of the command's user.
             limit(libc::RLIMIT_NPROC, self.limits.processes)?;
             unsafe {
                 check(libc::setgroups(0, std::ptr::null()))?;
@@ -207,10 +207,10 @@ struct PathBeneathAttr {
     parent_fd: i32,
 }
 
-/// Lets the job read and write its own `/proc/<pid>`: a thread naming another thread writes
+/// Lets the command read and write its own `/proc/<pid>`: a thread naming another thread writes
 /// `/proc/self/task/<tid>/comm`, and the CUDA driver fails to start without it (error 304 at
 /// `cudaGetDeviceCount`, seen on the H200 hosts). The rule must be added in the child: in the parent,
-/// `/proc/self` is the parent. Best effort: without it the job runs as before, and a GPU job may fail to start.
+/// `/proc/self` is the parent. Best effort: without it the command runs as before, and a GPU command may fail to start.
 unsafe fn allow_own_proc_dir(ruleset_fd: i32) {
     const WRITE_FILE: u64 = 1 << 1;
     const READ_FILE: u64 = 1 << 2;

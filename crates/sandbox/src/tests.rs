@@ -1,5 +1,5 @@
 //! The sandbox's behaviour, through its public interface, on this host. Protections the host lacks (Landlock, a
-//! pids cgroup, root for job users) are kernel or host features, not tools set-up installs: a test that needs one
+//! pids cgroup, root for command users) are kernel or host features, not tools set-up installs: a test that needs one
 //! says `SKIP:` with what is missing, and checks that the protection is reported inactive where it can.
 
 use std::path::PathBuf;
@@ -21,8 +21,8 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn shell(script: &str, name: &str, limits: Limits) -> Job {
-    Job {
+fn shell(script: &str, name: &str, limits: Limits) -> Command {
+    Command {
         program: "/bin/sh".into(),
         args: vec!["-c".into(), script.into()],
         env: vec![("PATH".into(), "/usr/bin:/bin".into())],
@@ -65,8 +65,8 @@ async fn state_becomes(pid: &str, wanted: impl Fn(Option<char>) -> bool) -> Opti
     state()
 }
 
-async fn run(sandbox: &Sandbox, job: Job) -> Finished {
-    sandbox.run(job, CancellationToken::new()).await.expect("job runs")
+async fn run(sandbox: &Sandbox, command: Command) -> Finished {
+    sandbox.run(command, CancellationToken::new()).await.expect("job runs")
 }
 
 #[tokio::test]
@@ -84,27 +84,27 @@ async fn environment_is_scrubbed_and_scratch_is_the_working_directory() {
 async fn input_given_later_starts_the_wall_clock_and_none_cancels() {
     let sandbox = Sandbox::basic();
     let limits = Limits { wall: Duration::from_secs(1), ..Limits::default() };
-    // The input arrives once a job started after this one has run past the same wall limit: the limit counts from
+    // The input arrives once a command started after this one has run past the same wall limit: the limit counts from
     // the input's delivery, so this one is not killed.
     let later = async {
         let outlived = sandbox.run(shell("sleep 30", "outlived", limits.clone()), CancellationToken::new()).await;
         assert_eq!(outlived.expect("runs").exit, Exit::TimedOut);
         Some(b"hello\n".to_vec())
     };
-    let job = shell("read x; echo got $x", "input", limits.clone());
-    let finished = sandbox.run_with_input(job, later, CancellationToken::new()).await.expect("job runs");
+    let command = shell("read x; echo got $x", "input", limits.clone());
+    let finished = sandbox.run_with_input(command, later, CancellationToken::new()).await.expect("job runs");
     assert_eq!(finished.exit, Exit::Code(0));
     assert_eq!(String::from_utf8_lossy(&finished.stdout).trim(), "got hello");
 
-    let job = shell("read x; echo got $x", "no-input", limits.clone());
-    let finished = sandbox.run_with_input(job, async { None }, CancellationToken::new()).await.expect("runs");
+    let command = shell("read x; echo got $x", "no-input", limits.clone());
+    let finished = sandbox.run_with_input(command, async { None }, CancellationToken::new()).await.expect("runs");
     assert_eq!(finished.exit, Exit::Cancelled);
     assert!(finished.stdout.is_empty());
 
-    // A job that ends before its input is finished as it ended.
-    let job = shell("exit 7", "early-exit", limits);
+    // A command that ends before its input is finished as it ended.
+    let command = shell("exit 7", "early-exit", limits);
     let never = std::future::pending::<Option<Vec<u8>>>();
-    let finished = sandbox.run_with_input(job, never, CancellationToken::new()).await.expect("runs");
+    let finished = sandbox.run_with_input(command, never, CancellationToken::new()).await.expect("runs");
     assert_eq!(finished.exit, Exit::Code(7));
 }
 
@@ -112,10 +112,10 @@ async fn input_given_later_starts_the_wall_clock_and_none_cancels() {
 async fn a_controlled_job_talks_on_descriptor_3_and_waits_off_the_clock() {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let sandbox = Sandbox::basic();
-    // One second of wall clock; the job waits stopped for its reply while a job started after the stop runs past
+    // One second of wall clock; the command waits stopped for its reply while a command started after the stop runs past
     // that same limit, then works 0.5 s.
     let limits = Limits { wall: Duration::from_secs(1), ..Limits::default() };
-    let job = shell(
+    let command = shell(
         "read request; echo \"ready $request\" >&3; read reply <&3; echo \"$reply\"; sleep 0.5",
         "control",
         limits.clone(),
@@ -138,7 +138,7 @@ async fn a_controlled_job_talks_on_descriptor_3_and_waits_off_the_clock() {
         std::future::pending::<()>().await
     };
     let finished = sandbox
-        .run_with_control(job, async { Some(b"hello\n".to_vec()) }, converse, CancellationToken::new())
+        .run_with_control(command, async { Some(b"hello\n".to_vec()) }, converse, CancellationToken::new())
         .await
         .expect("ran");
     let (first, stopped, resumed) = seen.await.expect("the conversation happened");
@@ -147,7 +147,7 @@ async fn a_controlled_job_talks_on_descriptor_3_and_waits_off_the_clock() {
     assert_ne!(resumed, Some('T'), "resume continued it");
     assert_eq!(finished.exit, Exit::Code(0), "held time did not count: {:?}", finished.wall);
     assert_eq!(String::from_utf8_lossy(&finished.stdout), "go\n");
-    // Held for more than the limit, then 0.5 s of work: the time held is in the job's wall time all the same.
+    // Held for more than the limit, then 0.5 s of work: the time held is in the command's wall time all the same.
     assert!(finished.wall >= Duration::from_millis(1500), "{:?}", finished.wall);
 }
 
@@ -155,9 +155,9 @@ async fn a_controlled_job_talks_on_descriptor_3_and_waits_off_the_clock() {
 async fn wall_clock_kills_the_whole_group() {
     let sandbox = Sandbox::basic();
     let pid_file = scratch("hang").join("child.pid");
-    // The wall clock starts once the job has recorded its child (its input comes then), so a slow start on a
+    // The wall clock starts once the command has recorded its child (its input comes then), so a slow start on a
     // loaded machine cannot end it before it has a child to leave behind.
-    // The child does not hold the job's output pipes, so nothing but the group kill can end it in time.
+    // The child does not hold the command's output pipes, so nothing but the group kill can end it in time.
     let script = format!("sleep 600 >/dev/null 2>&1 & echo $! > {}; read go; sleep 60", pid_file.display());
     let limits = Limits { wall: Duration::from_millis(500), ..Limits::default() };
     let recorded = {
@@ -169,8 +169,8 @@ async fn wall_clock_kills_the_whole_group() {
             Some(b"go\n".to_vec())
         }
     };
-    let job = shell(&script, "hang", limits);
-    let finished = sandbox.run_with_input(job, recorded, CancellationToken::new()).await.expect("job runs");
+    let command = shell(&script, "hang", limits);
+    let finished = sandbox.run_with_input(command, recorded, CancellationToken::new()).await.expect("job runs");
     assert_eq!(finished.exit, Exit::TimedOut);
     let pid = std::fs::read_to_string(&pid_file).expect("the job recorded its child").trim().to_owned();
     // SIGKILL is delivered before `run` returns; the child is then gone or a zombie awaiting its reaper.
@@ -204,11 +204,11 @@ async fn signals_and_exit_codes_are_reported() {
 async fn cancellation_kills_the_job() {
     let sandbox = Sandbox::basic();
     let cancel = CancellationToken::new();
-    let job = shell("sleep 30", "cancel", Limits::default());
+    let command = shell("sleep 30", "cancel", Limits::default());
     let handle = tokio::spawn({
         let cancel = cancel.clone();
         let sandbox = sandbox.clone();
-        async move { sandbox.run(job, cancel).await }
+        async move { sandbox.run(command, cancel).await }
     });
     cancel.cancel();
     assert_eq!(handle.await.expect("task").expect("runs").exit, Exit::Cancelled);
@@ -220,7 +220,7 @@ async fn detected_protections_are_enforced() {
     let active = |name: &str| sandbox.protections().iter().any(|p| p.name == name && p.active);
     let skipped = |name: &str| skip(&format!("{name} is inactive on this host: its enforcement is not checked"));
     if active("network_namespace") {
-        // Only a down loopback exists in the job's namespace.
+        // Only a down loopback exists in the command's namespace.
         let finished = run(&sandbox, shell("cat /proc/net/dev", "net", Limits::default())).await;
         let interfaces = String::from_utf8_lossy(&finished.stdout);
         assert!(!interfaces.lines().skip(2).any(|l| !l.trim_start().starts_with("lo:")), "{interfaces}");
@@ -253,7 +253,7 @@ async fn detected_protections_are_enforced() {
         let forked: u32 =
             std::fs::read_to_string(scratch("forks").join("forked")).map_or(0, |n| n.trim().parse().unwrap_or(0));
         assert!(forked > 0 && forked < 20, "{forked} children under a cap of 20: {finished:?}");
-        // A process that left the job's group and session is still in its cgroup, and killed at the end.
+        // A process that left the command's group and session is still in its cgroup, and killed at the end.
         let script = "setsid sh -c 'echo $$ > escaped.pid; exec sleep 600' </dev/null >/dev/null 2>&1 & \
                       while [ ! -s escaped.pid ]; do sleep 0.01; done";
         let finished = run(&sandbox, shell(script, "escape", Limits::default())).await;
@@ -276,14 +276,14 @@ async fn detected_protections_are_enforced() {
     }
 }
 
-/// A sandbox with the job users alone (no cgroup, Landlock or namespace), so what a test sees is their doing.
-async fn job_users_only() -> Sandbox {
+/// A sandbox with the command users alone (no cgroup, Landlock or namespace), so what a test sees is their doing.
+async fn command_users_only() -> Sandbox {
     let options =
         SandboxOptions { network_namespace: false, landlock: false, process_limit: false, ..SandboxOptions::default() };
     Sandbox::detect_with(options).await
 }
 
-/// What a job prints after trying to signal its parent (this test, standing for the evaluator): `reached` or
+/// What a command prints after trying to signal its parent (this test, standing for the evaluator): `reached` or
 /// `denied`, with its stderr when it printed neither.
 async fn signal_to_parent(sandbox: &Sandbox, name: &str) -> String {
     let script = "kill -0 $PPID 2>/dev/null && echo reached || echo denied";
@@ -296,7 +296,7 @@ fn landlock_scopes_signals(sandbox: &Sandbox) -> bool {
     sandbox.protections().iter().any(|p| p.name == "landlock" && p.active && p.detail.contains("signals and"))
 }
 
-/// A fork loop's count, a `setsid` escapee's pid and what `id` said, from a job as its own user.
+/// A fork loop's count, a `setsid` escapee's pid and what `id` said, from a command as its own user.
 const AS_A_USER: &str = "id -u > uid; id -g > gid; touch made; \
     setsid sh -c 'echo $$ > escaped.pid; exec sleep 600' </dev/null >/dev/null 2>&1 & \
     while [ ! -s escaped.pid ]; do sleep 0.01; done; \
@@ -304,7 +304,7 @@ const AS_A_USER: &str = "id -u > uid; id -g > gid; touch made; \
 
 #[tokio::test]
 async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_without_cgroups() {
-    let sandbox = job_users_only().await;
+    let sandbox = command_users_only().await;
     let report = |name: &str| sandbox.protections().iter().find(|p| p.name == name).cloned().expect(name);
     if sys::effective_uid() != 0 {
         assert!(!report("job_user").active, "{:?}", report("job_user"));
@@ -315,7 +315,7 @@ async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_wi
     assert!(report("job_user").active, "{:?}", report("job_user"));
     assert!(report("process_limit").active && report("process_limit").detail.contains("RLIMIT_NPROC"));
 
-    // Two jobs at once run as two users, both in the jobs' group, with a cap of 20 each.
+    // Two commands at once run as two users, both in the commands' group, with a cap of 20 each.
     let limits = Limits { processes: 20, ..Limits::default() };
     let (a, b) = tokio::join!(
         run(&sandbox, shell(AS_A_USER, "user-a", limits.clone())),
@@ -334,7 +334,7 @@ async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_wi
     for dir in ["user-a", "user-b"] {
         let forked: u32 = read(dir, "forked").parse().unwrap_or(0);
         assert!(forked > 0 && forked < 20, "{forked} children under a cap of 20");
-        // The escapee left the group and the session, and no cgroup holds it: the job user's end killed it.
+        // The escapee left the group and the session, and no cgroup holds it: the command user's end killed it.
         let pid = read(dir, "escaped.pid");
         let (alive, state) = alive(&pid);
         assert!(!alive, "a process of a finished job's user survived: {state:?}");
@@ -345,16 +345,16 @@ async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_wi
 #[tokio::test]
 async fn stopping_a_job_with_its_own_user_stops_what_left_its_group() {
     use tokio::io::{AsyncBufReadExt, BufReader};
-    let sandbox = job_users_only().await;
-    if !sandbox.job_users_active() {
+    let sandbox = command_users_only().await;
+    if !sandbox.command_users_active() {
         // Not root: reported, and the group is all a stop reaches.
         skip("job users are inactive (the tests do not run as root): a stop reaching past the group not checked");
         return;
     }
-    // The job starts a child in a session of its own, which says its pid on descriptor 3; the job then waits.
+    // The command starts a child in a session of its own, which says its pid on descriptor 3; the command then waits.
     let script = "setsid sh -c 'echo $$ >&3; exec 3>&-; while :; do sleep 0.05; done' </dev/null >/dev/null 2>&1 & \
                   read reply <&3";
-    let job = shell(script, "stop-user", Limits::default());
+    let command = shell(script, "stop-user", Limits::default());
     let (states, seen) = tokio::sync::oneshot::channel();
     let converse = |control: Control, socket: tokio::net::UnixStream| async move {
         let (read, mut write) = socket.into_split();
@@ -368,7 +368,7 @@ async fn stopping_a_job_with_its_own_user_stops_what_left_its_group() {
         std::future::pending::<()>().await
     };
     let finished = sandbox
-        .run_with_control(job, async { Some(Vec::new()) }, converse, CancellationToken::new())
+        .run_with_control(command, async { Some(Vec::new()) }, converse, CancellationToken::new())
         .await
         .expect("ran");
     let (stopped, resumed) = seen.await.expect("the conversation happened");

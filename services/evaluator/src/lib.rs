@@ -1,32 +1,27 @@
 //! The Evaluator service: static checks, sandboxed compile, correctness, hack detection and timing of candidate
 //! kernels against KernelBench-format tasks, on the `cpu`, `cuda` and `triton` backends.
 //!
-//! [`pipeline`] holds the stages; this module is the gRPC face: validation errors and a full queue become statuses,
+//! [`pipeline`] holds the stages, on the shared execution engine (`kforge_execution`); this module is the gRPC face: validation errors and a full queue become statuses,
 //! everything else a verdict; a dropped request (client gone, deadline passed) cancels its evaluation and kills
 //! its child processes.
 
-pub mod bindings_pch;
-pub mod cache;
-pub mod census;
 pub mod config;
-pub mod devices;
-pub mod disk;
 pub mod metrics;
 pub mod pipeline;
-pub mod protocol;
-pub mod python;
-pub mod stage;
-pub mod static_checks;
-/// The old name of [`static_checks`], kept while callers outside this crate move to the new one.
-#[doc(hidden)]
-pub use static_checks as statics;
 pub mod stats;
 pub mod tasks;
+
+/// The static checks the evaluator applies (the engine's): a task is checked with them before any job runs it.
+pub use kforge_execution::static_checks;
+/// The old name of [`static_checks`], kept while the orchestrator's one call moves to the new one.
+#[doc(hidden)]
+pub use kforge_execution::static_checks as statics;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
+use kforge_execution::cache;
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::evaluator_server::{Evaluator as EvaluatorRpc, EvaluatorServer};
 use kforge_server::{Host, ServeError};
@@ -36,24 +31,9 @@ use tonic::codegen::BoxStream;
 use tonic::{Request, Response, Status};
 
 pub use config::EvaluatorConfig;
+pub use kforge_execution::RequestError;
 pub use metrics::EvaluatorMetrics;
-pub use pipeline::{Evaluator, Launcher, ProfileJob, Profiled, RequestError};
-
-impl From<RequestError> for Status {
-    fn from(error: RequestError) -> Self {
-        match &error {
-            RequestError::Invalid { .. } => Status::invalid_argument(error.to_string()),
-            RequestError::QueueFull { retry_after_secs, .. } => {
-                let mut status = Status::resource_exhausted(error.to_string());
-                if let Ok(value) = (retry_after_secs * 1000).to_string().parse() {
-                    status.metadata_mut().insert("retry-after-ms", value);
-                }
-                status
-            }
-            RequestError::Unavailable(_) => Status::unavailable(error.to_string()),
-        }
-    }
-}
+pub use pipeline::Evaluator;
 
 /// Serves the Evaluator service on `listener` until `shutdown` completes.
 pub async fn serve(

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::static_checks;
+use kforge_execution::static_checks;
 
 /// A task in KernelBench format.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,7 +91,7 @@ pub fn import_kernelbench(dir: &Path) -> Result<(Vec<TaskSource>, Vec<Rejected>)
                 std::fs::read_to_string(&file).map_err(|source| ImportError::Read { path: file.clone(), source })?;
             match static_checks::check_task(&source) {
                 Ok(()) => tasks.push(TaskSource { id: format!("level{level}/{stem}"), source }),
-                Err(reason) => rejected.push(Rejected { path: file, reason }),
+                Err(reason) => rejected.push(Rejected { path: file, reason: reason.to_string() }),
             }
         }
     }

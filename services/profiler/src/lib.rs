@@ -1,7 +1,8 @@
 //! The Profiler service: Nsight Compute metrics of a candidate's own kernels, the device specification and a
-//! bottleneck diagnosis. `Profile` ([`profile`]) runs the candidate on the evaluator's engine (its static checks,
-//! artifact cache, sandbox and device lanes; in one process with the Evaluator service, the same engine) under
-//! Nsight Compute ([`nsight`]), reads the raw page ([`ncu`]) and diagnoses each launch ([`diagnosis`]);
+//! bottleneck diagnosis. `Profile` ([`profile`]) runs the candidate ([`pipeline`]) on the execution engine
+//! (`kforge_execution`: static checks, artifact cache, sandbox and device lanes; in one process with the Evaluator
+//! service, the same engine) under Nsight Compute ([`nsight`]), reads the raw page ([`ncu`]) and diagnoses each
+//! launch ([`diagnosis`]);
 //! `SelectMetrics` ([`selection`]), `GetDeviceSpec` ([`device`], [`spec`]), `StreamReport` and `GetCapabilities`
 //! complete it.
 
@@ -9,6 +10,7 @@ pub mod device;
 pub mod diagnosis;
 pub mod ncu;
 pub mod nsight;
+pub mod pipeline;
 pub mod profile;
 pub mod selection;
 pub mod spec;
@@ -18,7 +20,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics};
+use kforge_execution::{Engine, ExecutionConfig, ExecutionMetrics};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::profiler_server::{Profiler, ProfilerServer};
 use kforge_server::{Host, ServeError, ServerConfig, ServiceConfig};
@@ -44,9 +46,9 @@ pub struct ProfilerConfig {
     /// Raw reports kept for `StreamReport` (the newest; each is a few MB).
     pub reports_kept: usize,
     /// The engine that compiles and runs candidates, for a profiler on its own. In one process with the Evaluator
-    /// service (`kforge up`, `kforge serve`), the `[evaluator]` table's engine is used instead: one engine, one
-    /// lease per GPU.
-    pub execution: EvaluatorConfig,
+    /// service (`kforge up`, `kforge serve`), the `[evaluator]` table's engine keys are used instead: one engine,
+    /// one lease per GPU (`Engine::shared`).
+    pub execution: ExecutionConfig,
 }
 
 impl Default for ProfilerConfig {
@@ -56,7 +58,7 @@ impl Default for ProfilerConfig {
             ncu: None,
             timeout_secs: 300,
             reports_kept: 64,
-            execution: EvaluatorConfig::default(),
+            execution: ExecutionConfig::default(),
         }
     }
 }
@@ -76,11 +78,10 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let mut host = Host::new("profiler", &config.server)?;
     let limit = host.max_message_bytes();
-    let metrics = EvaluatorMetrics::register(host.registry());
+    let metrics = ExecutionMetrics::register(host.registry());
     let setup = |message: String| ServeError::Setup { service: "profiler", message };
-    let engine = Evaluator::shared(config.execution.clone(), metrics)
-        .await
-        .map_err(|e| setup(format!("work directory: {e}")))?;
+    let engine =
+        Engine::shared(config.execution.clone(), metrics).await.map_err(|e| setup(format!("work directory: {e}")))?;
     let reports = Reports::new(config.execution.work_dir.join("profiles"), config.reports_kept.max(1))
         .map_err(|e| setup(format!("report directory: {e}")))?;
     let ncu = tokio::task::spawn_blocking({

@@ -1,5 +1,5 @@
-//! `Profile`: a candidate run under Nsight Compute on the evaluator's engine (the same static checks, artifact
-//! cache, sandbox and device lease as an evaluation), its raw page read into per-launch metrics, each launch
+//! `Profile`: a candidate run under Nsight Compute on the execution engine ([`pipeline`]: the same static checks,
+//! artifact cache, sandbox and device lease as an evaluation), its raw page read into per-launch metrics, each launch
 //! diagnosed, and the report kept for `StreamReport`.
 
 use std::collections::BTreeSet;
@@ -7,12 +7,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kforge_evaluator::{Evaluator, Launcher, ProfileJob, RequestError};
+use kforge_execution::{Engine, RequestError, static_checks};
 use kforge_proto::v1 as pb;
 use tonic::Status;
 
 use crate::diagnosis::{self, Bottleneck};
 use crate::nsight::{self, Metrics, Ncu};
+use crate::pipeline::{self, Launcher, ProfileRun};
 use crate::{ProfilerConfig, device, ncu};
 
 /// A launch's device time, shown with every launch.
@@ -27,7 +28,7 @@ pub const MAX_LAUNCHES: u32 = 100;
 /// What a profile needs beyond the request: the engine, Nsight Compute, where reports are kept.
 #[derive(Debug)]
 pub struct Profiling {
-    pub engine: Evaluator,
+    pub engine: Engine,
     pub ncu: Result<Ncu, nsight::Unusable>,
     pub reports: Reports,
     pub config: ProfilerConfig,
@@ -78,7 +79,7 @@ impl Profiling {
         if !permitted {
             return Err(Status::failed_precondition(format!("GPU performance counters: {why}")));
         }
-        let own = Evaluator::own_kernel_names(&request.candidate_source);
+        let own = static_checks::own_kernel_names(&request.candidate_source);
         let dir = self.reports.create().map_err(|error| Status::internal(format!("report directory: {error}")))?;
         let launcher = Launcher {
             argv: ncu.argv(&own, launch_limit, &metrics, request.lock_clocks, &dir.path),
@@ -90,7 +91,7 @@ impl Profiling {
             // Nsight Compute writes its settings under HOME and a lock under TMPDIR.
             env: vec![("HOME".into(), dir.path.join("home").into()), ("TMPDIR".into(), dir.path.join("tmp").into())],
         };
-        let job = ProfileJob {
+        let run = ProfileRun {
             request_id: request.request_id.clone(),
             task: request.task.clone().unwrap_or_default(),
             candidate: request.candidate_source.clone(),
@@ -102,7 +103,7 @@ impl Profiling {
             wall: Duration::from_secs(self.config.timeout_secs),
             launcher,
         };
-        let profiled = self.engine.profile(job).await.map_err(|error| match error {
+        let profiled = pipeline::profile(&self.engine, run).await.map_err(|error| match error {
             RequestError::Invalid { .. } => Status::invalid_argument(error.to_string()),
             RequestError::QueueFull { .. } => Status::resource_exhausted(error.to_string()),
             RequestError::Unavailable(_) => Status::unavailable(error.to_string()),

@@ -7,12 +7,15 @@ use std::time::Duration;
 use kforge_sandbox::tail as cap;
 use tokio_util::sync::CancellationToken;
 
-use super::{Backend, Evaluator, InfraError, RemoveOnDrop, Submission};
-use crate::cache::{self, Entry};
-use crate::devices::Lane;
-use crate::protocol::{BaselineSpec, Mode, TimingSpec};
-use crate::python;
-use crate::stage::{Request, Stage};
+use kforge_execution::cache::{self, Entry};
+use kforge_execution::devices::Lane;
+use kforge_execution::engine::{Backend, InfraError, RemoveOnDrop, Submission};
+use kforge_execution::protocol::{BaselineSpec, Mode, TimingSpec};
+use kforge_execution::python;
+use kforge_execution::stage::{Request, Stage};
+
+use super::Evaluator;
+use super::request::Evaluation;
 
 /// The reference's timing samples: eager (events and host clock) and torch.compile.
 #[derive(Debug, Clone)]
@@ -64,15 +67,15 @@ impl Evaluator {
     /// the cache's lock, instead of holding its slot while the baseline's torch.compile runs. It runs to the end
     /// whatever becomes of the evaluation (the next one of the task needs it too); a failure is only logged, and
     /// met again, and reported, by the evaluation's own [`Self::baseline`].
-    pub(super) fn baseline_ahead(&self, submission: &Submission) {
-        let inner = &self.inner;
-        if !(inner.config.baselines_ahead && submission.measure && submission.backend != Backend::Cpu) {
+    pub(super) fn baseline_ahead(&self, evaluation: &Evaluation) {
+        let (inner, submission) = (&self.inner, &evaluation.submission);
+        if !(inner.config.baselines_ahead && evaluation.measure && submission.backend != Backend::Cpu) {
             return;
         }
-        let Some(lane) = inner.lanes.outside_slots() else { return };
+        let Some(lane) = inner.engine.lanes().outside_slots() else { return };
         let task_key = cache::key(&[submission.task.as_bytes()]);
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
-        let scratch = self.scratch_dir("baseline-");
+        let scratch = inner.engine.scratch_dir("baseline-");
         let (evaluator, submission) = (self.clone(), submission.clone());
         tokio::spawn(async move {
             let _cleanup = RemoveOnDrop(scratch.clone());
@@ -101,19 +104,19 @@ impl Evaluator {
     ) -> Result<Baseline, InfraError> {
         let gpu = lane.gpu();
         let inner = &self.inner;
-        let python = inner.python.as_ref().expect("validate checked the environment");
+        let python = inner.engine.checked_python();
         let with_compile = inner.config.baseline_torch_compile;
         let key = self.baseline_key(submission, gpu);
         if let Some(Entry::Ready(text)) = inner.baselines.get(&key) {
-            inner.metrics.cache("baseline", true);
+            inner.engine.metrics().cache("baseline", true);
             return Baseline::parse(&text);
         }
         let lock = inner.baselines.lock(&key).await.map_err(InfraError::cache("baseline lock"))?;
         if let Some(Entry::Ready(text)) = inner.baselines.get(&key) {
-            inner.metrics.cache("baseline", true);
+            inner.engine.metrics().cache("baseline", true);
             return Baseline::parse(&text);
         }
-        inner.metrics.cache("baseline", false);
+        inner.engine.metrics().cache("baseline", false);
         std::fs::write(scratch.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
         let mut env = python.env_on(scratch, gpu);
         env.push(("TORCHINDUCTOR_CACHE_DIR".into(), scratch.join("inductor").into()));
@@ -137,7 +140,9 @@ impl Evaluator {
             timing_cpu: python.timing_cpu(gpu),
         });
         let outcome = self
-            .stage(self.start(stage, cancel), request, Some(lane))
+            .inner
+            .engine
+            .stage(inner.engine.start(stage, cancel), request, Some(lane))
             .await
             .map_err(InfraError::stage(Mode::Baseline))?;
         if !outcome.ok() {
@@ -160,14 +165,14 @@ impl Evaluator {
             .baselines
             .complete(&key, &Entry::Ready(text.clone()), &lock)
             .map_err(InfraError::cache("baseline cache"))?;
-        self.evict_later("baseline", &inner.baselines);
+        inner.engine.evict_later("baseline", &inner.baselines);
         Ok(baseline)
     }
 
     /// The baseline cache's key of `submission`'s task on `gpu` (or the CPU).
     pub(super) fn baseline_key(&self, submission: &Submission, gpu: Option<usize>) -> String {
         let inner = &self.inner;
-        let python = inner.python.as_ref().expect("validate checked the environment");
+        let python = inner.engine.checked_python();
         let timing = serde_json::to_string(&inner.config.timing).unwrap_or_default();
         cache::key(&[
             submission.task.as_bytes(),
@@ -183,6 +188,7 @@ impl Evaluator {
     /// the baseline, so all of them see the same model and inputs.
     pub(super) fn baseline_seeds(&self, task_key: &str) -> (u64, Vec<u64>) {
         let sets = self.inner.config.timing.input_sets.max(1) as usize;
-        (self.seeds(task_key, "init", 1)[0], self.seeds(task_key, "timing", sets))
+        let engine = &self.inner.engine;
+        (engine.seeds(task_key, "init", 1)[0], engine.seeds(task_key, "timing", sets))
     }
 }

@@ -9,13 +9,15 @@ use kforge_proto::v1 as pb;
 use kforge_sandbox::tail as cap;
 use tokio_util::sync::CancellationToken;
 
+use kforge_execution::cache::{self, Entry};
+use kforge_execution::devices::Lane;
+use kforge_execution::engine::{InfraError, Submission};
+use kforge_execution::protocol::{CompareSpec, Sensitivity, StageSpec};
+use kforge_execution::python;
+use kforge_execution::stage::{Request, Stage, Started};
+
+use super::Evaluator;
 use super::verdict::mismatch_proto;
-use super::{Evaluator, InfraError, Submission};
-use crate::cache::{self, Entry};
-use crate::devices::{self, Lane};
-use crate::protocol::{CompareSpec, Sensitivity, StageSpec};
-use crate::python;
-use crate::stage::{Request, Stage, Started};
 
 /// The inputs a check covers: correctness trials by seed, and the last timed call.
 #[derive(Debug, Clone, Copy)]
@@ -63,7 +65,7 @@ impl Evaluator {
     ) -> Result<PreparedCheck, InfraError> {
         let gpu = lane.gpu();
         let inner = &self.inner;
-        let python = inner.python.as_ref().expect("validate checked the environment");
+        let python = inner.engine.checked_python();
         let versions = python.versions_key();
         let Trials { seeds, init_seed, timing_seeds, sensitivity } = *trials;
         let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
@@ -120,7 +122,7 @@ impl Evaluator {
                 }
             }
         };
-        inner.metrics.cache("reference", lock.is_none());
+        inner.engine.metrics().cache("reference", lock.is_none());
         spec.computes_reference = lock.is_some();
         let stage = Stage {
             scratch: scratch.to_owned(),
@@ -131,7 +133,7 @@ impl Evaluator {
             background: false,
             launcher: vec![],
         };
-        Ok(PreparedCheck { started: self.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
+        Ok(PreparedCheck { started: inner.engine.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
     }
 
     /// Runs a prepared comparison; `timed_call` is the candidate's last timed call, when it was timed (its output
@@ -148,7 +150,7 @@ impl Evaluator {
         spec.timed_call = timed_call;
         let mode = spec.mode();
         let request = Request::plain(spec);
-        let outcome = self.stage(started, request, Some(lane)).await.map_err(InfraError::stage(mode))?;
+        let outcome = inner.engine.stage(started, request, Some(lane)).await.map_err(InfraError::stage(mode))?;
         if !outcome.ok() {
             let what = if lock.is_some() { "the reference failed" } else { "the checker failed" };
             return Err(InfraError::TrustedStage { what, error: cap(&outcome.error_text(), 4000) });
@@ -163,7 +165,7 @@ impl Evaluator {
             let entry = Entry::Ready(marker);
             self.note_reference_peak(&peak_key, &entry);
             inner.references.complete(&key, &entry, lock).map_err(InfraError::cache("reference cache"))?;
-            self.evict_later("reference", &inner.references);
+            inner.engine.evict_later("reference", &inner.references);
         }
         let result = outcome.result.map(|r| r.body).unwrap_or_default();
         let compared = result.compared_trials.map(|trials| trials.len());
@@ -177,21 +179,6 @@ impl Evaluator {
         Ok((mismatch, compared))
     }
 
-    /// The device memory an evaluation of the task needs on a GPU, from its reference's measured peak
-    /// (`devices::footprint`); `None` until the task's reference has run on a GPU in this evaluator (or its cache
-    /// entry recorded the peak). With GPUs of several kinds, the largest known.
-    pub(super) fn footprint(&self, task_key: &str) -> Option<u64> {
-        self.reference_peak(task_key).map(devices::footprint)
-    }
-
-    /// The largest reference peak device memory known for the task on any of this evaluator's GPUs.
-    pub(super) fn reference_peak(&self, task_key: &str) -> Option<u64> {
-        let python = self.inner.python.as_ref().ok()?;
-        let peaks = self.inner.reference_peaks.lock().expect("never poisoned");
-        let known = python.gpus.iter().filter_map(|gpu| peaks.get(&(task_key.to_owned(), gpu.name.clone())));
-        known.copied().max()
-    }
-
     /// Keeps the peak device memory a reference cache entry records, if it records one.
     pub(super) fn note_reference_peak(&self, (task_key, device): &(String, String), entry: &Entry) {
         let Entry::Ready(marker) = entry else { return };
@@ -199,8 +186,7 @@ impl Evaluator {
             .ok()
             .and_then(|marker| marker.get("device_peak_bytes").and_then(|p| p.as_u64()));
         if let Some(peak) = peak {
-            let mut peaks = self.inner.reference_peaks.lock().expect("never poisoned");
-            peaks.insert((task_key.clone(), device.clone()), peak);
+            self.inner.engine.note_reference_peak(task_key, device, peak);
         }
     }
 }

@@ -11,80 +11,48 @@
 //! The service process never runs candidate code. Every accepted request ends in exactly one response; a failure
 //! of the evaluator itself is `VERDICT_INFRA_ERROR`, never blamed on the candidate.
 
-use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
-use std::hash::BuildHasher;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use kforge_execution::cache::{self, Cache};
+use kforge_execution::census;
+use kforge_execution::devices::{self, MemberTimes};
+use kforge_execution::disk::OutputPlan;
+use kforge_execution::engine::{
+    Backend, Engine, InfraError, RemoveOnDrop, RequestError, Submission, finding_proto, hack_finding, ms,
+    out_of_memory, phases_into,
+};
+use kforge_execution::protocol::{CandidateRun, Sensitivity, TimingSpec};
+use kforge_execution::static_checks::{self, Category};
 use kforge_proto::v1 as pb;
-use kforge_sandbox::Sandbox;
-use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::cache::{self, Cache};
-use crate::census;
 use crate::config::EvaluatorConfig;
-use crate::devices::{self, Lane, Lanes, MemberTimes};
-use crate::disk::{DiskBudget, OutputPlan};
 use crate::metrics::EvaluatorMetrics;
-use crate::protocol::{CandidateRun, Report, Sensitivity, StageSpec, TimingSpec};
-use crate::python::PythonEnv;
-use crate::stage::{self, Joining, Request, Stage, StageError, StageOutcome, Started};
-use crate::static_checks::{self, Category, Policy};
 use crate::stats::timing_stats;
 
 mod baseline;
 mod candidate;
 mod check;
-mod compile;
-mod error;
-mod profile;
 mod request;
 mod setup;
 mod timing;
 mod verdict;
 
 use check::{Trial, Trials};
-use compile::{builds_extension, gpu_arch};
+use request::Evaluation;
 use timing::{set_speedups, timing_samples, wall_clock_mismatch};
-use verdict::{finding_proto, hack_finding, out_of_memory};
-
-pub use error::InfraError;
-pub use profile::{Launcher, ProfileJob, Profiled};
-pub use request::RequestError;
-use request::{Backend, Submission};
-
-tokio::task_local! {
-    /// CPU milliseconds of the current evaluation's harness stages (each process and the children it waited for,
-    /// as the harness reports them), by stage; reported as `stage_ms["cpu.<stage>"]`.
-    static STAGE_CPU: RefCell<BTreeMap<&'static str, f64>>;
-}
 
 struct Inner {
+    /// Runs the candidates: shared with the profiler in one process.
+    engine: Engine,
     config: EvaluatorConfig,
-    sandbox: Sandbox,
-    python: Result<PythonEnv, String>,
-    harness: PathBuf,
-    artifacts: Cache,
+    /// The reference's outputs per task, seeds and device.
     references: Cache,
+    /// The baselines' timing samples per task, device and versions.
     baselines: Cache,
-    scratch_root: PathBuf,
-    compile_slots: Semaphore,
-    lanes: Arc<Lanes>,
-    admission: Arc<Semaphore>,
-    /// The disk the evaluations' files may take at once (`disk.rs`).
-    disk: DiskBudget,
-    secret: u64,
     metrics: EvaluatorMetrics,
-    /// Peak device memory of each task's reference, by (task key, device name), as the reference stage measured
-    /// it: what memory-aware admission estimates an evaluation's footprint from (`devices::footprint`).
-    reference_peaks: Mutex<HashMap<(String, String), u64>>,
-    /// The warm-up's outcome once it is over: the bindings' precompiled header, or why there is none.
-    warm: watch::Receiver<Option<Result<PathBuf, String>>>,
-    /// The GPU censuses of the latest evaluations and profiles, which a profile reuses.
-    censuses: census::Recent,
 }
 
 /// The evaluator: cheap to clone, shared by every request.
@@ -95,110 +63,53 @@ pub struct Evaluator {
 
 impl std::fmt::Debug for Evaluator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Evaluator")
-            .field("python", &self.inner.python.as_ref().map(|p| &p.python))
-            .finish_non_exhaustive()
+        f.debug_struct("Evaluator").field("engine", &self.inner.engine).finish_non_exhaustive()
     }
 }
 
 impl Evaluator {
-    /// What this evaluator can do.
+    /// What this evaluator can do: its engine's backends, devices, policies and protections.
     pub fn capabilities(&self) -> pb::GetCapabilitiesResponse {
-        let inner = &self.inner;
-        let (backends, devices, versions) = match &inner.python {
-            Ok(env) => {
-                let mut backends = vec![pb::Backend::Cpu as i32];
-                if !env.gpus.is_empty() {
-                    backends.push(pb::Backend::Cuda as i32);
-                    if env.versions.contains_key("triton") {
-                        backends.push(pb::Backend::Triton as i32);
-                    }
-                }
-                let mut devices = vec!["cpu".to_owned()];
-                devices.extend(env.gpus.iter().enumerate().map(|(i, g)| {
-                    let device = format!("cuda:{i} {} (sm {})", g.name, g.capability);
-                    match inner.lanes.quarantine_reason(i) {
-                        Some(reason) => format!("{device} quarantined: {reason}"),
-                        None => device,
-                    }
-                }));
-                (backends, devices, env.versions.clone().into_iter().collect())
-            }
-            Err(_) => (vec![], vec![], HashMap::new()),
-        };
-        let mut sandbox: Vec<pb::SandboxProtection> = inner
-            .sandbox
-            .protections()
-            .iter()
-            .map(|p| pb::SandboxProtection { name: p.name.into(), active: p.active, detail: p.detail.clone() })
-            .collect();
-        let has_gpu = inner.python.as_ref().is_ok_and(|env| !env.gpus.is_empty());
-        sandbox.push(match (has_gpu, inner.lanes.probe_program()) {
-            (false, _) => pb::SandboxProtection {
-                name: "device_health_probe".into(),
-                active: false,
-                detail: "no GPU to probe".into(),
-            },
-            (true, Ok(program)) => pb::SandboxProtection {
-                name: "device_health_probe".into(),
-                active: true,
-                detail: format!("{} after each device fault; a failing GPU is quarantined", program.display()),
-            },
-            (true, Err(reason)) => {
-                pb::SandboxProtection { name: "device_health_probe".into(), active: false, detail: reason.to_string() }
-            }
-        });
-        pb::GetCapabilitiesResponse {
-            backends,
-            devices,
-            policies: Policy::ALL.iter().map(Policy::id).collect(),
-            sandbox,
-            versions,
-            queue_capacity: inner.config.queue_capacity as u32,
-        }
+        self.inner.engine.capabilities()
     }
 
     /// False while every GPU is quarantined: the service's readiness.
     pub fn readiness(&self) -> tokio::sync::watch::Receiver<bool> {
-        self.inner.lanes.readiness()
+        self.inner.engine.readiness()
     }
 
-    /// Where each GPU's time went since this evaluator started: alone, draining, shared, empty.
+    /// Where each GPU's time went since the engine started: alone, draining, shared, empty.
     pub fn gpu_accounts(&self) -> Vec<devices::GateAccount> {
-        self.inner.lanes.gpu_accounts()
+        self.inner.engine.gpu_accounts()
     }
 
     /// Evaluates one request. Dropping the returned future cancels the evaluation and kills its children.
     pub async fn evaluate(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, RequestError> {
-        let submission = self.validate(request)?;
-        let permit = self.inner.admission.clone().try_acquire_owned().map_err(|_| RequestError::QueueFull {
-            capacity: self.inner.config.queue_capacity,
-            retry_after_secs: 30,
-        })?;
+        let evaluation = self.validate(request)?;
+        let engine = &self.inner.engine;
+        let permit = engine.admit()?;
         let _admitted = self.inner.metrics.admitted();
-        let scratch = self.scratch_dir("");
+        let scratch = engine.scratch_dir("");
         // Removed however the evaluation ends (including cancellation): candidate outputs can be large.
         let _cleanup = RemoveOnDrop(scratch.clone());
         let cancel = CancellationToken::new();
         let _cancel_on_drop = cancel.clone().drop_guard();
-        let mut response = pb::EvaluateResponse { request_id: submission.request_id.clone(), ..Default::default() };
+        let request_id = evaluation.submission.request_id.clone();
+        let mut response = pb::EvaluateResponse { request_id, ..Default::default() };
         let mut lane_held = None;
-        let (verdict, stage_cpu) = STAGE_CPU
-            .scope(RefCell::default(), async {
-                let verdict = match self.run(&submission, &scratch, &cancel, &mut response, &mut lane_held).await {
-                    Ok(verdict) => verdict,
-                    Err(error) => self.infra_error(error, &mut response),
-                };
-                (verdict, STAGE_CPU.with(RefCell::take))
-            })
-            .await;
+        let (run, stage_cpu) =
+            Engine::with_cpu_account(self.run(&evaluation, &scratch, &cancel, &mut response, &mut lane_held)).await;
+        let verdict = match run {
+            Ok(verdict) => verdict,
+            Err(error) => self.infra_error(error, &mut response),
+        };
         for (stage, cpu_ms) in stage_cpu {
             response.stage_ms.insert(format!("cpu.{stage}"), cpu_ms);
         }
         // The lane was released when `run` returned: its hold is the device time this evaluation took.
         if let Some((held, gate)) = lane_held {
             response.stage_ms.insert("device".into(), ms(held.elapsed()));
-            self.inner.metrics.stage_seconds("device_lane", held.elapsed());
+            self.inner.metrics.execution.stage_seconds("device_lane", held.elapsed());
             let gate = *gate.lock().expect("never poisoned");
             response.stage_ms.insert("device.alone".into(), ms(gate.alone));
             response.stage_ms.insert("device.gate_wait".into(), ms(gate.waited));
@@ -224,14 +135,16 @@ impl Evaluator {
     /// Runs every stage, filling `response`; returns the verdict.
     async fn run(
         &self,
-        submission: &Submission,
+        evaluation: &Evaluation,
         scratch: &Path,
         cancel: &CancellationToken,
         response: &mut pb::EvaluateResponse,
         lane_held: &mut Option<(Instant, Arc<Mutex<MemberTimes>>)>,
     ) -> Result<pb::Verdict, InfraError> {
         let inner = &self.inner;
-        let python = inner.python.as_ref().expect("validate checked the environment");
+        let engine = &inner.engine;
+        let submission = &evaluation.submission;
+        let python = engine.checked_python();
 
         let started = Instant::now();
         let mut report = static_checks::check_candidate(&submission.candidate, submission.policy);
@@ -253,31 +166,23 @@ impl Evaluator {
         let [compile_dir, candidate_dir, check_dir, baseline_dir] = stage_dirs;
         let task_key = cache::key(&[submission.task.as_bytes()]);
 
-        self.baseline_ahead(submission);
+        self.baseline_ahead(evaluation);
         self.sizes_ahead(submission, &task_key);
 
-        // Compile: only candidates that build extensions; the rest are imported where they run.
-        let (artifact_key, compiles) = self.artifact_key(submission);
-        let artifact_dir = inner.artifacts.dir(&artifact_key);
-        // The built extension is pinned until the evaluation ends, so eviction cannot take it meanwhile.
-        let mut _artifact_pin = None;
-        if compiles {
-            let started = Instant::now();
-            let compiled = self.compile(submission, &artifact_key, &compile_dir, cancel, response).await?;
+        // Compile: only candidates that build extensions; the rest are imported where they run. The build is
+        // pinned until the evaluation ends, so eviction cannot take it meanwhile.
+        let started = Instant::now();
+        let built = engine.build(submission, &compile_dir, cancel, response).await?;
+        if built.as_ref().map_or(true, |built| built.compiles) {
             // The build itself: time waiting for a compile worker is `queue_compile`.
             let queued = response.stage_ms.get("queue_compile").copied().unwrap_or(0.0);
             response.stage_ms.insert("compile".into(), ms(started.elapsed()) - queued);
-            if let Some(verdict) = compiled {
-                return Ok(verdict);
-            }
-            match inner.artifacts.pin(&artifact_key).await {
-                Ok(pin) if inner.artifacts.get(&artifact_key).is_some() => _artifact_pin = Some(pin),
-                Ok(_) => return Err(InfraError::Evicted { what: "compiled artifact" }),
-                Err(error) => return Err(InfraError::cache("artifact pin")(error)),
-            }
-        } else if submission.backend != Backend::Cpu {
-            _artifact_pin = Some(self.jit_cache(&artifact_key).await?);
         }
+        let built = match built {
+            Ok(built) => built,
+            Err(verdict) => return Ok(verdict),
+        };
+        let (artifact_key, artifact_dir, compiles) = (&built.key, &built.dir, built.compiles);
 
         // On a GPU, the task's sizes (a dry run on the meta device, once per task): the disk its files take, and
         // its footprint before its reference has run. The files' share of the disk is reserved before the
@@ -288,34 +193,35 @@ impl Evaluator {
         if on_gpu {
             let started = Instant::now();
             let dry_run = scratch.join("sizes");
-            sizes = inner.disk.task_sizes(&task_key, &submission.task, &inner.sandbox, python, &dry_run).await;
+            let disk = engine.disk();
+            sizes = disk.task_sizes(&task_key, &submission.task, engine.sandbox(), python, &dry_run).await;
             let plan = OutputPlan {
-                trials: u64::from(submission.trials + inner.config.recheck_trials),
+                trials: u64::from(evaluation.trials + inner.config.recheck_trials),
                 budget: inner.config.output_bytes_budget,
-                new_reference: self.reference_peak(&task_key).is_none(),
+                new_reference: engine.reference_peak(&task_key).is_none(),
             };
-            _disk = Some(inner.disk.reserve(inner.disk.need(sizes, plan)).await);
+            _disk = Some(disk.reserve(disk.need(sizes, plan)).await);
             response.stage_ms.insert("queue_disk".into(), ms(started.elapsed()));
         }
 
         // Started before the lane: the interpreter and torch load while other evaluations use the device.
-        let candidate_process = self.start_candidate(submission, &candidate_dir, &artifact_dir, cancel)?;
+        let candidate_process = engine.start_candidate(submission, &candidate_dir, artifact_dir, cancel)?;
         let started = Instant::now();
         let footprint = match on_gpu {
-            true => self.footprint(&task_key).or(sizes.map(|s| devices::footprint(s.input_bytes + s.output_bytes))),
+            true => engine.footprint(&task_key).or(sizes.map(|s| devices::footprint(s.input_bytes + s.output_bytes))),
             false => None,
         };
-        let lane = inner.lanes.acquire(on_gpu, submission.priority, &submission.job_id, footprint).await?;
+        let lane = engine.lanes().acquire(on_gpu, submission.priority, &submission.job_id, footprint).await?;
         if on_gpu {
-            response.reference_peak_bytes = self.reference_peak(&task_key).unwrap_or(0);
+            response.reference_peak_bytes = engine.reference_peak(&task_key).unwrap_or(0);
         }
         *lane_held = Some((Instant::now(), lane.gate_times()));
         let gpu = lane.gpu();
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         response.device = python.device_name(gpu).to_owned();
         // The last `recheck_trials` trials run after timing and the census.
-        let mut seeds = self.seeds(&task_key, "trial", (submission.trials + inner.config.recheck_trials) as usize);
-        let recheck_from = submission.trials as usize;
+        let mut seeds = engine.seeds(&task_key, "trial", (evaluation.trials + inner.config.recheck_trials) as usize);
+        let recheck_from = evaluation.trials as usize;
         let sensitivity = self.sensitivity_trial(&task_key, &mut seeds, recheck_from);
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
         std::fs::write(check_dir.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
@@ -331,14 +237,14 @@ impl Evaluator {
             recheck_from,
             sensitivity,
             output_bytes_budget: inner.config.output_bytes_budget,
-            timing: submission.measure.then(|| TimingSpec::from(&inner.config.timing)),
+            timing: evaluation.measure.then(|| TimingSpec::from(&inner.config.timing)),
             timing_seeds: timing_seeds.clone(),
-            census_calls: if submission.census { inner.config.census_calls } else { 0 },
+            census_calls: if evaluation.census { inner.config.census_calls } else { 0 },
             profiled_calls: 0,
         };
         let limits = self.call_limits(submission, gpu);
         let mut candidate =
-            self.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone(), limits.clone()).await;
+            engine.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone(), limits.clone()).await;
         if lane.shared() && candidate.as_ref().is_ok_and(out_of_memory) {
             // Another evaluation on the device may have held the memory it needed: once more, with the device to
             // itself. A candidate that needs more than the device has fails again, alone.
@@ -349,15 +255,15 @@ impl Evaluator {
                 line: 0,
                 category: pb::FindingCategory::Notice as i32,
             });
-            let process = self.restart_candidate(submission, &candidate_dir, &artifact_dir, cancel)?;
-            candidate = self.candidate_stage(process, &lane, &candidate_dir, spec, limits.clone()).await;
+            let process = engine.restart_candidate(submission, &candidate_dir, artifact_dir, cancel)?;
+            candidate = engine.candidate_stage(process, &lane, &candidate_dir, spec, limits.clone()).await;
         }
         response.stage_ms.insert("run".into(), ms(started.elapsed()));
-        let result = match self.candidate_result(candidate, gpu, response)? {
+        let result = match engine.candidate_result(candidate, gpu, response)? {
             Ok(result) => result,
             Err(verdict) => return Ok(verdict),
         };
-        phases_into(&result, "run", response);
+        phases_into(&result, "run", &mut response.stage_ms);
         let result = result.body;
         response.device_peak_bytes = result.device_peak_bytes.unwrap_or(0);
         // What competition for the CPU cost the timed loop's launching thread (0 when nothing competed).
@@ -368,7 +274,7 @@ impl Evaluator {
         // Correctness, in a clean process.
         let started = Instant::now();
         // The output of the last timed call is checked too, on its rebuilt inputs.
-        let timed_call = result.last_call.filter(|_| submission.measure);
+        let timed_call = result.last_call.filter(|_| evaluation.measure);
         let checked = self.check(check, &lane, timed_call).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         if let Ok((_, Some(compared))) = &checked
@@ -410,7 +316,7 @@ impl Evaluator {
             Err(error) => return Err(error),
         }
 
-        if submission.measure {
+        if evaluation.measure {
             let started = Instant::now();
             let measured = match timing_samples(&result) {
                 Ok(measured) => measured,
@@ -425,6 +331,10 @@ impl Evaluator {
                 return Ok(pb::Verdict::Hack);
             }
             response.eager_timing = timing_stats(baseline.eager.clone());
+            // What a profile of the task on this device takes its call limits from.
+            if let Some(eager) = &response.eager_timing {
+                engine.note_eager_median(&task_key, gpu, eager.median_ms);
+            }
             response.compile_timing = baseline.compiled.clone().and_then(timing_stats);
             response.candidate_timing = timing_stats(measured.events.clone());
             set_speedups(response);
@@ -437,9 +347,9 @@ impl Evaluator {
                 let started = Instant::now();
                 let first = response.speedup_eager;
                 let again =
-                    self.remeasure(submission, &lane, &task_key, init_seed, &artifact_dir, scratch, cancel).await;
+                    self.remeasure(submission, &lane, &task_key, init_seed, artifact_dir, scratch, cancel).await;
                 response.stage_ms.insert("remeasure".into(), ms(started.elapsed()));
-                let result = match self.candidate_result(again, gpu, response)? {
+                let result = match engine.candidate_result(again, gpu, response)? {
                     Ok(result) => result,
                     Err(verdict) => return Ok(verdict),
                 };
@@ -487,7 +397,7 @@ impl Evaluator {
                 }
             };
             if on_gpu {
-                inner.censuses.put(&artifact_key, &task_key, Arc::new(modes.clone()));
+                engine.censuses().put(artifact_key, &task_key, Arc::new(modes.clone()));
             }
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
             let candidate =
@@ -508,106 +418,19 @@ impl Evaluator {
     /// directory of its own: the evaluation waits for it only after its compile, and one that ends early leaves it
     /// to finish for the next.
     fn sizes_ahead(&self, submission: &Submission, task_key: &str) {
-        if submission.backend == Backend::Cpu || self.inner.python.is_err() {
+        if submission.backend == Backend::Cpu {
             return;
         }
-        let scratch = self.scratch_dir("sizes-");
-        let (evaluator, task_key, task) = (self.clone(), task_key.to_owned(), submission.task.clone());
+        let engine = self.inner.engine.clone();
+        let scratch = engine.scratch_dir("sizes-");
+        let (task_key, task) = (task_key.to_owned(), submission.task.clone());
         tokio::spawn(async move {
             let _cleanup = RemoveOnDrop(scratch.clone());
-            let inner = &evaluator.inner;
-            let python = inner.python.as_ref().expect("checked above");
-            inner.disk.task_sizes(&task_key, &task, &inner.sandbox, python, &scratch).await;
+            let python = engine.checked_python();
+            engine.disk().task_sizes(&task_key, &task, engine.sandbox(), python, &scratch).await;
         });
     }
 
-    /// The artifact cache's key for `submission`'s build, and whether the candidate builds anything.
-    fn artifact_key(&self, submission: &Submission) -> (String, bool) {
-        let inner = &self.inner;
-        let python = inner.python.as_ref().expect("validate checked the environment");
-        let key = cache::key(&[
-            submission.candidate.as_bytes(),
-            submission.backend.name().as_bytes(),
-            python.versions_key().as_bytes(),
-            gpu_arch(python).as_bytes(),
-            inner.config.build_recipe.name().as_bytes(),
-            // Who owns the build's files: a build made as the evaluator's user (before job users, or where they
-            // are off) has files a job user cannot write, such as the lock a later run takes.
-            if inner.sandbox.job_users_active() { b"owned by the jobs' group" } else { b"owned by the evaluator" },
-        ]);
-        (key, builds_extension(&submission.candidate))
-    }
-
-    /// Starts a harness process for `stage` now; it waits for its request (see [`stage::start`]).
-    fn start(&self, stage: Stage, cancel: &CancellationToken) -> Started {
-        let inner = &self.inner;
-        let python = inner.python.as_ref().expect("validate checked the environment");
-        stage::start(&inner.sandbox, python, &inner.harness, stage, cancel.child_token())
-    }
-
-    /// Runs `request` in a started harness process; one on a GPU `lane` that ends in a device fault has the device
-    /// probed before the lane is used again.
-    async fn stage<S: StageSpec>(
-        &self,
-        started: Started,
-        request: Request<S>,
-        lane: Option<&Lane>,
-    ) -> Result<StageOutcome<S::Result>, StageError> {
-        let inner = &self.inner;
-        let name = request.mode().name();
-        let _running = inner.metrics.stage(name);
-        let started_at = Instant::now();
-        // Stages that run no candidate code join idle and share the device only for their device work.
-        let trusted = request.mode().trusted();
-        let joining = |lane: &Lane| match lane.solo() {
-            false if trusted => Joining::Idle,
-            solo => Joining::Share { solo },
-        };
-        let outcome = started.run(request, lane.map(|lane| (lane.gate(), joining(lane)))).await;
-        if let (Ok(outcome), Some(lane)) = (&outcome, lane) {
-            lane.add_gate_times(outcome.gate);
-        }
-        inner.metrics.stage_seconds(name, started_at.elapsed());
-        if let Some(cpu_ms) = outcome.as_ref().ok().and_then(|outcome| outcome.cpu_ms()) {
-            // Work outside an evaluation (a baseline computed ahead) has no account to add to.
-            let _ = STAGE_CPU.try_with(|spent| *spent.borrow_mut().entry(name).or_default() += cpu_ms);
-        }
-        if let (Ok(finished), Some(lane)) = (&outcome, lane)
-            && lane.gpu().is_some()
-            && let Some(fault) = devices::fault(finished.finished.exit, &finished.error_text())
-        {
-            inner.lanes.after_fault(lane, &fault).await;
-        }
-        // Only now may the others on the device run alone without this stage: a stage that was killed, hung or
-        // faulted leaves the device once it has been checked.
-        outcome.map(|mut outcome| {
-            outcome.leave_gate();
-            outcome
-        })
-    }
-
-    /// Evicts from `cache` in the background if it grew past its bound.
-    pub(super) fn evict_later(&self, name: &'static str, cache: &Cache) {
-        let (cache, metrics) = (cache.clone(), self.inner.metrics.clone());
-        tokio::task::spawn_blocking(move || {
-            let removed = cache.evict();
-            if removed > 0 {
-                tracing::info!(cache = name, removed, "evicted least recently used cache entries");
-                metrics.evicted(name, removed);
-            }
-        });
-    }
-
-    /// A fresh scratch directory's path (`prefix` names what it is for), unique across every evaluator of this
-    /// process and every process sharing the work directory.
-    fn scratch_dir(&self, prefix: &str) -> PathBuf {
-        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.inner.scratch_root.join(format!("{}-{prefix}{id}", std::process::id()))
-    }
-
-    /// Seeds the candidate cannot know in advance: derived from a secret drawn when this evaluator started, so
-    /// they repeat per task (and the reference cache hits) but differ between evaluator instances.
     /// Picks the sensitivity trial among the first `trials` (not trial 0, its base), from the secret per task, and
     /// gives it trial 0's seed: the harness moves a few of those inputs far out of range (`perturb_sparsely`) and
     /// the check compares how both outputs moved. None when disabled or with fewer than two first trials.
@@ -615,33 +438,9 @@ impl Evaluator {
         if !self.inner.config.sensitivity_check || trials < 2 {
             return None;
         }
-        let drawn = self.seeds(task_key, "sensitivity", 2);
+        let drawn = self.inner.engine.seeds(task_key, "sensitivity", 2);
         let trial = 1 + drawn[0] as usize % (trials - 1);
         seeds[trial] = seeds[0];
         Some(Sensitivity { trial, base: 0, seed: drawn[1] })
-    }
-
-    fn seeds(&self, task_key: &str, purpose: &str, count: usize) -> Vec<u64> {
-        let hasher = std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default();
-        (0..count).map(|i| hasher.hash_one((self.inner.secret, task_key, purpose, i)) % (1 << 31)).collect()
-    }
-}
-
-/// The harness's time per phase of a stage (`phases_ms`), as `stage_ms` entries `<stage>.<phase>`.
-fn phases_into<R>(result: &Report<R>, stage: &str, response: &mut pb::EvaluateResponse) {
-    for (phase, value) in &result.phases_ms {
-        response.stage_ms.insert(format!("{stage}.{phase}"), *value);
-    }
-}
-
-fn ms(duration: Duration) -> f64 {
-    duration.as_secs_f64() * 1e3
-}
-
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -1,15 +1,12 @@
-//! Timing, pure: the candidate's samples checked, the wall-clock cross-check against the baseline's overhead,
-//! speedups, and the call limits derived from the reference's time.
-
-use std::time::Duration;
+//! Timing, pure: the candidate's samples checked, the wall-clock cross-check against the baseline's overhead, and
+//! speedups.
 
 use kforge_proto::v1 as pb;
 
+use kforge_execution::engine::hack_finding;
+use kforge_execution::protocol::CandidateResult;
+
 use super::baseline::Baseline;
-use super::verdict::hack_finding;
-use crate::config::CallLimitsConfig;
-use crate::protocol::CandidateResult;
-use crate::stage::CallLimits;
 use crate::stats::timing_stats;
 
 /// A candidate's timing samples: by the events (or the clock on a CPU) and by the host clock.
@@ -63,27 +60,6 @@ pub(super) fn set_speedups(response: &mut pb::EvaluateResponse) {
     };
     response.speedup_eager = speedup(&response.eager_timing);
     response.speedup_compile = speedup(&response.compile_timing);
-}
-
-/// A call's limits: `reference_factor` times the reference's eager median, at least `floor_secs`; without a
-/// measured reference, `unmeasured_secs`.
-pub(super) fn call_limits(config: &CallLimitsConfig, reference_ms: Option<f64>) -> CallLimits {
-    let (call, basis) = match reference_ms {
-        Some(ms) => {
-            let secs = (config.reference_factor * ms / 1e3).max(config.floor_secs);
-            let basis = format!(
-                "limit: {} x the reference's {ms:.3} ms per call, at least {} s",
-                config.reference_factor, config.floor_secs
-            );
-            (secs, basis)
-        }
-        None => (config.unmeasured_secs, "limit for a task whose reference is not measured yet".to_owned()),
-    };
-    CallLimits {
-        call: Duration::from_secs_f64(call.max(0.001)),
-        busy: Duration::from_secs_f64(config.busy_secs.max(call)),
-        basis,
-    }
 }
 
 #[cfg(test)]
@@ -146,19 +122,5 @@ mod tests {
         response.candidate_timing = stats(0.0);
         set_speedups(&mut response);
         assert_eq!(response.speedup_eager, 0.0, "no speedup from a zero median");
-    }
-
-    #[test]
-    fn call_limits_scale_with_the_reference_within_the_floor_and_busy_limit() {
-        let config = CallLimitsConfig::default();
-        let unmeasured = call_limits(&config, None);
-        assert_eq!(unmeasured.call, Duration::from_secs_f64(config.unmeasured_secs));
-        let quick = call_limits(&config, Some(0.001));
-        assert_eq!(quick.call, Duration::from_secs_f64(config.floor_secs), "at least the floor");
-        let slow_ms = 1e3 * 10.0 * config.busy_secs.max(config.floor_secs) / config.reference_factor;
-        let slow = call_limits(&config, Some(slow_ms));
-        assert!(slow.call > Duration::from_secs_f64(config.busy_secs), "{slow:?}");
-        assert_eq!(slow.busy, slow.call, "the busy limit is never below the call limit");
-        assert!(slow.basis.contains("x the reference's"), "{}", slow.basis);
     }
 }

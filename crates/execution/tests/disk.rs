@@ -5,8 +5,8 @@ mod support;
 
 use std::path::PathBuf;
 
-use kforge_evaluator::disk::{DiskBudget, OutputPlan, TaskSizes};
-use kforge_evaluator::python::PythonEnv;
+use kforge_execution::disk::{DiskBudget, OutputPlan, TaskSizes};
+use kforge_execution::python::PythonEnv;
 use kforge_sandbox::{Sandbox, SandboxOptions};
 
 const SHAPES: &str = r#"import torch

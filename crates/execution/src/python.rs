@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kforge_sandbox::{Job, Limits, Sandbox, resolve_on_path};
+use kforge_sandbox::{Command, Limits, Sandbox, resolve_on_path};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +28,17 @@ pub fn harness_digest() -> &'static str {
         std::sync::LazyLock::new(|| crate::cache::key(&[HARNESS_FILES[0].1.as_bytes()]));
     &DIGEST
 }
+
+/// Why the configured interpreter cannot run candidates (not found, failing, without torch): every request is
+/// refused with this until it is fixed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct PythonUnavailable(pub String);
+
+/// Why torch does not work inside a sandbox: the last line the probe printed, or why it could not run.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct SandboxProbeFailed(pub String);
 
 /// What the interpreter reported about itself.
 #[derive(Debug, Clone, Deserialize)]
@@ -70,7 +81,7 @@ pub struct PythonEnv {
     nvcc: Option<String>,
     /// Whether extensions are built as load_inline builds them (`build_recipe = "stock"`).
     stock_builds: bool,
-    /// Where torch's extension header, precompiled for the bindings, lies once built (`crate::bindings_pch`).
+    /// Where torch's extension header, precompiled for the bindings, lies once built (`crate::precompiled_header`).
     bindings_pch: Arc<OnceLock<PathBuf>>,
     /// CPU threads of each process on a GPU, where limited; see [`PythonEnv::limit_gpu_stage_threads`].
     gpu_stage_threads: Option<usize>,
@@ -110,10 +121,12 @@ impl PythonEnv {
     /// Asks `python` about itself, in a basic sandbox (no Landlock: its paths are what we are learning). A bare
     /// name such as `python3` is looked up on this process's PATH first: stages run with a scrubbed environment,
     /// where it would find a different interpreter.
-    pub async fn probe(python: &Path, scratch: &Path) -> Result<Self, String> {
-        std::fs::create_dir_all(scratch).map_err(|e| format!("scratch {}: {e}", scratch.display()))?;
-        let python = &resolve_on_path(python).ok_or_else(|| format!("{} is not on PATH", python.display()))?;
-        let job = Job {
+    pub async fn probe(python: &Path, scratch: &Path) -> Result<Self, PythonUnavailable> {
+        let unavailable = PythonUnavailable;
+        std::fs::create_dir_all(scratch).map_err(|e| unavailable(format!("scratch {}: {e}", scratch.display())))?;
+        let python =
+            &resolve_on_path(python).ok_or_else(|| unavailable(format!("{} is not on PATH", python.display())))?;
+        let command = Command {
             program: python.to_owned(),
             args: vec!["-c".into(), PROBE.into()],
             env: vec![("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())],
@@ -123,21 +136,21 @@ impl PythonEnv {
             limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
         };
         let finished = Sandbox::basic()
-            .run(job, CancellationToken::new())
+            .run(command, CancellationToken::new())
             .await
-            .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+            .map_err(|e| unavailable(format!("cannot run {}: {e}", python.display())))?;
         if !finished.success() {
-            return Err(format!("{} failed: {}", python.display(), finished.stderr_tail(2000)));
+            return Err(unavailable(format!("{} failed: {}", python.display(), finished.stderr_tail(2000))));
         }
         let probe: Probe = serde_json::from_slice(&finished.stdout)
-            .map_err(|e| format!("{} gave an unreadable probe: {e}", python.display()))?;
+            .map_err(|e| unavailable(format!("{} gave an unreadable probe: {e}", python.display())))?;
         let Some(torch) = probe.torch.clone() else {
-            return Err(format!(
+            return Err(unavailable(format!(
                 "{} (python {}) cannot import torch: {}",
                 python.display(),
                 probe.python,
                 probe.torch_error.unwrap_or_default()
-            ));
+            )));
         };
         let mut versions = BTreeMap::from([("python".to_owned(), probe.python.clone()), ("torch".to_owned(), torch)]);
         if !probe.cuda.is_empty() {
@@ -330,8 +343,13 @@ impl PythonEnv {
 
 /// Runs torch inside `sandbox`: with `gpu`, initialises CUDA and allocates on GPU 0; without, finds torch's
 /// package. The error is the last line the job printed.
-pub async fn sandbox_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path, gpu: bool) -> Result<(), String> {
-    std::fs::create_dir_all(scratch).map_err(|e| format!("scratch {}: {e}", scratch.display()))?;
+pub async fn sandbox_probe(
+    sandbox: &Sandbox,
+    python: &PythonEnv,
+    scratch: &Path,
+    gpu: bool,
+) -> Result<(), SandboxProbeFailed> {
+    std::fs::create_dir_all(scratch).map_err(|e| SandboxProbeFailed(format!("scratch {}: {e}", scratch.display())))?;
     // Without a GPU, a look at torch's package is enough (an import takes seconds): the interpreter, its standard
     // library and torch's files are within the job's reach.
     let script = if gpu {
@@ -339,7 +357,7 @@ pub async fn sandbox_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path
     } else {
         "import importlib.util as u; open(u.find_spec('torch').origin).close(); print('ok')"
     };
-    let job = Job {
+    let command = Command {
         program: python.python.clone(),
         args: vec!["-c".into(), script.into()],
         env: python.env_on(scratch, gpu.then_some(0)),
@@ -348,12 +366,14 @@ pub async fn sandbox_probe(sandbox: &Sandbox, python: &PythonEnv, scratch: &Path
         writable: vec![],
         limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
     };
-    let finished = sandbox.run(job, CancellationToken::new()).await.map_err(|e| e.to_string())?;
+    let finished =
+        sandbox.run(command, CancellationToken::new()).await.map_err(|e| SandboxProbeFailed(e.to_string()))?;
     if finished.success() {
         return Ok(());
     }
     let stderr = finished.stderr_tail(2000);
-    Err(stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no error text").trim().to_owned())
+    let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no error text");
+    Err(SandboxProbeFailed(last.trim().to_owned()))
 }
 
 #[cfg(test)]

@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kforge_sandbox::{Control, Finished, Job, Limits, Sandbox, SandboxError};
+use kforge_sandbox::{Command, Control, Finished, Limits, Sandbox, SandboxError};
 use tokio_util::sync::CancellationToken;
 
+use crate::config::CallLimitsConfig;
 use crate::devices::{Gate, Member, MemberTimes};
 use crate::protocol::{self, Decoded, GateRole, Mode, PROTOCOL_VERSION, Report, StageSpec};
 use crate::python::PythonEnv;
@@ -53,6 +54,29 @@ pub struct CallLimits {
     pub busy: Duration,
     /// How `call` was chosen, for the error a hung stage gets.
     pub basis: String,
+}
+
+impl CallLimits {
+    /// A call's limits: `reference_factor` times the reference's eager median, at least `floor_secs`; without a
+    /// measured reference, `unmeasured_secs`.
+    pub fn for_reference(config: &CallLimitsConfig, reference_ms: Option<f64>) -> Self {
+        let (call, basis) = match reference_ms {
+            Some(ms) => {
+                let secs = (config.reference_factor * ms / 1e3).max(config.floor_secs);
+                let basis = format!(
+                    "limit: {} x the reference's {ms:.3} ms per call, at least {} s",
+                    config.reference_factor, config.floor_secs
+                );
+                (secs, basis)
+            }
+            None => (config.unmeasured_secs, "limit for a task whose reference is not measured yet".to_owned()),
+        };
+        Self {
+            call: Duration::from_secs_f64(call.max(0.001)),
+            busy: Duration::from_secs_f64(config.busy_secs.max(call)),
+            basis,
+        }
+    }
 }
 
 impl<S: StageSpec> Request<S> {
@@ -249,7 +273,7 @@ pub fn start(
         }
         None => (python.python.clone(), vec![harness.into()]),
     };
-    let job = Job {
+    let command = Command {
         program,
         args,
         env: stage.env,
@@ -303,7 +327,7 @@ pub fn start(
             }
         }
     };
-    let finished = tokio::spawn(async move { sandbox.run_with_control(job, input, converse, cancel).await });
+    let finished = tokio::spawn(async move { sandbox.run_with_control(command, input, converse, cancel).await });
     Started { request: Some(request), finished, result_path, watch }
 }
 
@@ -679,5 +703,19 @@ mod tests {
         let started = start(&Sandbox::basic(), &env, &path, stage(vec![]), CancellationToken::new());
         let outcome = started.run(request(), None).await.expect("the stage ran");
         assert_eq!(outcome.result.and_then(|r| r.body.seconds), Some(1.0), "no launcher");
+    }
+
+    #[test]
+    fn call_limits_scale_with_the_reference_within_the_floor_and_busy_limit() {
+        let config = CallLimitsConfig::default();
+        let unmeasured = CallLimits::for_reference(&config, None);
+        assert_eq!(unmeasured.call, Duration::from_secs_f64(config.unmeasured_secs));
+        let quick = CallLimits::for_reference(&config, Some(0.001));
+        assert_eq!(quick.call, Duration::from_secs_f64(config.floor_secs), "at least the floor");
+        let slow_ms = 1e3 * 10.0 * config.busy_secs.max(config.floor_secs) / config.reference_factor;
+        let slow = CallLimits::for_reference(&config, Some(slow_ms));
+        assert!(slow.call > Duration::from_secs_f64(config.busy_secs), "{slow:?}");
+        assert_eq!(slow.busy, slow.call, "the busy limit is never below the call limit");
+        assert!(slow.basis.contains("x the reference's"), "{}", slow.basis);
     }
 }

@@ -1,12 +1,13 @@
-//! Failures of the evaluator itself, never the candidate's: answered as `VERDICT_INFRA_ERROR` (in
-//! `Evaluator::evaluate`, the one place that turns them into the response) and counted by cause.
+//! Failures of the engine itself, never the candidate's: answered as `VERDICT_INFRA_ERROR` (in the evaluator's
+//! `Evaluator::evaluate` and the profiler's `profile`, each the one place that turns them into its response) and
+//! counted by cause.
 
 use std::time::Duration;
 
 use crate::devices::Unavailable;
 use crate::stage::StageError;
 
-/// Why an evaluation could not be completed by the evaluator.
+/// Why a run could not be completed by the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum InfraError {
     /// A scratch directory, or a file the evaluation writes into one.
@@ -81,18 +82,18 @@ impl InfraError {
     }
 
     /// A stage's failure to run, in `mode`.
-    pub(super) fn stage(mode: crate::protocol::Mode) -> impl FnOnce(StageError) -> Self {
+    pub fn stage(mode: crate::protocol::Mode) -> impl FnOnce(StageError) -> Self {
         move |source| InfraError::Stage { mode: mode.name(), source }
     }
 
     /// A file operation's failure, `what` naming it.
-    pub(super) fn files(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+    pub fn files(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
         let what = what.into();
         move |source| InfraError::Files { what, source }
     }
 
     /// A cache operation's failure, `what` naming the cache and the operation.
-    pub(super) fn cache(what: &'static str) -> impl FnOnce(std::io::Error) -> Self {
+    pub fn cache(what: &'static str) -> impl FnOnce(std::io::Error) -> Self {
         move |source| InfraError::Cache { what, source }
     }
 }

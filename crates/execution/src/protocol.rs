@@ -1,9 +1,9 @@
-//! The protocol between the evaluator and its harness (harness/kforge_harness.py): what a stage is asked, and
+//! The protocol between the engine and its harness (harness/kforge_harness.py): what a stage is asked, and
 //! what it answers, one request type and one result type per [`Mode`].
 //!
 //! A stage reads one request from stdin, `{"protocol", "mode", "spec", "env"}`, and writes one result, a JSON
 //! object, to `spec.result_path`. Both carry [`PROTOCOL_VERSION`]: the harness refuses a request of another
-//! version (it writes a result saying so and exits with [`REFUSED_EXIT`]), and the evaluator refuses a result of
+//! version (it writes a result saying so and exits with [`REFUSED_EXIT`]), and the engine refuses a result of
 //! another version ([`Decoded::Version`]). The Python side validates requests against the same field lists
 //! (`SPECS` in the harness; a test compares them with these types).
 //!
@@ -39,7 +39,7 @@ pub enum Mode {
     Check,
     /// Times the reference, eagerly and under torch.compile.
     Baseline,
-    /// Precompiles torch's extension header for the bindings (`crate::bindings_pch`).
+    /// Precompiles torch's extension header for the bindings (`crate::precompiled_header`).
     BindingsPch,
 }
 

@@ -64,7 +64,7 @@ pub enum ProbeFailed {
     Failed(String),
 }
 
-/// The health probe of this evaluator's GPUs: its program, or why there is none, and how long it may take.
+/// The health probe of this engine's GPUs: its program, or why there is none, and how long it may take.
 #[derive(Debug)]
 pub(super) struct Probe {
     program: Result<PathBuf, ProbeMissing>,

@@ -1,4 +1,4 @@
-//! The devices evaluations run on, by concern:
+//! The devices evaluations and profiles run on, by concern:
 //!
 //! - [`admission`](self::admission): which waiting evaluation gets the next free slot, and where (priority, turns
 //!   across jobs, memory-aware admission by each evaluation's [`footprint`]);
@@ -8,7 +8,7 @@
 //! - [`health`](self::health): telling a device fault from a candidate's error ([`fault`]), and the probe that
 //!   decides whether a device that faulted can go on serving.
 //!
-//! Their configuration (`[evaluator.device_probe]`, `gpu_slots`, `gpu_memory_fraction`) is in `crate::config`.
+//! Their configuration (`device_probe`, `gpu_slots`, `gpu_memory_fraction`) is in `crate::config` (`ExecutionConfig`).
 
 mod admission;
 mod gate;

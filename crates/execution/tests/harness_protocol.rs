@@ -7,9 +7,9 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use kforge_evaluator::protocol::{self, CompileSpec, PROTOCOL_VERSION, REFUSED_EXIT};
-use kforge_evaluator::python::PythonEnv;
-use kforge_evaluator::stage::{self, Request, Stage, StageError};
+use kforge_execution::protocol::{self, CompileSpec, PROTOCOL_VERSION, REFUSED_EXIT};
+use kforge_execution::python::PythonEnv;
+use kforge_execution::stage::{self, Request, Stage, StageError};
 use kforge_sandbox::Sandbox;
 use tokio_util::sync::CancellationToken;
 

@@ -1,20 +1,34 @@
-//! The compile stage: a candidate that builds extensions builds them once, on the compile pool, in a sandboxed
-//! child, into the content-addressed artifact cache (a failure the harness reports is cached too).
+//! The compile stage and the artifact cache's entry point, [`Engine::build`]: a candidate that builds extensions
+//! builds them once, on the compile pool, in a sandboxed child, into the content-addressed artifact cache (a
+//! failure the harness reports is cached too); one that compiles on the GPU when it runs (Triton) gets the cache
+//! entry its just-in-time compiler keeps its kernels in.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kforge_proto::v1 as pb;
 use kforge_sandbox::{Exit, tail as cap};
 use tokio_util::sync::CancellationToken;
 
-use super::{Backend, Evaluator, InfraError, Submission, ms};
-use crate::cache::{Entry, EntryLock};
+use super::{Backend, Engine, InfraError, Submission, ms};
+use crate::cache::{self, Entry, EntryLock};
 use crate::protocol::{CompileSpec, Mode};
 use crate::python::PythonEnv;
 use crate::stage::{Request, Stage};
 
-pub(super) fn cached_compile(entry: Entry, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
+/// A candidate's build in the artifact cache, pinned (eviction cannot take it) while this lives.
+#[derive(Debug)]
+pub struct Built {
+    /// The artifact cache's key of the build.
+    pub key: String,
+    /// Its directory: the stages that load the candidate get it as `TORCH_EXTENSIONS_DIR` and `TRITON_CACHE_DIR`.
+    pub dir: PathBuf,
+    /// Whether the candidate builds extensions ahead of time (so it was compiled).
+    pub compiles: bool,
+    _pin: Option<EntryLock>,
+}
+
+fn cached_compile(entry: Entry, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
     match entry {
         Entry::Ready(_) => None,
         Entry::Failed(log) => {
@@ -25,20 +39,71 @@ pub(super) fn cached_compile(entry: Entry, response: &mut pb::EvaluateResponse) 
 }
 
 /// Whether the source builds a C++/CUDA extension (and so needs the compile stage).
-pub(super) fn builds_extension(source: &str) -> bool {
+pub fn builds_extension(source: &str) -> bool {
     source.contains("load_inline") || source.contains("cpp_extension")
 }
 
-pub(super) fn gpu_arch(python: &PythonEnv) -> String {
+fn gpu_arch(python: &PythonEnv) -> String {
     python.gpus.iter().map(|g| g.capability.as_str()).collect::<Vec<_>>().join(",")
 }
 
-impl Evaluator {
+impl Engine {
+    /// The artifact cache's key for `submission`'s build.
+    pub fn artifact_key(&self, submission: &Submission) -> String {
+        let python = self.checked_python();
+        cache::key(&[
+            submission.candidate.as_bytes(),
+            submission.backend.name().as_bytes(),
+            python.versions_key().as_bytes(),
+            gpu_arch(python).as_bytes(),
+            self.inner.config.build_recipe.name().as_bytes(),
+            // Who owns the build's files: a build made as the engine's user (before job users, or where they are
+            // off) has files a job user cannot write, such as the lock a later run takes.
+            if self.inner.sandbox.command_users_active() {
+                b"owned by the jobs' group"
+            } else {
+                b"owned by the evaluator"
+            },
+        ])
+    }
+
+    /// The candidate's build, ready to load: compiled into the artifact cache (`compile_dir` is the compile's
+    /// scratch directory) where it builds extensions, the just-in-time compiler's entry on a GPU otherwise, and
+    /// pinned. `Err(verdict)` when the run ends here (a compile error or timeout), with `response` filled in; its
+    /// `stage_ms` gets `queue_compile`, the wait for a compile worker.
+    pub async fn build(
+        &self,
+        submission: &Submission,
+        compile_dir: &Path,
+        cancel: &CancellationToken,
+        response: &mut pb::EvaluateResponse,
+    ) -> Result<Result<Built, pb::Verdict>, InfraError> {
+        let key = self.artifact_key(submission);
+        let dir = self.inner.artifacts.dir(&key);
+        let compiles = builds_extension(&submission.candidate);
+        let pin = if compiles {
+            if let Some(verdict) = self.compile(submission, &key, compile_dir, cancel, response).await? {
+                return Ok(Err(verdict));
+            }
+            let artifacts = &self.inner.artifacts;
+            match artifacts.pin(&key).await {
+                Ok(pin) if artifacts.get(&key).is_some() => Some(pin),
+                Ok(_) => return Err(InfraError::Evicted { what: "compiled artifact" }),
+                Err(error) => return Err(InfraError::cache("artifact pin")(error)),
+            }
+        } else if submission.backend != Backend::Cpu {
+            Some(self.jit_cache(&key).await?)
+        } else {
+            None
+        };
+        Ok(Ok(Built { key, dir, compiles, _pin: pin }))
+    }
+
     /// The artifact entry of a candidate that builds nothing ahead of time but compiles on a GPU when it runs
     /// (Triton): its stages' just-in-time compiler cache (`TRITON_CACHE_DIR`) lives there, so a kernel compiled in
     /// one stage of a build is not compiled again by its next stage, evaluation or profile. Created complete on
     /// first use so eviction counts it like a build, and returned pinned for the evaluation's length.
-    pub(super) async fn jit_cache(&self, key: &str) -> Result<EntryLock, InfraError> {
+    async fn jit_cache(&self, key: &str) -> Result<EntryLock, InfraError> {
         let artifacts = &self.inner.artifacts;
         if artifacts.get(key).is_none() {
             let lock = artifacts.lock(key).await.map_err(InfraError::cache("artifact lock"))?;
@@ -56,7 +121,7 @@ impl Evaluator {
     }
 
     /// Builds the candidate's extensions into the artifact cache; `Some(verdict)` when the evaluation ends here.
-    pub(super) async fn compile(
+    async fn compile(
         &self,
         submission: &Submission,
         key: &str,
@@ -65,7 +130,7 @@ impl Evaluator {
         response: &mut pb::EvaluateResponse,
     ) -> Result<Option<pb::Verdict>, InfraError> {
         let inner = &self.inner;
-        let python = inner.python.as_ref().expect("validate checked the environment");
+        let python = self.checked_python();
         if let Some(entry) = inner.artifacts.get(key) {
             inner.metrics.cache("artifact", true);
             response.compile_cache_hit = true;

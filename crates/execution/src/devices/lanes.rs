@@ -17,7 +17,7 @@ use super::admission::{Grant, Pool, Turn};
 use super::gate::{Gate, GateAccount, MemberTimes};
 use super::health::{Probe, ProbeFailed, ProbeMissing};
 use crate::config::DeviceProbeConfig;
-use crate::metrics::EvaluatorMetrics;
+use crate::metrics::ExecutionMetrics;
 
 /// No GPU lane can be had: every GPU of this evaluator is quarantined (retryable, on another evaluator).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -27,7 +27,7 @@ pub struct Unavailable {
     pub quarantined: String,
 }
 
-/// The device lanes of one evaluator, and the health of its GPUs.
+/// The device lanes of one engine, and the health of its GPUs.
 #[derive(Debug)]
 pub struct Lanes {
     cpu: Mutex<Pool>,
@@ -43,7 +43,7 @@ pub struct Lanes {
     probe: Probe,
     /// While a GPU is quarantined, it is probed again this often.
     retry: Duration,
-    metrics: EvaluatorMetrics,
+    metrics: ExecutionMetrics,
 }
 
 #[derive(Debug)]
@@ -147,7 +147,7 @@ impl Drop for Waiting<'_> {
 
 impl Lanes {
     /// `gpus` GPUs of `slots` slots each (at least one), and the CPU's one; admitted by slots alone.
-    pub fn new(gpus: usize, slots: usize, config: DeviceProbeConfig, metrics: EvaluatorMetrics) -> Arc<Self> {
+    pub fn new(gpus: usize, slots: usize, config: DeviceProbeConfig, metrics: ExecutionMetrics) -> Arc<Self> {
         Self::with_budgets(vec![None; gpus], slots, config, metrics)
     }
 
@@ -157,7 +157,7 @@ impl Lanes {
         budgets: Vec<Option<u64>>,
         slots: usize,
         config: DeviceProbeConfig,
-        metrics: EvaluatorMetrics,
+        metrics: ExecutionMetrics,
     ) -> Arc<Self> {
         let gpus = budgets.len();
         let slots = slots.max(1);
@@ -351,8 +351,8 @@ mod tests {
 
     use super::*;
 
-    fn metrics() -> EvaluatorMetrics {
-        EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default())
+    fn metrics() -> ExecutionMetrics {
+        ExecutionMetrics::register(&mut prometheus_client::registry::Registry::default())
     }
 
     /// A probe script that fails while `broken` exists and counts its runs in `runs`.
@@ -658,7 +658,7 @@ mod tests {
     #[test]
     fn reserved_bytes_are_a_metric_per_gpu() {
         let mut registry = prometheus_client::registry::Registry::default();
-        let metrics = EvaluatorMetrics::register(&mut registry);
+        let metrics = ExecutionMetrics::register(&mut registry);
         let config = DeviceProbeConfig { command: Some("/nonexistent/probe".into()), ..DeviceProbeConfig::default() };
         let lanes = Lanes::with_budgets(vec![Some(10 * GIB), Some(10 * GIB)], 2, config, metrics);
         let _lane = acquire_now(&lanes, true, Some(3 * GIB)).expect("fits");

@@ -1,31 +1,31 @@
-//! What a job is (a program, its environment, the paths it may touch and its limits) and how it ended.
+//! What a command is (a program, its environment, the paths it may touch and its limits) and how it ended.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// System locations every job may read (and execute from): libraries, compilers, device nodes, `/proc`.
+/// System locations every command may read (and execute from): libraries, compilers, device nodes, `/proc`.
 pub const SYSTEM_READABLE: &[&str] =
     &["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/proc", "/sys", "/dev", "/run"];
 
-/// Resource limits of one job.
+/// Resource limits of one command.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// Wall-clock time before the whole process group is killed.
     pub wall: Duration,
-    /// CPU seconds (RLIMIT_CPU), summed over the job's threads.
+    /// CPU seconds (RLIMIT_CPU), summed over the command's threads.
     pub cpu_seconds: u64,
-    /// Largest file the job may write (RLIMIT_FSIZE).
+    /// Largest file the command may write (RLIMIT_FSIZE).
     pub file_bytes: u64,
     /// Open file descriptors (RLIMIT_NOFILE).
     pub open_files: u64,
-    /// Bytes of stdout and of stderr kept; the rest is read and dropped so the job never blocks on a full pipe.
+    /// Bytes of stdout and of stderr kept; the rest is read and dropped so the command never blocks on a full pipe.
     pub output_bytes: usize,
-    /// Scheduling niceness (0 to 19): a background job yields the CPU to the others.
+    /// Scheduling niceness (0 to 19): a background command yields the CPU to the others.
     pub nice: i32,
-    /// Processes and threads of the job at once (its pids cgroup's `pids.max`), where the host allows one.
+    /// Processes and threads of the command at once (its pids cgroup's `pids.max`), where the host allows one.
     pub processes: u64,
-    /// The CPUs the job starts on (its affinity); empty: those of the caller.
+    /// The CPUs the command starts on (its affinity); empty: those of the caller.
     pub cpus: Vec<usize>,
 }
 
@@ -47,23 +47,23 @@ impl Default for Limits {
 
 /// A program to run in the sandbox.
 #[derive(Debug, Clone)]
-pub struct Job {
+pub struct Command {
     pub program: PathBuf,
     pub args: Vec<OsString>,
-    /// The whole environment of the job; nothing is inherited.
+    /// The whole environment of the command; nothing is inherited.
     pub env: Vec<(OsString, OsString)>,
     /// Working directory and `TMPDIR`; always writable.
     pub scratch: PathBuf,
-    /// Further paths the job may read (the interpreter's installation, its input files). With Landlock active,
+    /// Further paths the command may read (the interpreter's installation, its input files). With Landlock active,
     /// nothing else is readable but [`SYSTEM_READABLE`], the scratch directory and `writable`; the evaluator's
     /// caches stay out of a candidate's view.
     pub readable: Vec<PathBuf>,
-    /// Further directories the job may write (e.g. the compile cache during a compile).
+    /// Further directories the command may write (e.g. the compile cache during a compile).
     pub writable: Vec<PathBuf>,
     pub limits: Limits,
 }
 
-/// How a job ended.
+/// How a command ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
     /// Exited with this code.
@@ -87,7 +87,7 @@ impl From<std::process::ExitStatus> for Exit {
     }
 }
 
-/// A finished job.
+/// A finished command.
 #[derive(Debug, Clone)]
 pub struct Finished {
     pub exit: Exit,
@@ -95,7 +95,7 @@ pub struct Finished {
     pub stderr: Vec<u8>,
     /// Whether stdout or stderr went over `output_bytes` and was cut.
     pub output_truncated: bool,
-    /// From the start, or for a job given its input later, from the input's delivery, to the end.
+    /// From the start, or for a command given its input later, from the input's delivery, to the end.
     pub wall: Duration,
 }
 
@@ -111,8 +111,8 @@ impl Finished {
     }
 }
 
-/// At most `limit` bytes of `text`, cut at a character boundary, keeping the end (where a job's errors are), marked
-/// `[...]` where cut: for error messages and logs made from a job's output.
+/// At most `limit` bytes of `text`, cut at a character boundary, keeping the end (where a command's errors are), marked
+/// `[...]` where cut: for error messages and logs made from a command's output.
 pub fn tail(text: &str, limit: usize) -> String {
     if text.len() <= limit {
         return text.to_owned();
@@ -125,7 +125,7 @@ pub fn tail(text: &str, limit: usize) -> String {
 }
 
 /// `program` itself when it names a path, otherwise the first executable of that name on this process's `PATH`: a
-/// job's environment is its own, so the program it runs is found before it starts.
+/// command's environment is its own, so the program it runs is found before it starts.
 pub fn resolve_on_path(program: &std::path::Path) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     if program.components().count() > 1 {

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kforge_sandbox::{Job, Limits, Sandbox};
+use kforge_sandbox::{Command, Limits, Sandbox};
 use serde::Deserialize;
 use tokio::sync::{OnceCell, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -69,7 +69,7 @@ pub fn available_bytes(path: &Path) -> Option<u64> {
     Some(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
-/// The disk budget shared by every evaluation of this evaluator, and each task's sizes once known.
+/// The disk budget shared by every run of this engine, and each task's sizes once known.
 #[derive(Debug)]
 pub struct DiskBudget {
     permits: Arc<Semaphore>,
@@ -176,7 +176,7 @@ async fn dry_run(
     std::fs::create_dir_all(scratch)?;
     let task = scratch.join("task.py");
     std::fs::write(&task, task_source)?;
-    let job = Job {
+    let command = Command {
         program: python.python.clone(),
         args: vec!["-c".into(), DRY_RUN.into(), task.into_os_string()],
         env: python.env_on(scratch, None),
@@ -185,8 +185,10 @@ async fn dry_run(
         writable: vec![],
         limits: Limits { wall: Duration::from_secs(120), ..Limits::default() },
     };
-    let finished =
-        sandbox.run(job, CancellationToken::new()).await.map_err(|error| DryRunError::Sandbox(error.to_string()))?;
+    let finished = sandbox
+        .run(command, CancellationToken::new())
+        .await
+        .map_err(|error| DryRunError::Sandbox(error.to_string()))?;
     if !finished.success() {
         let stderr = finished.stderr_tail(2000);
         let last = stderr.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("no error text");

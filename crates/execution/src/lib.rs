@@ -1,0 +1,26 @@
+//! Executing untrusted candidate kernels, for the Evaluator and the Profiler services alike.
+//!
+//! The [`Engine`] is what one process shares between them: the Python environment ([`python`]), harness processes
+//! in the sandbox ([`stage`], speaking the typed [`protocol`] with the harness in `harness/`), the artifact cache
+//! ([`cache`], compiled through [`Engine::build`]) with torch's extension header precompiled for the bindings
+//! ([`precompiled_header`]), the device lanes and their gate, admission and health ([`devices`]), and the disk
+//! budget ([`disk`]). The static checks ([`static_checks`]) and the kernel census ([`census`]) define what a
+//! candidate may do and which kernels are its own, for both services. A service keeps its gRPC face and its own
+//! pipeline: the evaluator's checks and timing, the profiler's Nsight Compute run.
+
+pub mod cache;
+pub mod census;
+pub mod config;
+pub mod devices;
+pub mod disk;
+pub mod engine;
+pub mod metrics;
+pub mod precompiled_header;
+pub mod protocol;
+pub mod python;
+pub mod stage;
+pub mod static_checks;
+
+pub use config::ExecutionConfig;
+pub use engine::{Engine, InfraError, RequestError, Submission, SubmissionRequest};
+pub use metrics::ExecutionMetrics;

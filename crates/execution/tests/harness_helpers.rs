@@ -1,0 +1,91 @@
+//! The harness's helpers run directly with the Python environment of `scripts/setup.sh --test`: the build recipe
+//! it installs, its count of calls into extensions, and its input and comparison helpers.
+
+mod support;
+
+use std::path::PathBuf;
+
+/// The harness replaces load_inline with kforge's build recipe unless the evaluator asks for stock builds
+/// (`build_recipe = "stock"`, which sets `KFORGE_BUILD_RECIPE=stock`).
+#[test]
+fn the_harness_leaves_load_inline_alone_for_stock_builds() {
+    let Some(python) = support::python() else { return };
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = format!(
+        "import os, sys\n\
+         sys.path.insert(0, {harness:?})\n\
+         import kforge_harness, torch.utils.cpp_extension as ext\n\
+         stock = ext.load_inline\n\
+         kforge_harness.install_build_recipe(building=True)\n\
+         print('stock' if ext.load_inline is stock else 'recipe')\n",
+        harness = harness.display().to_string(),
+    );
+    let recipe = |stock: bool| {
+        let mut command = std::process::Command::new(&python);
+        command.args(["-c", &script]).env("TORCH_EXTENSIONS_DIR", std::env::temp_dir());
+        if stock {
+            command.env("KFORGE_BUILD_RECIPE", "stock");
+        }
+        let output = command.output().expect("python runs");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    };
+    assert_eq!(recipe(false), "recipe");
+    assert_eq!(recipe(true), "stock");
+}
+
+/// The harness counts calls into the functions of the modules load_inline returns (the census's decoy check), and
+/// gives no count for a module it cannot count completely (one exporting a class) or a library that is no module.
+#[test]
+fn the_harness_counts_calls_into_the_candidate_s_extensions() {
+    let Some(python) = support::python() else { return };
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = format!(
+        "import sys, types\n\
+         sys.path.insert(0, {harness:?})\n\
+         import kforge_harness, torch.utils.cpp_extension as ext\n\
+         def module(**attributes):\n\
+         \x20   m = types.ModuleType('kforge_fake_extension')\n\
+         \x20   m.__dict__.update(attributes)\n\
+         \x20   return m\n\
+         plain = module(double=lambda x: 2 * x, square=lambda x: x * x)\n\
+         ext.load_inline = lambda *a, **k: plain\n\
+         calls = kforge_harness.ExtensionCalls()\n\
+         calls.install()\n\
+         loaded = ext.load_inline('fake', '')\n\
+         assert ext.load_inline('fake', '') is loaded\n\
+         before = (calls.functions, calls.calls, calls.complete)\n\
+         results = (loaded.double(3), loaded.square(3), loaded.square(4))\n\
+         print(before, calls.calls, results)\n\
+         ext.load_inline = lambda *a, **k: module(run=len, Options=type('Options', (), {{}}))\n\
+         calls.install()\n\
+         ext.load_inline('classes', '')\n\
+         print(calls.complete)\n\
+         other = kforge_harness.ExtensionCalls()\n\
+         ext.load = lambda *a, **k: '/path/of/a/library.so'\n\
+         other.install()\n\
+         ext.load('operators', [])\n\
+         print(other.complete)\n",
+        harness = harness.display().to_string(),
+    );
+    let output = std::process::Command::new(&python).args(["-c", &script]).output().expect("python runs");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines, vec!["(2, 0, True) 3 (6, 9, 16)", "False", "False"], "{stdout}");
+}
+
+/// The harness's input and comparison helpers (`fixtures/harness_inputs_and_checks.py`): the sparse perturbation of
+/// the sensitivity trial, the device-side input digest, the chunked comparison and the differential sensitivity
+/// check, on values chosen so that each can fail.
+#[test]
+fn the_harness_perturbs_digests_and_compares_as_documented() {
+    let Some(python) = support::python() else { return };
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harness_inputs_and_checks.py");
+    let output =
+        std::process::Command::new(python).arg(&script).env("PYTHONPATH", &harness).output().expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(stdout.lines().count(), 5, "{stdout}");
+}
