@@ -208,7 +208,7 @@ pub struct CandidateResult {
     pub timing_cpu: Option<TimingCpu>,
     /// The census records when present, or why they are unreadable.
     #[serde(default, deserialize_with = "present")]
-    pub census: Option<Result<Vec<ModeRecords>, String>>,
+    pub census: Option<Result<Vec<ModeRecords>, Unreadable>>,
     #[serde(default, deserialize_with = "lenient")]
     pub device_peak_bytes: Option<u64>,
 }
@@ -478,12 +478,17 @@ fn lenient_items<'de, D: Deserializer<'de>, T: DeserializeOwned + Default>(
     Ok(items.into_iter().map(|item| T::deserialize(item).unwrap_or_default()).collect())
 }
 
+/// Why a field the harness wrote does not read (a finding about the candidate, not a failed result).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unreadable(pub String);
+
 /// A field that is present (even null) reads as `Some`, parsed or why not.
 fn present<'de, D: Deserializer<'de>, T: DeserializeOwned>(
     deserializer: D,
-) -> Result<Option<Result<T, String>>, D::Error> {
+) -> Result<Option<Result<T, Unreadable>>, D::Error> {
     let value = serde_json::Value::deserialize(deserializer)?;
-    Ok(Some(T::deserialize(value).map_err(|error| error.to_string())))
+    Ok(Some(T::deserialize(value).map_err(|error| Unreadable(error.to_string()))))
 }
 
 /// Null reads as `None`; anything else as `Some`, leniently.

@@ -211,7 +211,7 @@ async fn stages(
                 }
                 unreadable => {
                     let why = match unreadable {
-                        Some(Err(error)) => error,
+                        Some(Err(error)) => error.to_string(),
                         _ => "none were written".to_owned(),
                     };
                     evaluation.findings.push(hack_finding(
