@@ -13,9 +13,6 @@ pub mod tasks;
 
 /// The static checks the evaluator applies (the engine's): a task is checked with them before any job runs it.
 pub use kforge_execution::static_checks;
-/// The old name of [`static_checks`], kept while the orchestrator's one call moves to the new one.
-#[doc(hidden)]
-pub use kforge_execution::static_checks as statics;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

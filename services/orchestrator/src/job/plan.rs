@@ -196,7 +196,7 @@ fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
         if tasks.iter().any(|t| t.task_id == task.task_id) {
             return Err(at(format!("task_id `{}` appears twice", task.task_id)));
         }
-        kforge_evaluator::statics::check_task(&task.source)
+        kforge_evaluator::static_checks::check_task(&task.source)
             .map_err(|reason| at(format!("source is not a task: {reason}")))?;
         tasks.push(pb::Task { task_id: task.task_id, source: task.source });
     }
