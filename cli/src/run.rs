@@ -591,7 +591,7 @@ mod tests {
     }
 
     #[test]
-    fn the_report_lists_verdicts_by_trajectory_and_the_best_speedup() {
+    fn the_report_lists_verdicts_by_trajectory_and_the_best_kernel() {
         let turn = |trajectory, turn, verdict: pb::Verdict, speedup| pb::TurnRecord {
             task_id: "examples/relu".into(),
             trajectory,
@@ -612,11 +612,27 @@ mod tests {
                 turns: vec![turn(1, 0, pb::Verdict::Unspecified, None)],
             },
         ];
-        let job = pb::Job { job_id: "j".into(), state: pb::JobState::Succeeded as i32, ..Default::default() };
+        // The job's metrics name the best correct kernel: trajectory 0, turn 1.
+        let metrics = pb::JobMetrics {
+            best_kernels: vec![pb::BestKernel {
+                task_id: "examples/relu".into(),
+                trajectory: 0,
+                turn: 1,
+                speedup_eager: 1.5,
+                speedup_compile: 0.0,
+            }],
+            ..Default::default()
+        };
+        let job = pb::Job {
+            job_id: "j".into(),
+            state: pb::JobState::Succeeded as i32,
+            metrics: Some(metrics),
+            ..Default::default()
+        };
         let text = report(&job, &trajectories);
         assert!(text.starts_with("job j succeeded\n"), "{text}");
         let row = text.lines().find(|l| l.starts_with("examples/relu")).expect("a row per task");
-        assert!(row.contains("incorrect,correct | -") && row.trim_end().ends_with("1.50x"), "{row}");
+        assert!(row.contains("incorrect,correct | -") && row.trim_end().ends_with("1.50x @0/1"), "{row}");
         assert!(text.contains("totals: 0 turns"), "{text}");
     }
 }
