@@ -208,6 +208,26 @@ fn call_reaches_every_rpc_in_process() {
     let refused = run_kforge(&["call", "Profiler/Profile"], "{}");
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("INVALID_ARGUMENT: task: required"), "{stderr}");
+    // A well-formed Profile where Nsight Compute cannot be used is UNAVAILABLE with the reason (here a configured
+    // path that is not there, so the answer does not depend on this host having ncu).
+    let relu = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/tasks/relu/task.py"))
+        .expect("the relu example task");
+    let profile = serde_json::json!({
+        "task": {"taskId": "examples/relu", "source": relu},
+        "candidateSource": relu.replace("class Model(", "class ModelNew("),
+        "backend": "BACKEND_CUDA",
+    });
+    let missing = run_kforge_with(
+        &["call", "Profiler/Profile"],
+        &profile.to_string(),
+        &[("KFORGE__PROFILER__NCU", "/nonexistent/ncu")],
+    );
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(!missing.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("UNAVAILABLE: Nsight Compute (ncu) not found: /nonexistent/ncu (configured) is not a file"),
+        "{stderr}"
+    );
     let report = run_kforge(&["call", "Profiler/StreamReport"], r#"{"reportId":"00ff"}"#);
     let stderr = String::from_utf8_lossy(&report.stderr);
     assert!(stderr.contains("NOT_FOUND: report_id: no kept report `00ff`"), "{stderr}");
@@ -246,9 +266,15 @@ fn call_reaches_every_rpc_in_process() {
 }
 
 fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
+    run_kforge_with(args, stdin, &[])
+}
+
+/// `run_kforge` with extra environment variables (configuration overrides).
+fn run_kforge_with(args: &[&str], stdin: &str, env: &[(&str, &str)]) -> std::process::Output {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_kforge"))
         .args(args)
+        .envs(env.iter().copied())
         .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir())
         .env("KFORGE__ORCHESTRATOR__STORE", "sqlite::memory:")
         // A short-lived process: the header it would start precompiling dies with it half built.
