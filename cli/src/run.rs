@@ -399,7 +399,7 @@ pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
             tasks.push(&trajectory.task_id);
         }
     }
-    let metrics = job.metrics.clone().unwrap_or_default();
+    let m = job.metrics.clone().unwrap_or_default();
     for task in tasks {
         let of_task: Vec<&pb::Trajectory> = trajectories.iter().filter(|t| t.task_id == task).collect();
         let verdicts: Vec<String> = of_task
@@ -407,7 +407,7 @@ pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
             .map(|t| t.turns.iter().map(|turn| verdict_name(turn.verdict)).collect::<Vec<_>>().join(","))
             .collect();
         // The job's answer for the task: its best correct kernel, and where it is (trajectory/turn).
-        let best = metrics.best_kernels.iter().find(|b| b.task_id == task).map_or("-".into(), |b| {
+        let best = m.best_kernels.iter().find(|b| b.task_id == task).map_or("-".into(), |b| {
             let speedup = if b.speedup_eager > 0.0 { format!("{:.2}x", b.speedup_eager) } else { "untimed".into() };
             format!("{speedup} @{}/{}", b.trajectory, b.turn)
         });
@@ -416,7 +416,6 @@ pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
             let _ = writeln!(out, "{:<28}   trajectory {} turn {}: {}", "", turn.trajectory, turn.turn, turn.error);
         }
     }
-    let m = metrics;
     let percent = |ratio: f64| format!("{:.1}%", ratio * 100.0);
     let _ = writeln!(
         out,

@@ -173,19 +173,7 @@ impl PythonEnv {
         }
         readable.sort();
         readable.dedup();
-        Ok(Self {
-            python,
-            versions,
-            gpus: probe.devices,
-            readable,
-            cuda_home,
-            nvcc: None,
-            stock_builds: false,
-            bindings_pch: Arc::default(),
-            gpu_stage_threads: None,
-            timing_cpus: Vec::new(),
-            stage_cpus: Vec::new(),
-        })
+        Ok(Self { versions, gpus: probe.devices, readable, ..Self::bare(python, cuda_home) })
     }
 
     /// How candidates' extensions are built. With kforge's recipe, CUDA builds run nvcc through `nvcc_wrapper`
@@ -249,8 +237,8 @@ impl PythonEnv {
         &self.stage_cpus
     }
 
-    /// An environment as probed, without GPUs, with or without CUDA: for tests.
-    #[cfg(test)]
+    /// An environment with nothing probed yet: no versions, GPUs or readable paths, the stock build settings and
+    /// no CPUs kept. `probe` fills in what it learns; tests use it as it is.
     pub(crate) fn bare(python: PathBuf, cuda_home: Option<PathBuf>) -> Self {
         Self {
             python,
