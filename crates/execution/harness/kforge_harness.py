@@ -14,7 +14,8 @@ The protocol (`SPECS`, `RESULTS`) is the evaluator's `protocol.rs`, versioned by
 another version is refused (a result saying so, exit status `REFUSED_EXIT`), a spec is checked against its mode's
 fields before anything runs, and every result names the version and holds only its mode's fields. Modes:
 
-- compile:   import the candidate module (building its load_inline extensions into TORCH_EXTENSIONS_DIR).
+- compile:   import the candidate module (building its load_inline extensions into TORCH_EXTENSIONS_DIR), and
+             list the kernels compiled into them.
 - reference: run the task's reference Model on the trial inputs; save its outputs; then, when given a candidate's
              saved outputs, compare them. Clean process, no candidate code.
 - candidate: run ModelNew on the same inputs; save its outputs; optionally time it (raw samples only), take a
@@ -57,7 +58,7 @@ _exit = os._exit
 # ------------------------------------------------------------------------------------------------- protocol
 
 # The version of the messages below; the evaluator's `protocol::PROTOCOL_VERSION` must be the same.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # The exit status of a harness that refused a request of another protocol version.
 REFUSED_EXIT = 5
 
@@ -74,7 +75,7 @@ _COMPARE = {
     "output_bytes_budget": _INT, "timed_call": (_INT, _NONE),
 }
 SPECS = {
-    "compile": {"candidate_path": _PATH},
+    "compile": {"candidate_path": _PATH, "kernels": _BOOL},
     "candidate": {
         "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
         "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST, "census_calls": _INT,
@@ -93,9 +94,9 @@ SPECS = {
 # What every result may carry, and each mode's own fields (read by the evaluator as documented there).
 COMMON_RESULT = {"protocol", "ok", "error", "error_type", "phase", "cpu_ms", "phases_ms", "blocking_sync"}
 RESULTS = {
-    "compile": {"seconds"},
+    "compile": {"seconds", "kernels", "kernels_unread"},
     "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "last_call", "timing_cpu", "census",
-                  "device_peak_bytes"},
+                  "device_peak_bytes", "jit_kernels"},
     "reference": {"mismatch", "compared_trials", "device_peak_bytes"},
     "check": {"mismatch", "compared_trials"},
     "baseline": {"eager_ms", "eager_host_ms", "compile_ms", "compile_error", "timing_cpu"},
@@ -1224,7 +1225,113 @@ def mode_compile(spec):
         module = load_module(spec["candidate_path"], "kforge_candidate")
     if not hasattr(module, "ModelNew"):
         raise RuntimeError("the candidate defines no ModelNew")
-    write_result(spec, {"ok": True, "seconds": _monotonic() - started})
+    result = {"ok": True, "seconds": _monotonic() - started}
+    if spec["kernels"]:
+        with phase("list_kernels"):
+            kernels, why = compiled_kernels(extension_libraries())
+        result["kernels" if why is None else "kernels_unread"] = kernels if why is None else why
+    write_result(spec, result)
+
+
+def extension_libraries():
+    """The shared libraries of the extensions the candidate built (load_inline, load) and imported."""
+    root = os.path.realpath(os.environ.get("TORCH_EXTENSIONS_DIR", "/nonexistent"))
+    paths = set()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path.endswith(".so") and os.path.realpath(path).startswith(root + os.sep):
+            paths.add(os.path.realpath(path))
+    return sorted(paths)
+
+
+def compiled_kernels(libraries):
+    """The kernels compiled into `libraries` by function name (`scale` for `void ns::scale<float>(float*)`): the
+    entry functions (STO_ENTRY) of their device code, listed by cuobjdump and demangled by c++filt. What the census
+    and the profiler count as the candidate's own CUDA kernels, so both read them from what was built, not from the
+    source. (names, None), or (None, why) where they cannot be read."""
+    import shutil
+    import subprocess
+
+    import kforge_nvcc
+
+    if not libraries:
+        return [], None
+    beside_nvcc = os.path.join(os.path.dirname(kforge_nvcc.real_nvcc()), "cuobjdump")
+    cuobjdump = beside_nvcc if os.path.isfile(beside_nvcc) else shutil.which("cuobjdump")
+    cxxfilt = shutil.which("c++filt")
+    if cuobjdump is None or cxxfilt is None:
+        return None, f"{'cuobjdump' if cuobjdump is None else 'c++filt'} not found"
+    mangled = set()
+    for library in libraries:
+        listed = subprocess.run([cuobjdump, "-symbols", library], capture_output=True, text=True)
+        if listed.returncode != 0 and "does not contain device code" not in listed.stderr + listed.stdout:
+            return None, f"cuobjdump -symbols {os.path.basename(library)}: {listed.stderr.strip()[-300:]}"
+        mangled.update(entry_symbols(listed.stdout))
+    ordered = sorted(mangled)
+    demangled = subprocess.run([cxxfilt], input="\n".join(ordered) + "\n", capture_output=True, text=True)
+    lines = demangled.stdout.splitlines()
+    if demangled.returncode != 0 or len(lines) != len(ordered):
+        return None, f"c++filt: {demangled.stderr.strip()[-300:]}"
+    return sorted({function_name(line) for line in lines} - {""}), None
+
+
+def entry_symbols(listing):
+    """The kernel (entry function) symbols of a `cuobjdump -symbols` listing."""
+    return {line.split()[-1] for line in listing.splitlines() if "STT_FUNC" in line and "STO_ENTRY" in line}
+
+
+def function_name(demangled):
+    """A demangled function's name alone: no return type, namespace, template arguments or parameters."""
+
+    def before_bracketed(text, opening, closing):
+        """`text` less its trailing bracketed part (`<...>` or `(...)`, nested ones included)."""
+        depth = 0
+        for index in range(len(text) - 1, -1, -1):
+            depth += {closing: 1, opening: -1}.get(text[index], 0)
+            if depth == 0:
+                return text[:index].strip()
+        return text
+
+    name = demangled.strip()
+    if name.endswith(")"):
+        name = before_bracketed(name, "(", ")")  # the parameters
+    while name.endswith(">"):
+        name = before_bracketed(name, "<", ">")  # template arguments
+    return name.rsplit("::", 1)[-1].rsplit(" ", 1)[-1]
+
+
+class JitKernels:
+    """Names of the Triton kernels the candidate's own code makes: every `triton.jit` function created from the
+    candidate's file, at import or later (one made inside `forward` too), recorded as it is created; Triton names
+    a compiled kernel after its function. Looked for only where the candidate's source mentions triton (importing
+    it costs the others time)."""
+
+    def __init__(self):
+        self.names = None  # None: not looked for
+
+    def install(self, candidate_path):
+        with _open(candidate_path) as f:
+            if "triton" not in f.read():
+                return
+        try:
+            from triton.runtime import jit
+        except ImportError:
+            return
+        self.names = set()
+        path = os.path.realpath(candidate_path)
+        original = jit.JITFunction.__init__
+
+        @functools.wraps(original)
+        def init(function, fn, *args, **kwargs):
+            original(function, fn, *args, **kwargs)
+            code = getattr(fn, "__code__", None)
+            if code is not None and os.path.realpath(code.co_filename) == path:
+                self.names.add(fn.__name__)
+
+        jit.JITFunction.__init__ = init
+
+
+JIT_KERNELS = JitKernels()
 
 
 def reference_model(spec, device):
@@ -1357,6 +1464,7 @@ def mode_candidate(spec):
     integrity = Integrity()
     install_build_recipe(building=False)
     EXTENSIONS.install()
+    JIT_KERNELS.install(spec["candidate_path"])
     try:
         with phase("import_candidate"):
             GATE.call()  # the module's own code runs, and its extensions load
@@ -1420,6 +1528,8 @@ def mode_candidate(spec):
             run_trial(model, task, device, trial, integrity, result, spec)
     integrity.check_environment("after the last trial")
     result["findings"] = [{"code": code, "message": message} for code, message in integrity.findings.items()]
+    if JIT_KERNELS.names is not None:
+        result["jit_kernels"] = sorted(JIT_KERNELS.names)
     if device.type == "cuda":
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     write_result(spec, result)

@@ -67,10 +67,48 @@ const LIBRARY_NAMESPACES: &[&str] = &["at::", "c10::", "cub::", "thrust::", "cut
 /// Name of that record when the candidate compiles no code of its own: its time is Python's, not a kernel's.
 pub const CPU_PYTHON_RECORD: &str = "python (outside torch operators)";
 
+/// The candidate's own kernels by function name, and which part of them had to be read from its source.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OwnKernels {
+    pub names: Vec<String>,
+    /// Why a part came from the source rather than from what was built or run (empty: none did).
+    pub from_source: Vec<String>,
+}
+
+/// The candidate's own kernels, one rule for the evaluator and the profiler: the kernels compiled into its
+/// extensions (`compiled`, listed from the build's device code; `None` where it builds no extension, and then
+/// the `__global__` functions of its source, which no extension built), and the Triton kernels its code made
+/// (`jit`, reported by the run that made them). Where either cannot be read (a build whose device code could not be
+/// listed, a run that did not report), that part is read from the source, and `from_source` says why.
+pub fn own_kernels(source: &str, compiled: Option<&Result<Vec<String>, String>>, jit: Option<&[String]>) -> OwnKernels {
+    let mut own = OwnKernels::default();
+    match compiled {
+        Some(Ok(names)) => own.names.extend(names.iter().cloned()),
+        Some(Err(why)) => {
+            own.from_source.push(format!("the build's kernels: {why}"));
+            own.names.extend(crate::static_checks::cuda_kernel_names(source));
+        }
+        None => own.names.extend(crate::static_checks::cuda_kernel_names(source)),
+    }
+    match jit {
+        Some(names) => own.names.extend(names.iter().cloned()),
+        None => {
+            let named = crate::static_checks::triton_kernel_names(source);
+            if !named.is_empty() {
+                own.from_source.push("the Triton kernels: the run did not report them".to_owned());
+            }
+            own.names.extend(named);
+        }
+    }
+    own.names.sort();
+    own.names.dedup();
+    own
+}
+
 /// What the census knows of the candidate's own code.
 #[derive(Debug, Clone, Copy)]
 pub struct Candidate<'a> {
-    /// Kernels it defines (see `static_checks::own_kernel_names`).
+    /// Kernels it defines (see [`own_kernels`]).
     pub kernels: &'a [String],
     /// Whether it compiles an extension (on a CPU, the only own code there is).
     pub compiles: bool,
@@ -264,7 +302,14 @@ pub struct Recent {
 }
 
 /// (artifact key, task key) and the census records.
-type RecentEntry = ((String, String), Arc<Vec<ModeRecords>>);
+type RecentEntry = ((String, String), Arc<Records>);
+
+/// A run's raw census records, and the Triton kernels it reported making (part of what [`own_kernels`] reads).
+#[derive(Debug)]
+pub struct Records {
+    pub modes: Vec<ModeRecords>,
+    pub jit_kernels: Option<Vec<String>>,
+}
 
 impl Recent {
     pub fn new(capacity: usize) -> Self {
@@ -272,7 +317,7 @@ impl Recent {
     }
 
     /// The records of `artifact` on `task`, when they are among the latest.
-    pub fn get(&self, artifact: &str, task: &str) -> Option<Arc<Vec<ModeRecords>>> {
+    pub fn get(&self, artifact: &str, task: &str) -> Option<Arc<Records>> {
         let mut entries = self.entries.lock().expect("never poisoned");
         let index = entries.iter().position(|((a, t), _)| a == artifact && t == task)?;
         // The one read last is the last evicted.
@@ -283,8 +328,8 @@ impl Recent {
     }
 
     /// Keeps `records` of `artifact` on `task`, the oldest entry leaving past the capacity.
-    pub fn put(&self, artifact: &str, task: &str, records: Arc<Vec<ModeRecords>>) {
-        if self.capacity == 0 || records.is_empty() {
+    pub fn put(&self, artifact: &str, task: &str, records: Arc<Records>) {
+        if self.capacity == 0 || records.modes.is_empty() {
             return;
         }
         let mut entries = self.entries.lock().expect("never poisoned");
@@ -329,6 +374,28 @@ mod tests {
 
     const OWN: &str = "void scale_kernel<float>(float const*, float*, int)";
     const TORCH: &str = "void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<float>>(int)";
+
+    #[test]
+    fn own_kernels_are_read_from_the_build_and_the_run_and_from_the_source_only_where_those_cannot_say() {
+        let source =
+            "cuda = '__global__ void from_source(float* x) {}'\n@triton.jit\ndef jit_in_source(x):\n    pass\n";
+        let built: Result<Vec<String>, String> = Ok(vec!["from_build".into()]);
+        let made = ["made_at_run".to_owned()];
+        let both = own_kernels(source, Some(&built), Some(&made));
+        assert_eq!(both, OwnKernels { names: vec!["from_build".into(), "made_at_run".into()], from_source: vec![] });
+        // A build whose device code could not be listed, a run that did not report: the source stands in, saying so.
+        let unread: Result<Vec<String>, String> = Err("cuobjdump not found".into());
+        let guessed = own_kernels(source, Some(&unread), None);
+        assert_eq!(guessed.names, ["from_source", "jit_in_source"]);
+        assert_eq!(guessed.from_source.len(), 2, "{:?}", guessed.from_source);
+        assert!(guessed.from_source[0].contains("cuobjdump not found"), "{:?}", guessed.from_source);
+        // No extension built: its CUDA source strings were built by nothing the build lists, and are read as before.
+        let unbuilt = own_kernels(source, None, Some(&[]));
+        assert_eq!(unbuilt, OwnKernels { names: vec!["from_source".into()], from_source: vec![] });
+        // A build that compiled no kernel and a run that made none: nothing is the candidate's own.
+        let none = own_kernels(source, Some(&Ok(vec![])), Some(&[]));
+        assert!(none.names.is_empty() && none.from_source.is_empty(), "{none:?}");
+    }
 
     #[test]
     fn own_kernels_are_recognised_by_base_name_outside_library_namespaces() {
@@ -521,27 +588,28 @@ mod tests {
     #[test]
     fn recent_censuses_are_found_by_build_and_task_and_the_least_read_leaves_first() {
         let records = |mode: &str| {
-            Arc::new(vec![ModeRecords {
+            let modes = vec![ModeRecords {
                 mode: mode.into(),
                 calls: 1,
                 call_us: 0.0,
                 records: vec![],
                 extension_functions: None,
                 extension_calls: None,
-            }])
+            }];
+            Arc::new(Records { modes, jit_kernels: None })
         };
         let recent = Recent::new(2);
         recent.put("a", "t", records("a"));
         recent.put("b", "t", records("b"));
         assert!(recent.get("a", "u").is_none(), "another task's census is not this one's");
-        assert_eq!(recent.get("a", "t").expect("kept")[0].mode, "a");
+        assert_eq!(recent.get("a", "t").expect("kept").modes[0].mode, "a");
         // `b` is now the least recently read: it leaves for `c`.
         recent.put("c", "t", records("c"));
         assert!(recent.get("b", "t").is_none());
-        assert_eq!(recent.get("a", "t").expect("kept")[0].mode, "a");
+        assert_eq!(recent.get("a", "t").expect("kept").modes[0].mode, "a");
         // A new census of the same build and task replaces the old one.
         recent.put("a", "t", records("a2"));
-        assert_eq!(recent.get("a", "t").expect("kept")[0].mode, "a2");
+        assert_eq!(recent.get("a", "t").expect("kept").modes[0].mode, "a2");
         let none = Recent::new(0);
         none.put("a", "t", records("a"));
         assert!(none.get("a", "t").is_none());

@@ -20,7 +20,7 @@ use crate::census::ModeRecords;
 use crate::config::{TimingBudget, Tolerances};
 
 /// The version of the messages below; the harness's `PROTOCOL_VERSION` must be the same.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The exit status of a harness that refused a request of another protocol version.
 pub const REFUSED_EXIT: i32 = 5;
@@ -78,6 +78,8 @@ pub trait StageSpec: Serialize + std::fmt::Debug {
 #[derive(Debug, Clone, Serialize)]
 pub struct CompileSpec {
     pub candidate_path: PathBuf,
+    /// Whether to list the kernels compiled into its extensions (a GPU build).
+    pub kernels: bool,
 }
 
 /// What `compile` answers beyond [`Report`].
@@ -86,6 +88,12 @@ pub struct CompileResult {
     /// How long the import took.
     #[serde(default, deserialize_with = "lenient")]
     pub seconds: Option<f64>,
+    /// The kernels compiled into its extensions, by function name, when asked and readable.
+    #[serde(default, deserialize_with = "lenient")]
+    pub kernels: Option<Vec<String>>,
+    /// Why they could not be read, when asked.
+    #[serde(default, deserialize_with = "lenient")]
+    pub kernels_unread: Option<String>,
 }
 
 impl StageSpec for CompileSpec {
@@ -211,6 +219,9 @@ pub struct CandidateResult {
     pub census: Option<Result<Vec<ModeRecords>, Unreadable>>,
     #[serde(default, deserialize_with = "lenient")]
     pub device_peak_bytes: Option<u64>,
+    /// The Triton kernels the candidate's code made, by function name; absent where its source never names triton.
+    #[serde(default, deserialize_with = "lenient")]
+    pub jit_kernels: Option<Vec<String>>,
 }
 
 impl StageSpec for CandidateSpec {
@@ -568,7 +579,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
     };
     let pch = BindingsPchSpec { out_dir: PathBuf::new(), variants: BTreeMap::new(), cuda: false };
     BTreeMap::from([
-        (Mode::Compile.name(), fields(json(&CompileSpec { candidate_path: PathBuf::new() }))),
+        (Mode::Compile.name(), fields(json(&CompileSpec { candidate_path: PathBuf::new(), kernels: false }))),
         (Mode::Candidate.name(), fields(json(&CandidateSpec { run, placement }))),
         (Mode::Reference.name(), fields(json(&compare))),
         (Mode::Check.name(), fields(json(&CompareSpec { computes_reference: false, ..compare.clone() }))),
@@ -600,7 +611,7 @@ mod tests {
 
     #[test]
     fn a_request_names_its_protocol_mode_and_framing() {
-        let spec = CompileSpec { candidate_path: "/s/candidate.py".into() };
+        let spec = CompileSpec { candidate_path: "/s/candidate.py".into(), kernels: false };
         let env = [("CUDA_VISIBLE_DEVICES".to_owned(), "1".to_owned())];
         let bytes = encode(&spec, Path::new("/s/result.json"), GateRole::None, &env);
         let message: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
@@ -609,7 +620,7 @@ mod tests {
             serde_json::json!({
                 "protocol": PROTOCOL_VERSION,
                 "mode": "compile",
-                "spec": { "candidate_path": "/s/candidate.py", "result_path": "/s/result.json", "gate": false },
+                "spec": { "candidate_path": "/s/candidate.py", "kernels": false, "result_path": "/s/result.json", "gate": false },
                 "env": { "CUDA_VISIBLE_DEVICES": "1" },
             })
         );
@@ -707,7 +718,7 @@ mod tests {
     fn every_mode_has_its_spec_fields() {
         let fields = spec_fields();
         assert_eq!(fields.len(), 6);
-        assert_eq!(fields["compile"], ["candidate_path"]);
+        assert_eq!(fields["compile"], ["candidate_path", "kernels"]);
         assert!(fields["candidate"].contains(&"census_calls".to_owned()));
         assert!(fields["candidate"].contains(&"timing_cpu".to_owned()));
         assert_eq!(fields["reference"], fields["check"]);

@@ -609,7 +609,7 @@ mod tests {
         };
         let started = start(&Sandbox::basic(), &env, &path, stage, CancellationToken::new());
         let limits = CallLimits { call: Duration::from_secs(1), busy: Duration::from_secs(2), basis: "test".into() };
-        let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py") };
+        let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
         let request = Request { spec, env: vec![], limits: Some(limits) };
         let gate = gate.clone();
         tokio::spawn(async move { started.run(request, Some((&gate, Joining::Share { solo: false }))).await })
@@ -694,7 +694,8 @@ mod tests {
             background: false,
             launcher,
         };
-        let request = || Request::plain(protocol::CompileSpec { candidate_path: dir.join("candidate.py") });
+        let request =
+            || Request::plain(protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false });
         let launcher = vec!["/usr/bin/env".into(), "LAUNCHED=2".into()];
         let started = start(&Sandbox::basic(), &env, &path, stage(launcher), CancellationToken::new());
         let outcome = started.run(request(), None).await.expect("the stage ran");

@@ -89,3 +89,18 @@ fn the_harness_perturbs_digests_and_compares_as_documented() {
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(stdout.lines().count(), 5, "{stdout}");
 }
+
+/// The harness names a candidate's own kernels from what was built and run: the entry functions of a build's device
+/// code by function name, and the Triton kernels the candidate's file makes, at import or later.
+#[test]
+fn the_harness_names_own_kernels_from_device_code_and_made_triton_kernels() {
+    let Some(python) = support::python() else { return };
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harness_kernel_names.py");
+    let output =
+        std::process::Command::new(python).arg(&script).env("PYTHONPATH", &harness).output().expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(!stdout.contains("SKIP"), "Triton's wheel ships ptxas and cuobjdump: {stdout}");
+    assert_eq!(stdout.lines().count(), 4, "{stdout}");
+}

@@ -51,7 +51,7 @@ async fn compile_with(harness: &Path, dir: &Path) -> Result<String, StageError> 
         launcher: vec![],
     };
     let started = stage::start(&Sandbox::basic(), &env, harness, stage, CancellationToken::new());
-    let request = Request::plain(CompileSpec { candidate_path: stage_dir.join("candidate.py") });
+    let request = Request::plain(CompileSpec { candidate_path: stage_dir.join("candidate.py"), kernels: false });
     let outcome = started.run(request, None).await?;
     assert!(outcome.ok(), "the stage ran: {}", outcome.error_text());
     Ok("compiled".into())
@@ -101,7 +101,7 @@ async fn a_harness_of_another_version_refuses_the_evaluators_request() {
     // What the harness itself says, to a request in this evaluator's version.
     let python = support::python().expect("checked above");
     let result_path = dir.join("refused.json");
-    let spec = CompileSpec { candidate_path: dir.join("candidate.py") };
+    let spec = CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
     let request = protocol::encode(&spec, &result_path, protocol::GateRole::None, &[]);
     let mut child = Command::new(python)
         .arg(&harness)
@@ -131,7 +131,7 @@ async fn a_harness_refuses_a_spec_unlike_its_modes() {
     let request = serde_json::json!({
         "protocol": PROTOCOL_VERSION,
         "mode": "compile",
-        "spec": { "candidate_path": 3, "result_path": result_path, "gate": false },
+        "spec": { "candidate_path": 3, "kernels": false, "result_path": result_path, "gate": false },
         "env": {},
     });
     let mut child = Command::new(python)

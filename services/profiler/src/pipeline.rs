@@ -13,7 +13,7 @@ use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
 use kforge_execution::cache;
-use kforge_execution::census::{self, ModeRecords};
+use kforge_execution::census;
 use kforge_execution::engine::{
     Backend, Engine, InfraError, RemoveOnDrop, RequestError, Submission, SubmissionRequest, finding_proto,
     hack_finding, ms, phases_into,
@@ -22,11 +22,14 @@ use kforge_execution::protocol::CandidateRun;
 use kforge_execution::stage::{CallLimits, Started};
 use kforge_execution::static_checks::{self, Category};
 
+/// The launcher's command line for the candidate's own kernels (by function name): the program and its arguments,
+/// before the interpreter (`ncu ... -o DIR/report`).
+pub type LauncherArgv = Arc<dyn Fn(&[String]) -> Vec<OsString> + Send + Sync>;
+
 /// What runs the profiled stage's interpreter, and what it needs of the sandbox.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone)]
 pub struct Launcher {
-    /// The program and its arguments, before the interpreter (`ncu ... -o DIR/report`).
-    pub argv: Vec<OsString>,
+    pub argv: LauncherArgv,
     /// Files it reads: its installation.
     pub readable: Vec<PathBuf>,
     /// What it writes: its output directory (report, home and temporary files; the caller's, kept after the job)
@@ -34,6 +37,17 @@ pub struct Launcher {
     pub writable: Vec<PathBuf>,
     /// Environment it needs, over the stage's.
     pub env: Vec<(OsString, OsString)>,
+}
+
+impl std::fmt::Debug for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launcher")
+            .field("argv", &(self.argv)(&["<own kernels>".to_owned()]))
+            .field("readable", &self.readable)
+            .field("writable", &self.writable)
+            .field("env", &self.env)
+            .finish()
+    }
 }
 
 /// One candidate to profile, as the profiler runs it.
@@ -48,8 +62,8 @@ pub struct ProfileRun {
     pub priority: i32,
     pub job_id: String,
     /// Launches of the candidate's own kernels the launcher profiles (it stops there): enough forward calls run
-    /// under it to make them, by the census's count of own launches per call, after one untimed warm-up call. 0:
-    /// no profiled stage (the census alone).
+    /// under it to make them, by the census's count of own launches per call, after one untimed warm-up call. 0,
+    /// or a candidate with no kernel of its own: no profiled stage (the census alone).
     pub launch_limit: u32,
     /// How long the profiled stage may run.
     pub wall: Duration,
@@ -62,7 +76,8 @@ pub struct ProfileRun {
 pub struct Profiled {
     pub response: pb::ProfileResponse,
     pub gpu: Option<usize>,
-    /// The candidate's own kernel names (`static_checks::own_kernel_names`), as the census counts them.
+    /// The candidate's own kernels (`census::own_kernels`), as the census counted them; empty when the run ended
+    /// before they were known.
     pub own_kernels: Vec<String>,
 }
 
@@ -114,7 +129,7 @@ pub async fn profile(engine: &Engine, run: ProfileRun) -> Result<Profiled, Reque
         census_reused: ran.census_reused,
         ..Default::default()
     };
-    Ok(Profiled { response, gpu: ran.gpu, own_kernels: static_checks::own_kernel_names(&submission.candidate) })
+    Ok(Profiled { response, gpu: ran.gpu, own_kernels: ran.own_kernels })
 }
 
 /// The run's stages, filling `evaluation` as an evaluation would be; the verdict.
@@ -155,12 +170,21 @@ async fn stages(
     // The census of this build on this task when an evaluation or a profile just ran it; otherwise a stage of
     // its own. Both processes start before the lane: their interpreters and torch load off the device's time.
     let census_from = match engine.censuses().get(artifact_key, &task_key) {
-        Some(modes) => CensusFrom::Kept(modes),
+        Some(records) => CensusFrom::Kept(records),
         None => CensusFrom::Stage(engine.start_candidate(submission, &census_dir, artifact_dir, cancel)?),
     };
-    let profiled_process = match run.launch_limit {
+    // The profiler is told the own kernels by name when it starts. The build's are known now, and the Triton
+    // kernels when the census is kept; otherwise the source's are the best guess until the census's run reports
+    // them, and the profiled process starts again if the guess was wrong.
+    let kept_jit = match &census_from {
+        CensusFrom::Kept(records) => records.jit_kernels.as_deref(),
+        CensusFrom::Stage(_) => None,
+    };
+    let guessed = census::own_kernels(&submission.candidate, built.kernels.as_ref(), kept_jit).names;
+    let mut profiled_process = match run.launch_limit {
         0 => None,
-        _ => Some(start_profiled(engine, submission, &profiled_dir, artifact_dir, run, cancel)?),
+        _ if guessed.is_empty() => None,
+        _ => Some(start_profiled(engine, submission, &profiled_dir, artifact_dir, run, &guessed, cancel)?),
     };
     let started = Instant::now();
     let footprint = engine.footprint(&task_key);
@@ -186,10 +210,10 @@ async fn stages(
     };
 
     let census_calls = config.census_calls.max(1);
-    let modes = match census_from {
-        CensusFrom::Kept(modes) => {
+    let records = match census_from {
+        CensusFrom::Kept(records) => {
             ran.census_reused = true;
-            modes
+            records
         }
         CensusFrom::Stage(process) => {
             let started = Instant::now();
@@ -205,9 +229,9 @@ async fn stages(
             phases_into(&result, "census", &mut evaluation.stage_ms);
             match result.body.census {
                 Some(Ok(modes)) if !modes.is_empty() => {
-                    let modes = Arc::new(modes);
-                    engine.censuses().put(artifact_key, &task_key, modes.clone());
-                    modes
+                    let records = Arc::new(census::Records { modes, jit_kernels: result.body.jit_kernels });
+                    engine.censuses().put(artifact_key, &task_key, records.clone());
+                    records
                 }
                 unreadable => {
                     let why = match unreadable {
@@ -223,9 +247,14 @@ async fn stages(
             }
         }
     };
-    let own_kernels = static_checks::own_kernel_names(&submission.candidate);
-    let candidate = census::Candidate { kernels: &own_kernels, compiles, median_ms: None, policy: submission.policy };
-    let census = census::analyse(&modes, candidate, true);
+    let own = census::own_kernels(&submission.candidate, built.kernels.as_ref(), records.jit_kernels.as_deref());
+    if !own.from_source.is_empty() {
+        tracing::warn!(why = ?own.from_source, "own kernel names read from the candidate's source");
+    }
+    ran.own_kernels.clone_from(&own.names);
+    let modes = &records.modes;
+    let candidate = census::Candidate { kernels: &own.names, compiles, median_ms: None, policy: submission.policy };
+    let census = census::analyse(modes, candidate, true);
     // The measured mode's kernels: what the profiled calls run.
     evaluation.kernels = census.kernels.into_iter().filter(|k| k.mode == modes[0].mode).collect();
     evaluation.profiling_ratio = census.profiling_ratio;
@@ -234,6 +263,14 @@ async fn stages(
         return Ok(pb::Verdict::Hack);
     }
 
+    if own.names != guessed {
+        // The run made other kernels than the source suggested: the profiler is started again, told them.
+        let again = profiled_dir.with_file_name("profiled-again");
+        profiled_process = match (run.launch_limit, own.names.is_empty()) {
+            (0, _) | (_, true) => None,
+            _ => Some(start_profiled(engine, submission, &again, artifact_dir, run, &own.names, cancel)?),
+        };
+    }
     let Some(profiled_process) = profiled_process else { return Ok(pb::Verdict::Correct) };
     let profiled_calls = profiled_calls(run.launch_limit, &evaluation.kernels, census_calls);
     let started = Instant::now();
@@ -258,11 +295,12 @@ fn start_profiled(
     dir: &Path,
     artifact_dir: &Path,
     run: &ProfileRun,
+    own_kernels: &[String],
     cancel: &CancellationToken,
 ) -> Result<Started, InfraError> {
     let launcher = &run.launcher;
     let mut stage = engine.candidate_process(submission, dir, artifact_dir)?;
-    stage.launcher.clone_from(&launcher.argv);
+    stage.launcher = (launcher.argv)(own_kernels);
     stage.readable.extend(launcher.readable.iter().cloned());
     stage.writable.extend(launcher.writable.iter().cloned());
     stage.env.extend(launcher.env.iter().cloned());
@@ -272,15 +310,16 @@ fn start_profiled(
 
 /// Where a profile run's census comes from: kept from the latest evaluation or profile, or a stage of its own.
 enum CensusFrom {
-    Kept(Arc<Vec<ModeRecords>>),
+    Kept(Arc<census::Records>),
     Stage(Started),
 }
 
-/// Where a profile run ran, and whether it measured its census or reused one.
+/// Where a profile run ran, whether it measured its census or reused one, and the own kernels it found.
 #[derive(Debug, Default)]
 struct Ran {
     gpu: Option<usize>,
     census_reused: bool,
+    own_kernels: Vec<String>,
 }
 
 /// Forward calls that make `launch_limit` launches of the candidate's own kernels, by the census's count of them

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kforge_execution::{Engine, RequestError, static_checks};
+use kforge_execution::{Engine, RequestError};
 use kforge_proto::v1 as pb;
 use tonic::Status;
 
@@ -79,10 +79,14 @@ impl Profiling {
         if !permitted {
             return Err(Status::failed_precondition(format!("GPU performance counters: {why}")));
         }
-        let own = static_checks::own_kernel_names(&request.candidate_source);
         let dir = self.reports.create().map_err(|error| Status::internal(format!("report directory: {error}")))?;
+        let argv = {
+            let (ncu, metrics, lock_clocks, path) =
+                (ncu.clone(), metrics.clone(), request.lock_clocks, dir.path.clone());
+            Arc::new(move |own: &[String]| ncu.argv(own, launch_limit, &metrics, lock_clocks, &path))
+        };
         let launcher = Launcher {
-            argv: ncu.argv(&own, launch_limit, &metrics, request.lock_clocks, &dir.path),
+            argv,
             readable: ncu.installation.clone(),
             // CUDA names its threads through /proc/self/task/*/comm. The sandbox grants a job its own /proc/<pid>,
             // but under Nsight Compute the interpreter is the job's child, which only a rule on /proc covers
@@ -99,7 +103,7 @@ impl Profiling {
             policy: request.policy.clone(),
             priority: request.priority,
             job_id: request.job_id.clone(),
-            launch_limit: if own.is_empty() { 0 } else { launch_limit },
+            launch_limit,
             wall: Duration::from_secs(self.config.timeout_secs),
             launcher,
         };
@@ -112,12 +116,13 @@ impl Profiling {
         if let Some(gpu) = profiled.gpu {
             response.device = self.spec(gpu).await;
         }
-        if own.is_empty() && response.verdict == pb::Verdict::Correct as i32 {
+        if profiled.own_kernels.is_empty() && response.verdict == pb::Verdict::Correct as i32 {
             response.diagnosis = Some(pb::Diagnosis {
                 bottleneck: pb::Bottleneck::Undetermined as i32,
-                summary: "The candidate defines no kernel of its own (no CUDA __global__ function, no Triton \
-                          @jit function): there is nothing of its own to profile. The census shows what ran."
-                    .into(),
+                summary:
+                    "The candidate has no kernel of its own (its build compiled no CUDA kernel and its run made no \
+                          Triton kernel): there is nothing of its own to profile. The census shows what ran."
+                        .into(),
                 ..Default::default()
             });
             return Ok(response);

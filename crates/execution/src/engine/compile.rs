@@ -25,7 +25,27 @@ pub struct Built {
     pub dir: PathBuf,
     /// Whether the candidate builds extensions ahead of time (so it was compiled).
     pub compiles: bool,
+    /// The kernels compiled into its extensions by function name (`Err`: why they could not be read); `None`
+    /// where it builds nothing ahead of time.
+    pub kernels: Option<Result<Vec<String>, String>>,
     _pin: Option<EntryLock>,
+}
+
+/// What a compiled build's cache marker records: the kernels compiled into it.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct BuildRecord {
+    kernels: Option<Vec<String>>,
+    kernels_unread: Option<String>,
+}
+
+impl BuildRecord {
+    fn kernels(marker: &str) -> Result<Vec<String>, String> {
+        match serde_json::from_str::<BuildRecord>(marker) {
+            Ok(BuildRecord { kernels: Some(kernels), .. }) => Ok(kernels),
+            Ok(BuildRecord { kernels_unread: Some(why), .. }) => Err(why),
+            _ => Err("the build's record names no kernels".to_owned()),
+        }
+    }
 }
 
 fn cached_compile(entry: Entry, response: &mut pb::EvaluateResponse) -> Option<pb::Verdict> {
@@ -81,22 +101,26 @@ impl Engine {
         let key = self.artifact_key(submission);
         let dir = self.inner.artifacts.dir(&key);
         let compiles = builds_extension(&submission.candidate);
+        let mut kernels = None;
         let pin = if compiles {
             if let Some(verdict) = self.compile(submission, &key, compile_dir, cancel, response).await? {
                 return Ok(Err(verdict));
             }
             let artifacts = &self.inner.artifacts;
-            match artifacts.pin(&key).await {
-                Ok(pin) if artifacts.get(&key).is_some() => Some(pin),
-                Ok(_) => return Err(InfraError::Evicted { what: "compiled artifact" }),
-                Err(error) => return Err(InfraError::cache("artifact pin")(error)),
+            match (artifacts.pin(&key).await, artifacts.get(&key)) {
+                (Ok(pin), Some(Entry::Ready(marker))) => {
+                    kernels = (submission.backend != Backend::Cpu).then(|| BuildRecord::kernels(&marker));
+                    Some(pin)
+                }
+                (Ok(_), _) => return Err(InfraError::Evicted { what: "compiled artifact" }),
+                (Err(error), _) => return Err(InfraError::cache("artifact pin")(error)),
             }
         } else if submission.backend != Backend::Cpu {
             Some(self.jit_cache(&key).await?)
         } else {
             None
         };
-        Ok(Ok(Built { key, dir, compiles, _pin: pin }))
+        Ok(Ok(Built { key, dir, compiles, kernels, _pin: pin }))
     }
 
     /// The artifact entry of a candidate that builds nothing ahead of time but compiles on a GPU when it runs
@@ -168,13 +192,21 @@ impl Engine {
             background: true,
             launcher: vec![],
         };
-        let request = Request::plain(CompileSpec { candidate_path: scratch.join("candidate.py") });
-        let outcome =
-            self.stage(self.start(stage, cancel), request, None).await.map_err(InfraError::stage(Mode::Compile))?;
+        let spec = CompileSpec { candidate_path: scratch.join("candidate.py"), kernels: gpu.is_some() };
+        let outcome = self
+            .stage(self.start(stage, cancel), Request::plain(spec), None)
+            .await
+            .map_err(InfraError::stage(Mode::Compile))?;
         let log = outcome.error_text();
         let verdict = match outcome.finished.exit {
             _ if outcome.ok() => {
-                let ready = inner.artifacts.complete(key, &Entry::Ready(String::new()), &lock);
+                let body = outcome.result.as_ref().map(|report| &report.body);
+                let record = BuildRecord {
+                    kernels: body.and_then(|b| b.kernels.clone()),
+                    kernels_unread: body.and_then(|b| b.kernels_unread.clone()),
+                };
+                let marker = serde_json::to_string(&record).unwrap_or_default();
+                let ready = inner.artifacts.complete(key, &Entry::Ready(marker), &lock);
                 ready.map_err(InfraError::cache("artifact cache"))?;
                 self.evict_later("artifact", &inner.artifacts);
                 None

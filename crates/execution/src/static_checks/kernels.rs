@@ -1,11 +1,11 @@
-//! The kernels a candidate defines itself: what the census counts as its own.
+//! The kernels a candidate's source defines: where what was built and run cannot say (see
+//! `census::own_kernels`), what the census counts as its own.
 
 use super::parse::{Source, parse, walk};
 
-/// Names of the kernels the candidate defines itself: CUDA `__global__` functions (in its source strings) and
-/// Triton `@jit` functions. The kernel census counts device time of kernels with these names as the candidate's own.
-pub fn own_kernel_names(source: &str) -> Vec<String> {
-    let mut names = cuda_kernel_names(source);
+/// Names of the Triton `@jit` functions the source defines.
+pub fn triton_kernel_names(source: &str) -> Vec<String> {
+    let mut names = Vec::new();
     if let Some(tree) = parse(source) {
         let src = Source { text: source.as_bytes() };
         walk(tree.root_node(), &mut |node| {
@@ -34,9 +34,9 @@ pub fn own_kernel_names(source: &str) -> Vec<String> {
     names
 }
 
-/// The function name after each `__global__`: the identifier before the first `(` that does not open
-/// `__launch_bounds__(...)`.
-fn cuda_kernel_names(source: &str) -> Vec<String> {
+/// Names of the CUDA `__global__` functions in the source's strings: the identifier after each `__global__`
+/// before the first `(` that does not open `__launch_bounds__(...)`.
+pub fn cuda_kernel_names(source: &str) -> Vec<String> {
     let identifier = |c: char| c.is_ascii_alphanumeric() || c == '_';
     let mut names = Vec::new();
     for (at, _) in source.match_indices("__global__") {
@@ -55,5 +55,7 @@ fn cuda_kernel_names(source: &str) -> Vec<String> {
             break;
         }
     }
+    names.sort();
+    names.dedup();
     names
 }

@@ -36,7 +36,7 @@ mod tensors;
 mod torch_ops;
 
 pub use findings::{Category, Finding};
-pub use kernels::own_kernel_names;
+pub use kernels::{cuda_kernel_names, triton_kernel_names};
 pub use policy::{LAZY_WORK_RATIO, Policy};
 pub use precision::precision_downgrade;
 

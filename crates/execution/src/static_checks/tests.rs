@@ -294,7 +294,8 @@ def not_a_kernel():
 def torchscript_helper(x):
     return x
 "#;
-    assert_eq!(own_kernel_names(source), vec!["add_one", "fused_kernel", "scale_kernel"]);
+    assert_eq!(cuda_kernel_names(source), vec!["add_one", "scale_kernel"]);
+    assert_eq!(triton_kernel_names(source), vec!["fused_kernel"]);
 }
 
 #[test]

@@ -157,7 +157,6 @@ impl Evaluator {
         if report.rejected() {
             return Ok(pb::Verdict::Rejected);
         }
-        let own_kernels = static_checks::own_kernel_names(&submission.candidate);
 
         let stage_dirs = ["compile", "candidate", "check", "baseline"].map(|stage| scratch.join(stage));
         for dir in &stage_dirs {
@@ -386,7 +385,7 @@ impl Evaluator {
             }
         }
         if let Some(records) = result.census {
-            let modes = match records {
+            let mut modes = match records {
                 Ok(modes) => modes,
                 Err(error) => {
                     response.findings.push(hack_finding(
@@ -396,13 +395,18 @@ impl Evaluator {
                     return Ok(pb::Verdict::Hack);
                 }
             };
-            if on_gpu {
-                engine.censuses().put(artifact_key, &task_key, Arc::new(modes.clone()));
+            let own = census::own_kernels(&submission.candidate, built.kernels.as_ref(), result.jit_kernels.as_deref());
+            if !own.from_source.is_empty() {
+                tracing::warn!(why = ?own.from_source, "own kernel names read from the candidate's source");
             }
             let median = response.candidate_timing.as_ref().map(|t| t.median_ms);
             let candidate =
-                census::Candidate { kernels: &own_kernels, compiles, median_ms: median, policy: submission.policy };
+                census::Candidate { kernels: &own.names, compiles, median_ms: median, policy: submission.policy };
             let census = census::analyse(&modes, candidate, gpu.is_some());
+            if on_gpu {
+                let records = census::Records { modes: std::mem::take(&mut modes), jit_kernels: result.jit_kernels };
+                engine.censuses().put(artifact_key, &task_key, Arc::new(records));
+            }
             response.kernels = census.kernels;
             response.profiling_ratio = census.profiling_ratio;
             let hack = census.findings.iter().any(|f| f.category == Category::Hack);
