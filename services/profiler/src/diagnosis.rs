@@ -275,6 +275,7 @@ pub fn diagnose(launch: &Launch) -> Diagnosis {
 mod tests {
     use super::*;
     use crate::ncu::{Metric, parse_raw};
+    use crate::nsight;
 
     fn fixture(kind: &str) -> Launch {
         let path = format!("{}/tests/fixtures/h100/{kind}.full.csv", env!("CARGO_MANIFEST_DIR"));
@@ -299,34 +300,6 @@ mod tests {
         diagnosis.evidence.iter().map(|(name, _)| name.as_str()).collect()
     }
 
-    /// CudaForge's 24 as the default set asks for them on Hopper.
-    const CUDAFORGE: [&str; 24] = [
-        "sm__cycles_active.avg",
-        "sm__warps_active.avg.pct_of_peak_sustained_active",
-        "launch__occupancy_limit_blocks",
-        "launch__occupancy_limit_registers",
-        "launch__occupancy_limit_shared_mem",
-        "launch__registers_per_thread",
-        "sm__inst_executed.sum",
-        "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
-        "sm__inst_executed_pipe_tensor.avg.pct_of_peak_sustained_active",
-        "dram__bytes_read.sum",
-        "dram__bytes_write.sum",
-        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-        "dram__bytes.sum.per_second",
-        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-        "l1tex__t_sector_hit_rate.pct",
-        "l1tex__throughput.avg.pct_of_peak_sustained_active",
-        "lts__t_sector_hit_rate.pct",
-        "lts__throughput.avg.pct_of_peak_sustained_active",
-        "smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct",
-        "smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct",
-        "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct",
-        "smsp__warp_issue_stalled_barrier_per_warp_active.pct",
-        "smsp__warp_issue_stalled_branch_resolving_per_warp_active.pct",
-        "smsp__sass_average_branch_targets_threads_uniform.pct",
-    ];
-
     /// A recorded `--set full` launch cut down to what a run with CudaForge's set reports: its 24 metrics and the
     /// raw page's launch statistics (`launch__*`) and device attributes (`device__*`). Nine of the 24 are not in the
     /// full set's page under their own name:
@@ -341,10 +314,11 @@ mod tests {
     fn as_cudaforge(full: &Launch) -> Launch {
         let mut launch = full.clone();
         launch.metrics.retain(|name, _| {
-            CUDAFORGE.contains(&name.as_str()) || name.starts_with("launch__") || name.starts_with("device__")
+            nsight::CUDAFORGE.contains(&name.as_str()) || name.starts_with("launch__") || name.starts_with("device__")
         });
         launch.metrics.insert(INSTRUCTIONS.to_owned(), full.metrics["smsp__inst_executed.sum"].clone());
-        let absent: Vec<&str> = CUDAFORGE.iter().copied().filter(|name| !launch.metrics.contains_key(*name)).collect();
+        let absent: Vec<&str> =
+            nsight::CUDAFORGE.iter().copied().filter(|name| !launch.metrics.contains_key(*name)).collect();
         assert_eq!(
             absent,
             [
