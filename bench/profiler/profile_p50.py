@@ -65,9 +65,10 @@ def main():
 
     # Outside kforge: the candidate alone, then under Nsight Compute with the same metrics.
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(scratch / "direct-ext"))
-    # The default metric set, as the profiler's source names it.
+    # The default metric set, as the profiler's source names it, and the duration it adds to every list.
     source = (HERE.parents[1] / "services" / "profiler" / "src" / "nsight.rs").read_text()
     cudaforge = re.findall(r'"([a-z0-9_.]+)"', source[source.index("pub const CUDAFORGE"):].split("];")[0])
+    cudaforge += ["gpu__time_duration.sum"] if cudaforge else []
     for name in names:
         path = HERE / "candidates" / f"{name}.py"
         task = Path(args.tasks_dir) / f"{header(path)['task']}.py"

@@ -44,12 +44,16 @@ pub const CUDAFORGE: [&str; 24] = [
     "smsp__sass_average_branch_targets_threads_uniform.pct",
 ];
 
+/// A launch's device time: collected with every list of metrics (CudaForge's 24 do not include it), since every
+/// profiled launch shows its duration.
+pub const DURATION: &str = "gpu__time_duration.sum";
+
 /// Which metrics a run collects.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Metrics {
     /// Nsight Compute's `full` set of sections.
     Full,
-    /// These metrics.
+    /// These metrics, and [`DURATION`].
     List(Vec<String>),
 }
 
@@ -145,6 +149,10 @@ impl Ncu {
                 arg("full");
             }
             Metrics::List(names) => {
+                let mut names = names.clone();
+                if !names.iter().any(|name| name == DURATION) {
+                    names.push(DURATION.to_owned());
+                }
                 arg("--metrics");
                 arg(&names.join(","));
             }
@@ -356,7 +364,11 @@ mod tests {
         assert_eq!(after("--kernel-name"), r"regex:^(add_kernel|k\$2)$");
         assert_eq!(after("--launch-count"), "7");
         assert_eq!(after("--clock-control"), "none");
-        assert_eq!(after("--metrics"), "a.sum,b.sum");
+        assert_eq!(after("--metrics"), "a.sum,b.sum,gpu__time_duration.sum", "the duration is always collected");
+        let with_duration = Metrics::List(vec![DURATION.into(), "a.sum".into()]);
+        let argv = ncu.argv(&["k".into()], 1, &with_duration, false, Path::new("/out"));
+        let metrics = argv.iter().position(|a| a == "--metrics").expect("--metrics") + 1;
+        assert_eq!(argv[metrics], "gpu__time_duration.sum,a.sum", "not twice");
         assert_eq!(after("--log-file"), "/out/ncu.csv");
         assert_eq!(after("--profile-from-start"), "off");
     }
