@@ -65,9 +65,10 @@ def main():
 
     # Outside kforge: the candidate alone, then under Nsight Compute with the same metrics.
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(scratch / "direct-ext"))
-    # The default metric set, as the profiler's source names it.
+    # The default metric set, as the profiler's source names it, and the duration it adds to every list.
     source = (HERE.parents[1] / "services" / "profiler" / "src" / "nsight.rs").read_text()
-    curated = re.findall(r'"([a-z0-9_.]+)"', source[source.index("pub const CURATED"):].split("];")[0])
+    cudaforge = re.findall(r'"([a-z0-9_.]+)"', source[source.index("pub const CUDAFORGE"):].split("];")[0])
+    cudaforge += ["gpu__time_duration.sum"] if cudaforge else []
     for name in names:
         path = HERE / "candidates" / f"{name}.py"
         task = Path(args.tasks_dir) / f"{header(path)['task']}.py"
@@ -75,14 +76,14 @@ def main():
         subprocess.run(direct + ["--build-only"], env=env, capture_output=True)
         variants = [("python alone", [], 10)] + [(f"ncu, {n} launches", ["ncu", "--profile-from-start", "off",
                                                                           "--launch-count", str(n)]
-                                                  + (["--metrics", ",".join(curated)] if curated else []), n)
+                                                  + (["--metrics", ",".join(cudaforge)] if cudaforge else []), n)
                                                  for n in limits]
         for label, prefix, calls in variants:
             started = time.monotonic()
             proc = subprocess.run(prefix + direct + ["--calls", str(calls)], env=env, capture_output=True, text=True)
             seconds = time.monotonic() - started
             run.record(call="Direct", candidate=name, variant=label, rc=proc.returncode, seconds=seconds,
-                       metrics=len(curated), stderr=proc.stderr[-300:])
+                       metrics=len(cudaforge), stderr=proc.stderr[-300:])
             log(f"direct {name} {label}: rc {proc.returncode}, {seconds:.2f} s")
 
     up = start_kforge(run, args, scratch)

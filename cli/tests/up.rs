@@ -234,7 +234,7 @@ fn call_reaches_every_rpc_in_process() {
     let capabilities = run_kforge(&["call", "Profiler/GetCapabilities"], "{}");
     assert!(capabilities.status.success(), "{}", String::from_utf8_lossy(&capabilities.stderr));
     let json: serde_json::Value = serde_json::from_slice(&capabilities.stdout).expect("proto3 json on stdout");
-    assert_eq!(json["curatedMetrics"].as_array().map(Vec::len), Some(24), "{json}");
+    assert_eq!(json["cudaforgeMetrics"].as_array().map(Vec::len), Some(24), "{json}");
 
     // The orchestrator's job RPCs are served: an empty request names its missing field.
     let orchestrator_calls = [

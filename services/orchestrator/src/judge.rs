@@ -4,7 +4,7 @@
 //! - **Correction** (a compile error, runtime error, timeout or mismatch): the Judge sees the task, the kernel and
 //!   the evaluation, and names one critical issue, why it fails and a minimal fix, as JSON.
 //! - **Optimisation** (a correct kernel): the kernel is profiled by the Profiler (Nsight Compute on its own kernels,
-//!   the curated metrics); the Judge sees the dominant kernel's metrics, the GPU's specification and the
+//!   CudaForge's metrics); the Judge sees the dominant kernel's metrics, the GPU's specification and the
 //!   deterministic diagnosis, and names one bottleneck, one optimisation and a plan, as JSON. Without a profile (a
 //!   CPU backend, the profiler's refusal or failure) the Judge is not asked and the feedback says so: the recipe
 //!   falls back to correction-only feedback.

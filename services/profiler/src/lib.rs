@@ -170,7 +170,7 @@ impl Profiler for ProfilerService {
             counters,
             devices: engine.devices.into_iter().filter(|d| d.starts_with("cuda")).collect(),
             queue_capacity: engine.queue_capacity,
-            curated_metrics: nsight::CURATED.iter().map(|m| (*m).to_owned()).collect(),
+            cudaforge_metrics: nsight::CUDAFORGE.iter().map(|m| (*m).to_owned()).collect(),
         }))
     }
 

@@ -5,42 +5,55 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-/// The default metric set (`METRIC_SET_CURATED`): 24 metrics covering what CudaForge's selection covers — time,
-/// throughput against peak, the memory hierarchy, instruction issue, occupancy and its limiters, and the main
-/// warp stalls — and every metric the diagnosis reads (`diagnosis.rs`).
-pub const CURATED: [&str; 24] = [
-    "gpu__time_duration.sum",
-    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
-    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-    "dram__bytes_read.sum",
-    "dram__bytes_write.sum",
-    "lts__t_sector_hit_rate.pct",
-    "l1tex__t_sector_hit_rate.pct",
-    "smsp__sass_average_data_bytes_per_sector_mem_global_op_ld.ratio",
-    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
-    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__inst_executed.avg.per_cycle_active",
+/// The default metric set (`METRIC_SET_CUDAFORGE`): the 24 metrics CudaForge's paper profiles a kernel with, in
+/// its order, for Hopper. Two of the published names are not offered there (Nsight Compute 2025.3.1 on the H100,
+/// `tests/fixtures/h100/query-metrics.csv`), and ncu fails the whole run for a metric it does not know, so each is
+/// replaced by its nearest offered metric:
+///
+/// - `sm__inst_executed_pipe_fp32` by `sm__inst_executed_pipe_fma`: since Volta FP32 instructions issue to the FMA
+///   pipe, which is what is counted;
+/// - `smsp__warp_issue_stalled_memory_dependency_per_warp_active` by
+///   `smsp__warp_issue_stalled_lg_throttle_per_warp_active`, warps waiting on the global/local memory queue (the
+///   wait on the memory's data, long_scoreboard, is in the set already).
+///
+/// The diagnosis derives its figures from these (`diagnosis.rs`).
+pub const CUDAFORGE: [&str; 24] = [
+    "sm__cycles_active.avg",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "sm__maximum_warps_per_active_cycle_pct",
-    "launch__registers_per_thread",
+    "launch__occupancy_limit_blocks",
     "launch__occupancy_limit_registers",
     "launch__occupancy_limit_shared_mem",
-    "launch__occupancy_limit_warps",
-    "launch__occupancy_limit_blocks",
-    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
-    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
-    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",
-    "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+    "launch__registers_per_thread",
+    "sm__inst_executed.sum",
+    "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_tensor.avg.pct_of_peak_sustained_active",
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes.sum.per_second",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__t_sector_hit_rate.pct",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active",
+    "lts__t_sector_hit_rate.pct",
+    "lts__throughput.avg.pct_of_peak_sustained_active",
+    "smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct",
+    "smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct",
+    "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct",
+    "smsp__warp_issue_stalled_barrier_per_warp_active.pct",
+    "smsp__warp_issue_stalled_branch_resolving_per_warp_active.pct",
+    "smsp__sass_average_branch_targets_threads_uniform.pct",
 ];
+
+/// A launch's device time: collected with every list of metrics (CudaForge's 24 do not include it), since every
+/// profiled launch shows its duration.
+pub const DURATION: &str = "gpu__time_duration.sum";
 
 /// Which metrics a run collects.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Metrics {
     /// Nsight Compute's `full` set of sections.
     Full,
-    /// These metrics.
+    /// These metrics, and [`DURATION`].
     List(Vec<String>),
 }
 
@@ -136,6 +149,10 @@ impl Ncu {
                 arg("full");
             }
             Metrics::List(names) => {
+                let mut names = names.clone();
+                if !names.iter().any(|name| name == DURATION) {
+                    names.push(DURATION.to_owned());
+                }
                 arg("--metrics");
                 arg(&names.join(","));
             }
@@ -237,18 +254,78 @@ pub fn missing(asked: &[String], reported: &std::collections::BTreeSet<&str>) ->
 mod tests {
     use super::*;
 
+    /// CudaForge's published selection: the names the default set keeps, and the two it replaces on Hopper.
+    const PUBLISHED_KEPT: [&str; 22] = [
+        "sm__cycles_active.avg",
+        "sm__warps_active.avg.pct_of_peak_sustained_active",
+        "launch__occupancy_limit_blocks",
+        "launch__occupancy_limit_registers",
+        "launch__occupancy_limit_shared_mem",
+        "launch__registers_per_thread",
+        "sm__inst_executed.sum",
+        "sm__inst_executed_pipe_tensor.avg.pct_of_peak_sustained_active",
+        "dram__bytes_read.sum",
+        "dram__bytes_write.sum",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "dram__bytes.sum.per_second",
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+        "l1tex__t_sector_hit_rate.pct",
+        "l1tex__throughput.avg.pct_of_peak_sustained_active",
+        "lts__t_sector_hit_rate.pct",
+        "lts__throughput.avg.pct_of_peak_sustained_active",
+        "smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct",
+        "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct",
+        "smsp__warp_issue_stalled_barrier_per_warp_active.pct",
+        "smsp__warp_issue_stalled_branch_resolving_per_warp_active.pct",
+        "smsp__sass_average_branch_targets_threads_uniform.pct",
+    ];
+    const PUBLISHED_REPLACED: [&str; 2] = [
+        "sm__inst_executed_pipe_fp32.avg.pct_of_peak_sustained_active",
+        "smsp__warp_issue_stalled_memory_dependency_per_warp_active.pct",
+    ];
+
     #[test]
-    fn the_curated_set_is_24_distinct_valid_names_that_the_diagnosis_can_use() {
-        let distinct: std::collections::BTreeSet<&str> = CURATED.iter().copied().collect();
+    fn the_cudaforge_set_is_its_24_with_two_substitutes_that_the_h100_offers() {
+        let distinct: std::collections::BTreeSet<&str> = CUDAFORGE.iter().copied().collect();
         assert_eq!(distinct.len(), 24);
-        assert!(CURATED.iter().all(|name| valid_metric_name(name)));
-        for needed in [
-            "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
-            "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-            "sm__maximum_warps_per_active_cycle_pct",
-            "launch__occupancy_limit_shared_mem",
-        ] {
-            assert!(distinct.contains(needed), "{needed}");
+        assert!(CUDAFORGE.iter().all(|name| valid_metric_name(name)));
+        for kept in PUBLISHED_KEPT {
+            assert!(distinct.contains(kept), "{kept}");
+        }
+        for replaced in PUBLISHED_REPLACED {
+            assert!(!distinct.contains(replaced), "{replaced}");
+        }
+        let substitutes: Vec<&str> = CUDAFORGE.iter().copied().filter(|name| !PUBLISHED_KEPT.contains(name)).collect();
+        assert_eq!(
+            substitutes,
+            [
+                "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+                "smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct"
+            ]
+        );
+
+        // What Nsight Compute 2025.3.1 offers on the H100, by base name (before the first `.`: the roll-up and
+        // sub-metric are not listed). Launch statistics are not metrics it lists: every raw page carries them.
+        let offered =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/h100/query-metrics.csv"))
+                .expect("fixture");
+        let offered: std::collections::BTreeSet<&str> = offered
+            .lines()
+            .skip(1)
+            .filter_map(|line| line.split(',').next())
+            .map(|name| name.trim_matches('"'))
+            .collect();
+        assert!(offered.len() > 3000, "{}", offered.len());
+        for name in CUDAFORGE {
+            if name.starts_with("launch__") {
+                continue;
+            }
+            let base = name.split('.').next().expect("a base");
+            assert!(offered.contains(base), "{name}: the H100 does not offer {base}");
+        }
+        for replaced in PUBLISHED_REPLACED {
+            let base = replaced.split('.').next().expect("a base");
+            assert!(!offered.contains(base), "{base} is offered: no need to replace it");
         }
     }
 
@@ -287,7 +364,11 @@ mod tests {
         assert_eq!(after("--kernel-name"), r"regex:^(add_kernel|k\$2)$");
         assert_eq!(after("--launch-count"), "7");
         assert_eq!(after("--clock-control"), "none");
-        assert_eq!(after("--metrics"), "a.sum,b.sum");
+        assert_eq!(after("--metrics"), "a.sum,b.sum,gpu__time_duration.sum", "the duration is always collected");
+        let with_duration = Metrics::List(vec![DURATION.into(), "a.sum".into()]);
+        let argv = ncu.argv(&["k".into()], 1, &with_duration, false, Path::new("/out"));
+        let metrics = argv.iter().position(|a| a == "--metrics").expect("--metrics") + 1;
+        assert_eq!(argv[metrics], "gpu__time_duration.sum,a.sum", "not twice");
         assert_eq!(after("--log-file"), "/out/ncu.csv");
         assert_eq!(after("--profile-from-start"), "off");
     }

@@ -47,8 +47,8 @@ impl Profiling {
             return Err(Status::invalid_argument("candidate_source: required"));
         }
         let metrics = match pb::MetricSet::try_from(request.metric_set) {
-            Ok(pb::MetricSet::Unspecified | pb::MetricSet::Curated) => {
-                Metrics::List(nsight::CURATED.iter().map(|m| (*m).to_owned()).collect())
+            Ok(pb::MetricSet::Unspecified | pb::MetricSet::Cudaforge) => {
+                Metrics::List(nsight::CUDAFORGE.iter().map(|m| (*m).to_owned()).collect())
             }
             Ok(pb::MetricSet::Full) => Metrics::Full,
             Ok(pb::MetricSet::List) => {

@@ -114,7 +114,7 @@ impl Episode {
             task: Some(self.task.clone()),
             candidate_source: kernel.to_owned(),
             backend: spec.backend,
-            metric_set: pb::MetricSet::Curated as i32,
+            metric_set: pb::MetricSet::Cudaforge as i32,
             metrics: Vec::new(),
             lock_clocks: false,
             policy: spec.policy.clone(),
