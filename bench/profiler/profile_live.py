@@ -61,10 +61,11 @@ class Run:
         self.results.write(json.dumps(fields) + "\n")
         self.results.flush()
 
-    def call(self, method, request, addr=PROFILER, timeout=600):
-        """(ok, response or error text, seconds) of `kforge call method`."""
+    def call(self, method, request, addr=PROFILER, timeout=600, deadline=None):
+        """(ok, response or error text, seconds) of `kforge call method`, with the call's deadline if given."""
         started = time.monotonic()
-        proc = subprocess.run([self.kforge, "call", method, "--addr", addr], input=json.dumps(request),
+        limit = ["--deadline", str(deadline)] if deadline else []
+        proc = subprocess.run([self.kforge, "call", method, "--addr", addr, *limit], input=json.dumps(request),
                               capture_output=True, text=True, timeout=timeout)
         seconds = time.monotonic() - started
         if proc.returncode != 0:
@@ -178,6 +179,7 @@ def stop_kforge(up):
 def main():
     parser = kforge_arguments("/tmp/kforge-profile-live")
     parser.add_argument("--warm", type=int, default=5)
+    parser.add_argument("--hang-deadline", type=float, default=60.0, help="the hanging profile's call deadline")
     parser.add_argument("--only", default="", help="comma-separated candidate names")
     args = parser.parse_args()
     run = Run(args)
@@ -252,6 +254,36 @@ def main():
                 verdict = response if not ok else summarize_profile(response)
                 run.record(call="Profile", case=name, ok=ok, seconds=seconds, response=verdict)
                 log(f"bad request `{name}`: {str(verdict)[:300]}")
+            # A kernel that never returns under the profiler (it spins where Nsight Compute's injection library is
+            # loaded, so the census passes): the call's deadline stops the profile, its processes are gone soon
+            # after, and the GPU profiles the next candidate.
+            hang_source = good["candidateSource"].replace(
+                "if (i >= rows * cols4) return;",
+                "if (spin) { volatile int forever = 1; while (forever) {} }\n    if (i >= rows * cols4) return;").replace(
+                "int64_t rows, int64_t cols4) {", "int64_t rows, int64_t cols4, int spin) {").replace(
+                "rows, cols4);", "rows, cols4, getenv(\"CUDA_INJECTION64_PATH\") != nullptr);").replace(
+                "kforge_bench_diag_scale", "kforge_bench_hang_under_ncu")
+            hang = {**good, "candidateSource": hang_source, "requestId": "hang"}
+            harnesses = lambda: len(subprocess.run(["pgrep", "-f", "kforge_harness.py"], capture_output=True,
+                                                   text=True).stdout.split())
+            before = harnesses()
+            ok, response, seconds = run.call("Profiler/Profile", hang, deadline=args.hang_deadline)
+            gone_after = None
+            waited = time.monotonic()
+            while time.monotonic() - waited < 30:
+                if harnesses() <= before:
+                    gone_after = time.monotonic() - waited
+                    break
+                time.sleep(0.2)
+            ok2, after, seconds2 = run.call("Profiler/Profile", good)
+            after = summarize_profile(after) if ok2 else {"error": after}
+            run.record(call="Profile", case="hang under the profiler, call deadline", deadline_s=args.hang_deadline,
+                       ok=ok, seconds=seconds, response=response if not ok else summarize_profile(response),
+                       harnesses_before=before, processes_gone_after_s=gone_after,
+                       next_profile_s=seconds2, next_profile_verdict=after.get("verdict"))
+            log(f"hang under ncu, deadline {args.hang_deadline} s: {seconds:.1f} s, {str(response)[:200]}; processes "
+                f"gone {gone_after} s after; next profile {after.get('verdict')} in {seconds2:.1f} s")
+
             # Two metrics by name, and the full set.
             for name, change in [("list of two", {"metricSet": "METRIC_SET_LIST", "launchLimit": 2,
                                                   "metrics": ["gpu__time_duration.sum",

@@ -110,11 +110,13 @@ pub fn parse_requests(method: &MethodDescriptor, input: &str) -> Result<Vec<Dyna
     Ok(requests)
 }
 
-/// Calls `method` on `channel` with `requests` and returns every response.
+/// Calls `method` on `channel` with `requests` and returns every response; `deadline` goes to the server as the
+/// call's `grpc-timeout`.
 pub async fn invoke(
     channel: kforge_server::client::Channel,
     method: &MethodDescriptor,
     requests: Vec<DynamicMessage>,
+    deadline: Option<std::time::Duration>,
 ) -> Result<Vec<DynamicMessage>, CallError> {
     let path =
         http::uri::PathAndQuery::from_str(&format!("/{}/{}", method.parent_service().full_name(), method.name()))
@@ -128,21 +130,29 @@ pub async fn invoke(
     match (method.is_client_streaming(), method.is_server_streaming()) {
         (false, false) => {
             let request = first.next().expect("parse_requests yields exactly one request for unary methods");
-            Ok(vec![grpc.unary(Request::new(request), path, codec).await?.into_inner()])
+            Ok(vec![grpc.unary(with_deadline(request, deadline), path, codec).await?.into_inner()])
         }
         (false, true) => {
             let request = first.next().expect("parse_requests yields exactly one request for server-streaming methods");
-            collect(grpc.server_streaming(Request::new(request), path, codec).await?.into_inner()).await
+            collect(grpc.server_streaming(with_deadline(request, deadline), path, codec).await?.into_inner()).await
         }
         (true, false) => {
             let stream = tokio_stream::iter(first);
-            Ok(vec![grpc.client_streaming(Request::new(stream), path, codec).await?.into_inner()])
+            Ok(vec![grpc.client_streaming(with_deadline(stream, deadline), path, codec).await?.into_inner()])
         }
         (true, true) => {
             let stream = tokio_stream::iter(first);
-            collect(grpc.streaming(Request::new(stream), path, codec).await?.into_inner()).await
+            collect(grpc.streaming(with_deadline(stream, deadline), path, codec).await?.into_inner()).await
         }
     }
+}
+
+fn with_deadline<T>(message: T, deadline: Option<std::time::Duration>) -> Request<T> {
+    let mut request = Request::new(message);
+    if let Some(deadline) = deadline {
+        request.set_timeout(deadline);
+    }
+    request
 }
 
 async fn collect(mut stream: tonic::Streaming<DynamicMessage>) -> Result<Vec<DynamicMessage>, CallError> {

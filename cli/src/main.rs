@@ -46,6 +46,10 @@ enum Command {
     Call {
         /// The RPC as Service/Method, e.g. Reward/ComputeAdvantages or kforge.v1.Evaluator/GetCapabilities.
         target: String,
+        /// The call's deadline in seconds, sent as its grpc-timeout: past it the server stops the work (a
+        /// profile's or evaluation's processes are killed) and answers DEADLINE_EXCEEDED.
+        #[arg(long, value_name = "SECONDS")]
+        deadline: Option<f64>,
         #[command(flatten)]
         remote: Remote,
     },
@@ -280,7 +284,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             mesh.run_until(kforge_server::shutdown_signal()).await?;
         }
-        Command::Call { target, remote } => call_command(&config, &target, &remote).await?,
+        Command::Call { target, deadline, remote } => call_command(&config, &target, deadline, &remote).await?,
         Command::Run(args) => run_command(&config, *args).await?,
         Command::Eval(args) => eval_command(&config, args).await?,
         Command::Export(args) => kforge::export::command(&config, args).await?,
@@ -314,15 +318,18 @@ async fn drain(mesh: Option<Mesh>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn call_command(config: &MeshConfig, target: &str, remote: &Remote) -> anyhow::Result<()> {
+async fn call_command(config: &MeshConfig, target: &str, deadline: Option<f64>, remote: &Remote) -> anyhow::Result<()> {
     let method = call::resolve(target)?;
+    let deadline = deadline
+        .map(|seconds| std::time::Duration::try_from_secs_f64(seconds).context("--deadline: a number of seconds"))
+        .transpose()?;
     let mut input = String::new();
     std::io::stdin().read_to_string(&mut input).context("reading the request from stdin")?;
     let requests = call::parse_requests(&method, &input)?;
     let service = Service::from_proto_name(method.parent_service().full_name())
         .context("every kforge.v1 service is served by the mesh")?;
     let (channel, mesh) = connect(config, &[service], service, remote).await?;
-    let result = call::invoke(channel, &method, requests).await;
+    let result = call::invoke(channel, &method, requests, deadline).await;
     drain(mesh).await?;
     for response in result? {
         println!("{}", call::to_json(&response)?);

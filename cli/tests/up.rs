@@ -228,6 +228,31 @@ fn call_reaches_every_rpc_in_process() {
         stderr.contains("UNAVAILABLE: Nsight Compute (ncu) not found: /nonexistent/ncu (configured) is not a file"),
         "{stderr}"
     );
+    // With Nsight Compute there but the GPU's counters closed to this process's users, FAILED_PRECONDITION names the
+    // driver setting to grant. A stand-in `ncu` answers `--version`; a host without the NVIDIA driver's parameters
+    // (this test's usual host) cannot say that counters are open.
+    let counters_open = std::fs::read_to_string("/proc/driver/nvidia/params")
+        .is_ok_and(|params| params.lines().any(|line| line.replace(' ', "") == "RmProfilingAdminOnly:0"));
+    if counters_open {
+        println!("SKIP: the FAILED_PRECONDITION check: this host's driver opens the GPU's counters to every user");
+    } else {
+        let stand_in = std::env::temp_dir().join(format!("kforge-up-test-ncu-{}", std::process::id()));
+        std::fs::write(&stand_in, "#!/bin/sh\necho 'Version 2025.3.1.0 (stand-in)'\n").expect("stand-in written");
+        std::fs::set_permissions(&stand_in, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+        let closed = run_kforge_with(
+            &["call", "Profiler/Profile"],
+            &profile.to_string(),
+            &[("KFORGE__PROFILER__NCU", stand_in.to_str().expect("utf-8 path"))],
+        );
+        let _ = std::fs::remove_file(&stand_in);
+        let stderr = String::from_utf8_lossy(&closed.stderr);
+        assert!(!closed.status.success(), "{stderr}");
+        assert!(stderr.contains("FAILED_PRECONDITION: GPU performance counters: "), "{stderr}");
+        assert!(
+            stderr.contains("RmProfilingAdminOnly") || stderr.contains("/proc/driver/nvidia/params"),
+            "names the driver setting or its absence: {stderr}"
+        );
+    }
     let report = run_kforge(&["call", "Profiler/StreamReport"], r#"{"reportId":"00ff"}"#);
     let stderr = String::from_utf8_lossy(&report.stderr);
     assert!(stderr.contains("NOT_FOUND: report_id: no kept report `00ff`"), "{stderr}");
