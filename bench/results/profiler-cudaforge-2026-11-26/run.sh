@@ -11,10 +11,12 @@ case ${PART:-1} in
   { nvidia-smi --query-gpu=name,driver_version --format=csv; ncu --version | tail -1; nvcc --version | tail -1
     python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"
     nproc; uname -r; echo "binaries: $(cat .kb/bin/COMMIT)"; } > $OUT/machine.txt 2>&1
-  echo "== fixtures"; T0=$(date +%s)
-  OUT=$OUT timeout 200 bash bench/profiler/record-fixtures.sh > $OUT/fixtures.log 2>&1
-  echo "rc=$? $(( $(date +%s) - T0 )) s"; tail -5 $OUT/fixtures.log
-  tar czf $OUT/fixtures.tgz -C $OUT fixtures && rm -rf $OUT/fixtures
+  if [ "${FIXTURES:-1}" = 1 ]; then
+    echo "== fixtures"; T0=$(date +%s)
+    OUT=$OUT timeout 200 bash bench/profiler/record-fixtures.sh > $OUT/fixtures.log 2>&1
+    echo "rc=$? $(( $(date +%s) - T0 )) s"; tail -5 $OUT/fixtures.log
+    tar czf $OUT/fixtures.tgz -C $OUT fixtures && rm -rf $OUT/fixtures
+  fi
   echo "== corpus (cuda)"; T0=$(date +%s)
   KFORGE_CORPUS_ROOT=$PWD/services/evaluator KFORGE_CORPUS_BACKEND=cuda KFORGE_CORPUS_ONLY=cuda KFORGE_CORPUS_RUN_TIMEOUT=60 \
     KFORGE_CORPUS_PYTHON=$(which python3) KFORGE_CORPUS_WORK=/tmp/kfc KFORGE_CORPUS_REPORT=$OUT/corpus-cuda.jsonl \

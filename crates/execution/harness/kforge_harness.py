@@ -1234,14 +1234,14 @@ def mode_compile(spec):
 
 
 def extension_libraries():
-    """The shared libraries of the extensions the candidate built (load_inline, load) and imported."""
-    root = os.path.realpath(os.environ.get("TORCH_EXTENSIONS_DIR", "/nonexistent"))
-    paths = set()
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if isinstance(path, str) and path.endswith(".so") and os.path.realpath(path).startswith(root + os.sep):
-            paths.add(os.path.realpath(path))
-    return sorted(paths)
+    """The shared libraries the candidate's extensions (load_inline, load) were built into: every library under
+    TORCH_EXTENSIONS_DIR, which holds this build's alone (torch imports them without entering sys.modules)."""
+    import glob
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        return []
+    return sorted(glob.glob(os.path.join(root, "**", "*.so"), recursive=True))
 
 
 def compiled_kernels(libraries):

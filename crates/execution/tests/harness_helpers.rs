@@ -102,5 +102,5 @@ fn the_harness_names_own_kernels_from_device_code_and_made_triton_kernels() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
     assert!(!stdout.contains("SKIP"), "Triton's wheel ships ptxas and cuobjdump: {stdout}");
-    assert_eq!(stdout.lines().count(), 4, "{stdout}");
+    assert_eq!(stdout.lines().count(), 5, "{stdout}");
 }

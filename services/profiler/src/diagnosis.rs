@@ -397,6 +397,39 @@ mod tests {
     }
 
     #[test]
+    fn kernels_recorded_with_cudaforges_set_get_the_bottleneck_they_were_written_to_have() {
+        // Recorded on an H200 with exactly the default set (`h200/README.md`): no composite is on the page.
+        let recorded = |kind: &str| {
+            let path = format!("{}/tests/fixtures/h200/{kind}.cudaforge.csv", env!("CARGO_MANIFEST_DIR"));
+            let launches = parse_raw(&std::fs::read_to_string(path).expect("fixture")).expect("parses");
+            assert_eq!(launches.len(), 2, "two profiled launches");
+            let launch = launches.into_iter().next().expect("one");
+            for name in nsight::CUDAFORGE {
+                assert!(launch.metrics.contains_key(name), "{kind}: {name} recorded");
+            }
+            for composite in [MEMORY, COMPUTE, THEORETICAL] {
+                assert!(!launch.metrics.contains_key(composite), "{kind}: {composite}");
+            }
+            diagnose(&launch)
+        };
+        let memory = recorded("memory");
+        assert_eq!(memory.bottleneck, Bottleneck::Memory, "{}", memory.text);
+        // L2 at 82.4% of its peak is the busiest memory unit (DRAM 74.0%); the SMs issue at 12.8%.
+        assert_eq!(memory.evidence[0], ("lts__throughput.avg.pct_of_peak_sustained_active".to_owned(), 82.44));
+        assert!(memory.text.contains("memory throughput is at 82.4% of peak while the SMs are at"), "{}", memory.text);
+
+        let compute = recorded("compute");
+        assert_eq!(compute.bottleneck, Bottleneck::Compute, "{}", compute.text);
+        assert_eq!(names(&compute)[..2], [INSTRUCTIONS, CYCLES]);
+        assert!(compute.text.contains("the SMs are at 95.2% of peak"), "{}", compute.text);
+
+        let occupancy = recorded("occupancy");
+        assert_eq!(occupancy.bottleneck, Bottleneck::Occupancy, "{}", occupancy.text);
+        assert!(occupancy.text.contains("shared memory per block allows only 2 blocks per SM"), "{}", occupancy.text);
+        assert!(occupancy.text.contains("at most 6.2% of the SM's warps"), "{}", occupancy.text);
+    }
+
+    #[test]
     fn the_derived_theoretical_occupancy_is_the_one_ncu_reports() {
         for kind in ["memory", "compute", "occupancy"] {
             let full = fixture(kind);
