@@ -254,15 +254,18 @@ def main():
                 verdict = response if not ok else summarize_profile(response)
                 run.record(call="Profile", case=name, ok=ok, seconds=seconds, response=verdict)
                 log(f"bad request `{name}`: {str(verdict)[:300]}")
-            # A kernel that never returns under the profiler (it spins where Nsight Compute's injection library is
-            # loaded, so the census passes): the call's deadline stops the profile, its processes are gone soon
-            # after, and the GPU profiles the next candidate.
-            hang_source = good["candidateSource"].replace(
+            # A kernel that never returns under the profiler (it spins in the profiled stage, whose scratch
+            # directory is `profiled`, so the census passes): the call's deadline stops the profile, its processes
+            # are gone soon after, and the GPU profiles the next candidate.
+            hang_source = ("import os\nSPIN = int(os.path.basename(os.getcwd()).startswith('profiled'))\n"
+                           + good["candidateSource"]).replace(
                 "if (i >= rows * cols4) return;",
                 "if (spin) { volatile int forever = 1; while (forever) {} }\n    if (i >= rows * cols4) return;").replace(
                 "int64_t rows, int64_t cols4) {", "int64_t rows, int64_t cols4, int spin) {").replace(
-                "rows, cols4);", "rows, cols4, getenv(\"CUDA_INJECTION64_PATH\") != nullptr);").replace(
-                "kforge_bench_diag_scale", "kforge_bench_hang_under_ncu")
+                "rows, cols4);", "rows, cols4, (int)spin);").replace(
+                "scale_rows(torch::Tensor d, torch::Tensor b)", "scale_rows(torch::Tensor d, torch::Tensor b, int64_t spin)").replace(
+                "ext.scale_rows(A, B)", "ext.scale_rows(A, B, SPIN)").replace(
+                "kforge_bench_diag_scale", "kforge_bench_hang_in_profiled_stage")
             hang = {**good, "candidateSource": hang_source, "requestId": "hang"}
             harnesses = lambda: len(subprocess.run(["pgrep", "-f", "kforge_harness.py"], capture_output=True,
                                                    text=True).stdout.split())

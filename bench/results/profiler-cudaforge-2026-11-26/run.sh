@@ -24,7 +24,7 @@ case ${PART:-1} in
   echo "rc=$? $(( $(date +%s) - T0 )) s"; grep -E "^test |test result" $OUT/corpus-cuda.log | tail -25 ;;
 2)
   echo "== profile live"; T0=$(date +%s)
-  timeout 540 python3 bench/profiler/profile_live.py --out $OUT/live --tasks-dir .kb/kernelbench --warm 3 \
+  timeout 540 python3 bench/profiler/profile_live.py --out $OUT/live --tasks-dir .kb/kernelbench --warm 3 --only "${ONLY:-}" \
     --scratch /tmp/live > $OUT/live.log 2>&1
   echo "rc=$? $(( $(date +%s) - T0 )) s"; tail -40 $OUT/live.log; tar czf $OUT/live.tgz -C $OUT live && rm -rf $OUT/live ;;
 3)
