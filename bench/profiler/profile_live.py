@@ -180,6 +180,8 @@ def main():
     parser = kforge_arguments("/tmp/kforge-profile-live")
     parser.add_argument("--warm", type=int, default=5)
     parser.add_argument("--hang-deadline", type=float, default=3.0, help="the hanging profile's call deadline")
+    parser.add_argument("--profiled-hang-deadline", type=float, default=45.0,
+                        help="the call deadline of the profile that hangs in its profiled stage only")
     parser.add_argument("--only", default="", help="comma-separated candidate names")
     args = parser.parse_args()
     run = Run(args)
@@ -254,19 +256,29 @@ def main():
                 verdict = response if not ok else summarize_profile(response)
                 run.record(call="Profile", case=name, ok=ok, seconds=seconds, response=verdict)
                 log(f"bad request `{name}`: {str(verdict)[:300]}")
-            # A kernel that never returns. First without a deadline: it compiles, and its census call runs past
-            # the call limit (from the reference's measured time), which stops the stage: VERDICT_TIMEOUT. Then, its
-            # build cached, with a call deadline shorter than that limit: the deadline stops the profile
-            # (DEADLINE_EXCEEDED) and kills its processes; then the GPU profiles the next candidate.
-            hang_source = good["candidateSource"].replace(
-                "if (i >= rows * cols4) return;",
-                "volatile int forever = 1; while (forever) {}\n    if (i >= rows * cols4) return;").replace(
+            # A kernel that never returns (the loop of the corpus's fail_infinite_loop.py, which the compiler keeps).
+            # Everywhere, first without a deadline: it compiles, and its census call runs past the call limit (from
+            # the reference's measured time), which stops the stage: VERDICT_TIMEOUT. Then, its build cached, with a
+            # call deadline shorter than that limit: the deadline stops the profile and kills its processes. Then
+            # only in the profiled stage (by its scratch directory's name), so the census passes and Nsight Compute
+            # replays a kernel that never ends: the deadline again. After each, the GPU profiles the next candidate.
+            spin = "volatile float v = d[0]; while (v == v) { v = v + 0.f; }\n    if (i >= rows * cols4) return;"
+            everywhere = good["candidateSource"].replace("if (i >= rows * cols4) return;", spin).replace(
                 "kforge_bench_diag_scale", "kforge_bench_hang")
-            hang = {**good, "candidateSource": hang_source, "requestId": "hang"}
+            profiled_only = ("import os\nSPIN = int(os.path.basename(os.getcwd()).startswith('profiled'))\n"
+                             + good["candidateSource"]).replace(
+                "if (i >= rows * cols4) return;", "if (spin) { " + spin.split("\n")[0] + " }\n    if (i >= rows * cols4) return;").replace(
+                "int64_t rows, int64_t cols4) {", "int64_t rows, int64_t cols4, int spin) {").replace(
+                "rows, cols4);", "rows, cols4, (int)spin);").replace(
+                "scale_rows(torch::Tensor d, torch::Tensor b)", "scale_rows(torch::Tensor d, torch::Tensor b, int64_t spin)").replace(
+                "ext.scale_rows(A, B)", "ext.scale_rows(A, B, SPIN)").replace(
+                "kforge_bench_diag_scale", "kforge_bench_hang_profiled")
             harnesses = lambda: len(subprocess.run(["pgrep", "-f", "kforge_harness.py"], capture_output=True,
                                                    text=True).stdout.split())
             before = harnesses()
-            for deadline in (None, args.hang_deadline):
+            for case, source, deadline in [("everywhere", everywhere, None), ("everywhere", everywhere, args.hang_deadline),
+                                           ("in the profiled stage", profiled_only, args.profiled_hang_deadline)]:
+                hang = {**good, "candidateSource": source, "requestId": "hang"}
                 ok, response, seconds = run.call("Profiler/Profile", hang, deadline=deadline)
                 gone_after = None
                 waited = time.monotonic()
@@ -278,10 +290,10 @@ def main():
                 ok2, after, seconds2 = run.call("Profiler/Profile", good)
                 after = summarize_profile(after) if ok2 else {"error": after}
                 shown = response if not ok else {k: response.get(k) for k in ("verdict", "error", "stageMs")}
-                run.record(call="Profile", case="a kernel that never returns", deadline_s=deadline, ok=ok,
+                run.record(call="Profile", case=f"a kernel that never returns, {case}", deadline_s=deadline, ok=ok,
                            seconds=seconds, response=shown, harnesses_before=before, processes_gone_after_s=gone_after,
                            next_profile_s=seconds2, next_profile_verdict=after.get("verdict"))
-                log(f"hang, deadline {deadline}: {seconds:.1f} s, {str(shown)[:300]}; processes gone {gone_after} s "
+                log(f"hang {case}, deadline {deadline}: {seconds:.1f} s, {str(shown)[:300]}; processes gone {gone_after} s "
                     f"after; next profile {after.get('verdict')} in {seconds2:.1f} s")
 
             # Two metrics by name, and the full set.

@@ -127,24 +127,39 @@ pub async fn invoke(
         .max_decoding_message_size(usize::MAX);
     grpc.ready().await.map_err(|e| Status::unavailable(format!("service not ready: {e}")))?;
     let mut first = requests.into_iter();
-    match (method.is_client_streaming(), method.is_server_streaming()) {
-        (false, false) => {
-            let request = first.next().expect("parse_requests yields exactly one request for unary methods");
-            Ok(vec![grpc.unary(with_deadline(request, deadline), path, codec).await?.into_inner()])
-        }
-        (false, true) => {
-            let request = first.next().expect("parse_requests yields exactly one request for server-streaming methods");
-            collect(grpc.server_streaming(with_deadline(request, deadline), path, codec).await?.into_inner()).await
-        }
-        (true, false) => {
-            let stream = tokio_stream::iter(first);
-            Ok(vec![grpc.client_streaming(with_deadline(stream, deadline), path, codec).await?.into_inner()])
-        }
-        (true, true) => {
-            let stream = tokio_stream::iter(first);
-            collect(grpc.streaming(with_deadline(stream, deadline), path, codec).await?.into_inner()).await
+    let outcome = async move {
+        match (method.is_client_streaming(), method.is_server_streaming()) {
+            (false, false) => {
+                let request = first.next().expect("parse_requests yields exactly one request for unary methods");
+                Ok(vec![grpc.unary(with_deadline(request, deadline), path, codec).await?.into_inner()])
+            }
+            (false, true) => {
+                let request =
+                    first.next().expect("parse_requests yields exactly one request for server-streaming methods");
+                collect(grpc.server_streaming(with_deadline(request, deadline), path, codec).await?.into_inner()).await
+            }
+            (true, false) => {
+                let stream = tokio_stream::iter(first);
+                Ok(vec![grpc.client_streaming(with_deadline(stream, deadline), path, codec).await?.into_inner()])
+            }
+            (true, true) => {
+                let stream = tokio_stream::iter(first);
+                collect(grpc.streaming(with_deadline(stream, deadline), path, codec).await?.into_inner()).await
+            }
         }
     }
+    .await;
+    // A deadline that passes on the client's side comes back from tonic as CANCELLED; the call's status is
+    // DEADLINE_EXCEEDED (the server stopped the work at the same deadline).
+    outcome.map_err(|error| match (deadline, error) {
+        (Some(deadline), CallError::Rpc { code, message }) if code == "CANCELLED" && message == "Timeout expired" => {
+            CallError::Rpc {
+                code: "DEADLINE_EXCEEDED".into(),
+                message: format!("the call's deadline of {} s passed", deadline.as_secs_f64()),
+            }
+        }
+        (_, error) => error,
+    })
 }
 
 fn with_deadline<T>(message: T, deadline: Option<std::time::Duration>) -> Request<T> {

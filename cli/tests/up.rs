@@ -253,6 +253,18 @@ fn call_reaches_every_rpc_in_process() {
             "names the driver setting or its absence: {stderr}"
         );
     }
+    // A call's deadline reaches the server: an evaluation whose candidate never returns ends at it, as
+    // DEADLINE_EXCEEDED (the candidate's call limit is longer).
+    let never = serde_json::json!({
+        "task": {"taskId": "examples/relu", "source": relu},
+        "candidateSource": "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        \
+                            while True:\n            pass\n",
+        "backend": "BACKEND_CPU",
+    });
+    let stopped = run_kforge(&["call", "Evaluator/Evaluate", "--deadline", "2"], &never.to_string());
+    let stderr = String::from_utf8_lossy(&stopped.stderr);
+    assert!(!stopped.status.success(), "{stderr}");
+    assert!(stderr.contains("DEADLINE_EXCEEDED: the call's deadline of 2 s passed"), "{stderr}");
     let report = run_kforge(&["call", "Profiler/StreamReport"], r#"{"reportId":"00ff"}"#);
     let stderr = String::from_utf8_lossy(&report.stderr);
     assert!(stderr.contains("NOT_FOUND: report_id: no kept report `00ff`"), "{stderr}");
