@@ -260,12 +260,13 @@ def main():
             # Everywhere, first without a deadline: it compiles, and its census call runs past the call limit (from
             # the reference's measured time), which stops the stage: VERDICT_TIMEOUT. Then, its build cached, with a
             # call deadline shorter than that limit: the deadline stops the profile and kills its processes. Then
-            # only in the profiled stage (by its scratch directory's name), so the census passes and Nsight Compute
+            # only in the profiled stage (by the HOME the profiler's launcher gives it), so the census passes and Nsight Compute
             # replays a kernel that never ends: the deadline again. After each, the GPU profiles the next candidate.
-            spin = "volatile float v = d[0]; while (v == v) { v = v + 0.f; }\n    if (i >= rows * cols4) return;"
+            spin = "volatile float w = d[0]; while (w == w) { w = w + 0.f; }\n    if (i >= rows * cols4) return;"
             everywhere = good["candidateSource"].replace("if (i >= rows * cols4) return;", spin).replace(
                 "kforge_bench_diag_scale", "kforge_bench_hang")
-            profiled_only = ("import os\nSPIN = int(os.path.basename(os.getcwd()).startswith('profiled'))\n"
+            profiled_only = ("import os\nSPIN = int(os.path.basename(os.environ.get('HOME', '')) == 'home' or "
+                             "os.path.basename(os.getcwd()).startswith('profiled'))\n"
                              + good["candidateSource"]).replace(
                 "if (i >= rows * cols4) return;", "if (spin) { " + spin.split("\n")[0] + " }\n    if (i >= rows * cols4) return;").replace(
                 "int64_t rows, int64_t cols4) {", "int64_t rows, int64_t cols4, int spin) {").replace(
