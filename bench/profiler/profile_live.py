@@ -256,19 +256,20 @@ def main():
                 verdict = response if not ok else summarize_profile(response)
                 run.record(call="Profile", case=name, ok=ok, seconds=seconds, response=verdict)
                 log(f"bad request `{name}`: {str(verdict)[:300]}")
-            # A kernel that never returns (the loop of the corpus's fail_infinite_loop.py, which the compiler keeps).
+            # A kernel that never returns (a loop of sleeps: an asm volatile the compiler keeps, where a loop on a volatile
+            # local was optimised away).
             # Everywhere, first without a deadline: it compiles, and its census call runs past the call limit (from
             # the reference's measured time), which stops the stage: VERDICT_TIMEOUT. Then, its build cached, with a
             # call deadline shorter than that limit: the deadline stops the profile and kills its processes. Then
             # only in the profiled stage (by the HOME the profiler's launcher gives it), so the census passes and Nsight Compute
             # replays a kernel that never ends: the deadline again. After each, the GPU profiles the next candidate.
-            spin = "volatile float w = d[0]; while (w == w) { w = w + 0.f; }\n    if (i >= rows * cols4) return;"
+            spin = "for (;;) { __nanosleep(1000); }\n    if (i >= rows * cols4) return;"
             everywhere = good["candidateSource"].replace("if (i >= rows * cols4) return;", spin).replace(
                 "kforge_bench_diag_scale", "kforge_bench_hang")
             profiled_only = ("import os\nSPIN = int(os.path.basename(os.environ.get('HOME', '')) == 'home' or "
                              "os.path.basename(os.getcwd()).startswith('profiled'))\n"
                              + good["candidateSource"]).replace(
-                "if (i >= rows * cols4) return;", "if (spin) { " + spin.split("\n")[0] + " }\n    if (i >= rows * cols4) return;").replace(
+                "if (i >= rows * cols4) return;", "if (spin) " + spin).replace(
                 "int64_t rows, int64_t cols4) {", "int64_t rows, int64_t cols4, int spin) {").replace(
                 "rows, cols4);", "rows, cols4, (int)spin);").replace(
                 "scale_rows(torch::Tensor d, torch::Tensor b)", "scale_rows(torch::Tensor d, torch::Tensor b, int64_t spin)").replace(
