@@ -261,7 +261,13 @@ fn call_reaches_every_rpc_in_process() {
                             while True:\n            pass\n",
         "backend": "BACKEND_CPU",
     });
-    let stopped = run_kforge(&["call", "Evaluator/Evaluate", "--deadline", "2"], &never.to_string());
+    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let stopped = run_kforge_with(
+        &["call", "Evaluator/Evaluate", "--deadline", "2"],
+        &never.to_string(),
+        &[("KFORGE__EVALUATOR__PYTHON", python.to_str().expect("utf-8 path"))],
+    );
     let stderr = String::from_utf8_lossy(&stopped.stderr);
     assert!(!stopped.status.success(), "{stderr}");
     assert!(stderr.contains("DEADLINE_EXCEEDED: the call's deadline of 2 s passed"), "{stderr}");
