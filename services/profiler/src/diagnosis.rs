@@ -398,7 +398,8 @@ mod tests {
 
     #[test]
     fn kernels_recorded_with_cudaforges_set_get_the_bottleneck_they_were_written_to_have() {
-        // Recorded on an H200 with exactly the default set (`h200/README.md`): no composite is on the page.
+        // Recorded on an H200 with exactly the default set (`h200/README.md`): neither throughput composite is on
+        // the page (the theoretical occupancy is, among the launch statistics ncu always reports).
         let recorded = |kind: &str| {
             let path = format!("{}/tests/fixtures/h200/{kind}.cudaforge.csv", env!("CARGO_MANIFEST_DIR"));
             let launches = parse_raw(&std::fs::read_to_string(path).expect("fixture")).expect("parses");
@@ -407,7 +408,7 @@ mod tests {
             for name in nsight::CUDAFORGE {
                 assert!(launch.metrics.contains_key(name), "{kind}: {name} recorded");
             }
-            for composite in [MEMORY, COMPUTE, THEORETICAL] {
+            for composite in [MEMORY, COMPUTE] {
                 assert!(!launch.metrics.contains_key(composite), "{kind}: {composite}");
             }
             diagnose(&launch)
