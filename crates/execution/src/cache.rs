@@ -44,6 +44,13 @@ pub enum Entry {
     Failed(String),
 }
 
+/// An entry held for use: pinned with what it holds when complete, else locked for its builder.
+#[derive(Debug)]
+pub enum Held {
+    Pinned(EntryLock, Entry),
+    Building(EntryLock),
+}
+
 /// A lock on one entry (exclusive while building, shared while in use), released on drop.
 #[derive(Debug)]
 pub struct EntryLock {
@@ -86,6 +93,24 @@ impl Cache {
     /// Waits for a shared lock on the entry: eviction leaves it alone while the lock is held.
     pub async fn pin(&self, key: &str) -> std::io::Result<EntryLock> {
         self.lock_as(key, true).await
+    }
+
+    /// The entry pinned with what it holds when it is complete, else its exclusive lock to build it. An entry that
+    /// another builder completes while this waits for the lock is pinned, not built again; one evicted between
+    /// being found and being pinned is built again: a caller never gets a complete entry it does not hold.
+    pub async fn pin_or_lock(&self, key: &str) -> std::io::Result<Held> {
+        loop {
+            if self.get(key).is_some() {
+                let pin = self.pin(key).await?;
+                if let Some(entry) = self.get(key) {
+                    return Ok(Held::Pinned(pin, entry));
+                }
+            }
+            let lock = self.lock(key).await?;
+            if self.get(key).is_none() {
+                return Ok(Held::Building(lock));
+            }
+        }
     }
 
     async fn lock_as(&self, key: &str, shared: bool) -> std::io::Result<EntryLock> {
@@ -202,6 +227,33 @@ mod tests {
             Cache::new(root.clone(), 0).expect("reopen").get(&k),
             Some(Entry::Failed("error: expected ;".into()))
         );
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[tokio::test]
+    async fn an_entry_is_held_pinned_when_complete_and_locked_for_its_builder_otherwise() {
+        let root = std::env::temp_dir().join(format!("kforge-cache-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let cache = Cache::new(root.clone(), 1).expect("cache dir");
+        let k = key(&[b"reference"]);
+        // Absent: the caller builds it. A second caller waits, and gets it pinned once the first completes it.
+        let Held::Building(lock) = cache.pin_or_lock(&k).await.expect("held") else { panic!("absent: built") };
+        let waiting = tokio::spawn({
+            let cache = cache.clone();
+            let k = k.clone();
+            async move { cache.pin_or_lock(&k).await.expect("held") }
+        });
+        std::fs::create_dir_all(cache.dir(&k)).expect("entry dir");
+        std::fs::write(cache.dir(&k).join("outputs.pt"), [0u8; 64]).expect("outputs");
+        cache.complete(&k, &Entry::Ready("peak 64".into()), &lock).expect("complete");
+        drop(lock);
+        let Held::Pinned(pin, entry) = waiting.await.expect("joined") else { panic!("completed meanwhile: pinned") };
+        assert_eq!(entry, Entry::Ready("peak 64".into()));
+        assert_eq!(cache.evict(), 0, "a pinned entry stays over the bound");
+        drop(pin);
+        // Evicted while nobody holds it: the next caller builds it again rather than failing.
+        assert_eq!(cache.evict(), 1);
+        assert!(matches!(cache.pin_or_lock(&k).await.expect("held"), Held::Building(_)));
         let _ = std::fs::remove_dir_all(root);
     }
 

@@ -9,7 +9,7 @@ use kforge_proto::v1 as pb;
 use kforge_sandbox::tail as cap;
 use tokio_util::sync::CancellationToken;
 
-use kforge_execution::cache::{self, Entry};
+use kforge_execution::cache::{self, Entry, Held};
 use kforge_execution::devices::Lane;
 use kforge_execution::engine::{InfraError, Submission};
 use kforge_execution::protocol::{CompareSpec, Sensitivity, StageSpec};
@@ -99,27 +99,18 @@ impl Evaluator {
             timed_call: None,
         };
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
-        // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile.
+        // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile; one
+        // evicted before it could be pinned is computed again, never an infrastructure error (`Cache::pin_or_lock`).
         // The reference's peak device memory, recorded in its cache entry (none in entries from before it was).
         let peak_key = (cache::key(&[submission.task.as_bytes()]), device_name.to_owned());
-        let (lock, pin) = match inner.references.get(&key) {
-            Some(_) => {
-                let pin = inner.references.pin(&key).await.map_err(InfraError::cache("reference pin"))?;
-                let Some(entry) = inner.references.get(&key) else {
-                    return Err(InfraError::Evicted { what: "cached reference" });
-                };
+        let (lock, pin) = match inner.references.pin_or_lock(&key).await.map_err(InfraError::cache("reference"))? {
+            Held::Pinned(pin, entry) => {
                 self.note_reference_peak(&peak_key, &entry);
                 (None, Some(pin))
             }
-            None => {
-                let lock = inner.references.lock(&key).await.map_err(InfraError::cache("reference lock"))?;
-                if let Some(entry) = inner.references.get(&key) {
-                    self.note_reference_peak(&peak_key, &entry);
-                    (None, None)
-                } else {
-                    std::fs::create_dir_all(&reference_dir).map_err(InfraError::files("reference dir"))?;
-                    (Some(lock), None)
-                }
+            Held::Building(lock) => {
+                std::fs::create_dir_all(&reference_dir).map_err(InfraError::files("reference dir"))?;
+                (Some(lock), None)
             }
         };
         inner.engine.metrics().cache("reference", lock.is_none());
