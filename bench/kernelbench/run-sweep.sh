@@ -3,7 +3,8 @@
 # machines: each candidate is evaluated cold and then at once again warm (`--again`: compile, reference outputs and
 # baselines cached), 6 evaluations in flight on 6 GPU slots, tasks in a seeded random order. A task counts as done
 # once its warm line exists, in this machine's /tmp/res or in results carried from earlier machines (.kb/done/).
-cd "$(dirname "$0")/../../.."
+# ONLY (a regular expression on the task's path) restricts it to some tasks.
+cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 D=$OUT/${NAME:?}; R=/tmp/res; mkdir -p $D $R target/release && cp .kb/bin/* target/release/
 [ -f $R/machine.txt ] || { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; free -g; df -h / /tmp; cat .kb/bin/COMMIT; } > $R/machine.txt 2>&1
@@ -17,7 +18,8 @@ rm -rf /tmp/todo && mkdir -p /tmp/todo && cp -r /tmp/cand/. /tmp/todo/
 LEFT=$(python3 -c "
 import json,glob,random
 done={(x['task'],x.get('kind')) for f in glob.glob('$R/sweep-*.jsonl')+glob.glob('.kb/done/*.jsonl') for x in map(json.loads,filter(str.strip,open(f))) if x.get('pass')=='warm'}
-m=[e for e in json.load(open('/tmp/cand/all.json')) if (e['task'],e.get('kind')) not in done]
+import re
+m=[e for e in json.load(open('/tmp/cand/all.json')) if (e['task'],e.get('kind')) not in done and re.search('${ONLY:-.}', e['task'])]
 random.Random(0).shuffle(m)  # large level-1 tasks beside small ones of every level
 json.dump(m,open('/tmp/todo/manifest.json','w')); print(len(m))")
 echo "$LEFT left"
