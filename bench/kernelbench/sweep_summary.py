@@ -51,6 +51,13 @@ def main():
         if walls:
             print(f"Wall per evaluation: p50 {quantile(walls, 0.5):.1f} s, p95 {quantile(walls, 0.95):.1f} s, "
                   f"max {max(walls):.1f} s\n")
+            # What the evaluation took besides waiting for its neighbours: the disk budget, a device slot, and
+            # the device's gate while another evaluation's exclusive phase ran.
+            waits = ("queue_disk", "queue_device", "device.gate_wait")
+            own = [r["wall_s"] - sum(r.get("stage_ms", {}).get(w, 0.0) for w in waits) / 1e3
+                   for r in group if "wall_s" in r]
+            print(f"Wall less waits for neighbours ({', '.join(waits)}): p50 {quantile(own, 0.5):.1f} s, "
+                  f"p95 {quantile(own, 0.95):.1f} s, max {max(own):.1f} s\n")
             peaks = [r.get("device_peak_bytes") or 0 for r in group]
             print(f"Peak device memory of the candidate's process: p50 {gib(quantile(peaks, 0.5))} GiB, "
                   f"max {gib(max(peaks))} GiB\n")
