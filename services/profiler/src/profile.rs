@@ -20,8 +20,9 @@ use crate::{ProfilerConfig, device, ncu};
 const DURATION: &str = "gpu__time_duration.sum";
 
 /// Profiled launches when the request does not say, and at most. Each launch is replayed once per metric pass:
-/// with the 24 default metrics a launch cost 0.3 s (a 0.04 ms kernel) to 0.6 s (a 15 ms one) on the H100, and three
-/// give a median that one odd launch does not move (bench/results/profiler-p50-2026-11-25-h100).
+/// with CudaForge's 24 the profiled calls of three launches took 1.6 s (a 0.04 ms kernel) to 2.0 s (a 15 ms one)
+/// on the H100, and three give a median that one odd launch does not move
+/// (bench/results/profiler-cudaforge-2026-11-26).
 pub const DEFAULT_LAUNCHES: u32 = 3;
 pub const MAX_LAUNCHES: u32 = 100;
 
