@@ -80,13 +80,7 @@ fn the_harness_counts_calls_into_the_candidate_s_extensions() {
 /// check, on values chosen so that each can fail.
 #[test]
 fn the_harness_perturbs_digests_and_compares_as_documented() {
-    let Some(python) = support::python() else { return };
-    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harness_inputs_and_checks.py");
-    let output =
-        std::process::Command::new(python).arg(&script).env("PYTHONPATH", &harness).output().expect("python runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let Some(stdout) = fixture_script("harness_inputs_and_checks.py") else { return };
     assert_eq!(stdout.lines().count(), 5, "{stdout}");
 }
 
@@ -94,13 +88,20 @@ fn the_harness_perturbs_digests_and_compares_as_documented() {
 /// code by function name, and the Triton kernels the candidate's file makes, at import or later.
 #[test]
 fn the_harness_names_own_kernels_from_device_code_and_made_triton_kernels() {
-    let Some(python) = support::python() else { return };
-    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harness_kernel_names.py");
-    let output =
-        std::process::Command::new(python).arg(&script).env("PYTHONPATH", &harness).output().expect("python runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    let Some(stdout) = fixture_script("harness_kernel_names.py") else { return };
     assert!(!stdout.contains("SKIP"), "Triton's wheel ships ptxas and cuobjdump: {stdout}");
     assert_eq!(stdout.lines().count(), 5, "{stdout}");
+}
+
+/// Runs `tests/fixtures/NAME` with the harness on PYTHONPATH, asserting it succeeded; its standard output, or `None`
+/// (a visible skip) without the test environment's Python.
+fn fixture_script(name: &str) -> Option<String> {
+    let python = support::python()?;
+    let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let output =
+        std::process::Command::new(python).arg(&script).env("PYTHONPATH", &harness).output().expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    Some(stdout)
 }
