@@ -450,6 +450,15 @@ class Gate:
         """A pause point between steps of shared work: stopped here while another process runs alone or waits to."""
         self.ask(b"pause\n", device)
 
+    @contextlib.contextmanager
+    def host_work(self, device):
+        """Host work only in the block (writing or reading outputs' files): a pause point before it, and while it
+        runs the evaluator stops this process as soon as another asks to run alone, instead of waiting for the next
+        pause point; a pause point after it, before the device is used again."""
+        self.ask(b"host\n", device)
+        yield
+        self.ask(b"pause\n", device, sync=False)  # nothing ran on the device meanwhile
+
     def share(self, device):
         """Before a trusted stage's device work: leaves idle, waiting while timed work runs."""
         if self.is_idle:
@@ -551,6 +560,21 @@ def load_outputs(path, device):
     import torch
 
     return torch.load(path, map_location=device, weights_only=True, mmap=True)
+
+
+def prefetch(paths, device):
+    """Reads files into the page cache as host work (see Gate.host_work), so that loading them onto the device
+    after, while sharing it, copies from memory instead of waiting for the disk. A file that cannot be read is left
+    to the load, which reports it."""
+    buffer = bytearray(16 << 20)
+    with GATE.host_work(device):
+        for path in paths:
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while f.readinto(buffer):
+                        pass
+            except OSError:
+                pass
 
 
 class Timer:
@@ -1353,11 +1377,13 @@ def mode_reference(spec):
         inputs = trial_inputs(task, spec, trial, device)
         with torch.no_grad():
             output = model(*inputs)
-        synchronize(device)
-        save(to_cpu_outputs(output), os.path.join(spec["reference_dir"], f"reference-{trial}.pt"))
+        saved = to_cpu_outputs(output)
         if trial == 0:
             kept = kept_trials(spec, output_bytes(output))
         del inputs, output
+        with GATE.host_work(device):
+            save(saved, os.path.join(spec["reference_dir"], f"reference-{trial}.pt"))
+        del saved
     result = {"ok": True}
     if device.type == "cuda":
         # The most device memory the reference held at once (model, inputs, outputs, workspace): the evaluator
@@ -1395,7 +1421,8 @@ def run_trial(model, task, device, trial, integrity, result, spec):
     if tensor_digest(inputs) != before:
         result["mutated_inputs"].append(trial)
     integrity.check_outputs(inputs, output, trial)
-    save(ordered, os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"))
+    with GATE.host_work(device):
+        save(ordered, os.path.join(spec["candidate_dir"], f"candidate-{trial}.pt"))
     return output_bytes(output)
 
 
@@ -1512,7 +1539,9 @@ def mode_candidate(spec):
                 result["host_ms"] = host
                 result["last_call"] = last_call
                 result["timing_cpu"] = cpu
-                save(to_cpu_outputs(output), os.path.join(spec["candidate_dir"], "timed.pt"))
+                timed = to_cpu_outputs(output)
+                with GATE.host_work(device):
+                    save(timed, os.path.join(spec["candidate_dir"], "timed.pt"))
         if census is not None:
             with phase("census_read"):
                 result["census"] = census.records()
@@ -1595,8 +1624,10 @@ def compare_timed_call(spec, task, model, device):
     synchronize(device)
     if compare_outputs(expected, again, spec) is not None:
         return None
+    timed = os.path.join(spec["candidate_dir"], "timed.pt")
+    prefetch([timed], device)
     try:
-        got = load_outputs(os.path.join(spec["candidate_dir"], "timed.pt"), device)
+        got = load_outputs(timed, device)
     except Exception as error:
         return {"trial": -1, "output_index": 0, "detail": f"timed outputs unreadable: {type(error).__name__}"}
     mismatch = compare_outputs(expected, got, spec)
@@ -1610,9 +1641,12 @@ def compare_trials(spec, device):
     or None; compared on `device`."""
     import torch
 
-    def load(kind, trial):
+    def path(kind, trial):
         folder = spec["reference_dir"] if kind == "reference" else spec["candidate_dir"]
-        return load_outputs(os.path.join(folder, f"{kind}-{trial}.pt"), device)
+        return os.path.join(folder, f"{kind}-{trial}.pt")
+
+    def load(kind, trial):
+        return load_outputs(path(kind, trial), device)
 
     sensitivity = spec.get("sensitivity")
     kept = {}  # the base and sensitivity trials' outputs, for the sensitivity check after the loop
@@ -1620,7 +1654,9 @@ def compare_trials(spec, device):
     for trial in range(len(spec["seeds"])):
         if trial not in compared:
             continue
-        GATE.pause(device)  # comparing shares the device: timed work elsewhere waits for no more than one trial
+        # Comparing shares the device (timed work elsewhere waits for no more than one trial); reading the files
+        # does not.
+        prefetch([path("reference", trial), path("candidate", trial)], device)
         expected = load("reference", trial)
         if trial == 0:
             compared = kept_trials(spec, sum(v["tensor"].numel() * v["tensor"].element_size()

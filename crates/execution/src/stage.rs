@@ -352,6 +352,9 @@ enum Ended {
 ///
 /// - `alone`: run alone on the device; `share`: share it again (or start to, from idle);
 /// - `pause`: a pause point between steps of shared work; it pauses only while someone runs alone or waits to;
+/// - `host`: a pause point after which the stage does host work only (saving or reading outputs) until its next
+///   message: meanwhile it is stopped as soon as someone asks to run alone, instead of being waited for, and
+///   continued once the device is open again (a stage under a launcher, which cannot be stopped, is waited for);
 /// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]);
 ///
 /// and two notices, not answered: `call`, a call into candidate code starts (see [`CallLimits`]), and `timed`,
@@ -375,6 +378,7 @@ async fn converse(
     let mut read = BufReader::new(read);
     let mut line = Vec::new();
     let mut call: Option<Call> = None;
+    let mut host_work = false;
     loop {
         let check_at = call.as_ref().map(|call| call.check_at);
         // A message cut short by a check keeps its bytes in `line`; the limit counts over the whole message.
@@ -385,6 +389,10 @@ async fn converse(
                 Ok(0) if line.is_empty() => return Ended::Closed,
                 _ => return Ended::Broken,
             },
+            () = member.pause_wanted(), if host_work => {
+                waiting.wait(control, member.share()).await;
+                continue;
+            }
             () = sleep_until(check_at) => {
                 let call = call.as_mut().expect("a deadline comes with a call");
                 let limits = limits.expect("a call is watched only with limits");
@@ -396,6 +404,7 @@ async fn converse(
         }
         let message = std::mem::take(&mut line);
         call = None;
+        host_work = false;
         watch.lock().expect("never poisoned").call_ends();
         match &message[..] {
             b"call\n" | b"timed\n" => {
@@ -410,6 +419,12 @@ async fn converse(
             b"share\n" => waiting.wait(control, member.share()).await,
             b"pause\n" if member.must_pause() => waiting.wait(control, member.share()).await,
             b"pause\n" => {}
+            b"host\n" => {
+                if member.must_pause() {
+                    waiting.wait(control, member.share()).await;
+                }
+                host_work = matches!(waiting, Waiting::Stopped);
+            }
             b"idle\n" if member.idle() => {}
             _ => return Ended::Broken,
         }
@@ -654,6 +669,54 @@ mod tests {
             drop(outcome);
             tokio::time::timeout(Duration::from_secs(30), alone).await.expect("runs alone").expect("task");
         }
+    }
+
+    #[tokio::test]
+    async fn a_stage_doing_host_work_is_stopped_for_a_neighbour_s_timed_work_not_waited_for() {
+        // After `host`, it writes files until `go-on` exists (host work as long as the test wants), then passes a
+        // pause point and ends.
+        let script = format!(
+            "cat >/dev/null; echo $$ > pid; printf 'host\\n' >&3; head -c 3 <&3 >/dev/null; : > in-host-work; \
+             while [ ! -e go-on ]; do sleep 0.01; done; printf 'pause\\n' >&3; head -c 3 <&3 >/dev/null; \
+             printf '{{\"protocol\": {PROTOCOL_VERSION}, \"ok\": true}}' > result.json"
+        );
+        let gate = Arc::new(Gate::default());
+        let stage = shell_stage(&script, &gate);
+        let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
+        let appears = |file: &'static str| {
+            let path = dir.join(file);
+            async move {
+                tokio::time::timeout(Duration::from_secs(30), async {
+                    while !path.exists() {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                })
+                .await
+                .expect("the stage got there");
+            }
+        };
+        appears("in-host-work").await;
+        let neighbour = gate.join(false).await;
+        tokio::time::timeout(Duration::from_secs(30), neighbour.alone())
+            .await
+            .expect("the neighbour runs alone without waiting for the stage's next message");
+        let pid = std::fs::read_to_string(dir.join("pid")).expect("pid");
+        let state = || {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).expect("the stage runs");
+            stat.rsplit_once(')').and_then(|(_, fields)| fields.split_whitespace().next().map(String::from))
+        };
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while state().as_deref() != Some("T") {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the stage is stopped while its neighbour runs alone");
+        std::fs::write(dir.join("go-on"), "").expect("go-on");
+        neighbour.share().await; // the stage goes on: its host work ends, it passes its pause point and ends
+        let outcome = stage.await.expect("task").expect("the stage ran");
+        assert!(outcome.ok(), "{}", outcome.error_text());
+        assert!(outcome.gate.waited > Duration::ZERO, "its stop counts as waiting at the gate");
     }
 
     #[tokio::test]
