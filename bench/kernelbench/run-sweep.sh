@@ -1,7 +1,8 @@
 #!/bin/bash
 # KernelBench sweep over all tasks of levels 1-3 (plus the six loss shortcuts), resumable across commands and
 # machines: each candidate is evaluated cold and then at once again warm (`--again`: compile, reference outputs and
-# baselines cached), 6 evaluations in flight on 6 GPU slots, tasks in a seeded random order. A task counts as done
+# baselines cached), SLOTS (default 6) evaluations in flight per GPU on as many GPU slots, every GPU of the machine
+# in one evaluator, tasks in a seeded random order. A task counts as done
 # once its warm line exists, in this machine's /tmp/res or in results carried from earlier machines (.kb/done/).
 # ONLY (a regular expression on the task's path) restricts it to some tasks.
 cd "$(dirname "$0")/../.."
@@ -27,8 +28,8 @@ echo "$LEFT left"
 LOGGER=$!
 if [ "$LEFT" != 0 ]; then
   timeout $(( ${BUDGET:-570} - ($(date +%s) - T0) )) target/release/evaluator-kernelbench --kernelbench .kb/kernelbench \
-    --python $(which python3) --work /tmp/kfs --no-torch-compile --again --candidates /tmp/todo --gpu-slots 6 \
-    --in-flight 6 --out $R/sweep-$T0.jsonl > $R/sweep-$T0.log 2>&1
+    --python $(which python3) --work /tmp/kfs --no-torch-compile --again --candidates /tmp/todo --gpu-slots ${SLOTS:-6} \
+    --in-flight $(( ${SLOTS:-6} * $(nvidia-smi -L | grep -c ^GPU) )) --out $R/sweep-$T0.jsonl > $R/sweep-$T0.log 2>&1
   echo "rc=$? $(( $(date +%s) - T0 )) s, $(grep -c . $R/sweep-$T0.jsonl) lines"
 fi
 python3 bench/kernelbench/sweep_summary.py $R/sweep-*.jsonl .kb/done/*.jsonl 2>&1 | tail -40
