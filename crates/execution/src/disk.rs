@@ -96,7 +96,8 @@ impl DiskBudget {
     pub fn new(capacity: u64) -> Self {
         let units = (capacity / UNIT).max(1);
         let units = units.min(Semaphore::MAX_PERMITS as u64);
-        let lane = units / 16;
+        // A lane too small to hold one small reservation (under 64 units) is no lane.
+        let lane = if units >= 64 { units / 16 } else { 0 };
         let main_units = units - lane;
         Self {
             permits: Arc::new(Semaphore::new(main_units as usize)),
@@ -132,7 +133,8 @@ impl DiskBudget {
         self.permits.clone().acquire_many_owned(units as u32).await.expect("the disk budget is never closed")
     }
 
-    /// The bytes to reserve for an evaluation of a task of `sizes` (the whole budget where they are unknown).
+    /// The bytes to reserve for an evaluation of a task of `sizes` (the whole budget where they are unknown;
+    /// [`DiskBudget::reserve`] takes at most the main budget).
     pub fn need(&self, sizes: Option<TaskSizes>, plan: OutputPlan) -> u64 {
         sizes.map_or(self.capacity, |sizes| files_bytes(sizes, plan).min(self.capacity))
     }
