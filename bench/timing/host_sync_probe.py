@@ -40,6 +40,10 @@ and exits 0.
 import argparse, ctypes, json, os, resource, statistics, subprocess, sys, time  # noqa: E401 (stdlib only)
 from pathlib import Path
 
+# The harness's own sizing of the cover before each timed call (stdlib at import: torch loads where used).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
+from kforge_harness import cover_ms  # noqa: E402
+
 CONFIGS = ["dobench", "kf_spin", "kf_block", "kf_default", "kf_nocover", "kf_pinned"]
 MODELS = ["eager", "hostsync"]
 WARMUP, SAMPLES, CHILD_TIMEOUT_S = 25, 300, 180
@@ -103,16 +107,6 @@ def summary(values):
     med = quantile(values, 0.5)
     return {"n": len(values), "median": med, "p20": quantile(values, 0.2), "p80": quantile(values, 0.8),
             "iqr_pct": 100 * (quantile(values, 0.75) - quantile(values, 0.25)) / med if med else None}
-
-
-def cover_ms(launches, device_ms):
-    """kforge_harness.cover_ms."""
-    if not launches:
-        return 0.1
-    recent = sorted(launches[-20:])
-    launch = recent[min(len(recent) - 1, (3 * len(recent)) // 4)]
-    recent_device = sorted(device_ms[-20:])
-    return min(1.5 * launch + 0.02, (recent_device[len(recent_device) // 2] if recent_device else 0.0) + 0.05)
 
 
 def one(spec, out):

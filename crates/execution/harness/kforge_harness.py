@@ -630,7 +630,7 @@ def load_outputs(path, device):
         items, offset = [], 0
         for item in header["items"]:
             if "dtype" not in item:
-                items.append((item, None, None, None))
+                items.append((item, None, None, None, 0))
                 continue
             dtype = getattr(torch, str(item["dtype"]), None)
             shape = item["shape"]
@@ -640,7 +640,7 @@ def load_outputs(path, device):
             nbytes = math.prod(shape) * dtype.itemsize
             if item["offset"] != offset or item["nbytes"] != nbytes:
                 raise ValueError("outputs header: bad extent")
-            items.append((item, dtype, shape, start + offset))
+            items.append((item, dtype, shape, start + offset, nbytes))
             offset += aligned(nbytes)
         if size != start + offset:
             raise ValueError("outputs file: its size is not its header's")
@@ -648,11 +648,10 @@ def load_outputs(path, device):
     finally:
         os.close(fd)
     outputs = []
-    for item, dtype, shape, at in items:
+    for item, dtype, shape, at, nbytes in items:
         if dtype is None:
             outputs.append({"exact_tensor": False, "device": "", "value": str(item.get("value", ""))[:200]})
             continue
-        nbytes = math.prod(shape) * dtype.itemsize
         tensor = data[at:at + nbytes].view(dtype).reshape(shape)
         outputs.append({"exact_tensor": item.get("exact_tensor") is True, "device": str(item.get("device", ""))[:64],
                         "tensor": tensor.to(device)})

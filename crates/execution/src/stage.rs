@@ -417,13 +417,11 @@ async fn converse(
             }
             b"alone\n" => waiting.wait(control, member.alone()).await,
             b"share\n" => waiting.wait(control, member.share()).await,
-            b"pause\n" if member.must_pause() => waiting.wait(control, member.share()).await,
-            b"pause\n" => {}
-            b"host\n" => {
+            b"pause\n" | b"host\n" => {
                 if member.must_pause() {
                     waiting.wait(control, member.share()).await;
                 }
-                host_work = matches!(waiting, Waiting::Stopped);
+                host_work = message == b"host\n" && matches!(waiting, Waiting::Stopped);
             }
             b"idle\n" if member.idle() => {}
             _ => return Ended::Broken,
@@ -630,15 +628,20 @@ mod tests {
         tokio::spawn(async move { started.run(request, Some((&gate, Joining::Share { solo: false }))).await })
     }
 
-    /// Waits (polling) until `gate` has `members`.
-    async fn members(gate: &Gate, members: usize) {
+    /// Waits (polling, at most 30 s) until `condition` holds; `what` names it if it never does.
+    async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
         tokio::time::timeout(Duration::from_secs(30), async {
-            while gate.members() != members {
+            while !condition() {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })
         .await
-        .expect("members joined");
+        .unwrap_or_else(|_| panic!("{what}"));
+    }
+
+    /// Waits until `gate` has `members`.
+    async fn members(gate: &Gate, members: usize) {
+        eventually("members joined", || gate.members() == members).await;
     }
 
     #[tokio::test]
@@ -683,19 +686,7 @@ mod tests {
         let gate = Arc::new(Gate::default());
         let stage = shell_stage(&script, &gate);
         let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
-        let appears = |file: &'static str| {
-            let path = dir.join(file);
-            async move {
-                tokio::time::timeout(Duration::from_secs(30), async {
-                    while !path.exists() {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                })
-                .await
-                .expect("the stage got there");
-            }
-        };
-        appears("in-host-work").await;
+        eventually("the stage got to its host work", || dir.join("in-host-work").exists()).await;
         let neighbour = gate.join(false).await;
         tokio::time::timeout(Duration::from_secs(30), neighbour.alone())
             .await
@@ -705,13 +696,7 @@ mod tests {
             let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).expect("the stage runs");
             stat.rsplit_once(')').and_then(|(_, fields)| fields.split_whitespace().next().map(String::from))
         };
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while state().as_deref() != Some("T") {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("the stage is stopped while its neighbour runs alone");
+        eventually("the stage is stopped while its neighbour runs alone", || state().as_deref() == Some("T")).await;
         std::fs::write(dir.join("go-on"), "").expect("go-on");
         neighbour.share().await; // the stage goes on: its host work ends, it passes its pause point and ends
         let outcome = stage.await.expect("task").expect("the stage ran");
