@@ -8,7 +8,7 @@
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 D=$OUT/${NAME:?}; R=/tmp/res; mkdir -p $D $R target/release && cp .kb/bin/* target/release/
-[ -f $R/machine.txt ] || { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; free -g; df -h / /tmp; cat .kb/bin/COMMIT; } > $R/machine.txt 2>&1
+[ -f $R/machine.txt ] || { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; free -g; df -h / /tmp /dev/shm; cat .kb/bin/COMMIT; } > $R/machine.txt 2>&1
 trap 'kill $LOGGER 2>/dev/null; cp $R/*.jsonl $R/machine.txt $D/ 2>/dev/null; tar czf $D/logs.tgz -C $R . 2>/dev/null' EXIT
 if [ ! -d /tmp/cand ]; then
   python3 bench/kernelbench/make_candidates.py --reproduce .kb/kernelbench /tmp/cand 1 2 3 > /dev/null
@@ -24,7 +24,7 @@ m=[e for e in json.load(open('/tmp/cand/all.json')) if (e['task'],e.get('kind'))
 random.Random(0).shuffle(m)  # large level-1 tasks beside small ones of every level
 json.dump(m,open('/tmp/todo/manifest.json','w')); print(len(m))")
 echo "$LEFT left"
-( while true; do echo "$(( $(date +%s) - T0 )) $(df -BG --output=used,avail / | tail -1 | tr -s ' ') $(free -g | awk '/Mem/{print $3}') $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; sleep 10; done >> $R/usage-$T0.log 2>&1 ) > /dev/null 2>&1 &
+( while true; do echo "$(( $(date +%s) - T0 )) $(df -BG --output=used,avail / | tail -1 | tr -s ' ') $(free -g | awk '/Mem/{print $3}') $(df -BG --output=used /dev/shm | tail -1 | tr -d ' ') $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; sleep 10; done >> $R/usage-$T0.log 2>&1 ) > /dev/null 2>&1 &
 LOGGER=$!
 if [ "$LEFT" != 0 ]; then
   timeout $(( ${BUDGET:-570} - ($(date +%s) - T0) )) target/release/evaluator-kernelbench --kernelbench .kb/kernelbench \

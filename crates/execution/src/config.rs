@@ -36,6 +36,11 @@ pub struct ExecutionConfig {
     pub output_bytes_budget: u64,
     /// Bytes of disk the runs' files may take at once; 0: 60% of the space available in `work_dir` at start.
     pub disk_budget_bytes: u64,
+    /// A memory-backed directory (tmpfs) for candidates' outputs files on a GPU; empty, or not memory-backed: the
+    /// disk (`handoff.rs`).
+    pub memory_files_dir: PathBuf,
+    /// Bytes those files may take in memory at once; 0: half the smaller of its free room and the available memory.
+    pub memory_files_bytes: u64,
     /// Forward calls profiled per mode in the kernel census.
     pub census_calls: u32,
     /// Wall-clock limit of a compile, in seconds.
@@ -72,6 +77,8 @@ impl Default for ExecutionConfig {
             max_source_bytes: 256 * 1024,
             output_bytes_budget: 12 << 30,
             disk_budget_bytes: 0,
+            memory_files_dir: PathBuf::from("/dev/shm"),
+            memory_files_bytes: 0,
             census_calls: 2,
             compile_timeout_secs: 600,
             run_timeout_secs: 300,

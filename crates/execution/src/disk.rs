@@ -54,13 +54,29 @@ impl OutputPlan {
     }
 }
 
-/// The bytes an evaluation's files take on disk: the candidate's kept trials and its timed call's output, and, where
-/// the reference has not run for this task yet (`plan.new_reference`), the reference's kept trials (its new cache
-/// entry; once written, the reference cache's bound holds it).
-pub fn files_bytes(sizes: TaskSizes, plan: OutputPlan) -> u64 {
+/// The bytes of an evaluation's files, by side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FilesBytes {
+    /// The candidate's kept trials and its timed call's output: read by the checker, removed with the evaluation.
+    pub candidate: u64,
+    /// The reference's kept trials where the reference has not run for this task yet (`plan.new_reference`): its
+    /// new cache entry (once written, the reference cache's bound holds it); else 0.
+    pub reference: u64,
+}
+
+impl FilesBytes {
+    pub fn total(&self) -> u64 {
+        self.candidate.saturating_add(self.reference)
+    }
+}
+
+/// The bytes an evaluation of a task of `sizes` writes, by side.
+pub fn files_bytes(sizes: TaskSizes, plan: OutputPlan) -> FilesBytes {
     let kept = plan.kept(sizes.output_bytes);
-    let files = if plan.new_reference { 2 * kept + 1 } else { kept + 1 };
-    files.saturating_mul(sizes.output_bytes)
+    FilesBytes {
+        candidate: (kept + 1).saturating_mul(sizes.output_bytes),
+        reference: if plan.new_reference { kept.saturating_mul(sizes.output_bytes) } else { 0 },
+    }
 }
 
 /// Bytes available to an unprivileged writer on the filesystem holding `path`.
@@ -113,6 +129,11 @@ impl DiskBudget {
         self.capacity
     }
 
+    /// The most one reservation takes: the main budget.
+    pub fn largest(&self) -> u64 {
+        self.main_units * UNIT
+    }
+
     /// Bytes not reserved now.
     pub fn unreserved(&self) -> u64 {
         (self.permits.available_permits() + self.small_lane.available_permits()) as u64 * UNIT
@@ -136,7 +157,7 @@ impl DiskBudget {
     /// The bytes to reserve for an evaluation of a task of `sizes` (the whole budget where they are unknown;
     /// [`DiskBudget::reserve`] takes at most the main budget).
     pub fn need(&self, sizes: Option<TaskSizes>, plan: OutputPlan) -> u64 {
-        sizes.map_or(self.capacity, |sizes| files_bytes(sizes, plan).min(self.capacity))
+        sizes.map_or(self.capacity, |sizes| files_bytes(sizes, plan).total().min(self.capacity))
     }
 
     /// The task's sizes: known, or found by a dry run in `sandbox` (one per task: a caller that comes while it
@@ -251,11 +272,13 @@ mod tests {
     fn an_evaluation_s_files_are_both_sides_kept_trials_and_the_timed_output() {
         let plan = OutputPlan { trials: 8, budget: 12 * GIB, new_reference: true };
         let sizes = |output_bytes| TaskSizes { input_bytes: 0, output_bytes };
-        assert_eq!(files_bytes(sizes(8 * GIB), plan), 40 * GIB, "two trials a side and the timed call");
-        assert_eq!(files_bytes(sizes(GIB), plan), 17 * GIB);
-        assert_eq!(files_bytes(sizes(0), plan), 0);
+        let both = files_bytes(sizes(8 * GIB), plan);
+        assert_eq!((both.candidate, both.reference), (24 * GIB, 16 * GIB), "two trials a side and the timed call");
+        assert_eq!(files_bytes(sizes(GIB), plan).total(), 17 * GIB);
+        assert_eq!(files_bytes(sizes(0), plan).total(), 0);
         let cached = OutputPlan { new_reference: false, ..plan };
-        assert_eq!(files_bytes(sizes(8 * GIB), cached), 24 * GIB, "the reference's entry is written already");
+        let candidate_only = FilesBytes { candidate: 24 * GIB, reference: 0 };
+        assert_eq!(files_bytes(sizes(8 * GIB), cached), candidate_only, "the reference's entry is written already");
     }
 
     #[tokio::test]

@@ -3,8 +3,8 @@
 //! The [`Engine`] is what one process shares between them: the Python environment ([`python`]), harness processes
 //! in the sandbox ([`stage`], speaking the typed [`protocol`] with the harness in `harness/`), the artifact cache
 //! ([`cache`], compiled through [`Engine::build`]) with torch's extension header precompiled for the bindings
-//! ([`precompiled_header`]), the device lanes and their gate, admission and health ([`devices`]), and the disk
-//! budget ([`disk`]). The static checks ([`static_checks`]) and the kernel census ([`census`]) define what a
+//! ([`precompiled_header`]), the device lanes and their gate, admission and health ([`devices`]), the disk
+//! budget ([`disk`]) and the memory candidates' outputs are handed over in ([`handoff`]). The static checks ([`static_checks`]) and the kernel census ([`census`]) define what a
 //! candidate may do and which kernels are its own, for both services. A service keeps its gRPC face and its own
 //! pipeline: the evaluator's checks and timing, the profiler's Nsight Compute run.
 
@@ -14,6 +14,7 @@ pub mod config;
 pub mod devices;
 pub mod disk;
 pub mod engine;
+pub mod handoff;
 pub mod metrics;
 pub mod precompiled_header;
 pub mod protocol;

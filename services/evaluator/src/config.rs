@@ -56,6 +56,12 @@ pub struct EvaluatorConfig {
     /// each GPU evaluation reserves its share before its candidate starts (docs/EVALUATOR.md, "Disk"). 0: 60% of
     /// the space available in `work_dir` when the evaluator starts.
     pub disk_budget_bytes: u64,
+    /// A memory-backed directory (tmpfs) where a GPU evaluation's candidate outputs files go, when they fit, instead
+    /// of the disk (docs/EVALUATOR.md, "Disk"); empty, or not memory-backed: the disk.
+    pub memory_files_dir: PathBuf,
+    /// Bytes those files may take in memory at once; 0: half the smaller of the directory's free room and the host's
+    /// available memory when the evaluator starts.
+    pub memory_files_bytes: u64,
     /// Forward calls profiled per mode in the kernel census.
     pub census_calls: u32,
     /// Largest candidate or task source accepted, in bytes.
@@ -116,6 +122,8 @@ impl EvaluatorConfig {
             sensitivity_check: _,
             output_bytes_budget,
             disk_budget_bytes,
+            memory_files_dir,
+            memory_files_bytes,
             census_calls,
             max_source_bytes,
             compile_timeout_secs,
@@ -145,6 +153,8 @@ impl EvaluatorConfig {
             max_source_bytes,
             output_bytes_budget,
             disk_budget_bytes,
+            memory_files_dir,
+            memory_files_bytes,
             census_calls,
             compile_timeout_secs,
             run_timeout_secs,
@@ -174,6 +184,8 @@ impl Default for EvaluatorConfig {
             max_source_bytes,
             output_bytes_budget,
             disk_budget_bytes,
+            memory_files_dir,
+            memory_files_bytes,
             census_calls,
             compile_timeout_secs,
             run_timeout_secs,
@@ -200,6 +212,8 @@ impl Default for EvaluatorConfig {
             sensitivity_check: true,
             output_bytes_budget,
             disk_budget_bytes,
+            memory_files_dir,
+            memory_files_bytes,
             census_calls,
             max_source_bytes,
             compile_timeout_secs,

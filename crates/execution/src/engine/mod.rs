@@ -27,6 +27,7 @@ use crate::census;
 use crate::config::ExecutionConfig;
 use crate::devices::{self, Lane, Lanes};
 use crate::disk::DiskBudget;
+use crate::handoff::MemoryFiles;
 use crate::metrics::ExecutionMetrics;
 use crate::protocol::{Report, StageSpec};
 use crate::python::{PythonEnv, PythonUnavailable};
@@ -66,6 +67,9 @@ struct Inner {
     admission: Arc<Semaphore>,
     /// The disk the runs' files may take at once (`disk.rs`).
     disk: DiskBudget,
+    /// Where candidates' outputs files go in memory, if the host has a memory-backed filesystem for them
+    /// (`handoff.rs`).
+    memory_files: Option<MemoryFiles>,
     secret: u64,
     metrics: ExecutionMetrics,
     /// Peak device memory of each task's reference, by (task key, device name), as the reference stage measured
@@ -126,6 +130,10 @@ impl Engine {
 
     pub fn disk(&self) -> &DiskBudget {
         &self.inner.disk
+    }
+
+    pub fn memory_files(&self) -> Option<&MemoryFiles> {
+        self.inner.memory_files.as_ref()
     }
 
     pub fn censuses(&self) -> &census::Recent {

@@ -16,6 +16,7 @@ use crate::census;
 use crate::config::{BuildRecipe, ExecutionConfig};
 use crate::devices::Lanes;
 use crate::disk::{self, DiskBudget};
+use crate::handoff::MemoryFiles;
 use crate::metrics::ExecutionMetrics;
 use crate::precompiled_header;
 use crate::python::{self, PythonEnv, PythonUnavailable};
@@ -143,11 +144,13 @@ impl Engine {
             bytes => bytes,
         };
         tracing::info!(available, disk_budget, "disk budget");
+        let memory_files = MemoryFiles::open(&config.memory_files_dir, config.memory_files_bytes, &work);
         Ok(Self {
             inner: Arc::new(Inner {
                 artifacts: Cache::new(work.join("artifacts"), config.cache_limits.artifacts_bytes)?,
                 admission: Arc::new(Semaphore::new(config.queue_capacity)),
                 disk: DiskBudget::new(disk_budget),
+                memory_files,
                 compile_slots: Semaphore::new(compile_workers),
                 lanes: Lanes::with_budgets(
                     gpu_memory_budgets(&config, &python),

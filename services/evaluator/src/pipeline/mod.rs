@@ -23,6 +23,7 @@ use kforge_execution::engine::{
     Backend, Engine, InfraError, RemoveOnDrop, RequestError, Submission, finding_proto, hack_finding, ms,
     out_of_memory, phases_into,
 };
+use kforge_execution::handoff;
 use kforge_execution::protocol::{CandidateRun, Sensitivity, TimingSpec};
 use kforge_execution::static_checks::{self, Category};
 use kforge_proto::v1 as pb;
@@ -162,7 +163,7 @@ impl Evaluator {
         for dir in &stage_dirs {
             std::fs::create_dir_all(dir).map_err(InfraError::files(format!("scratch directory {}", dir.display())))?;
         }
-        let [compile_dir, candidate_dir, check_dir, baseline_dir] = stage_dirs;
+        let [compile_dir, mut candidate_dir, check_dir, baseline_dir] = stage_dirs;
         let task_key = cache::key(&[submission.task.as_bytes()]);
 
         self.baseline_ahead(evaluation);
@@ -183,11 +184,12 @@ impl Evaluator {
         };
         let (artifact_key, artifact_dir, compiles) = (&built.key, &built.dir, built.compiles);
 
-        // On a GPU, the task's sizes (a dry run on the meta device, once per task): the disk its files take, and
-        // its footprint before its reference has run. The files' share of the disk is reserved before the
-        // candidate starts, and held until the evaluation ends.
+        // On a GPU, the task's sizes (a dry run on the meta device, once per task): the room its files take, and
+        // its footprint before its reference has run. The room is reserved before the candidate starts, and held
+        // until the evaluation ends: the candidate's files in memory where they fit (`handoff.rs`), else on the disk.
         let on_gpu = submission.backend != Backend::Cpu;
-        let mut _disk = None;
+        let mut _files_room = None;
+        let mut _memory_cleanup = None;
         let mut sizes = None;
         if on_gpu {
             let started = Instant::now();
@@ -199,8 +201,18 @@ impl Evaluator {
                 budget: inner.config.output_bytes_budget,
                 new_reference: engine.reference_peak(&task_key).is_none(),
             };
-            _disk = Some(disk.reserve(disk.need(sizes, plan)).await);
+            let room = handoff::reserve(disk, engine.memory_files(), sizes, plan).await;
             response.stage_ms.insert("queue_disk".into(), ms(started.elapsed()));
+            if room.candidate_in_memory
+                && let Some(memory) = engine.memory_files()
+            {
+                let dir = memory.dir_for(scratch);
+                _memory_cleanup = Some(RemoveOnDrop(dir.clone()));
+                candidate_dir = dir.join("candidate");
+                std::fs::create_dir_all(&candidate_dir)
+                    .map_err(InfraError::files(format!("scratch directory {}", candidate_dir.display())))?;
+            }
+            _files_room = Some(room);
         }
 
         // Started before the lane: the interpreter and torch load while other evaluations use the device.
