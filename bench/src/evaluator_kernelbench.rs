@@ -5,12 +5,13 @@
 //! evaluator-kernelbench --kernelbench DIR --candidates DIR [--python PY] [--work DIR] [--out FILE]
 //!                       [--no-torch-compile] [--trials N] [--only SUBSTRING] [--gpu-slots N] [--in-flight N]
 //!                       [--no-landlock]
-//!                       [--no-network-namespace] [--again]
+//!                       [--no-network-namespace] [--again] [--memory-files-dir DIR]
 //! ```
 //! `--candidates` is what `bench/kernelbench/make_candidates.py` writes (candidates and manifest.json).
 //! `--again` evaluates each candidate a second time as soon as its first evaluation ends (its compile, reference
 //! outputs and baselines then cached): each line says its `pass`, `cold` or `warm`, so a sweep cut short still has
-//! both figures for every task it finished.
+//! both figures for every task it finished. `--memory-files-dir ""` keeps candidates' outputs files on the disk
+//! (the evaluator's `memory_files_dir`, by default `/dev/shm`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -33,6 +34,7 @@ struct Args {
     landlock: bool,
     network_namespace: bool,
     again: bool,
+    memory_files_dir: Option<PathBuf>,
 }
 
 fn args() -> Result<Args, String> {
@@ -50,6 +52,7 @@ fn args() -> Result<Args, String> {
         landlock: true,
         network_namespace: true,
         again: false,
+        memory_files_dir: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -68,6 +71,7 @@ fn args() -> Result<Args, String> {
             "--no-landlock" => args.landlock = false,
             "--no-network-namespace" => args.network_namespace = false,
             "--again" => args.again = true,
+            "--memory-files-dir" => args.memory_files_dir = Some(value()?.into()),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -112,7 +116,11 @@ async fn run(args: Args) -> std::process::ExitCode {
         },
         ..EvaluatorConfig::default()
     };
-    let config = EvaluatorConfig { gpu_slots: args.gpu_slots.unwrap_or(config.gpu_slots), ..config };
+    let config = EvaluatorConfig {
+        gpu_slots: args.gpu_slots.unwrap_or(config.gpu_slots),
+        memory_files_dir: args.memory_files_dir.clone().unwrap_or(config.memory_files_dir),
+        ..config
+    };
     let metrics = EvaluatorMetrics::register(&mut prometheus_client::registry::Registry::default());
     let evaluator = Evaluator::new(config, metrics).await.expect("evaluator starts");
     let capabilities = evaluator.capabilities();

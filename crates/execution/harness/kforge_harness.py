@@ -1481,14 +1481,15 @@ def mode_reference(spec):
         if trial not in kept:
             continue
         GATE.pause(device)
-        inputs = trial_inputs(task, spec, trial, device)
-        with torch.no_grad():
-            output = model(*inputs)
-        saved = to_cpu_outputs(output)
-        if trial == 0:
-            kept = kept_trials(spec, output_bytes(output))
-        del inputs, output
-        with GATE.host_work(device):
+        with phase("reference"):
+            inputs = trial_inputs(task, spec, trial, device)
+            with torch.no_grad():
+                output = model(*inputs)
+            saved = to_cpu_outputs(output)
+            if trial == 0:
+                kept = kept_trials(spec, output_bytes(output))
+            del inputs, output
+        with GATE.host_work(device), phase("save_reference"):
             save(saved, os.path.join(spec["reference_dir"], f"reference-{trial}.out"))
         del saved
     result = {"ok": True}
@@ -1732,12 +1733,15 @@ def compare_timed_call(spec, task, model, device):
     if compare_outputs(expected, again, spec) is not None:
         return None
     timed = os.path.join(spec["candidate_dir"], "timed.out")
-    prefetch([timed], device)
+    with phase("prefetch"):
+        prefetch([timed], device)
     try:
-        got = load_outputs(timed, device)
+        with phase("load"):
+            got = load_outputs(timed, device)
     except Exception as error:
         return {"trial": -1, "output_index": 0, "detail": f"timed outputs unreadable: {type(error).__name__}"}
-    mismatch = compare_outputs(expected, got, spec)
+    with phase("compare"):
+        mismatch = compare_outputs(expected, got, spec)
     if mismatch is not None:
         mismatch["trial"] = -1
     return mismatch
@@ -1763,17 +1767,21 @@ def compare_trials(spec, device):
             continue
         # Comparing shares the device (timed work elsewhere waits for no more than one trial); reading the files
         # does not.
-        prefetch([path("reference", trial), path("candidate", trial)], device)
-        expected = load("reference", trial)
+        with phase("prefetch"):
+            prefetch([path("reference", trial), path("candidate", trial)], device)
+        with phase("load"):
+            expected = load("reference", trial)
         if trial == 0:
             compared = kept_trials(spec, sum(v["tensor"].numel() * v["tensor"].element_size()
                                              for v in expected if "tensor" in v))
             spec["compared_trials"] = compared
         try:
-            got = load("candidate", trial)
+            with phase("load"):
+                got = load("candidate", trial)
         except Exception as error:  # a missing or malformed file is the candidate's output, not ours
             return {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}
-        mismatch = compare_outputs(expected, got, spec)
+        with phase("compare"):
+            mismatch = compare_outputs(expected, got, spec)
         if mismatch is None and sensitivity and trial in (sensitivity["base"], sensitivity["trial"]):
             kept[trial] = (expected, got)
         if mismatch is not None:
@@ -1786,7 +1794,8 @@ def compare_trials(spec, device):
         return None
     (ref_base, cand_base), (ref_moved, cand_moved) = kept[sensitivity["base"]], kept[sensitivity["trial"]]
     GATE.pause(device)
-    return compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, sensitivity["trial"], spec)
+    with phase("compare"):
+        return compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, sensitivity["trial"], spec)
 
 
 def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec):

@@ -2,6 +2,7 @@
 //! child (`reference` mode) or read from the cache (`check` mode), and the reference's peak device memory kept for
 //! memory-aware admission.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use kforge_execution::cache::{self, Entry, Held};
 use kforge_execution::devices::Lane;
-use kforge_execution::engine::{InfraError, Submission};
+use kforge_execution::engine::{InfraError, Submission, phases_into};
 use kforge_execution::protocol::{CompareSpec, Sensitivity, StageSpec};
 use kforge_execution::python;
 use kforge_execution::stage::{Request, Stage, Started};
@@ -135,6 +136,7 @@ impl Evaluator {
         prepared: PreparedCheck,
         lane: &Lane,
         timed_call: Option<i64>,
+        stage_ms: &mut HashMap<String, f64>,
     ) -> Result<(Option<(Trial, pb::Mismatch)>, Option<usize>), InfraError> {
         let inner = &self.inner;
         let PreparedCheck { started, mut spec, key, peak_key, lock, _pin } = prepared;
@@ -157,6 +159,9 @@ impl Evaluator {
             self.note_reference_peak(&peak_key, &entry);
             inner.references.complete(&key, &entry, lock).map_err(InfraError::cache("reference cache"))?;
             inner.engine.evict_later("reference", &inner.references);
+        }
+        if let Some(result) = &outcome.result {
+            phases_into(result, "check", stage_ms);
         }
         let result = outcome.result.map(|r| r.body).unwrap_or_default();
         let compared = result.compared_trials.map(|trials| trials.len());

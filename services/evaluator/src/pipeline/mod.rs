@@ -286,7 +286,7 @@ impl Evaluator {
         let started = Instant::now();
         // The output of the last timed call is checked too, on its rebuilt inputs.
         let timed_call = result.last_call.filter(|_| evaluation.measure);
-        let checked = self.check(check, &lane, timed_call).await;
+        let checked = self.check(check, &lane, timed_call, &mut response.stage_ms).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         if let Ok((_, Some(compared))) = &checked
             && *compared < seeds.len()
