@@ -658,10 +658,37 @@ def load_outputs(path, device):
     return outputs
 
 
+def in_memory(fd, size):
+    """Whether every page of the open file is in memory (the page cache, or a memory-backed filesystem such as the
+    evaluator's outputs directory in /dev/shm): mincore(2) over a shared read-only mapping. False where it cannot
+    tell."""
+    import ctypes
+
+    if size == 0:
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    if address is None or address == ctypes.c_void_p(-1).value:
+        return False
+    try:
+        pages = -(-size // os.sysconf("SC_PAGE_SIZE"))
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(address, size, vector) != 0:
+            return False
+        return bytes(vector).count(0) == 0
+    finally:
+        libc.munmap(address, size)
+
+
 def prefetch(paths, device):
     """Reads files into the page cache as host work (see Gate.host_work), so that loading them onto the device
     after, while sharing it, copies from memory instead of waiting for the disk. Only regular files, and no more
-    than their size; one that cannot be read is left to the load, which reports it."""
+    than their size; one that cannot be read is left to the load, which reports it. A file already wholly in memory
+    is not read (a 6 GiB trial's two files took 2.8 s to read again on an H200 host)."""
     buffer = bytearray(16 << 20)
     with GATE.host_work(device):
         for path in paths:
@@ -670,6 +697,8 @@ def prefetch(paths, device):
             except OSError:
                 continue
             try:
+                if in_memory(fd, size):
+                    continue
                 done = 0
                 while done < size:
                     read = os.readv(fd, [buffer])
