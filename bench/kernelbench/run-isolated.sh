@@ -17,9 +17,9 @@ for mode in ${MODES:-memory disk}; do d=/dev/shm; [ $mode = disk ] && d=""
     --no-torch-compile --again --candidates /tmp/cand --gpu-slots 1 --in-flight 1 --memory-files-dir "$d" --out $OUT/$mode.jsonl > $OUT/$mode.log 2>&1
   echo "$mode rc=$?"; rm -rf /tmp/kf-$mode; sync
 done
-python3 bench/kernelbench/sweep_summary.py $OUT/memory.jsonl $OUT/disk.jsonl | grep -v "^| level" | head -40
+python3 bench/kernelbench/sweep_summary.py $OUT/*.jsonl | grep -v "^| level" | head -40
 python3 -c "
-import json
-for m in ('memory','disk'):
-  for l in open('$OUT/'+m+'.jsonl'):
-    r=json.loads(l); print(m, r['task'][:30], r['pass'], r['verdict'], round(r['wall_s'],1), {k:round(v/1e3,1) for k,v in sorted(r['stage_ms'].items()) if v>300})"
+import json,glob
+for f in sorted(glob.glob('$OUT/*.jsonl')):
+  for l in open(f):
+    r=json.loads(l); print(f.split('/')[-1][:-6], r['task'][:30], r['pass'], r['verdict'], round(r['wall_s'],1), {k:round(v/1e3,1) for k,v in sorted(r['stage_ms'].items()) if v>300})"
