@@ -7,6 +7,8 @@ kforge's pinning or cover adds jitter. Models (inline; x = torch.rand(128, 16384
 torch.manual_seed(0), c a 0-dim parameter = 2.0; all on cuda, under no_grad):
   eager:    y = F.linear(x, W, b); y = torch.min(y, c); y - c
   hostsync: y = F.linear(x, W, b); k = float(c); torch.clamp(y, max=k) - k   (the host waits for the GEMM mid-call)
+  synconly: y = F.linear(x, W, b); torch.cuda.synchronize(); torch.clamp(y, max=2.0) - 2.0   (the wait, no copy)
+  scalar:   y = F.linear(x, W, b); torch.clamp(y, max=2.0) - 2.0   (hostsync's kernels, no wait)
 Configurations, each (model, config) in its own fresh process (`--one MODEL:CONFIG --out FILE`):
   dobench     triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="all"); default context flags.
   kf_spin     as kforge: cuInit + cuDevicePrimaryCtxSetFlags_v2(dev0, 4) (blocking sync) before any torch CUDA call,
@@ -65,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "executi
 from kforge_harness import cover_ms  # noqa: E402
 
 CONFIGS = ["dobench", "kf_spin", "kf_block", "kf_default", "kf_nocover", "kf_pinned"]
-MODELS = ["eager", "hostsync"]
+MODELS = ["eager", "hostsync", "synconly", "scalar"]
 WARMUP, SAMPLES, CHILD_TIMEOUT_S = 25, 300, 180
 NVML_LEAD_S = 0.02  # the sampler's readings before the timed part
 
@@ -395,21 +397,26 @@ def one(spec, out, nvml_period_ms=2.0):
     rec.update(gpu=torch.cuda.get_device_name(0), driver=version.value)
 
     class Model(torch.nn.Module):
-        def __init__(self, hostsync):
+        def __init__(self, kind):
             super().__init__()
             linear = torch.nn.Linear(16384, 16384, device="cuda")
-            self.weight, self.bias, self.hostsync = linear.weight, linear.bias, hostsync
+            self.weight, self.bias, self.kind = linear.weight, linear.bias, kind
             self.constant = torch.nn.Parameter(torch.tensor(2.0, device="cuda"))
 
         def forward(self, x):
             y = F.linear(x, self.weight, self.bias)
-            if self.hostsync:
+            if self.kind == "hostsync":
                 k = float(self.constant)  # host synchronisation between the GEMM and the epilogue
                 return torch.clamp(y, max=k) - k
+            if self.kind == "synconly":
+                torch.cuda.synchronize()  # the same wait, without copying a value back
+                return torch.clamp(y, max=2.0) - 2.0
+            if self.kind == "scalar":
+                return torch.clamp(y, max=2.0) - 2.0  # hostsync's kernels, without the wait
             return torch.min(y, self.constant) - self.constant
 
     torch.manual_seed(0)
-    model, x = Model(model_name == "hostsync"), torch.rand(128, 16384).cuda()
+    model, x = Model(model_name), torch.rand(128, 16384).cuda()
     rec.update(primary_state=primary_state(cu, dev), flags_before=ctx_flags(cu))
     sampler = NvmlSampler(cu, dev, torch, nvml_period_ms)
     sampler.start()  # NVML_LEAD_S of readings before the timed part (nothing when NVML is unavailable)
