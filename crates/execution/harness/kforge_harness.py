@@ -300,35 +300,12 @@ def flatten_outputs(output):
     return [output]
 
 
-def to_cpu_outputs(output, stream=None):
-    """Outputs prepared for saving: tensors detached to CPU with their exact type recorded. A copy to CPU waits for
-    its own stream only; with `stream`, the copies are ordered on that stream."""
-    import torch
-
-    def saved():
-        for value in flatten_outputs(output):
-            exact = type(value) is torch.Tensor
-            if isinstance(value, torch.Tensor):
-                # A copy from the device is already the harness's own; a CPU tensor is cloned to be.
-                copy = value.detach().to("cpu")
-                if copy.data_ptr() == value.data_ptr():
-                    copy = copy.clone()
-                yield {"exact_tensor": exact, "device": str(value.device), "tensor": copy}
-            else:
-                yield {"exact_tensor": False, "device": "", "value": repr(value)[:200]}
-
-    if stream is None:
-        return list(saved())
-    with torch.cuda.stream(stream):
-        return list(saved())
-
-
 # Elements per step of the device-side digest and comparison: bounds their temporary memory (a few hundred MB).
 CHUNK_ELEMENTS = 1 << 25
 
 
 def saved_outputs(output):
-    """Outputs in the saved form (see to_cpu_outputs), left on their device: for comparing in this process."""
+    """Outputs in the saved form (see write_outputs), left on their device: for comparing in this process."""
     import torch
 
     return [{"exact_tensor": type(v) is torch.Tensor, "device": str(v.device), "tensor": v.detach()}
@@ -369,8 +346,8 @@ def tensor_digest(values):
 
 
 class Originals:
-    """torch's timing and synchronisation functions, and the tensor methods and `open` that saving outputs uses, as
-    they were before the candidate was imported."""
+    """torch's timing and synchronisation functions, and the functions, tensor methods and `open` that writing outputs
+    uses, as they were before the candidate was imported."""
 
     def __init__(self, torch):
         self.synchronize = torch.cuda.synchronize
@@ -379,8 +356,11 @@ class Originals:
         self.event_elapsed = torch.cuda.Event.elapsed_time
         self.sleep = torch.cuda._sleep
         self.current_stream = torch.cuda.current_stream
+        self.stream = torch.cuda.stream
         self.contiguous = torch.Tensor.contiguous
         self.data_ptr = torch.Tensor.data_ptr
+        self.copy = torch.Tensor.copy_
+        self.from_file = torch.from_file
         self.open = open
 
 
@@ -565,36 +545,47 @@ def aligned(n):
     return -(-n // OUTPUTS_ALIGN) * OUTPUTS_ALIGN
 
 
-def save(value, path):
-    """Saves outputs (`to_cpu_outputs`'s list, CPU tensors) for another process of the evaluation's to read: no pickle
-    and no checksum, the tensors' memory written as it is. torch.save computed a CRC32 per record at about 1 GB/s on
-    one core (its switch to turn that off broke PyTorch 2.11's writer), and wrote a trial's 8 GiB outputs at half
-    the speed of a plain write."""
-    import ctypes
+def write_outputs(output, path, stream=None):
+    """Writes a model's output for another process of the evaluation to read (`load_outputs`): a JSON header (each
+    output's dtype, shape and place, or the repr of a value that is not a tensor), then each tensor's bytes as they
+    are, at 64-byte aligned offsets. No pickle and no checksum: torch.save computed a CRC32 per record at about
+    1 GB/s on one core. The file is sized first and mapped, and each tensor is copied from its device straight into
+    its place, in `stream`'s order when given (a copy waits for its own stream only): one copy, where a copy to host
+    memory and a write of it took two. Returns the outputs in the saved form: `exact_tensor` (the value's type is
+    torch.Tensor itself), `device`, and `tensor` (a view of the mapped file: the harness's own copy) or `value`."""
+    import torch
 
     o = originals()
-    items, tensors, offset = [], [], 0
-    for entry in value:
-        item = {key: entry[key] for key in ("exact_tensor", "device", "value") if key in entry}
-        tensor = entry.get("tensor")
-        if tensor is not None:
-            tensor = o.contiguous(tensor.resolve_conj().resolve_neg())
-            nbytes = tensor.numel() * tensor.element_size()
-            item.update(dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape), offset=offset,
-                        nbytes=nbytes)
-            tensors.append((tensor, nbytes))
-            offset += aligned(nbytes)
-        items.append(item)
-    header = json.dumps({"items": items}).encode()
+    saved, places, offset = [], [], 0
+    for value in flatten_outputs(output):
+        if not isinstance(value, torch.Tensor):
+            saved.append({"exact_tensor": False, "device": "", "value": repr(value)[:200]})
+            continue
+        tensor = o.contiguous(value.detach().resolve_conj().resolve_neg())
+        nbytes = tensor.numel() * tensor.element_size()
+        saved.append({"exact_tensor": type(value) is torch.Tensor, "device": str(value.device),
+                      "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                      "offset": offset, "nbytes": nbytes})
+        places.append((len(saved) - 1, tensor, offset, nbytes))
+        offset += aligned(nbytes)
+    header = json.dumps({"items": saved}).encode()
     if len(header) > OUTPUTS_HEADER_LIMIT:
-        raise ValueError(f"{len(items)} outputs: more than an outputs file's header holds")
+        raise ValueError(f"{len(saved)} outputs: more than an outputs file's header holds")
+    start = aligned(len(OUTPUTS_MAGIC) + 8 + len(header))
     with o.open(path, "wb") as f:
         f.write(OUTPUTS_MAGIC + len(header).to_bytes(8, "little") + header)
-        f.write(bytes(aligned(f.tell()) - f.tell()))
-        for tensor, nbytes in tensors:
+        f.truncate(start + offset)
+    data = o.from_file(path, shared=True, size=start + offset, dtype=torch.uint8) if offset else None
+    with o.stream(stream) if stream is not None else contextlib.nullcontext():
+        for index, tensor, at, nbytes in places:
+            item = saved[index]
             if nbytes:
-                f.write(memoryview((ctypes.c_ubyte * nbytes).from_address(o.data_ptr(tensor))))
-            f.write(bytes(aligned(nbytes) - nbytes))
+                place = data[start + at:start + at + nbytes].view(tensor.dtype).reshape(tensor.shape)
+                o.copy(place, tensor)
+            else:
+                place = torch.empty(tensor.shape, dtype=tensor.dtype)
+            saved[index] = {"exact_tensor": item["exact_tensor"], "device": item["device"], "tensor": place}
+    return saved
 
 
 def open_regular(path):
@@ -937,6 +928,8 @@ def watched_attributes():
         "torch.Tensor.cpu": (torch.Tensor, "cpu"),
         "torch.Tensor.contiguous": (torch.Tensor, "contiguous"),
         "torch.Tensor.data_ptr": (torch.Tensor, "data_ptr"),
+        "torch.Tensor.copy_": (torch.Tensor, "copy_"),
+        "torch.from_file": (torch, "from_file"),
         "torch.Tensor.__eq__": (torch.Tensor, "__eq__"),
         "json.dump": (json, "dump"),
         "builtins.open": (__builtins__ if isinstance(__builtins__, dict) else vars(__builtins__), "open"),
@@ -1514,13 +1507,11 @@ def mode_reference(spec):
             inputs = trial_inputs(task, spec, trial, device)
             with torch.no_grad():
                 output = model(*inputs)
-            saved = to_cpu_outputs(output)
-            if trial == 0:
-                kept = kept_trials(spec, output_bytes(output))
-            del inputs, output
-        with GATE.host_work(device), phase("save_reference"):
-            save(saved, os.path.join(spec["reference_dir"], f"reference-{trial}.out"))
-        del saved
+        with phase("save_reference"):
+            write_outputs(output, os.path.join(spec["reference_dir"], f"reference-{trial}.out"))
+        if trial == 0:
+            kept = kept_trials(spec, output_bytes(output))
+        del inputs, output
     result = {"ok": True}
     if device.type == "cuda":
         # The most device memory the reference held at once (model, inputs, outputs, workspace): the evaluator
@@ -1544,8 +1535,8 @@ def run_trial(model, task, device, trial, integrity, result, spec):
     with torch.no_grad():
         output = model(*inputs)
     # Read as a consumer on the caller's stream would: copied in that stream's order, before any device-wide
-    # synchronisation, so work left running on another stream is read unfinished.
-    ordered = to_cpu_outputs(output, caller)
+    # synchronisation, so work left running on another stream is read unfinished; the copy is the outputs file.
+    ordered = write_outputs(output, os.path.join(spec["candidate_dir"], f"candidate-{trial}.out"), caller)
     synchronize(device)
     GATE.pause(device)  # the call is over: synchronised, and a pause point
     if caller is not None:
@@ -1558,8 +1549,6 @@ def run_trial(model, task, device, trial, integrity, result, spec):
     if tensor_digest(inputs) != before:
         result["mutated_inputs"].append(trial)
     integrity.check_outputs(inputs, output, trial)
-    with GATE.host_work(device):
-        save(ordered, os.path.join(spec["candidate_dir"], f"candidate-{trial}.out"))
     return output_bytes(output)
 
 
@@ -1676,9 +1665,7 @@ def mode_candidate(spec):
                 result["host_ms"] = host
                 result["last_call"] = last_call
                 result["timing_cpu"] = cpu
-                timed = to_cpu_outputs(output)
-                with GATE.host_work(device):
-                    save(timed, os.path.join(spec["candidate_dir"], "timed.out"))
+                write_outputs(output, os.path.join(spec["candidate_dir"], "timed.out"))
         if census is not None:
             with phase("census_read"):
                 result["census"] = census.records()

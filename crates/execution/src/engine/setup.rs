@@ -94,12 +94,15 @@ impl Engine {
         let work = std::path::absolute(&config.work_dir)?;
         let harness_dir = work.join("harness");
         std::fs::create_dir_all(&harness_dir)?;
-        // Replaced atomically: engines in other processes may share the work directory and be starting the
-        // harness right now (a truncated file would run as an empty script and exit 0 without a result).
+        // Replaced atomically: engines in this and other processes may share the work directory and be starting
+        // the harness right now (a truncated file would run as an empty script and exit 0 without a result). Each
+        // engine stages its own copy: two starting at once in one process once renamed the same staged file.
+        static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let engine_number = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for (name, contents) in python::HARNESS_FILES {
             let path = harness_dir.join(name);
             if std::fs::read(&path).ok().as_deref() != Some(contents.as_bytes()) {
-                let staged = harness_dir.join(format!("{name}.{}", std::process::id()));
+                let staged = harness_dir.join(format!("{name}.{}-{engine_number}", std::process::id()));
                 std::fs::write(&staged, contents)?;
                 std::fs::rename(&staged, &path)?;
             }
