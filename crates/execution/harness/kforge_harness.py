@@ -347,7 +347,8 @@ def tensor_digest(values):
 
 class Originals:
     """torch's timing and synchronisation functions, and the functions, tensor methods and `open` that writing outputs
-    uses, as they were before the candidate was imported."""
+    uses (in the caller's stream order, where a replaced one could synchronise first), as they were before the
+    candidate was imported."""
 
     def __init__(self, torch):
         self.synchronize = torch.cuda.synchronize
@@ -357,7 +358,12 @@ class Originals:
         self.sleep = torch.cuda._sleep
         self.current_stream = torch.cuda.current_stream
         self.stream = torch.cuda.stream
+        self.detach = torch.Tensor.detach
+        self.resolve_conj = torch.Tensor.resolve_conj
+        self.resolve_neg = torch.Tensor.resolve_neg
         self.contiguous = torch.Tensor.contiguous
+        self.to = torch.Tensor.to
+        self.clone = torch.Tensor.clone
         self.data_ptr = torch.Tensor.data_ptr
         self.copy = torch.Tensor.copy_
         self.from_file = torch.from_file
@@ -435,7 +441,7 @@ class Gate:
 
     @contextlib.contextmanager
     def host_work(self, device):
-        """Host work only in the block (writing or reading outputs' files): a pause point before it, and while it
+        """Host work only in the block (reading outputs' files into the page cache): a pause point before it, and while it
         runs the evaluator stops this process as soon as another asks to run alone, instead of waiting for the next
         pause point; a pause point after it, before the device is used again."""
         if self.is_idle:  # a trusted stage doing host work holds nobody up anyway
@@ -534,7 +540,7 @@ def synchronize(device):
         originals().synchronize(device)
 
 
-# Outputs files (`save`, `load_outputs`): this magic, the JSON header's length (8 bytes, little-endian), the header,
+# Outputs files (`write_outputs`, `load_outputs`): this magic, the JSON header's length (8 bytes, little-endian), the header,
 # then each tensor's bytes as they lie in memory, every part starting on a multiple of OUTPUTS_ALIGN.
 OUTPUTS_MAGIC = b"KFOUT1\n\0"
 OUTPUTS_ALIGN = 64
@@ -545,46 +551,64 @@ def aligned(n):
     return -(-n // OUTPUTS_ALIGN) * OUTPUTS_ALIGN
 
 
-def write_outputs(output, path, stream=None):
+def write_outputs(output, path, stream=None, private=False):
     """Writes a model's output for another process of the evaluation to read (`load_outputs`): a JSON header (each
     output's dtype, shape and place, or the repr of a value that is not a tensor), then each tensor's bytes as they
     are, at 64-byte aligned offsets. No pickle and no checksum: torch.save computed a CRC32 per record at about
-    1 GB/s on one core. The file is sized first and mapped, and each tensor is copied from its device straight into
-    its place, in `stream`'s order when given (a copy waits for its own stream only): one copy, where a copy to host
-    memory and a write of it took two. Returns the outputs in the saved form: `exact_tensor` (the value's type is
-    torch.Tensor itself), `device`, and `tensor` (a view of the mapped file: the harness's own copy) or `value`."""
+    1 GB/s on one core. The file's room is allocated first (a full memory filesystem is an error here, not a SIGBUS
+    later) and mapped, and each tensor is copied from its device straight into its place: one copy, where a copy to
+    host memory and a write of it took two. With `stream`, everything that reads the output (resolving conjugate and
+    negative views, making it contiguous, the copy) is ordered on that stream, as a consumer on it would read; one
+    tensor at a time, so at most one contiguous copy is held on the device. With `private`, each tensor is first
+    copied to host memory of the harness's own and the file written from that copy, which is what is returned: the
+    file is in the candidate's folder, and the candidate's code could rewrite it.
+
+    Returns the outputs in the saved form: `exact_tensor` (the value's type is torch.Tensor itself), `device`, and
+    `tensor` (the copy: a view of the mapped file, or the private copy) or `value`."""
     import torch
 
     o = originals()
-    saved, places, offset = [], [], 0
-    for value in flatten_outputs(output):
+    values = flatten_outputs(output)
+    items, offset = [], 0
+    for value in values:
         if not isinstance(value, torch.Tensor):
-            saved.append({"exact_tensor": False, "device": "", "value": repr(value)[:200]})
+            items.append({"exact_tensor": False, "device": "", "value": repr(value)[:200]})
             continue
-        tensor = o.contiguous(value.detach().resolve_conj().resolve_neg())
-        nbytes = tensor.numel() * tensor.element_size()
-        saved.append({"exact_tensor": type(value) is torch.Tensor, "device": str(value.device),
-                      "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+        nbytes = value.numel() * value.element_size()
+        items.append({"exact_tensor": type(value) is torch.Tensor, "device": str(value.device),
+                      "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
                       "offset": offset, "nbytes": nbytes})
-        places.append((len(saved) - 1, tensor, offset, nbytes))
         offset += aligned(nbytes)
-    header = json.dumps({"items": saved}).encode()
+    header = json.dumps({"items": items}).encode()
     if len(header) > OUTPUTS_HEADER_LIMIT:
-        raise ValueError(f"{len(saved)} outputs: more than an outputs file's header holds")
+        raise ValueError(f"{len(items)} outputs: more than an outputs file's header holds")
     start = aligned(len(OUTPUTS_MAGIC) + 8 + len(header))
     with o.open(path, "wb") as f:
         f.write(OUTPUTS_MAGIC + len(header).to_bytes(8, "little") + header)
-        f.truncate(start + offset)
+        f.flush()
+        if offset:
+            os.posix_fallocate(f.fileno(), start, offset)
     data = o.from_file(path, shared=True, size=start + offset, dtype=torch.uint8) if offset else None
+    saved = []
     with o.stream(stream) if stream is not None else contextlib.nullcontext():
-        for index, tensor, at, nbytes in places:
-            item = saved[index]
+        for value, item in zip(values, items):
+            if "dtype" not in item:
+                saved.append(item)
+                continue
+            tensor = o.contiguous(o.resolve_neg(o.resolve_conj(o.detach(value))))
+            if private:
+                # A copy off the device is already the harness's own; a CPU tensor is cloned to be.
+                own = o.to(tensor, "cpu")
+                tensor = o.clone(own) if o.data_ptr(own) == o.data_ptr(value) else own
+            at, nbytes = start + item["offset"], item["nbytes"]
             if nbytes:
-                place = data[start + at:start + at + nbytes].view(tensor.dtype).reshape(tensor.shape)
+                place = data[at:at + nbytes].view(tensor.dtype).reshape(tensor.shape)
                 o.copy(place, tensor)
             else:
                 place = torch.empty(tensor.shape, dtype=tensor.dtype)
-            saved[index] = {"exact_tensor": item["exact_tensor"], "device": item["device"], "tensor": place}
+            saved.append({"exact_tensor": item["exact_tensor"], "device": item["device"],
+                          "tensor": tensor if private else place})
+            del tensor
     return saved
 
 
@@ -602,8 +626,8 @@ def open_regular(path):
 
 
 def load_outputs(path, device):
-    """Outputs `save` wrote, onto `device`: the file is mapped, not read into memory first. The file may be the
-    candidate's process's: it must be a regular file laid out exactly as `save` lays it out (tensors one after the
+    """Outputs `write_outputs` wrote, onto `device`: the file is mapped, not read into memory first. The file may be the
+    candidate's process's: it must be a regular file laid out exactly as `write_outputs` lays it out (tensors one after the
     other, the file ending with the last), with known dtypes and sizes that match the bytes, or nothing is loaded
     (an exception)."""
     import torch
@@ -652,7 +676,7 @@ def load_outputs(path, device):
 def in_memory(fd, size):
     """Whether every page of the open file is in memory (the page cache, or a memory-backed filesystem such as the
     evaluator's outputs directory in /dev/shm): mincore(2) over a shared read-only mapping. False where it cannot
-    tell."""
+    tell; true, whatever is resident, for a file this process may not write (mincore pretends so since Linux 5.0)."""
     import ctypes
 
     if size == 0:
@@ -688,7 +712,8 @@ def prefetch(paths, device):
             except OSError:
                 continue
             try:
-                if in_memory(fd, size):
+                # mincore reports every page resident for a file its caller may not write: read such a file.
+                if os.access(path, os.W_OK) and in_memory(fd, size):
                     continue
                 done = 0
                 while done < size:
@@ -929,6 +954,9 @@ def watched_attributes():
         "torch.Tensor.contiguous": (torch.Tensor, "contiguous"),
         "torch.Tensor.data_ptr": (torch.Tensor, "data_ptr"),
         "torch.Tensor.copy_": (torch.Tensor, "copy_"),
+        "torch.Tensor.resolve_conj": (torch.Tensor, "resolve_conj"),
+        "torch.Tensor.resolve_neg": (torch.Tensor, "resolve_neg"),
+        "torch.cuda.set_stream": (torch.cuda, "set_stream"),
         "torch.from_file": (torch, "from_file"),
         "torch.Tensor.__eq__": (torch.Tensor, "__eq__"),
         "json.dump": (json, "dump"),
@@ -1536,7 +1564,9 @@ def run_trial(model, task, device, trial, integrity, result, spec):
         output = model(*inputs)
     # Read as a consumer on the caller's stream would: copied in that stream's order, before any device-wide
     # synchronisation, so work left running on another stream is read unfinished; the copy is the outputs file.
-    ordered = write_outputs(output, os.path.join(spec["candidate_dir"], f"candidate-{trial}.out"), caller)
+    # Outputs small enough to be read twice keep a private copy for the race check (the file is the candidate's).
+    private = output_bytes(output) <= RACE_CHECK_BYTES
+    ordered = write_outputs(output, os.path.join(spec["candidate_dir"], f"candidate-{trial}.out"), caller, private)
     synchronize(device)
     GATE.pause(device)  # the call is over: synchronised, and a pause point
     if caller is not None:

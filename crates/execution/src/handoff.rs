@@ -8,11 +8,16 @@
 //! budget of their own ([`MemoryFiles`]); the reference's new cache entry still goes to the disk, which keeps it.
 //! An evaluation whose candidate files would not fit the memory budget even alone uses the disk, as before.
 //!
-//! The sandbox already lets a candidate write under `/dev` (its devices and shared memory), so putting the
-//! candidate's working directory in memory opens nothing it could not reach; its files are removed with the
-//! evaluation, and a crashed evaluator's are removed by the next one to start on the same work directory.
+//! Landlock cannot keep a candidate out of `/dev/shm` (it may write under `/dev`: its devices and shared memory),
+//! so there the candidates' directories are kept apart by names no other job can learn: the engine's directory has
+//! a random name and mode 0711 (entered, never listed, by others), each evaluation's a random name inside it, and
+//! every command runs as a job user of its own, so no job reads another's working directory through `/proc`.
+//! Without job users (an evaluator that is not root), jobs share one user and could: outputs then go to the disk.
+//! The engine's directory holds a lock for the engine's life; an engine starting removes the directories of its
+//! user whose lock nobody holds (an evaluator that died), in any pid namespace sharing the filesystem.
 
 use std::hash::BuildHasher;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use tokio::sync::OwnedSemaphorePermit;
@@ -23,20 +28,33 @@ use crate::disk::{self, DiskBudget, OutputPlan, TaskSizes};
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const RAMFS_MAGIC: i64 = 0x8584_58f6;
 
+/// The name of the file whose lock marks an engine's directory as in use.
+const LOCK: &str = ".lock";
+
 /// A directory of this engine's on a memory-backed filesystem, and the bytes its files may take at once.
 #[derive(Debug)]
 pub struct MemoryFiles {
     root: PathBuf,
     budget: DiskBudget,
+    /// Held (`flock`) while the engine lives: what tells a later engine this directory is not a dead one's.
+    _lock: std::fs::File,
 }
 
 impl MemoryFiles {
-    /// Files in memory under `dir`, if it is on a memory-backed filesystem and has room: at most `bytes` at once
-    /// (0: half the smaller of the room left on the filesystem and the host's available memory, as they are now).
-    /// The engine's directory under it is named after `work_dir`; entries a dead evaluator left there are removed.
-    /// `None` (files go to the disk) where `dir` is empty, missing, not in memory, or the budget comes to nothing.
-    pub fn open(dir: &Path, bytes: u64, work_dir: &Path) -> Option<Self> {
+    /// Files in memory under `dir`, if it is on a memory-backed filesystem, commands run as job users of their own
+    /// (`job_users`), and there is room: at most `bytes` at once (0: half the smaller of the room left on the
+    /// filesystem and the host's available memory, as they are now). Directories dead engines of this user left
+    /// under `dir` are removed first. `None` (files go to the disk) otherwise, saying why.
+    pub fn open(dir: &Path, bytes: u64, job_users: bool) -> Option<Self> {
         if dir.as_os_str().is_empty() {
+            return None;
+        }
+        if !job_users {
+            tracing::info!(
+                dir = %dir.display(),
+                "commands share one user (no job users): candidates could reach each other's files in memory, so \
+                 outputs files go to the disk"
+            );
             return None;
         }
         let kind = match rustix::fs::statfs(dir) {
@@ -59,32 +77,46 @@ impl MemoryFiles {
             tracing::info!(dir = %dir.display(), bytes, "too little room in memory: outputs files go to the disk");
             return None;
         }
-        let hasher = std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default();
-        let root = dir.join(format!("kforge-{:016x}", hasher.hash_one(work_dir)));
-        if let Err(error) = std::fs::create_dir_all(&root) {
-            tracing::warn!(%error, root = %root.display(), "memory_files_dir: outputs files go to the disk");
-            return None;
-        }
-        remove_dead_evaluators_files(&root);
+        remove_dead_engines_directories(dir);
+        let root = dir.join(format!("kforge-{}", random_name()));
+        let made = std::fs::DirBuilder::new().mode(0o711).create(&root).and_then(|()| {
+            let lock = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(root.join(LOCK))?;
+            rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)?;
+            Ok(lock)
+        });
+        let lock = match made {
+            Ok(lock) => lock,
+            Err(error) => {
+                tracing::warn!(%error, root = %root.display(), "memory_files_dir: outputs files go to the disk");
+                let _ = std::fs::remove_dir_all(&root);
+                return None;
+            }
+        };
         tracing::info!(root = %root.display(), bytes, "candidates' outputs files go to memory");
-        Some(Self { root, budget: DiskBudget::new(bytes) })
+        Some(Self { root, budget: DiskBudget::new(bytes), _lock: lock })
     }
 
     pub fn budget(&self) -> &DiskBudget {
         &self.budget
     }
 
-    /// The directory in memory for the evaluation whose scratch directory is `scratch` (same name; not created).
-    pub fn dir_for(&self, scratch: &Path) -> PathBuf {
-        self.root.join(scratch.file_name().unwrap_or(scratch.as_os_str()))
+    /// A fresh directory path in memory for one evaluation, its name random (not created).
+    pub fn new_dir(&self) -> PathBuf {
+        self.root.join(random_name())
     }
 }
 
 impl Drop for MemoryFiles {
-    /// The engine's directory goes with it, when no other engine on the same work directory has files there.
+    /// The engine's directory goes with it (its evaluations' directories are gone already).
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.root);
+        let _ = std::fs::remove_dir_all(&self.root);
     }
+}
+
+/// 128 random bits, as hex: a name no other process can guess.
+fn random_name() -> String {
+    let [a, b] = [0u8, 1].map(|i| std::collections::hash_map::RandomState::new().hash_one(i));
+    format!("{a:016x}{b:016x}")
 }
 
 /// The room an evaluation's files hold until this drops, and whether the candidate's files go to memory.
@@ -128,14 +160,26 @@ fn host_available_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Removes the entries under `root` of evaluator processes no longer alive (scratch names start with the pid).
-fn remove_dead_evaluators_files(root: &Path) {
-    let Ok(entries) = std::fs::read_dir(root) else { return };
+/// Removes the engines' directories under `dir` that this user owns and whose lock no engine holds: engines that
+/// died (a killed evaluator's outputs would otherwise hold host memory until the next reboot). Links, other users'
+/// entries and directories without a lock file (an engine making its own right now) are left alone.
+fn remove_dead_engines_directories(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let user = rustix::process::geteuid().as_raw();
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let pid = name.to_str().and_then(|name| name.split('-').next()).and_then(|pid| pid.parse::<u32>().ok());
-        if pid.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
-            let _ = std::fs::remove_dir_all(entry.path());
+        if !entry.file_name().to_string_lossy().starts_with("kforge-") {
+            continue;
+        }
+        let path = entry.path();
+        let ours = std::fs::symlink_metadata(&path).is_ok_and(|meta| meta.is_dir() && meta.uid() == user);
+        let nofollow = rustix::fs::OFlags::NOFOLLOW.bits() as i32;
+        let dead = ours
+            && std::fs::OpenOptions::new().read(true).custom_flags(nofollow).open(path.join(LOCK)).is_ok_and(|lock| {
+                rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok()
+            });
+        if dead {
+            tracing::info!(dir = %path.display(), "removing a dead evaluator's outputs files in memory");
+            let _ = std::fs::remove_dir_all(&path);
         }
     }
 }
@@ -146,15 +190,9 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
-    fn memory(bytes: u64) -> Option<MemoryFiles> {
-        let dir = Path::new("/dev/shm");
-        let work_dir = std::env::temp_dir().join(format!("kforge-handoff-test-{}", std::process::id()));
-        MemoryFiles::open(dir, bytes, &work_dir)
-    }
-
     #[tokio::test]
     async fn candidate_files_go_to_memory_when_they_fit_and_the_reference_s_entry_to_the_disk() {
-        let Some(memory) = memory(30 * GIB) else {
+        let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), 30 * GIB, true) else {
             println!("SKIP: /dev/shm is not a memory-backed filesystem here");
             return;
         };
@@ -185,25 +223,30 @@ mod tests {
     }
 
     #[test]
-    fn only_a_memory_backed_directory_holds_files_in_memory() {
-        let work_dir = std::env::temp_dir().join("kforge-handoff-test-kinds");
-        assert!(MemoryFiles::open(Path::new(""), 0, &work_dir).is_none(), "empty: off");
-        assert!(MemoryFiles::open(Path::new("/no/such/dir"), 0, &work_dir).is_none());
-        assert!(MemoryFiles::open(Path::new("/proc"), GIB, &work_dir).is_none(), "procfs is not tmpfs");
-        if let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), GIB, &work_dir) {
-            let dir = memory.dir_for(Path::new("/work/scratch/123-7"));
-            assert!(dir.starts_with("/dev/shm") && dir.ends_with("123-7"), "{}", dir.display());
+    fn only_a_memory_backed_directory_with_job_users_holds_files_in_memory() {
+        assert!(MemoryFiles::open(Path::new(""), 0, true).is_none(), "empty: off");
+        assert!(MemoryFiles::open(Path::new("/no/such/dir"), 0, true).is_none());
+        assert!(MemoryFiles::open(Path::new("/proc"), GIB, true).is_none(), "procfs is not tmpfs");
+        assert!(MemoryFiles::open(Path::new("/dev/shm"), GIB, false).is_none(), "jobs sharing one user: the disk");
+        if let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), GIB, true) {
+            let root = memory.root.clone();
+            let meta = std::fs::metadata(&root).expect("the engine's directory");
+            assert_eq!(meta.mode() & 0o777, 0o711, "others may enter it, never list it");
+            let (first, second) = (memory.new_dir(), memory.new_dir());
+            assert!(first.starts_with(&root) && second.starts_with(&root) && first != second);
+            assert_eq!(first.file_name().expect("a name").len(), 32, "128 random bits");
+            drop(memory);
+            assert!(!root.exists(), "gone with its engine");
         }
     }
 
     #[tokio::test]
     async fn a_sandboxed_job_works_in_a_directory_in_memory() {
-        let work_dir = std::env::temp_dir().join(format!("kforge-handoff-sandbox-{}", std::process::id()));
-        let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), GIB, &work_dir) else {
+        let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), GIB, true) else {
             println!("SKIP: /dev/shm is not a memory-backed filesystem here");
             return;
         };
-        let dir = memory.dir_for(&work_dir.join(format!("{}-1", std::process::id()))).join("candidate");
+        let dir = memory.new_dir().join("candidate");
         std::fs::create_dir_all(&dir).expect("the directory in memory");
         // Every protection this host has (Landlock, command users, namespaces), as the engine runs candidates.
         let sandbox = kforge_sandbox::Sandbox::detect().await;
@@ -220,19 +263,23 @@ mod tests {
         assert!(finished.success(), "{}", finished.stderr_tail(2000));
         assert_eq!(String::from_utf8_lossy(&finished.stdout).trim(), dir.display().to_string());
         assert_eq!(std::fs::metadata(dir.join("out")).expect("the job's file").len(), 1 << 20);
-        let _ = std::fs::remove_dir_all(dir.parent().expect("the evaluation's directory"));
     }
 
     #[test]
-    fn a_dead_evaluator_s_files_are_removed_and_a_live_one_s_kept() {
-        let root = std::env::temp_dir().join(format!("kforge-handoff-dead-{}", std::process::id()));
-        let live = root.join(format!("{}-3", std::process::id()));
-        let dead = root.join(format!("{}-4", u32::MAX - 1));
-        for dir in [&live, &dead] {
-            std::fs::create_dir_all(dir.join("candidate")).expect("test dirs");
+    fn a_dead_engine_s_directory_is_removed_and_a_live_one_s_kept() {
+        let dir = std::env::temp_dir().join(format!("kforge-handoff-dead-{}", std::process::id()));
+        let (live, dead, unlocked) = (dir.join("kforge-live"), dir.join("kforge-dead"), dir.join("kforge-new"));
+        for engine in [&live, &dead, &unlocked] {
+            std::fs::create_dir_all(engine.join("evaluation")).expect("test dirs");
         }
-        remove_dead_evaluators_files(&root);
-        assert!(live.exists() && !dead.exists());
-        let _ = std::fs::remove_dir_all(root);
+        let held = std::fs::File::create(live.join(LOCK)).expect("lock file");
+        rustix::fs::flock(&held, rustix::fs::FlockOperation::NonBlockingLockExclusive).expect("locked");
+        std::fs::File::create(dead.join(LOCK)).expect("lock file");
+        remove_dead_engines_directories(&dir);
+        assert!(live.exists(), "its lock is held");
+        assert!(!dead.exists(), "nobody holds its lock");
+        assert!(unlocked.exists(), "no lock file yet: an engine making its directory");
+        drop(held);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

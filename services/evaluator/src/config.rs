@@ -57,7 +57,8 @@ pub struct EvaluatorConfig {
     /// the space available in `work_dir` when the evaluator starts.
     pub disk_budget_bytes: u64,
     /// A memory-backed directory (tmpfs) where a GPU evaluation's candidate outputs files go, when they fit, instead
-    /// of the disk (docs/EVALUATOR.md, "Disk"); empty, or not memory-backed: the disk.
+    /// of the disk (docs/EVALUATOR.md, "Outputs in memory"); empty, not memory-backed, or commands without job users
+    /// of their own: the disk.
     pub memory_files_dir: PathBuf,
     /// Bytes those files may take in memory at once; 0: half the smaller of the directory's free room and the host's
     /// available memory when the evaluator starts.

@@ -147,7 +147,8 @@ impl Engine {
             bytes => bytes,
         };
         tracing::info!(available, disk_budget, "disk budget");
-        let memory_files = MemoryFiles::open(&config.memory_files_dir, config.memory_files_bytes, &work);
+        let job_users = sandbox.protections().iter().any(|p| p.name == "job_user" && p.active);
+        let memory_files = MemoryFiles::open(&config.memory_files_dir, config.memory_files_bytes, job_users);
         Ok(Self {
             inner: Arc::new(Inner {
                 artifacts: Cache::new(work.join("artifacts"), config.cache_limits.artifacts_bytes)?,

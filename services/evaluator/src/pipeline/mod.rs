@@ -206,7 +206,7 @@ impl Evaluator {
             if room.candidate_in_memory
                 && let Some(memory) = engine.memory_files()
             {
-                let dir = memory.dir_for(scratch);
+                let dir = memory.new_dir();
                 _memory_cleanup = Some(RemoveOnDrop(dir.clone()));
                 candidate_dir = dir.join("candidate");
                 std::fs::create_dir_all(&candidate_dir)
