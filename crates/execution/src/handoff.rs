@@ -78,17 +78,21 @@ impl MemoryFiles {
             return None;
         }
         remove_dead_engines_directories(dir);
-        let root = dir.join(format!("kforge-{}", random_name()));
-        let made = std::fs::DirBuilder::new().mode(0o711).create(&root).and_then(|()| {
-            let lock = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(root.join(LOCK))?;
+        // Made under a name the removal above never matches, locked, then renamed: no engine starting meanwhile
+        // sees it unlocked and takes it for a dead one's.
+        let name = random_name();
+        let (making, root) = (dir.join(format!(".kforge-{name}")), dir.join(format!("kforge-{name}")));
+        let made = std::fs::DirBuilder::new().mode(0o711).create(&making).and_then(|()| {
+            let lock = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(making.join(LOCK))?;
             rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)?;
+            std::fs::rename(&making, &root)?;
             Ok(lock)
         });
         let lock = match made {
             Ok(lock) => lock,
             Err(error) => {
                 tracing::warn!(%error, root = %root.display(), "memory_files_dir: outputs files go to the disk");
-                let _ = std::fs::remove_dir_all(&root);
+                let _ = std::fs::remove_dir_all(&making);
                 return None;
             }
         };
@@ -162,7 +166,7 @@ fn host_available_memory() -> Option<u64> {
 
 /// Removes the engines' directories under `dir` that this user owns and whose lock no engine holds: engines that
 /// died (a killed evaluator's outputs would otherwise hold host memory until the next reboot). Links, other users'
-/// entries and directories without a lock file (an engine making its own right now) are left alone.
+/// entries and directories without a lock file are left alone.
 fn remove_dead_engines_directories(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     let user = rustix::process::geteuid().as_raw();
@@ -278,7 +282,7 @@ mod tests {
         remove_dead_engines_directories(&dir);
         assert!(live.exists(), "its lock is held");
         assert!(!dead.exists(), "nobody holds its lock");
-        assert!(unlocked.exists(), "no lock file yet: an engine making its directory");
+        assert!(unlocked.exists(), "no lock file: not an engine's");
         drop(held);
         let _ = std::fs::remove_dir_all(dir);
     }

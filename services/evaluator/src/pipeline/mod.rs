@@ -209,7 +209,9 @@ impl Evaluator {
                 let dir = memory.new_dir();
                 _memory_cleanup = Some(RemoveOnDrop(dir.clone()));
                 candidate_dir = dir.join("candidate");
-                std::fs::create_dir_all(&candidate_dir)
+                // Not `create_dir_all`: the engine's directory (mode 0711) is never made again here.
+                std::fs::create_dir(&dir)
+                    .and_then(|()| std::fs::create_dir(&candidate_dir))
                     .map_err(InfraError::files(format!("scratch directory {}", candidate_dir.display())))?;
             }
             _files_room = Some(room);
