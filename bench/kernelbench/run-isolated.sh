@@ -7,11 +7,14 @@ cd "$(dirname "$0")/../.."
 
 mkdir -p target/release && cp .kb/bin/* target/release/
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; free -g; df -h / /dev/shm; cat .kb/bin/COMMIT; } > $OUT/machine.txt 2>&1
-[ -f /tmp/cand/all.json ] || python3 bench/kernelbench/make_candidates.py --reproduce .kb/kernelbench /tmp/cand 1 2 > /dev/null
+if [ ! -f /tmp/cand/all.json ]; then  # every candidate once; manifest.json is then the selection
+  python3 bench/kernelbench/make_candidates.py --reproduce .kb/kernelbench /tmp/cand 1 2 > /dev/null
+  mv /tmp/cand/manifest.json /tmp/cand/all.json
+fi
 python3 -c "
-import json;m=json.load(open('/tmp/cand/all.json' if __import__('os').path.exists('/tmp/cand/all.json') else '/tmp/cand/manifest.json'))
-json.dump([e for e in m if e['task'] in '${TASKS:-level1/19_ReLU.py level2/87_Conv2d_Subtract_Subtract_Mish.py}'.split()],open('/tmp/cand/sel.json','w'))"
-[ -f /tmp/cand/all.json ] || mv /tmp/cand/manifest.json /tmp/cand/all.json; cp /tmp/cand/sel.json /tmp/cand/manifest.json
+import json
+json.dump([e for e in json.load(open('/tmp/cand/all.json')) if e['task'] in
+           '${TASKS:-level1/19_ReLU.py level2/87_Conv2d_Subtract_Subtract_Mish.py}'.split()], open('/tmp/cand/manifest.json', 'w'))"
 for mode in ${MODES:-memory disk}; do d=/dev/shm; [ $mode = disk ] && d=""
   timeout 250 target/release/${BINARY:-evaluator-kernelbench} --kernelbench .kb/kernelbench --python $(which python3) --work /tmp/kf-$mode \
     --no-torch-compile --again --candidates /tmp/cand --gpu-slots 1 --in-flight 1 --memory-files-dir "$d" --out $OUT/$LABEL$mode.jsonl > $OUT/$LABEL$mode.log 2>&1

@@ -681,11 +681,7 @@ def in_memory(fd, size):
 
     if size == 0:
         return True
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc = libc_for_mincore()
     address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
     if address is None or address == ctypes.c_void_p(-1).value:
         return False
@@ -697,6 +693,19 @@ def in_memory(fd, size):
         return bytes(vector).count(0) == 0
     finally:
         libc.munmap(address, size)
+
+
+@functools.cache
+def libc_for_mincore():
+    """The C library with mmap, munmap and mincore typed, loaded once."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
 
 
 def prefetch(paths, device):

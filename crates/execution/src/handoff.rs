@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::disk::{self, DiskBudget, OutputPlan, TaskSizes};
+use crate::engine::RemoveOnDrop;
 
 /// `statfs` magic numbers of filesystems that keep their files in memory.
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -105,7 +106,7 @@ impl MemoryFiles {
     }
 
     /// A fresh directory path in memory for one evaluation, its name random (not created).
-    pub fn new_dir(&self) -> PathBuf {
+    fn new_dir(&self) -> PathBuf {
         self.root.join(random_name())
     }
 }
@@ -123,37 +124,48 @@ fn random_name() -> String {
     format!("{a:016x}{b:016x}")
 }
 
-/// The room an evaluation's files hold until this drops, and whether the candidate's files go to memory.
+/// The room an evaluation's files hold until this drops, and the candidate's directory in memory, if it got one.
 #[derive(Debug)]
 pub struct FilesRoom {
-    pub candidate_in_memory: bool,
+    /// Removed before the room is given back (fields drop in order).
+    memory_dir: Option<RemoveOnDrop>,
     _permits: Vec<OwnedSemaphorePermit>,
 }
 
+impl FilesRoom {
+    /// The candidate's working directory in memory (made, empty), where its files go; `None`: the disk.
+    pub fn memory_dir(&self) -> Option<&Path> {
+        self.memory_dir.as_ref().map(|dir| dir.0.as_path())
+    }
+}
+
 /// Waits for room for the files of an evaluation of a task of `sizes` and reserves it: the candidate's files in
-/// memory where `memory` is given and they fit its budget, the reference's new entry (and everything, otherwise) on
-/// the disk. An unknown task takes the whole disk budget. The disk is reserved first, always, so two evaluations
-/// never each hold what the other waits for.
+/// memory, in a directory of their own made here, where `memory` is given and they fit its budget; the reference's
+/// new entry (and everything, otherwise) on the disk. An unknown task takes the whole disk budget. The disk is
+/// reserved first, always, so two evaluations never each hold what the other waits for.
 pub async fn reserve(
     disk: &DiskBudget,
     memory: Option<&MemoryFiles>,
     sizes: Option<TaskSizes>,
     plan: OutputPlan,
-) -> FilesRoom {
+) -> std::io::Result<FilesRoom> {
     let memory = sizes.zip(memory).and_then(|(sizes, memory)| {
         let bytes = disk::files_bytes(sizes, plan);
         (bytes.candidate <= memory.budget.largest()).then_some((bytes, memory))
     });
     let Some((bytes, memory)) = memory else {
         let permit = disk.reserve(disk.need(sizes, plan)).await;
-        return FilesRoom { candidate_in_memory: false, _permits: vec![permit] };
+        return Ok(FilesRoom { memory_dir: None, _permits: vec![permit] });
     };
     let mut permits = Vec::with_capacity(2);
     if bytes.reference > 0 {
         permits.push(disk.reserve(bytes.reference).await);
     }
     permits.push(memory.budget.reserve(bytes.candidate).await);
-    FilesRoom { candidate_in_memory: true, _permits: permits }
+    // Not `create_dir_all`: the engine's directory (mode 0711) is never made again here.
+    let dir = memory.new_dir();
+    std::fs::create_dir(&dir)?;
+    Ok(FilesRoom { memory_dir: Some(RemoveOnDrop(dir)), _permits: permits })
 }
 
 /// `MemAvailable` of /proc/meminfo, in bytes.
@@ -204,25 +216,27 @@ mod tests {
         let plan = OutputPlan { trials: 8, budget: 12 * GIB, new_reference: true };
         let sizes = |output_bytes| Some(TaskSizes { input_bytes: 0, output_bytes });
 
-        let room = reserve(&disk, Some(&memory), sizes(8 * GIB), plan).await;
-        assert!(room.candidate_in_memory);
+        let room = reserve(&disk, Some(&memory), sizes(8 * GIB), plan).await.expect("room");
+        let dir = room.memory_dir().expect("in memory").to_owned();
+        assert!(dir.starts_with(&memory.root) && dir.is_dir(), "made in the engine's directory");
         assert_eq!(memory.budget().unreserved(), 6 * GIB, "two trials and the timed output in memory");
         assert_eq!(disk.unreserved(), 84 * GIB, "the reference's new entry on the disk");
         drop(room);
         assert_eq!((memory.budget().unreserved(), disk.unreserved()), (30 * GIB, 100 * GIB));
+        assert!(!dir.exists(), "gone with the room");
 
-        let too_large = reserve(&disk, Some(&memory), sizes(16 * GIB), plan).await;
-        assert!(!too_large.candidate_in_memory, "48 GiB of candidate files never fit 30: the disk takes them");
+        let too_large = reserve(&disk, Some(&memory), sizes(16 * GIB), plan).await.expect("room");
+        assert!(too_large.memory_dir().is_none(), "48 GiB of candidate files never fit 30: the disk takes them");
         assert_eq!(memory.budget().unreserved(), 30 * GIB);
         drop(too_large);
 
-        let unknown = reserve(&disk, Some(&memory), None, plan).await;
-        assert!(!unknown.candidate_in_memory, "an unknown task writes alone on the disk");
+        let unknown = reserve(&disk, Some(&memory), None, plan).await.expect("room");
+        assert!(unknown.memory_dir().is_none(), "an unknown task writes alone on the disk");
         assert_eq!(disk.unreserved(), 100 * GIB - disk.largest());
         drop(unknown);
 
-        let without_memory = reserve(&disk, None, sizes(GIB), plan).await;
-        assert!(!without_memory.candidate_in_memory);
+        let without_memory = reserve(&disk, None, sizes(GIB), plan).await.expect("room");
+        assert!(without_memory.memory_dir().is_none());
         assert_eq!(disk.unreserved(), 100 * GIB - 17 * GIB, "both sides on the disk: nine files and eight");
     }
 
@@ -232,16 +246,18 @@ mod tests {
         assert!(MemoryFiles::open(Path::new("/no/such/dir"), 0, true).is_none());
         assert!(MemoryFiles::open(Path::new("/proc"), GIB, true).is_none(), "procfs is not tmpfs");
         assert!(MemoryFiles::open(Path::new("/dev/shm"), GIB, false).is_none(), "jobs sharing one user: the disk");
-        if let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), GIB, true) {
-            let root = memory.root.clone();
-            let meta = std::fs::metadata(&root).expect("the engine's directory");
-            assert_eq!(meta.mode() & 0o777, 0o711, "others may enter it, never list it");
-            let (first, second) = (memory.new_dir(), memory.new_dir());
-            assert!(first.starts_with(&root) && second.starts_with(&root) && first != second);
-            assert_eq!(first.file_name().expect("a name").len(), 32, "128 random bits");
-            drop(memory);
-            assert!(!root.exists(), "gone with its engine");
-        }
+        let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), GIB, true) else {
+            println!("SKIP: /dev/shm is not a memory-backed filesystem here: its directory is not checked");
+            return;
+        };
+        let root = memory.root.clone();
+        let meta = std::fs::metadata(&root).expect("the engine's directory");
+        assert_eq!(meta.mode() & 0o777, 0o711, "others may enter it, never list it");
+        let (first, second) = (memory.new_dir(), memory.new_dir());
+        assert!(first.starts_with(&root) && second.starts_with(&root) && first != second);
+        assert_eq!(first.file_name().expect("a name").len(), 32, "128 random bits");
+        drop(memory);
+        assert!(!root.exists(), "gone with its engine");
     }
 
     #[tokio::test]
@@ -250,8 +266,8 @@ mod tests {
             println!("SKIP: /dev/shm is not a memory-backed filesystem here");
             return;
         };
-        let dir = memory.new_dir().join("candidate");
-        std::fs::create_dir_all(&dir).expect("the directory in memory");
+        let dir = memory.new_dir();
+        std::fs::create_dir(&dir).expect("the directory in memory");
         // Every protection this host has (Landlock, command users, namespaces), as the engine runs candidates.
         let sandbox = kforge_sandbox::Sandbox::detect().await;
         let command = kforge_sandbox::Command {

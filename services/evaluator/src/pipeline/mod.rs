@@ -189,7 +189,6 @@ impl Evaluator {
         // until the evaluation ends: the candidate's files in memory where they fit (`handoff.rs`), else on the disk.
         let on_gpu = submission.backend != Backend::Cpu;
         let mut _files_room = None;
-        let mut _memory_cleanup = None;
         let mut sizes = None;
         if on_gpu {
             let started = Instant::now();
@@ -201,18 +200,12 @@ impl Evaluator {
                 budget: inner.config.output_bytes_budget,
                 new_reference: engine.reference_peak(&task_key).is_none(),
             };
-            let room = handoff::reserve(disk, engine.memory_files(), sizes, plan).await;
+            let room = handoff::reserve(disk, engine.memory_files(), sizes, plan)
+                .await
+                .map_err(InfraError::files("the candidate's directory in memory"))?;
             response.stage_ms.insert("queue_disk".into(), ms(started.elapsed()));
-            if room.candidate_in_memory
-                && let Some(memory) = engine.memory_files()
-            {
-                let dir = memory.new_dir();
-                _memory_cleanup = Some(RemoveOnDrop(dir.clone()));
-                candidate_dir = dir.join("candidate");
-                // Not `create_dir_all`: the engine's directory (mode 0711) is never made again here.
-                std::fs::create_dir(&dir)
-                    .and_then(|()| std::fs::create_dir(&candidate_dir))
-                    .map_err(InfraError::files(format!("scratch directory {}", candidate_dir.display())))?;
+            if let Some(dir) = room.memory_dir() {
+                candidate_dir = dir.to_owned();
             }
             _files_room = Some(room);
         }
