@@ -4,7 +4,8 @@
 # baselines cached), SLOTS (default 6) evaluations in flight per GPU on as many GPU slots, every GPU of the machine
 # in one evaluator, tasks in a seeded random order. A task counts as done
 # once its warm line exists, in this machine's /tmp/res or in results carried from earlier machines (.kb/done/).
-# ONLY (a regular expression on the task's path) restricts it to some tasks.
+# ONLY (a regular expression on the task's path) restricts it to some tasks; DONE (default .kb/done) is where earlier
+# machines' results are read from (a folder with none: a fresh sweep).
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 D=$OUT/${NAME:?}; R=/tmp/res; mkdir -p $D $R target/release && cp .kb/bin/* target/release/
@@ -18,7 +19,7 @@ fi
 rm -rf /tmp/todo && mkdir -p /tmp/todo && cp -r /tmp/cand/. /tmp/todo/
 LEFT=$(python3 -c "
 import json,glob,random
-done={(x['task'],x.get('kind')) for f in glob.glob('$R/sweep-*.jsonl')+glob.glob('.kb/done/*.jsonl') for x in map(json.loads,filter(str.strip,open(f))) if x.get('pass')=='warm'}
+done={(x['task'],x.get('kind')) for f in glob.glob('$R/sweep-*.jsonl')+glob.glob('${DONE:-.kb/done}/*.jsonl') for x in map(json.loads,filter(str.strip,open(f))) if x.get('pass')=='warm'}
 import re
 m=[e for e in json.load(open('/tmp/cand/all.json')) if (e['task'],e.get('kind')) not in done and re.search('${ONLY:-.}', e['task'])]
 random.Random(0).shuffle(m)  # large level-1 tasks beside small ones of every level
@@ -32,5 +33,5 @@ if [ "$LEFT" != 0 ]; then
     --in-flight $(( ${SLOTS:-6} * $(nvidia-smi -L | grep -c ^GPU) )) --out $R/sweep-$T0.jsonl > $R/sweep-$T0.log 2>&1
   echo "rc=$? $(( $(date +%s) - T0 )) s, $(grep -c . $R/sweep-$T0.jsonl) lines"
 fi
-python3 bench/kernelbench/sweep_summary.py $R/sweep-*.jsonl .kb/done/*.jsonl 2>&1 | tail -40
+python3 bench/kernelbench/sweep_summary.py $R/sweep-*.jsonl ${DONE:-.kb/done}/*.jsonl 2>&1 | tail -40
 echo "total $(( $(date +%s) - T0 )) s"; df -h / | tail -1
