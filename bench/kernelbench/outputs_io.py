@@ -92,9 +92,20 @@ def write_staged(src, path, buffers):
         os.close(fd)
 
 
+def filesystem(path):
+    """The type of the filesystem `path` lies on (/proc/self/mounts, longest mount point that holds it)."""
+    mounts = [line.split()[1:3] for line in open("/proc/self/mounts")]
+    real = os.path.realpath(os.path.dirname(path))
+    return max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")), key=lambda m: len(m[0]))[1]
+
+
 def write_registered(src, path):
     import torch
 
+    if filesystem(path) not in ("tmpfs", "ramfs"):
+        # Linux refuses to pin a disk file's shared mapping for writing, and the failed registration's error would
+        # surface at the next CUDA call of this process.
+        raise RuntimeError("not a memory filesystem")
     n = src.numel()
     with open(path, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, n)
@@ -200,7 +211,6 @@ def worker(rank, args, barrier, queue):
                     torch.cuda.synchronize()
                 except Exception as e:  # a variant this machine cannot do is reported, not fatal
                     error, got = f"{type(e).__name__}: {e}"[:200], None
-                    torch.cuda.cudart().cudaGetLastError()  # a refused registration's error is not the next call's
                 seconds = time.perf_counter() - t0
                 ok = None
                 if kind == "load" and got is not None:

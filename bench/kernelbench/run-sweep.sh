@@ -3,12 +3,14 @@
 # machines: each candidate is evaluated cold and then at once again warm (`--again`: compile, reference outputs and
 # baselines cached), SLOTS (default 6) evaluations in flight per GPU on as many GPU slots, every GPU of the machine
 # in one evaluator, tasks in a seeded random order. A task counts as done
-# once its warm line exists, in this machine's /tmp/res or in results carried from earlier machines (.kb/done/).
+# once its warm line exists, in this machine's /tmp/res-NAME or in results carried from earlier machines (.kb/done/).
+# BINARY (under .kb/bin) picks the evaluator; each NAME has its own work directory (another's is removed first).
 # ONLY (a regular expression on the task's path) restricts it to some tasks; DONE (default .kb/done) is where earlier
 # machines' results are read from (a folder with none: a fresh sweep).
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
-D=$OUT/${NAME:?}; R=/tmp/res; mkdir -p $D $R target/release && cp .kb/bin/* target/release/
+D=$OUT/${NAME:?}; R=/tmp/res-$NAME; W=/tmp/kfs-$NAME; mkdir -p $D $R target/release && cp .kb/bin/* target/release/
+for w in /tmp/kfs-*; do [ "$w" = $W ] || rm -rf "$w"; done  # another run's caches would make this one's cold warm
 [ -f $R/machine.txt ] || { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; free -g; df -h / /tmp /dev/shm; cat .kb/bin/COMMIT; } > $R/machine.txt 2>&1
 trap 'kill $LOGGER 2>/dev/null; cp $R/*.jsonl $R/machine.txt $D/ 2>/dev/null; tar czf $D/logs.tgz -C $R . 2>/dev/null' EXIT
 if [ ! -d /tmp/cand ]; then
@@ -28,10 +30,10 @@ echo "$LEFT left"
 ( while true; do echo "$(( $(date +%s) - T0 )) $(df -BG --output=used,avail / | tail -1 | tr -s ' ') $(free -g | awk '/Mem/{print $3}') $(df -BG --output=used /dev/shm | tail -1 | tr -d ' ') $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; sleep 10; done >> $R/usage-$T0.log 2>&1 ) > /dev/null 2>&1 &
 LOGGER=$!
 if [ "$LEFT" != 0 ]; then
-  timeout $(( ${BUDGET:-570} - ($(date +%s) - T0) )) target/release/evaluator-kernelbench --kernelbench .kb/kernelbench \
-    --python $(which python3) --work /tmp/kfs --no-torch-compile --again --candidates /tmp/todo --gpu-slots ${SLOTS:-6} \
+  timeout $(( ${BUDGET:-570} - ($(date +%s) - T0) )) target/release/${BINARY:-evaluator-kernelbench} --kernelbench .kb/kernelbench \
+    --python $(which python3) --work $W --no-torch-compile --again --candidates /tmp/todo --gpu-slots ${SLOTS:-6} \
     --in-flight $(( ${SLOTS:-6} * $(nvidia-smi -L | grep -c ^GPU) )) --out $R/sweep-$T0.jsonl > $R/sweep-$T0.log 2>&1
   echo "rc=$? $(( $(date +%s) - T0 )) s, $(grep -c . $R/sweep-$T0.jsonl) lines"
 fi
-python3 bench/kernelbench/sweep_summary.py $R/sweep-*.jsonl ${DONE:-.kb/done}/*.jsonl 2>&1 | tail -40
+python3 bench/kernelbench/sweep_summary.py $R/sweep-*.jsonl $(ls ${DONE:-.kb/done}/*.jsonl 2>/dev/null) 2>&1 | tail -40
 echo "total $(( $(date +%s) - T0 )) s"; df -h / | tail -1
