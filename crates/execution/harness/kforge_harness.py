@@ -346,9 +346,9 @@ def tensor_digest(values):
 
 
 class Originals:
-    """torch's timing and synchronisation functions, and the tensor methods and event calls that writing outputs uses
-    (in the caller's stream order, where a replaced one could synchronise first), as they were before the candidate
-    was imported."""
+    """torch's timing and synchronisation functions, and the tensor methods, event calls, file calls and C library
+    that writing outputs uses (in the caller's stream order, where a replaced one could synchronise first), as they
+    were before the candidate was imported."""
 
     def __init__(self, torch):
         self.synchronize = torch.cuda.synchronize
@@ -366,8 +366,21 @@ class Originals:
         self.clone = torch.Tensor.clone
         self.data_ptr = torch.Tensor.data_ptr
         self.copy = torch.Tensor.copy_
+        self.reshape = torch.Tensor.reshape
+        self.view = torch.Tensor.view
+        self.narrow = torch.Tensor.narrow
+        self.numpy = torch.Tensor.numpy
+        self.numel = torch.Tensor.numel
+        self.element_size = torch.Tensor.element_size
         self.event_synchronize = torch.cuda.Event.synchronize
         self.from_file = torch.from_file
+        self.os_open = os.open
+        self.pwrite = os.pwrite
+        self.fallocate = os.posix_fallocate
+        self.ftruncate = os.ftruncate
+        self.close = os.close
+        self.memoryview = memoryview
+        self.libc = libc_memory()
 
 
 ORIGINALS = None
@@ -586,12 +599,12 @@ def write_outputs(output, path, stream=None, private=False):
         raise ValueError(f"{len(items)} outputs: more than an outputs file's header holds")
     start = aligned(len(OUTPUTS_MAGIC) + 8 + len(header))
     saved = []
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    fd = o.os_open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         pwrite_all(fd, OUTPUTS_MAGIC + len(header).to_bytes(8, "little") + header, 0)
         mapping = None
         if offset and not memory_backed(fd):
-            os.posix_fallocate(fd, start, offset)  # a full disk is an error here, not a SIGBUS in the copy
+            o.fallocate(fd, start, offset)  # a full disk is an error here, not a SIGBUS in the copy
             mapping = o.from_file(f"/proc/self/fd/{fd}", shared=True, size=start + offset, dtype=torch.uint8)
         with o.stream(stream) if stream is not None else contextlib.nullcontext():
             for value, item in zip(values, items):
@@ -609,9 +622,9 @@ def write_outputs(output, path, stream=None, private=False):
                     entry["tensor"] = tensor
                 saved.append(entry)
                 del tensor
-        os.ftruncate(fd, start + offset)  # the padding after the last tensor
+        o.ftruncate(fd, start + offset)  # the padding after the last tensor
     finally:
-        os.close(fd)
+        o.close(fd)
     return saved
 
 
@@ -625,14 +638,17 @@ STAGING = []
 
 
 def staging_buffers():
-    """The process's two staging buffers: pinned host memory where the device allows it, pageable otherwise."""
+    """The process's two staging buffers: pinned host memory where the device allows it, pageable otherwise. Making
+    pinned memory synchronises the device, so a candidate's process makes them before the candidate is imported
+    (`mode_candidate`), where its outputs will be staged."""
     import torch
 
     if not STAGING:
         try:
-            STAGING.extend(torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+            buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         except RuntimeError:
-            STAGING.extend(torch.empty(STAGING_BYTES, dtype=torch.uint8) for _ in range(2))
+            buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8) for _ in range(2)]
+        STAGING[:] = buffers
     return STAGING
 
 
@@ -644,50 +660,69 @@ def write_tensor(fd, tensor, at, mapping=None):
     import torch
 
     o = originals()
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = o.numel(tensor) * o.element_size(tensor)
     if nbytes == 0:
         return
-    flat = tensor.reshape(-1).view(torch.uint8)
+    flat = o.view(o.reshape(tensor, (-1,)), torch.uint8)
     if mapping is not None:
-        o.copy(mapping[at:at + nbytes], flat)
+        o.copy(o.narrow(mapping, 0, at, nbytes), flat)
         return
     if flat.device.type == "cpu" or nbytes <= STAGING_BYTES // 16:
         host = flat if flat.device.type == "cpu" else o.to(flat, "cpu")
-        pwrite_all(fd, host.numpy(), at)
+        pwrite_all(fd, o.numpy(host), at)
         return
     buffers, events, pending = staging_buffers(), [None, None], None
-    for index, done in enumerate(range(0, nbytes, STAGING_BYTES)):
-        slot, length = index % 2, min(STAGING_BYTES, nbytes - done)
-        o.copy(buffers[slot][:length], flat[done:done + length], non_blocking=True)
-        events[slot] = o.event()
-        o.event_record(events[slot])
-        if pending is not None:
-            write_staged(fd, buffers, events, pending, at)
-        pending = (slot, done, length)
-    write_staged(fd, buffers, events, pending, at)
-
-
-def write_staged(fd, buffers, events, pending, at):
-    slot, done, length = pending
-    originals().event_synchronize(events[slot])
-    pwrite_all(fd, buffers[slot][:length].numpy(), at + done)
+    try:
+        for index, done in enumerate(range(0, nbytes, STAGING_BYTES)):
+            slot, length = index % 2, min(STAGING_BYTES, nbytes - done)
+            o.copy(o.narrow(buffers[slot], 0, 0, length), o.narrow(flat, 0, done, length), non_blocking=True)
+            events[slot] = o.event()
+            o.event_record(events[slot])
+            if pending is not None:
+                slot_written, done_written, length_written = pending
+                o.event_synchronize(events[slot_written])
+                pwrite_all(fd, o.numpy(o.narrow(buffers[slot_written], 0, 0, length_written)), at + done_written)
+            pending = (slot, done, length)
+        slot_written, done_written, length_written = pending
+        o.event_synchronize(events[slot_written])
+        pwrite_all(fd, o.numpy(o.narrow(buffers[slot_written], 0, 0, length_written)), at + done_written)
+    finally:
+        # A write that failed leaves no copy into a buffer running: the next write reuses them.
+        for event in events:
+            if event is not None:
+                o.event_synchronize(event)
 
 
 def memory_backed(fd):
-    """Whether the open file lies on a memory filesystem (tmpfs or ramfs, by fstatfs's f_type)."""
+    """Whether the open file (or directory) lies on a memory filesystem (tmpfs or ramfs, by fstatfs's f_type)."""
     import ctypes
 
-    buffer = ctypes.create_string_buffer(256)  # struct statfs; f_type, a long, comes first
-    if libc_memory().fstatfs(fd, buffer) != 0:
+    buffer = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on x86-64); f_type, a long, comes first
+    if originals().libc.fstatfs(fd, buffer) != 0:
         return False
-    return ctypes.c_long.from_buffer(buffer).value in (0x01021994, 0x858458F6)
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF in (0x01021994, 0x858458F6)
+
+
+def staged_outputs(folder):
+    """Whether outputs written in `folder` go through the staging buffers (it lies on a memory filesystem)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        return memory_backed(fd)
+    finally:
+        os.close(fd)
 
 
 def pwrite_all(fd, data, at):
     """Writes all of a bytes-like object at offset `at` (one pwrite moves at most about 2 GiB)."""
-    view = memoryview(data).cast("B")
+    o = originals()
+    view = o.memoryview(data).cast("B")
     while view:
-        written = os.pwrite(fd, view, at)
+        written = o.pwrite(fd, view, at)
+        if written <= 0:
+            raise OSError(f"pwrite wrote {written} bytes")
         view, at = view[written:], at + written
 
 
@@ -1028,6 +1063,8 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
 
 def watched_attributes():
     """What a candidate must not replace: clocks, synchronisation, comparison, saving and the profiler."""
+    import ctypes
+
     import torch
 
     watched = {
@@ -1059,6 +1096,18 @@ def watched_attributes():
         "torch.Tensor.resolve_neg": (torch.Tensor, "resolve_neg"),
         "torch.cuda.set_stream": (torch.cuda, "set_stream"),
         "torch.from_file": (torch, "from_file"),
+        "torch.Tensor.reshape": (torch.Tensor, "reshape"),
+        "torch.Tensor.view": (torch.Tensor, "view"),
+        "torch.Tensor.narrow": (torch.Tensor, "narrow"),
+        "torch.Tensor.numpy": (torch.Tensor, "numpy"),
+        "torch.Tensor.numel": (torch.Tensor, "numel"),
+        "torch.Tensor.element_size": (torch.Tensor, "element_size"),
+        "os.open": (os, "open"),
+        "os.pwrite": (os, "pwrite"),
+        "os.posix_fallocate": (os, "posix_fallocate"),
+        "os.ftruncate": (os, "ftruncate"),
+        "os.close": (os, "close"),
+        "ctypes.CDLL": (ctypes, "CDLL"),
         "torch.Tensor.__eq__": (torch.Tensor, "__eq__"),
         "json.dump": (json, "dump"),
         "builtins.open": (__builtins__ if isinstance(__builtins__, dict) else vars(__builtins__), "open"),
@@ -1745,6 +1794,8 @@ def mode_candidate(spec):
         task = load_module(spec["task_path"], "kforge_task")
         originals()
         poison_free_memory(device)
+        if device.type == "cuda" and staged_outputs(spec["candidate_dir"]):
+            staging_buffers()  # made now: making pinned memory later would synchronise the candidate's streams
     integrity = Integrity()
     install_build_recipe(building=False)
     EXTENSIONS.install()
