@@ -639,26 +639,6 @@ mod tests {
         .unwrap_or_else(|_| panic!("{what}"));
     }
 
-    /// Whether every process of the process group `group` is stopped: stopped itself (`T`), or waiting
-    /// uninterruptibly (`D`) for a child stopped before its exec (a shell starts `sleep` with vfork, and a vfork
-    /// parent waits so for as long as its child is stopped).
-    fn group_stopped(group: &str) -> bool {
-        let states: Vec<char> = std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|entry| std::fs::read_to_string(entry.path().join("stat")).ok())
-            .filter_map(|stat| {
-                // After the command's name: state, parent, process group.
-                let (_, fields) = stat.rsplit_once(") ")?;
-                let mut fields = fields.split_whitespace();
-                let state = fields.next()?.chars().next()?;
-                (fields.nth(1)? == group).then_some(state)
-            })
-            .collect();
-        states.contains(&'T') && states.iter().all(|state| matches!(state, 'T' | 'D'))
-    }
-
     /// Waits until `gate` has `members`.
     async fn members(gate: &Gate, members: usize) {
         eventually("members joined", || gate.members() == members).await;
@@ -712,7 +692,9 @@ mod tests {
             .await
             .expect("the neighbour runs alone without waiting for the stage's next message");
         let pid = std::fs::read_to_string(dir.join("pid")).expect("pid");
-        eventually("the stage is stopped while its neighbour runs alone", || group_stopped(pid.trim())).await;
+        let group = pid.trim().parse().expect("a pid");
+        eventually("the stage is stopped while its neighbour runs alone", || kforge_sandbox::group_stopped(group))
+            .await;
         std::fs::write(dir.join("go-on"), "").expect("go-on");
         neighbour.share().await; // the stage goes on: its host work ends, it passes its pause point and ends
         let outcome = stage.await.expect("task").expect("the stage ran");

@@ -158,3 +158,24 @@ pub(crate) async fn deadline(wall: Duration, started: Instant, mut clock: tokio:
         }
     }
 }
+
+/// Whether every process of the process group `group` is stopped, as [`Control::stop`] leaves it: each stopped
+/// itself (`T`), or waiting uninterruptibly (`D`) for a child stopped before its exec (a shell starts a command with
+/// vfork, and a vfork parent waits so for as long as its child is stopped). False for a group with no process.
+pub fn group_stopped(group: libc::pid_t) -> bool {
+    let group = group.to_string();
+    let states: Vec<char> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| std::fs::read_to_string(entry.path().join("stat")).ok())
+        .filter_map(|stat| {
+            // After the command's name: state, parent, process group.
+            let (_, fields) = stat.rsplit_once(") ")?;
+            let mut fields = fields.split_whitespace();
+            let state = fields.next()?.chars().next()?;
+            (fields.nth(1)? == group).then_some(state)
+        })
+        .collect();
+    states.contains(&'T') && states.iter().all(|state| matches!(state, 'T' | 'D'))
+}

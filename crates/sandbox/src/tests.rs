@@ -65,34 +65,17 @@ async fn state_becomes(pid: &str, wanted: impl Fn(Option<char>) -> bool) -> Opti
     state()
 }
 
-/// Polls (up to 20 s, as `state_becomes`) until the process group `group` is stopped, or is not, as `wanted`;
-/// whether it is. Stopped: every process of it stopped itself (`T`), or waiting uninterruptibly (`D`) for a child
-/// stopped before its exec (a shell starts `sleep` with vfork, and a vfork parent waits so while its child is
-/// stopped).
+/// Polls (up to 20 s, as `state_becomes`) until the process group `group` is stopped ([`crate::group_stopped`]),
+/// or is not, as `wanted`; whether it is.
 async fn group_stopped_becomes(group: &str, wanted: bool) -> bool {
-    let stopped = || {
-        let states: Vec<char> = std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|entry| std::fs::read_to_string(entry.path().join("stat")).ok())
-            .filter_map(|stat| {
-                // After the command's name: state, parent, process group.
-                let (_, fields) = stat.rsplit_once(") ")?;
-                let mut fields = fields.split_whitespace();
-                let state = fields.next()?.chars().next()?;
-                (fields.nth(1)? == group).then_some(state)
-            })
-            .collect();
-        states.contains(&'T') && states.iter().all(|state| matches!(state, 'T' | 'D'))
-    };
+    let group = group.parse().expect("a pid");
     for _ in 0..1000 {
-        if stopped() == wanted {
+        if crate::group_stopped(group) == wanted {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stopped()
+    crate::group_stopped(group)
 }
 
 async fn run(sandbox: &Sandbox, command: Command) -> Finished {
