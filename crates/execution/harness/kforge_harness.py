@@ -654,9 +654,9 @@ def staging_buffers():
 
 def write_tensor(fd, tensor, at, mapping=None):
     """Writes a contiguous tensor's bytes at offset `at` of the file: into the file's `mapping` where there is one (a
-    copy on the current stream); else a CPU tensor's at once, and a device tensor's in chunks copied on the current
-    stream into the staging buffers, each written once its copy is done (an event on that stream, not a device-wide
-    synchronisation) while the next one copies."""
+    copy on the current stream); else a CPU tensor's (or a small device tensor's host copy) at once, and a device
+    tensor's in chunks through the staging buffers (`write_staged`), each written once its copy is done (an event on
+    the current stream, not a device-wide synchronisation) while the next one copies."""
     import torch
 
     o = originals()
@@ -671,7 +671,19 @@ def write_tensor(fd, tensor, at, mapping=None):
         host = flat if flat.device.type == "cpu" else o.to(flat, "cpu")
         pwrite_all(fd, o.numpy(host), at)
         return
+    write_staged(fd, flat, at, nbytes)
+
+
+def write_staged(fd, flat, at, nbytes):
+    """Writes a flat byte tensor of a device through the staging buffers: chunk i is copied on the current stream
+    into buffer i % 2 and an event recorded; then chunk i - 1, its event reached, is written while chunk i copies."""
+    o = originals()
     buffers, events, pending = staging_buffers(), [None, None], None
+
+    def write(slot, done, length):
+        o.event_synchronize(events[slot])
+        pwrite_all(fd, o.numpy(o.narrow(buffers[slot], 0, 0, length)), at + done)
+
     try:
         for index, done in enumerate(range(0, nbytes, STAGING_BYTES)):
             slot, length = index % 2, min(STAGING_BYTES, nbytes - done)
@@ -679,13 +691,9 @@ def write_tensor(fd, tensor, at, mapping=None):
             events[slot] = o.event()
             o.event_record(events[slot])
             if pending is not None:
-                slot_written, done_written, length_written = pending
-                o.event_synchronize(events[slot_written])
-                pwrite_all(fd, o.numpy(o.narrow(buffers[slot_written], 0, 0, length_written)), at + done_written)
+                write(*pending)
             pending = (slot, done, length)
-        slot_written, done_written, length_written = pending
-        o.event_synchronize(events[slot_written])
-        pwrite_all(fd, o.numpy(o.narrow(buffers[slot_written], 0, 0, length_written)), at + done_written)
+        write(*pending)
     finally:
         # A write that failed leaves no copy into a buffer running: the next write reuses them.
         for event in events:
