@@ -96,7 +96,8 @@ def filesystem(path):
     """The type of the filesystem `path` lies on (/proc/self/mounts, longest mount point that holds it)."""
     mounts = [line.split()[1:3] for line in open("/proc/self/mounts")]
     real = os.path.realpath(os.path.dirname(path))
-    return max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")), key=lambda m: len(m[0]))[1]
+    holding = [m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")]
+    return max(holding, key=lambda m: len(m[0]))[1]
 
 
 def write_registered(src, path):
@@ -222,7 +223,8 @@ def worker(rank, args, barrier, queue):
                     except OSError:
                         pass
                 queue.put({"procs": args.procs, "rank": rank, "repeat": repeat, "dir": folder, "kind": kind,
-                           "op": name, "s": round(seconds, 4), "GBps": round(n / seconds / 1e9, 2) if not error else None,
+                           "op": name, "s": round(seconds, 4),
+                           "GBps": round(n / seconds / 1e9, 2) if not error else None,
                            "equal": ok, "error": error})
             barrier.wait()
             try:
@@ -273,7 +275,8 @@ def main():
         errors = {r["error"] for r in rs if r["error"]}
         equal = {r["equal"] for r in rs} - {None}
         med = statistics.median(good) if good else float("nan")
-        print(f"{folder:10} {kind:5} {op:10} median {med:7.3f} s  {args.gib * (1 << 30) / med / 1e9 if good else 0:6.2f} GB/s"
+        rate = args.gib * (1 << 30) / med / 1e9 if good else 0
+        print(f"{folder:10} {kind:5} {op:10} median {med:7.3f} s  {rate:6.2f} GB/s"
               f" per process  equal={sorted(equal)} {sorted(errors) if errors else ''}")
     return 0
 

@@ -380,7 +380,7 @@ class Originals:
         self.ftruncate = os.ftruncate
         self.close = os.close
         self.memoryview = memoryview
-        self.libc = libc_memory()
+        libc_memory()  # loaded (and kept) now: ctypes.CDLL is the candidate's to replace later
 
 
 ORIGINALS = None
@@ -454,9 +454,9 @@ class Gate:
 
     @contextlib.contextmanager
     def host_work(self, device):
-        """Host work only in the block (reading outputs' files into the page cache): a pause point before it, and while it
-        runs the evaluator stops this process as soon as another asks to run alone, instead of waiting for the next
-        pause point; a pause point after it, before the device is used again."""
+        """Host work only in the block (reading outputs' files into the page cache): a pause point before it, and
+        while it runs the evaluator stops this process as soon as another asks to run alone, instead of waiting for
+        the next pause point; a pause point after it, before the device is used again."""
         if self.is_idle:  # a trusted stage doing host work holds nobody up anyway
             yield
             return
@@ -553,8 +553,8 @@ def synchronize(device):
         originals().synchronize(device)
 
 
-# Outputs files (`write_outputs`, `load_outputs`): this magic, the JSON header's length (8 bytes, little-endian), the header,
-# then each tensor's bytes as they lie in memory, every part starting on a multiple of OUTPUTS_ALIGN.
+# Outputs files (`write_outputs`, `load_outputs`): this magic, the JSON header's length (8 bytes, little-endian), the
+# header, then each tensor's bytes as they lie in memory, every part starting on a multiple of OUTPUTS_ALIGN.
 OUTPUTS_MAGIC = b"KFOUT1\n\0"
 OUTPUTS_ALIGN = 64
 OUTPUTS_HEADER_LIMIT = 1 << 20
@@ -571,12 +571,11 @@ def write_outputs(output, path, stream=None, private=False):
     1 GB/s on one core. On a memory filesystem (/dev/shm), a device tensor is copied off its device in chunks
     through two pinned buffers, each chunk written (pwrite) while the next one copies; on a disk, the file's room is
     allocated and mapped, and each tensor copied into its place (`write_tensor`: what measured fastest on each).
-    A full filesystem is an error here. With `stream`,
-    everything that reads the output (resolving conjugate and negative views, making it contiguous, the copies) is
-    ordered on that stream, as a consumer on it would read; one tensor at a time, so at most one contiguous copy is
-    held on the device. With `private`, each tensor is first copied to host memory of the harness's own and the
-    file written from that copy, which is what is returned: the file is in the candidate's folder, and the
-    candidate's code could rewrite it.
+    A full filesystem is an error here. With `stream`, everything that reads the output (resolving conjugate and
+    negative views, making it contiguous, the copies) is ordered on that stream, as a consumer on it would read; one
+    tensor at a time, so at most one contiguous copy is held on the device. With `private`, each tensor is first
+    copied to host memory of the harness's own and the file written from that copy, which is what is returned: the
+    file is in the candidate's folder, and the candidate's code could rewrite it.
 
     Returns the outputs in the saved form: `exact_tensor` (the value's type is torch.Tensor itself), `device`, and
     with `private` `tensor` (the copy), or `value` for what is not a tensor."""
@@ -706,9 +705,13 @@ def memory_backed(fd):
     import ctypes
 
     buffer = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on x86-64); f_type, a long, comes first
-    if originals().libc.fstatfs(fd, buffer) != 0:
+    if libc_memory().fstatfs(fd, buffer) != 0:
         return False
-    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF in (0x01021994, 0x858458F6)
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF in (TMPFS_MAGIC, RAMFS_MAGIC)
+
+
+# statfs magic numbers of filesystems that keep their files in memory (as the evaluator's handoff.rs).
+TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6
 
 
 def staged_outputs(folder):
@@ -748,12 +751,11 @@ def open_regular(path):
 
 
 def load_outputs(path, device):
-    """Outputs `write_outputs` wrote, onto `device`: the file is mapped, its pages made in one call (MADV_POPULATE_READ:
-    a 4 GiB file onto an H100 in 0.74 s, against 0.86 s faulting page by page, and 0.56 s against 0.93 s with six
-    such loads at once), not read into memory first. The file may be the
-    candidate's process's: it must be a regular file laid out exactly as `write_outputs` lays it out (tensors one after the
-    other, the file ending with the last), with known dtypes and sizes that match the bytes, or nothing is loaded
-    (an exception)."""
+    """Outputs `write_outputs` wrote, onto `device`: the file is mapped, not read into memory first, and for a device
+    its pages are made in one call (`populate`: a 4 GiB file onto an H100 in 0.74 s against 0.86 s faulting page by
+    page, 0.56 s against 0.93 s with six such loads at once). The file may be the candidate's process's: it must be
+    a regular file laid out exactly as `write_outputs` lays it out (tensors one after the other, the file ending
+    with the last), with known dtypes and sizes that match the bytes, or nothing is loaded (an exception)."""
     import torch
 
     fd, size = open_regular(path)
