@@ -5,9 +5,11 @@
 //! directory, such as test binaries) build each entry once; a completed entry carries a marker file and is never
 //! modified again.
 //!
-//! A cache may have a size bound: [`Cache::evict`] removes the least recently used completed entries (by the
-//! marker's modification time, refreshed on every hit) until the cache fits. An entry in use is pinned with a
-//! shared lock ([`Cache::pin`]) and an entry being built holds its exclusive lock; eviction skips both. Lock files
+//! A cache may have a size bound: [`Cache::evict`] removes completed entries until those left fit, the one with the
+//! largest size times time since last use (the marker's modification time, refreshed on every hit) first, so one
+//! multi-GB entry left unused goes before many small ones used a while ago. An entry in use is pinned with a shared
+//! lock ([`Cache::pin`]) and an entry being built holds its exclusive lock; eviction skips both, and an entry being
+//! built is its builder's room, not the bound's. Lock files
 //! are never removed (a removed lock file could let two holders lock different files of the same name); they are
 //! empty.
 
@@ -132,42 +134,51 @@ impl Cache {
         self.root.join(format!("{key}.lock"))
     }
 
-    /// Removes least recently used completed entries until the cache fits its bound; entries that are pinned or
-    /// being built stay. Returns how many were removed. Blocking I/O.
+    /// Removes completed entries until those left fit the cache's bound, the largest long unused first (by size
+    /// times the time since last use), and unfinished entries nobody is building (a builder that died). Entries
+    /// pinned or being built stay, and one being built does not count against the bound: its builder holds its
+    /// room (the reference cache's new entries are reserved in the disk budget). Returns how many were removed.
+    /// Blocking I/O.
     pub fn evict(&self) -> usize {
         let Some(max_bytes) = self.max_bytes else { return 0 };
         let Ok(listing) = std::fs::read_dir(&self.root) else { return 0 };
-        let mut entries: Vec<(SystemTime, u64, String)> = listing
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-            .filter_map(|e| {
-                let key = e.file_name().into_string().ok()?;
-                let used = ["ready", "failed"]
-                    .iter()
-                    .find_map(|marker| std::fs::metadata(e.path().join(marker)).and_then(|m| m.modified()).ok())
-                    .unwrap_or(SystemTime::UNIX_EPOCH);
-                Some((used, size_of(&e.path()), key))
-            })
-            .collect();
-        let mut total: u64 = entries.iter().map(|(_, size, _)| size).sum();
-        entries.sort();
+        let now = SystemTime::now();
+        let mut completed = Vec::new();
         let mut removed = 0;
-        for (_, size, key) in entries {
+        for entry in listing.filter_map(|e| e.ok()).filter(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
+            let Ok(key) = entry.file_name().into_string() else { continue };
+            let used = ["ready", "failed"]
+                .iter()
+                .find_map(|marker| std::fs::metadata(entry.path().join(marker)).and_then(|m| m.modified()).ok());
+            match used {
+                Some(used) => {
+                    let size = size_of(&entry.path());
+                    let idle = now.duration_since(used).unwrap_or_default().as_secs_f64();
+                    completed.push((size as f64 * idle, size, key));
+                }
+                None => removed += usize::from(self.remove_unlocked(&key)),
+            }
+        }
+        let mut total: u64 = completed.iter().map(|(_, size, _)| size).sum();
+        completed.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for (_, size, key) in completed {
             if total <= max_bytes {
                 break;
             }
-            let Ok(file) = File::options().create(true).truncate(false).write(true).open(self.lock_path(&key)) else {
-                continue;
-            };
-            if file.try_lock().is_err() {
-                continue;
-            }
-            if std::fs::remove_dir_all(self.dir(&key)).is_ok() {
+            if self.remove_unlocked(&key) {
                 total = total.saturating_sub(size);
                 removed += 1;
             }
         }
         removed
+    }
+
+    /// Removes the entry if nobody holds its lock (pinned or building).
+    fn remove_unlocked(&self, key: &str) -> bool {
+        let Ok(file) = File::options().create(true).truncate(false).write(true).open(self.lock_path(key)) else {
+            return false;
+        };
+        file.try_lock().is_ok() && std::fs::remove_dir_all(self.dir(key)).is_ok()
     }
 
     /// Marks the entry complete. Hold its lock.
@@ -289,6 +300,40 @@ mod tests {
         drop(pin);
         assert_eq!(cache.evict(), 0, "2000 bytes fit");
         assert_eq!(Cache::new(root.clone(), 0).expect("unbounded").evict(), 0, "an unbounded cache never evicts");
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[tokio::test]
+    async fn eviction_takes_the_largest_long_unused_entry_first_and_leaves_builds_to_their_builders() {
+        let root = std::env::temp_dir().join(format!("kforge-cache-size-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let cache = Cache::new(root.clone(), 2500).expect("cache dir");
+        // Size times idle time: small 500 x 400 s, large 2000 x 200 s, medium 1000 x 100 s. Least recently used
+        // first would take `small` and then `large`; the large one alone makes room for both others.
+        let small = filled(&cache, "small", 500).await;
+        let large = filled(&cache, "large", 2000).await;
+        let medium = filled(&cache, "medium", 1000).await;
+        let past = |secs| SystemTime::now() - std::time::Duration::from_secs(secs);
+        for (k, age) in [(&small, 400), (&large, 200), (&medium, 100)] {
+            let marker = File::options().append(true).open(cache.dir(k).join("ready")).expect("marker");
+            marker.set_modified(past(age)).expect("mtime");
+        }
+        // An entry being built, larger than the bound: it neither counts nor goes.
+        let building = key(&[b"building"]);
+        let lock = cache.lock(&building).await.expect("lock");
+        std::fs::create_dir_all(cache.dir(&building)).expect("entry dir");
+        std::fs::write(cache.dir(&building).join("outputs"), vec![0u8; 4000]).expect("outputs");
+        // An unfinished entry nobody builds (its builder died): removed whatever the bound.
+        let abandoned = key(&[b"abandoned"]);
+        std::fs::create_dir_all(cache.dir(&abandoned)).expect("entry dir");
+        std::fs::write(cache.dir(&abandoned).join("outputs"), vec![0u8; 10]).expect("outputs");
+
+        assert_eq!(cache.evict(), 2, "the abandoned entry and `large`");
+        assert!(cache.get(&large).is_none());
+        assert!(cache.get(&small).is_some() && cache.get(&medium).is_some(), "1500 bytes fit");
+        assert!(cache.dir(&building).join("outputs").exists(), "a build in progress stays");
+        assert!(!cache.dir(&abandoned).exists());
+        drop(lock);
         let _ = std::fs::remove_dir_all(root);
     }
 }

@@ -174,8 +174,8 @@ impl std::str::FromStr for BuildRecipe {
     }
 }
 
-/// Size bounds of the caches in `work_dir`, in bytes (0: unbounded). Over its bound, a cache drops its least
-/// recently used entries that no evaluation is using.
+/// Size bounds of the caches' completed entries in `work_dir`, in bytes (0: unbounded). Over its bound, a cache
+/// drops entries no evaluation is using, the largest size times time since last use first (`Cache::evict`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheLimits {

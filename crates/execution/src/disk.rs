@@ -40,7 +40,8 @@ pub struct OutputPlan {
     pub trials: u64,
     /// `output_bytes_budget`: the most bytes of outputs a side keeps (0: every trial), at least two trials.
     pub budget: u64,
-    /// Whether the evaluation may write the task's reference outputs (none of its evaluations here has yet).
+    /// Whether the evaluation may write the task's reference outputs (the reference cache holds no entry for its
+    /// trials when it reserves).
     pub new_reference: bool,
 }
 
@@ -59,8 +60,8 @@ impl OutputPlan {
 pub struct FilesBytes {
     /// The candidate's kept trials and its timed call's output: read by the checker, removed with the evaluation.
     pub candidate: u64,
-    /// The reference's kept trials where the reference has not run for this task yet (`plan.new_reference`): its
-    /// new cache entry (once written, the reference cache's bound holds it); else 0.
+    /// The reference's kept trials where its cache entry is missing (`plan.new_reference`): the new entry, which
+    /// counts against the reference cache's bound only once written; else 0.
     pub reference: u64,
 }
 

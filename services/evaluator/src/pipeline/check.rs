@@ -52,6 +52,32 @@ pub(super) enum Trial {
 }
 
 impl Evaluator {
+    /// The reference cache's key for the task's outputs on these trials on a device of this name.
+    fn reference_key(&self, submission: &Submission, trials: &Trials<'_>, device_name: &str) -> String {
+        let Trials { seeds, init_seed, sensitivity, .. } = *trials;
+        let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
+        if let Some(Sensitivity { trial, base, seed }) = sensitivity {
+            seed_text.push_str(&format!("sensitivity {trial} from {base} with {seed}"));
+        }
+        cache::key(&[
+            submission.task.as_bytes(),
+            seed_text.as_bytes(),
+            init_seed.to_string().as_bytes(),
+            device_name.as_bytes(),
+            self.inner.engine.checked_python().versions_key().as_bytes(),
+            python::harness_digest().as_bytes(),
+            // The budget decides which trials' outputs the entry holds.
+            self.inner.config.output_bytes_budget.to_string().as_bytes(),
+        ])
+    }
+
+    /// Whether the reference cache holds the task's outputs on these trials for one of the engine's GPUs (a hit
+    /// counts as a use): else the evaluation that runs may write a new entry, whose room it reserves.
+    pub(super) fn reference_cached(&self, submission: &Submission, trials: &Trials<'_>) -> bool {
+        let gpus = &self.inner.engine.checked_python().gpus;
+        gpus.iter().any(|gpu| self.inner.references.get(&self.reference_key(submission, trials, &gpu.name)).is_some())
+    }
+
     /// Prepares the comparison of the candidate's outputs with the reference's on `lane`: takes the cached
     /// reference (pinned) or the right to compute it (locked), and starts the clean process that will do it, so it
     /// starts while the candidate runs.
@@ -67,23 +93,9 @@ impl Evaluator {
         let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.engine.checked_python();
-        let versions = python.versions_key();
         let Trials { seeds, init_seed, timing_seeds, sensitivity } = *trials;
-        let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
-        if let Some(Sensitivity { trial, base, seed }) = sensitivity {
-            seed_text.push_str(&format!("sensitivity {trial} from {base} with {seed}"));
-        }
         let device_name = python.device_name(gpu);
-        let key = cache::key(&[
-            submission.task.as_bytes(),
-            seed_text.as_bytes(),
-            init_seed.to_string().as_bytes(),
-            device_name.as_bytes(),
-            versions.as_bytes(),
-            python::harness_digest().as_bytes(),
-            // The budget decides which trials' outputs the entry holds.
-            inner.config.output_bytes_budget.to_string().as_bytes(),
-        ]);
+        let key = self.reference_key(submission, trials, device_name);
         let reference_dir = inner.references.dir(&key);
         let mut spec = CompareSpec {
             computes_reference: false,

@@ -187,6 +187,13 @@ impl Evaluator {
         // On a GPU, the task's sizes (a dry run on the meta device, once per task): the room its files take, and
         // its footprint before its reference has run. The room is reserved before the candidate starts, and held
         // until the evaluation ends: the candidate's files in memory where they fit (`handoff.rs`), else on the disk.
+        // The last `recheck_trials` trials run after timing and the census.
+        let mut seeds = engine.seeds(&task_key, "trial", (evaluation.trials + inner.config.recheck_trials) as usize);
+        let recheck_from = evaluation.trials as usize;
+        let sensitivity = self.sensitivity_trial(&task_key, &mut seeds, recheck_from);
+        let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
+        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity };
+
         let on_gpu = submission.backend != Backend::Cpu;
         let mut _files_room = None;
         let mut sizes = None;
@@ -198,7 +205,7 @@ impl Evaluator {
             let plan = OutputPlan {
                 trials: u64::from(evaluation.trials + inner.config.recheck_trials),
                 budget: inner.config.output_bytes_budget,
-                new_reference: engine.reference_peak(&task_key).is_none(),
+                new_reference: !self.reference_cached(submission, &trials),
             };
             let room = handoff::reserve(disk, engine.memory_files(), sizes, plan)
                 .await
@@ -225,14 +232,8 @@ impl Evaluator {
         let gpu = lane.gpu();
         response.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
         response.device = python.device_name(gpu).to_owned();
-        // The last `recheck_trials` trials run after timing and the census.
-        let mut seeds = engine.seeds(&task_key, "trial", (evaluation.trials + inner.config.recheck_trials) as usize);
-        let recheck_from = evaluation.trials as usize;
-        let sensitivity = self.sensitivity_trial(&task_key, &mut seeds, recheck_from);
-        let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
         std::fs::write(check_dir.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
         // The clean process that checks the outputs starts now, while the candidate runs.
-        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity };
         let check = self.prepare_check(submission, &lane, &trials, &check_dir, &candidate_dir, cancel).await?;
 
         // The candidate first: nothing of the reference has run on this device for this evaluation.
