@@ -1973,8 +1973,8 @@ def compare_trials(spec, device):
     for trial in range(len(spec["seeds"])):
         if trial not in compared:
             continue
-        # Comparing shares the device (timed work elsewhere waits for no more than one trial); reading the files
-        # does not.
+        # Comparing shares the device, with a pause point after each file's load, so timed work elsewhere waits
+        # for no more than one load (a second for GiB outputs) or one comparison; reading the files is host work.
         with phase("prefetch"):
             prefetch([path("reference", trial), path("candidate", trial)], device)
         with phase("load"):
@@ -1983,11 +1983,13 @@ def compare_trials(spec, device):
             compared = kept_trials(spec, sum(v["tensor"].numel() * v["tensor"].element_size()
                                              for v in expected if "tensor" in v))
             spec["compared_trials"] = compared
+        GATE.pause(device)
         try:
             with phase("load"):
                 got = load("candidate", trial)
         except Exception as error:  # a missing or malformed file is the candidate's output, not ours
             return {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}
+        GATE.pause(device)
         with phase("compare"):
             mismatch = compare_outputs(expected, got, spec)
         if mismatch is None and sensitivity and trial in (sensitivity["base"], sensitivity["trial"]):

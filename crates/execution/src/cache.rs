@@ -8,8 +8,9 @@
 //! A cache may have a size bound: [`Cache::evict`] removes completed entries until those left fit, the one with the
 //! largest size times time since last use (the marker's modification time, refreshed on every hit) first, so one
 //! multi-GB entry left unused goes before many small ones used a while ago. An entry in use is pinned with a shared
-//! lock ([`Cache::pin`]) and an entry being built holds its exclusive lock; eviction skips both, and an entry being
-//! built is its builder's room, not the bound's. Lock files
+//! lock ([`Cache::pin`]) and an entry being built holds its exclusive lock; eviction skips both. An entry being
+//! built does not count against the bound (the evaluator reserves a new reference entry's room in its disk budget),
+//! and an unfinished one nobody holds (its builder died or gave up) is removed. Lock files
 //! are never removed (a removed lock file could let two holders lock different files of the same name); they are
 //! empty.
 
@@ -135,10 +136,9 @@ impl Cache {
     }
 
     /// Removes completed entries until those left fit the cache's bound, the largest long unused first (by size
-    /// times the time since last use), and unfinished entries nobody is building (a builder that died). Entries
-    /// pinned or being built stay, and one being built does not count against the bound: its builder holds its
-    /// room (the reference cache's new entries are reserved in the disk budget). Returns how many were removed.
-    /// Blocking I/O.
+    /// times the time since last use), and unfinished entries nobody holds (a builder that died). Entries pinned or
+    /// being built stay, and one being built does not count against the bound (the reference cache's new entries
+    /// have room in the evaluator's disk budget). Returns how many were removed. Blocking I/O.
     pub fn evict(&self) -> usize {
         let Some(max_bytes) = self.max_bytes else { return 0 };
         let Ok(listing) = std::fs::read_dir(&self.root) else { return 0 };
@@ -147,16 +147,13 @@ impl Cache {
         let mut removed = 0;
         for entry in listing.filter_map(|e| e.ok()).filter(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
             let Ok(key) = entry.file_name().into_string() else { continue };
-            let used = ["ready", "failed"]
-                .iter()
-                .find_map(|marker| std::fs::metadata(entry.path().join(marker)).and_then(|m| m.modified()).ok());
-            match used {
+            match last_use(&entry.path()) {
                 Some(used) => {
                     let size = size_of(&entry.path());
                     let idle = now.duration_since(used).unwrap_or_default().as_secs_f64();
                     completed.push((size as f64 * idle, size, key));
                 }
-                None => removed += usize::from(self.remove_unlocked(&key)),
+                None => removed += usize::from(self.remove_unlocked(&key, Unless::Completed)),
             }
         }
         let mut total: u64 = completed.iter().map(|(_, size, _)| size).sum();
@@ -165,7 +162,7 @@ impl Cache {
             if total <= max_bytes {
                 break;
             }
-            if self.remove_unlocked(&key) {
+            if self.remove_unlocked(&key, Unless::Never) {
                 total = total.saturating_sub(size);
                 removed += 1;
             }
@@ -173,12 +170,16 @@ impl Cache {
         removed
     }
 
-    /// Removes the entry if nobody holds its lock (pinned or building).
-    fn remove_unlocked(&self, key: &str) -> bool {
+    /// Removes the entry if nobody holds its lock (pinned or building), and unless `unless` says otherwise once the
+    /// lock is held (an entry seen unfinished may have been completed since).
+    fn remove_unlocked(&self, key: &str, unless: Unless) -> bool {
         let Ok(file) = File::options().create(true).truncate(false).write(true).open(self.lock_path(key)) else {
             return false;
         };
-        file.try_lock().is_ok() && std::fs::remove_dir_all(self.dir(key)).is_ok()
+        if file.try_lock().is_err() || (unless == Unless::Completed && last_use(&self.dir(key)).is_some()) {
+            return false;
+        }
+        std::fs::remove_dir_all(self.dir(key)).is_ok()
     }
 
     /// Marks the entry complete. Hold its lock.
@@ -199,6 +200,18 @@ impl Cache {
     pub fn discard(&self, key: &str, _lock: &EntryLock) {
         let _ = std::fs::remove_dir_all(self.dir(key));
     }
+}
+
+/// When an entry must be kept after all, its lock held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unless {
+    Never,
+    Completed,
+}
+
+/// A completed entry's last use (its marker's modification time); `None` while unfinished.
+fn last_use(dir: &Path) -> Option<SystemTime> {
+    ["ready", "failed"].iter().find_map(|marker| std::fs::metadata(dir.join(marker)).and_then(|m| m.modified()).ok())
 }
 
 /// Bytes of the regular files under `path`.

@@ -285,7 +285,7 @@ impl Engine {
         tokio::task::spawn_blocking(move || {
             let removed = cache.evict();
             if removed > 0 {
-                tracing::info!(cache = name, removed, "evicted least recently used cache entries");
+                tracing::info!(cache = name, removed, "evicted cache entries");
                 metrics.evicted(name, removed);
             }
         });

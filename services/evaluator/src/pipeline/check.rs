@@ -71,11 +71,33 @@ impl Evaluator {
         ])
     }
 
-    /// Whether the reference cache holds the task's outputs on these trials for one of the engine's GPUs (a hit
-    /// counts as a use): else the evaluation that runs may write a new entry, whose room it reserves.
-    pub(super) fn reference_cached(&self, submission: &Submission, trials: &Trials<'_>) -> bool {
-        let gpus = &self.inner.engine.checked_python().gpus;
-        gpus.iter().any(|gpu| self.inner.references.get(&self.reference_key(submission, trials, &gpu.name)).is_some())
+    /// The task's cached reference entries on these trials, pinned, one per kind of GPU the engine has, and whether
+    /// every kind has one: else the evaluation may write a new entry, whose room it reserves. The pins are held
+    /// until the evaluation ends, so an entry found here cannot be evicted before its check pins it too (an
+    /// evaluation that reserved nothing would then write the entry again outside the disk budget).
+    pub(super) async fn pin_cached_references(
+        &self,
+        submission: &Submission,
+        trials: &Trials<'_>,
+    ) -> Result<(Vec<cache::EntryLock>, bool), InfraError> {
+        let references = &self.inner.references;
+        let mut names: Vec<&str> =
+            self.inner.engine.checked_python().gpus.iter().map(|gpu| gpu.name.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        let mut pins = Vec::with_capacity(names.len());
+        for name in &names {
+            let key = self.reference_key(submission, trials, name);
+            if references.get(&key).is_none() {
+                continue;
+            }
+            let pin = references.pin(&key).await.map_err(InfraError::cache("reference"))?;
+            if references.get(&key).is_some() {
+                pins.push(pin);
+            }
+        }
+        let every_kind = !names.is_empty() && pins.len() == names.len();
+        Ok((pins, every_kind))
     }
 
     /// Prepares the comparison of the candidate's outputs with the reference's on `lane`: takes the cached
@@ -157,6 +179,9 @@ impl Evaluator {
         let request = Request::plain(spec);
         let outcome = inner.engine.stage(started, request, Some(lane)).await.map_err(InfraError::stage(mode))?;
         if !outcome.ok() {
+            if let Some(lock) = &lock {
+                inner.references.discard(&key, lock); // its partial outputs, GBs for large tasks
+            }
             let what = if lock.is_some() { "the reference failed" } else { "the checker failed" };
             return Err(InfraError::TrustedStage { what, error: cap(&outcome.error_text(), 4000) });
         }

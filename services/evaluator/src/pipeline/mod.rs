@@ -184,9 +184,6 @@ impl Evaluator {
         };
         let (artifact_key, artifact_dir, compiles) = (&built.key, &built.dir, built.compiles);
 
-        // On a GPU, the task's sizes (a dry run on the meta device, once per task): the room its files take, and
-        // its footprint before its reference has run. The room is reserved before the candidate starts, and held
-        // until the evaluation ends: the candidate's files in memory where they fit (`handoff.rs`), else on the disk.
         // The last `recheck_trials` trials run after timing and the census.
         let mut seeds = engine.seeds(&task_key, "trial", (evaluation.trials + inner.config.recheck_trials) as usize);
         let recheck_from = evaluation.trials as usize;
@@ -194,18 +191,26 @@ impl Evaluator {
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
         let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity };
 
+        // On a GPU, the task's sizes (a dry run on the meta device, once per task): the room its files take, and
+        // its footprint before its reference has run. The room is reserved before the candidate starts, and held
+        // until the evaluation ends: the candidate's files in memory where they fit (`handoff.rs`), else on the disk.
+        // A reference cached now is pinned to the evaluation's end and needs no room; a missing one gets room for
+        // the new entry.
         let on_gpu = submission.backend != Backend::Cpu;
         let mut _files_room = None;
+        let mut _reference_pins = Vec::new();
         let mut sizes = None;
         if on_gpu {
             let started = Instant::now();
             let dry_run = scratch.join("sizes");
             let disk = engine.disk();
             sizes = disk.task_sizes(&task_key, &submission.task, engine.sandbox(), python, &dry_run).await;
+            let (pins, cached) = self.pin_cached_references(submission, &trials).await?;
+            _reference_pins = pins;
             let plan = OutputPlan {
                 trials: u64::from(evaluation.trials + inner.config.recheck_trials),
                 budget: inner.config.output_bytes_budget,
-                new_reference: !self.reference_cached(submission, &trials),
+                new_reference: !cached,
             };
             let room = handoff::reserve(disk, engine.memory_files(), sizes, plan)
                 .await
