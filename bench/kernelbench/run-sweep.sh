@@ -1,7 +1,8 @@
 #!/bin/bash
 # KernelBench sweep over all tasks of levels 1-3 (plus the six loss shortcuts), resumable across commands and
 # machines: each candidate is evaluated cold and then at once again warm (`--again`: compile, reference outputs and
-# baselines cached), SLOTS (default 6) evaluations in flight per GPU on as many GPU slots, every GPU of the machine
+# baselines cached), SLOTS evaluations in flight per GPU on as many GPU slots (default 4, the evaluator's
+# `gpu_slots`; the sweeps up to 2026-11-27 ran 6), every GPU of the machine
 # in one evaluator, tasks in a seeded random order. A task counts as done
 # once its warm line exists, in this machine's /tmp/res-NAME or in results carried from earlier machines (.kb/done/).
 # BINARY (under .kb/bin) picks the evaluator; each NAME has its own work directory (another's is removed first).
@@ -31,8 +32,8 @@ echo "$LEFT left"
 LOGGER=$!
 if [ "$LEFT" != 0 ]; then
   timeout $(( ${BUDGET:-570} - ($(date +%s) - T0) )) target/release/${BINARY:-evaluator-kernelbench} --kernelbench .kb/kernelbench \
-    --python $(which python3) --work $W --no-torch-compile --again --candidates /tmp/todo --gpu-slots ${SLOTS:-6} \
-    --in-flight $(( ${SLOTS:-6} * $(nvidia-smi -L | grep -c ^GPU) )) --out $R/sweep-$T0.jsonl > $R/sweep-$T0.log 2>&1
+    --python $(which python3) --work $W --no-torch-compile --again --candidates /tmp/todo --gpu-slots ${SLOTS:-4} \
+    --in-flight $(( ${SLOTS:-4} * $(nvidia-smi -L | grep -c ^GPU) )) --out $R/sweep-$T0.jsonl > $R/sweep-$T0.log 2>&1
   echo "rc=$? $(( $(date +%s) - T0 )) s, $(grep -c . $R/sweep-$T0.jsonl) lines"
 fi
 python3 bench/kernelbench/sweep_summary.py $R/sweep-*.jsonl $(ls ${DONE:-.kb/done}/*.jsonl 2>/dev/null) 2>&1 | tail -40

@@ -6,7 +6,9 @@ Per kind of candidate (`reproduce`, `analytical`, `partial`), and per pass (`col
 with `--again`: verdicts and finding codes; for the reproducing
 candidates, wall time per evaluation (p50, p95, max; from submission to result, with `--in-flight` bounding what
 was submitted at once), the stage that dominated each of the slowest, and peak device memory (the candidate's
-process and the task's reference). Then one row per evaluation.
+process and the task's reference), waits at the device gate, and how many evaluations computed their reference
+(in a warm pass: one the cache no longer held). Before them, each file's GPU time by what its gates did (lines
+that carry `gates`). Then one row per evaluation.
 """
 
 import collections
@@ -31,12 +33,31 @@ def gib(value):
     return f"{(value or 0) / (1 << 30):.2f}"
 
 
+def gates(paths):
+    """Each file's GPU time by what its gates did, from its last line that carries them (`gates`: cumulative)."""
+    for path in paths:
+        with open(path) as f:
+            last = None
+            for line in f:
+                if line.strip() and "gates" in (row := json.loads(line)):
+                    last = row["gates"]
+        if not last:
+            continue
+        parts = ("alone", "draining", "shared", "empty")
+        print(f"GPU time by the gate, {path} ({last['since_start_s']:.0f} s):\n")
+        for i, gpu in enumerate(last["gpus"]):
+            total = sum(gpu[p] for p in parts) or 1.0
+            print(f"- GPU {i}: " + ", ".join(f"{p} {gpu[p]:.0f} s ({gpu[p] / total:.0%})" for p in parts))
+        print()
+
+
 def main():
     rows = []
     for path in sys.argv[1:]:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     print(f"# KernelBench sweep: {len(rows)} evaluations ({', '.join(sys.argv[1:])})\n")
+    gates(sys.argv[1:])
     by_kind = collections.defaultdict(list)
     for row in rows:
         kind = row.get("kind") or "-"
@@ -58,6 +79,13 @@ def main():
                    for r in group if "wall_s" in r]
             print(f"Wall less waits for neighbours ({', '.join(waits)}): p50 {quantile(own, 0.5):.1f} s, "
                   f"p95 {quantile(own, 0.95):.1f} s, max {max(own):.1f} s\n")
+            gate = [r.get("stage_ms", {}).get("device.gate_wait", 0.0) / 1e3 for r in group if "wall_s" in r]
+            print(f"Waiting at the device gate (`device.gate_wait`): p50 {quantile(gate, 0.5):.1f} s, "
+                  f"p95 {quantile(gate, 0.95):.1f} s, {sum(gate):.0f} s in all\n")
+            # A reference computed in this evaluation (its stage's CPU time is reported): in a warm pass, one the
+            # reference cache no longer held.
+            computed = sum("cpu.reference" in r.get("stage_ms", {}) for r in group)
+            print(f"References computed: {computed} of {len(group)}\n")
             peaks = [r.get("device_peak_bytes") or 0 for r in group]
             print(f"Peak device memory of the candidate's process: p50 {gib(quantile(peaks, 0.5))} GiB, "
                   f"max {gib(max(peaks))} GiB\n")

@@ -11,7 +11,8 @@
 //! `--again` evaluates each candidate a second time as soon as its first evaluation ends (its compile, reference
 //! outputs and baselines then cached): each line says its `pass`, `cold` or `warm`, so a sweep cut short still has
 //! both figures for every task it finished. `--memory-files-dir ""` keeps candidates' outputs files on the disk
-//! (the evaluator's `memory_files_dir`, by default `/dev/shm`).
+//! (the evaluator's `memory_files_dir`, by default `/dev/shm`). Each line also carries the GPUs' gate accounts so far
+//! (`gates`), so a cut run still tells how long its devices ran something alone, drained, shared or were empty.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -223,6 +224,7 @@ async fn run(args: Args) -> std::process::ExitCode {
                         "error": r.error.chars().take(2000).collect::<String>(),
                         "compile_log": r.compile_log.chars().rev().take(2000).collect::<String>().chars().rev().collect::<String>(),
                         "wall_s": elapsed.as_secs_f64(),
+                        "gates": gates(&evaluator, started),
                     })
                 }
                 Err(error) => {
@@ -247,4 +249,21 @@ async fn run(args: Args) -> std::process::ExitCode {
         }
         _ => std::process::ExitCode::SUCCESS,
     }
+}
+
+/// Each GPU's time so far by what its gate did (alone, draining, shared, empty; seconds since the evaluator
+/// started), and the seconds since the sweep started: the gates' accounts over a run are the last line's, over a
+/// stretch of it the difference of two lines'.
+fn gates(evaluator: &Evaluator, started: Instant) -> serde_json::Value {
+    let gpus: Vec<_> = evaluator
+        .gpu_accounts()
+        .iter()
+        .map(|a| {
+            json!({
+                "alone": a.alone.as_secs_f64(), "draining": a.draining.as_secs_f64(),
+                "shared": a.shared.as_secs_f64(), "empty": a.empty.as_secs_f64(),
+            })
+        })
+        .collect();
+    json!({ "since_start_s": started.elapsed().as_secs_f64(), "gpus": gpus })
 }
