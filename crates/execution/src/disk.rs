@@ -106,6 +106,8 @@ pub struct DiskBudget {
     /// By task key: the sizes its dry run gave, or `None` where it could not tell; one dry run per task, which
     /// every evaluation of the task waiting for it shares.
     sizes: Mutex<HashMap<String, Arc<OnceCell<Option<TaskSizes>>>>>,
+    /// Output bytes a task's reference wrote, for tasks whose dry run could not tell.
+    measured: Mutex<HashMap<String, TaskSizes>>,
 }
 
 impl DiskBudget {
@@ -123,6 +125,7 @@ impl DiskBudget {
             main_units,
             capacity: units * UNIT,
             sizes: Mutex::default(),
+            measured: Mutex::default(),
         }
     }
 
@@ -179,7 +182,17 @@ impl DiskBudget {
             }
             sizes.ok()
         });
-        *sizes.await
+        let sizes = *sizes.await;
+        sizes.or_else(|| self.measured.lock().expect("never poisoned").get(task_key).copied())
+    }
+
+    /// Keeps the bytes of one trial's outputs that the task's reference wrote, for a task its dry run could not size
+    /// (one that reads a tensor's value): its later evaluations reserve what their files take instead of the whole
+    /// budget, and may put the candidate's files in memory. Only outputs: by then the task's footprint comes from
+    /// the reference's measured peak, so its input bytes are given as 0.
+    pub fn note_reference_outputs(&self, task_key: &str, output_bytes: u64) {
+        let sizes = TaskSizes { input_bytes: 0, output_bytes };
+        self.measured.lock().expect("never poisoned").insert(task_key.to_owned(), sizes);
     }
 }
 

@@ -1,5 +1,5 @@
 //! The disk budget's dry run: a task's input and output bytes from its shapes on the meta device, in the sandbox,
-//! and an honest "unknown" where the shapes cannot tell.
+//! and an honest "unknown" where the shapes cannot tell, until the task's reference has written its outputs.
 
 mod support;
 
@@ -34,7 +34,7 @@ def get_init_inputs():
 "#;
 
 #[tokio::test]
-async fn a_task_s_sizes_come_from_its_shapes_and_a_task_that_reads_values_writes_alone() {
+async fn a_task_s_sizes_come_from_its_shapes_and_one_that_reads_values_writes_alone_until_its_reference_ran() {
     let Some(python) = support::python() else { return };
     let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("disk-dry-run");
     let env = PythonEnv::probe(&python, &scratch.join("probe")).await.expect("python with torch");
@@ -51,6 +51,12 @@ async fn a_task_s_sizes_come_from_its_shapes_and_a_task_that_reads_values_writes
     let unknown = budget.task_sizes("reads", READS_A_VALUE, &sandbox, &env, &scratch.join("reads")).await;
     assert_eq!(unknown, None);
     assert_eq!(budget.need(unknown, plan), budget.capacity(), "unknown: the whole budget");
+
+    // Once its reference has written a trial's outputs, the task reserves what its files take.
+    budget.note_reference_outputs("reads", 4 << 20);
+    let measured = budget.task_sizes("reads", READS_A_VALUE, &sandbox, &env, &scratch.join("reads")).await;
+    assert_eq!(measured, Some(TaskSizes { input_bytes: 0, output_bytes: 4 << 20 }));
+    assert_eq!(budget.need(measured, plan), 17 * (4 << 20));
 }
 
 /// Evaluations that meet a task at once share its one dry run: the second waits for the first's, whose scratch alone

@@ -195,6 +195,11 @@ impl Evaluator {
             let entry = Entry::Ready(marker);
             self.note_reference_peak(&peak_key, &entry);
             inner.references.complete(&key, &entry, lock).map_err(InfraError::cache("reference cache"))?;
+            // What one trial's outputs take (trial 0 is always kept): the disk budget's size for a task whose
+            // dry run could not tell.
+            if let Ok(file) = std::fs::metadata(inner.references.dir(&key).join("reference-0.out")) {
+                inner.engine.disk().note_reference_outputs(&peak_key.0, file.len());
+            }
             inner.engine.evict_later("reference", &inner.references);
         }
         if let Some(result) = &outcome.result {
