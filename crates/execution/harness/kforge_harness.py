@@ -97,7 +97,7 @@ RESULTS = {
     "compile": {"seconds", "kernels", "kernels_unread"},
     "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "last_call", "timing_cpu", "census",
                   "device_peak_bytes", "jit_kernels"},
-    "reference": {"mismatch", "compared_trials", "device_peak_bytes"},
+    "reference": {"mismatch", "compared_trials", "device_peak_bytes", "output_bytes"},
     "check": {"mismatch", "compared_trials"},
     "baseline": {"eager_ms", "eager_host_ms", "compile_ms", "compile_error", "timing_cpu"},
     "bindings_pch": {"built", "failed", "host"},
@@ -1687,6 +1687,7 @@ def mode_reference(spec):
     GATE.share(device)
     task, model = reference_model(spec, device)
     kept = [0]  # as in the candidate's stage: trial 0's outputs decide which trials are kept
+    largest = 0  # the most bytes of outputs one trial gave: the disk budget's size for a task it cannot size
     for trial in range(len(spec["seeds"])):
         if trial not in kept:
             continue
@@ -1697,10 +1698,11 @@ def mode_reference(spec):
                 output = model(*inputs)
         with phase("save_reference"):
             write_outputs(output, os.path.join(spec["reference_dir"], f"reference-{trial}.out"))
+        largest = max(largest, output_bytes(output))
         if trial == 0:
             kept = kept_trials(spec, output_bytes(output))
         del inputs, output
-    result = {"ok": True}
+    result = {"ok": True, "output_bytes": largest}
     if device.type == "cuda":
         # The most device memory the reference held at once (model, inputs, outputs, workspace): the evaluator
         # estimates the task's footprint from it for memory-aware admission (devices::footprint).

@@ -14,8 +14,10 @@
 //! are never removed (a removed lock file could let two holders lock different files of the same name); they are
 //! empty.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
@@ -36,6 +38,27 @@ pub struct Cache {
     root: PathBuf,
     /// Evict down to this many bytes; `None`: unbounded.
     max_bytes: Option<u64>,
+    /// Keys this process's evictions leave alone ([`Cache::protect`]), with how many hold each.
+    protected: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+/// A key kept from this process's evictions until dropped ([`Cache::protect`]).
+#[derive(Debug)]
+pub struct Protected {
+    protected: Arc<Mutex<HashMap<String, usize>>>,
+    key: String,
+}
+
+impl Drop for Protected {
+    fn drop(&mut self) {
+        let mut protected = self.protected.lock().expect("never poisoned");
+        if let Some(count) = protected.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                protected.remove(&self.key);
+            }
+        }
+    }
 }
 
 /// What a completed entry holds.
@@ -64,7 +87,15 @@ impl Cache {
     /// A cache in `root`, bounded to `max_bytes` (0: unbounded).
     pub fn new(root: PathBuf, max_bytes: u64) -> std::io::Result<Self> {
         std::fs::create_dir_all(&root)?;
-        Ok(Self { root, max_bytes: (max_bytes > 0).then_some(max_bytes) })
+        Ok(Self { root, max_bytes: (max_bytes > 0).then_some(max_bytes), protected: Arc::default() })
+    }
+
+    /// Keeps the entry from this process's evictions until the guard drops, without locking it: for an entry an
+    /// evaluation will pin later, after it has waited for other resources (a lock held while waiting for those could
+    /// deadlock with another evaluation that holds them and waits to build the entry).
+    pub fn protect(&self, key: &str) -> Protected {
+        *self.protected.lock().expect("never poisoned").entry(key.to_owned()).or_default() += 1;
+        Protected { protected: self.protected.clone(), key: key.to_owned() }
     }
 
     /// The entry's directory (created on demand by the builder).
@@ -170,9 +201,12 @@ impl Cache {
         removed
     }
 
-    /// Removes the entry if nobody holds its lock (pinned or building), and unless `unless` says otherwise once the
-    /// lock is held (an entry seen unfinished may have been completed since).
+    /// Removes the entry if nobody holds its lock (pinned or building) or protects it, and unless `unless` says
+    /// otherwise once the lock is held (an entry seen unfinished may have been completed since).
     fn remove_unlocked(&self, key: &str, unless: Unless) -> bool {
+        if self.protected.lock().expect("never poisoned").contains_key(key) {
+            return false;
+        }
         let Ok(file) = File::options().create(true).truncate(false).write(true).open(self.lock_path(key)) else {
             return false;
         };
@@ -347,6 +381,22 @@ mod tests {
         assert!(cache.dir(&building).join("outputs").exists(), "a build in progress stays");
         assert!(!cache.dir(&abandoned).exists());
         drop(lock);
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[tokio::test]
+    async fn a_protected_entry_stays_until_its_last_guard_drops() {
+        let root = std::env::temp_dir().join(format!("kforge-cache-protect-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let cache = Cache::new(root.clone(), 1000).expect("cache dir");
+        let k = filled(&cache, "reference", 2000).await;
+        let (first, second) = (cache.protect(&k), cache.clone().protect(&k));
+        assert_eq!(cache.evict(), 0, "over the bound, but protected (by a clone too)");
+        drop(first);
+        assert_eq!(cache.evict(), 0, "one guard is left");
+        drop(second);
+        assert_eq!(cache.evict(), 1);
+        assert!(cache.get(&k).is_none());
         let _ = std::fs::remove_dir_all(root);
     }
 }

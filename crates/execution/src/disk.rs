@@ -8,8 +8,10 @@
 //! work directory when the evaluator starts (the reference cache gets at most 20%). The bytes follow from the task's shapes ([`TaskSizes`]), found by a
 //! dry run of the task on PyTorch's meta device (shapes only: no memory, no kernels) in the sandbox, once per task
 //! and kept for the evaluator's life. Where the dry run cannot tell (a task that reads a value, or names a device
-//! of its own), the evaluation reserves the whole main budget: it writes alone but for small reservations' lane. The same sizes give memory-aware
-//! admission a footprint for a task whose reference has not run yet.
+//! of its own), the evaluation reserves the whole main budget (it writes alone but for small reservations' lane)
+//! until the task's reference has run: the most bytes one of its trials output, recorded in its cache entry, then
+//! stand for the task's outputs ([`DiskBudget::note_reference_outputs`]). The same sizes give memory-aware admission
+//! a footprint for a task whose reference has not run yet.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -40,8 +42,8 @@ pub struct OutputPlan {
     pub trials: u64,
     /// `output_bytes_budget`: the most bytes of outputs a side keeps (0: every trial), at least two trials.
     pub budget: u64,
-    /// Whether the evaluation may write the task's reference outputs (the reference cache holds no entry for its
-    /// trials when it reserves).
+    /// Whether the evaluation may write the task's reference outputs: unless, when it reserves, the reference cache
+    /// holds an entry for its trials on every kind of GPU the engine has (protected from eviction until it ends).
     pub new_reference: bool,
 }
 
@@ -186,10 +188,11 @@ impl DiskBudget {
         sizes.or_else(|| self.measured.lock().expect("never poisoned").get(task_key).copied())
     }
 
-    /// Keeps the bytes of one trial's outputs that the task's reference wrote, for a task its dry run could not size
-    /// (one that reads a tensor's value): its later evaluations reserve what their files take instead of the whole
-    /// budget, and may put the candidate's files in memory. Only outputs: by then the task's footprint comes from
-    /// the reference's measured peak, so its input bytes are given as 0.
+    /// Keeps the most bytes of tensors one of the task's reference trials output (as the harness counts them to
+    /// choose the kept trials), for a task its dry run could not size (one that reads a tensor's value): its later
+    /// evaluations reserve what their files take instead of the whole budget, and may put the candidate's files in
+    /// memory. Only outputs: by then the task's footprint comes from the reference's measured peak, so its input
+    /// bytes are given as 0.
     pub fn note_reference_outputs(&self, task_key: &str, output_bytes: u64) {
         let sizes = TaskSizes { input_bytes: 0, output_bytes };
         self.measured.lock().expect("never poisoned").insert(task_key.to_owned(), sizes);

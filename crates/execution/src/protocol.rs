@@ -286,6 +286,10 @@ pub struct CompareResult {
     /// The reference's peak device memory (`reference` on a GPU).
     #[serde(default, deserialize_with = "lenient")]
     pub device_peak_bytes: Option<u64>,
+    /// The most bytes of tensors one of the reference's trials output (`reference`), as the harness counts them
+    /// to choose the kept trials.
+    #[serde(default, deserialize_with = "lenient")]
+    pub output_bytes: Option<u64>,
 }
 
 impl StageSpec for CompareSpec {

@@ -71,33 +71,34 @@ impl Evaluator {
         ])
     }
 
-    /// The task's cached reference entries on these trials, pinned, one per kind of GPU the engine has, and whether
-    /// every kind has one: else the evaluation may write a new entry, whose room it reserves. The pins are held
-    /// until the evaluation ends, so an entry found here cannot be evicted before its check pins it too (an
-    /// evaluation that reserved nothing would then write the entry again outside the disk budget).
-    pub(super) async fn pin_cached_references(
+    /// Protects the task's cached reference entries on these trials from eviction until the guards drop (one per
+    /// kind of GPU the engine has), and says whether every kind has one: else the evaluation may write a new entry,
+    /// whose room it reserves. Held to the evaluation's end, so an entry found here is not evicted before its check
+    /// pins it (the evaluation, having reserved nothing, would then write it again outside the disk budget). Not a
+    /// lock: a pin held while waiting for disk room and a device could deadlock with an evaluation that holds those
+    /// and waits to build the entry. The entries' records (peak device memory, output bytes) are kept as a hit's.
+    pub(super) fn protect_cached_references(
         &self,
         submission: &Submission,
         trials: &Trials<'_>,
-    ) -> Result<(Vec<cache::EntryLock>, bool), InfraError> {
+    ) -> (Vec<cache::Protected>, bool) {
         let references = &self.inner.references;
         let mut names: Vec<&str> =
             self.inner.engine.checked_python().gpus.iter().map(|gpu| gpu.name.as_str()).collect();
         names.sort_unstable();
         names.dedup();
-        let mut pins = Vec::with_capacity(names.len());
+        let task_key = cache::key(&[submission.task.as_bytes()]);
+        let mut guards = Vec::with_capacity(names.len());
         for name in &names {
             let key = self.reference_key(submission, trials, name);
-            if references.get(&key).is_none() {
-                continue;
-            }
-            let pin = references.pin(&key).await.map_err(InfraError::cache("reference"))?;
-            if references.get(&key).is_some() {
-                pins.push(pin);
+            let guard = references.protect(&key);
+            if let Some(entry) = references.get(&key) {
+                self.note_reference_entry(&(task_key.clone(), (*name).to_owned()), &entry);
+                guards.push(guard);
             }
         }
-        let every_kind = !names.is_empty() && pins.len() == names.len();
-        Ok((pins, every_kind))
+        let every_kind = !names.is_empty() && guards.len() == names.len();
+        (guards, every_kind)
     }
 
     /// Prepares the comparison of the candidate's outputs with the reference's on `lane`: takes the cached
@@ -140,7 +141,7 @@ impl Evaluator {
         let peak_key = (cache::key(&[submission.task.as_bytes()]), device_name.to_owned());
         let (lock, pin) = match inner.references.pin_or_lock(&key).await.map_err(InfraError::cache("reference"))? {
             Held::Pinned(pin, entry) => {
-                self.note_reference_peak(&peak_key, &entry);
+                self.note_reference_entry(&peak_key, &entry);
                 (None, Some(pin))
             }
             Held::Building(lock) => {
@@ -177,29 +178,34 @@ impl Evaluator {
         spec.timed_call = timed_call;
         let mode = spec.mode();
         let request = Request::plain(spec);
-        let outcome = inner.engine.stage(started, request, Some(lane)).await.map_err(InfraError::stage(mode))?;
+        let outcome = inner.engine.stage(started, request, Some(lane)).await;
+        if let (Some(lock), false) = (&lock, outcome.as_ref().is_ok_and(|o| o.ok())) {
+            inner.references.discard(&key, lock); // a failed reference's partial outputs, GBs for large tasks
+        }
+        let outcome = outcome.map_err(InfraError::stage(mode))?;
         if !outcome.ok() {
-            if let Some(lock) = &lock {
-                inner.references.discard(&key, lock); // its partial outputs, GBs for large tasks
-            }
             let what = if lock.is_some() { "the reference failed" } else { "the checker failed" };
             return Err(InfraError::TrustedStage { what, error: cap(&outcome.error_text(), 4000) });
         }
         if let Some(lock) = &lock {
-            // The reference's peak device memory (GPU only), for admission: kept here and in the cache entry.
-            let peak = outcome.result.as_ref().and_then(|r| r.body.device_peak_bytes);
-            let marker = match peak {
-                Some(peak) => serde_json::json!({ "device_peak_bytes": peak }).to_string(),
-                None => String::new(),
-            };
-            let entry = Entry::Ready(marker);
-            self.note_reference_peak(&peak_key, &entry);
-            inner.references.complete(&key, &entry, lock).map_err(InfraError::cache("reference cache"))?;
-            // What one trial's outputs take (trial 0 is always kept): the disk budget's size for a task whose
-            // dry run could not tell.
-            if let Ok(file) = std::fs::metadata(inner.references.dir(&key).join("reference-0.out")) {
-                inner.engine.disk().note_reference_outputs(&peak_key.0, file.len());
+            // Kept here and in the cache entry: the reference's peak device memory (GPU only), for admission, and
+            // the most bytes one trial output, the disk budget's size for a task its dry run cannot size.
+            let body = outcome.result.as_ref().map(|r| &r.body);
+            let mut marker = serde_json::Map::new();
+            if let Some(peak) = body.and_then(|b| b.device_peak_bytes) {
+                marker.insert("device_peak_bytes".into(), peak.into());
             }
+            if let Some(bytes) = body.and_then(|b| b.output_bytes) {
+                marker.insert("output_bytes".into(), bytes.into());
+            }
+            let marker = if marker.is_empty() { String::new() } else { serde_json::Value::from(marker).to_string() };
+            let entry = Entry::Ready(marker);
+            self.note_reference_entry(&peak_key, &entry);
+            let completed = inner.references.complete(&key, &entry, lock);
+            if completed.is_err() {
+                inner.references.discard(&key, lock);
+            }
+            completed.map_err(InfraError::cache("reference cache"))?;
             inner.engine.evict_later("reference", &inner.references);
         }
         if let Some(result) = &outcome.result {
@@ -217,14 +223,16 @@ impl Evaluator {
         Ok((mismatch, compared))
     }
 
-    /// Keeps the peak device memory a reference cache entry records, if it records one.
-    pub(super) fn note_reference_peak(&self, (task_key, device): &(String, String), entry: &Entry) {
+    /// Keeps what a reference cache entry records, where it does: the peak device memory (memory-aware admission)
+    /// and the most bytes one trial output (the disk budget, for a task its dry run cannot size).
+    pub(super) fn note_reference_entry(&self, (task_key, device): &(String, String), entry: &Entry) {
         let Entry::Ready(marker) = entry else { return };
-        let peak = serde_json::from_str::<serde_json::Value>(marker)
-            .ok()
-            .and_then(|marker| marker.get("device_peak_bytes").and_then(|p| p.as_u64()));
-        if let Some(peak) = peak {
+        let Ok(marker) = serde_json::from_str::<serde_json::Value>(marker) else { return };
+        if let Some(peak) = marker.get("device_peak_bytes").and_then(|p| p.as_u64()) {
             self.inner.engine.note_reference_peak(task_key, device, peak);
+        }
+        if let Some(bytes) = marker.get("output_bytes").and_then(|b| b.as_u64()) {
+            self.inner.engine.disk().note_reference_outputs(task_key, bytes);
         }
     }
 }

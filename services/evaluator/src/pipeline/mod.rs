@@ -194,19 +194,20 @@ impl Evaluator {
         // On a GPU, the task's sizes (a dry run on the meta device, once per task): the room its files take, and
         // its footprint before its reference has run. The room is reserved before the candidate starts, and held
         // until the evaluation ends: the candidate's files in memory where they fit (`handoff.rs`), else on the disk.
-        // A reference cached now is pinned to the evaluation's end and needs no room; a missing one gets room for
-        // the new entry.
+        // A reference cached now is protected from eviction to the evaluation's end and needs no room; a missing one
+        // gets room for the new entry.
         let on_gpu = submission.backend != Backend::Cpu;
         let mut _files_room = None;
-        let mut _reference_pins = Vec::new();
+        let mut _cached_references = Vec::new();
         let mut sizes = None;
         if on_gpu {
             let started = Instant::now();
             let dry_run = scratch.join("sizes");
             let disk = engine.disk();
+            // First the cached references: their entries say the outputs' size where the dry run cannot.
+            let (guards, cached) = self.protect_cached_references(submission, &trials);
+            _cached_references = guards;
             sizes = disk.task_sizes(&task_key, &submission.task, engine.sandbox(), python, &dry_run).await;
-            let (pins, cached) = self.pin_cached_references(submission, &trials).await?;
-            _reference_pins = pins;
             let plan = OutputPlan {
                 trials: u64::from(evaluation.trials + inner.config.recheck_trials),
                 budget: inner.config.output_bytes_budget,
