@@ -324,6 +324,12 @@ mod tests {
         k
     }
 
+    /// Dates the completed entry's last use `secs` ago.
+    fn last_used_ago(cache: &Cache, key: &str, secs: u64) {
+        let marker = File::options().append(true).open(cache.dir(key).join("ready")).expect("marker");
+        marker.set_modified(SystemTime::now() - std::time::Duration::from_secs(secs)).expect("mtime");
+    }
+
     #[tokio::test]
     async fn eviction_removes_least_recently_used_entries_but_never_pinned_ones() {
         let root = std::env::temp_dir().join(format!("kforge-cache-evict-{}", std::process::id()));
@@ -333,10 +339,8 @@ mod tests {
         let pinned = filled(&cache, "pinned", 1000).await;
         let used = filled(&cache, "used", 1000).await;
         // By last use: `used` oldest, then `pinned`, then `old`; the hit below makes `used` the newest.
-        let past = |secs| SystemTime::now() - std::time::Duration::from_secs(secs);
         for (k, age) in [(&used, 400), (&pinned, 300), (&old, 200)] {
-            let marker = File::options().append(true).open(cache.dir(k).join("ready")).expect("marker");
-            marker.set_modified(past(age)).expect("mtime");
+            last_used_ago(&cache, k, age);
         }
         assert!(cache.get(&used).is_some(), "a hit refreshes `used`");
         let pin = cache.pin(&pinned).await.expect("pin");
@@ -360,10 +364,8 @@ mod tests {
         let small = filled(&cache, "small", 500).await;
         let large = filled(&cache, "large", 2000).await;
         let medium = filled(&cache, "medium", 1000).await;
-        let past = |secs| SystemTime::now() - std::time::Duration::from_secs(secs);
         for (k, age) in [(&small, 400), (&large, 200), (&medium, 100)] {
-            let marker = File::options().append(true).open(cache.dir(k).join("ready")).expect("marker");
-            marker.set_modified(past(age)).expect("mtime");
+            last_used_ago(&cache, k, age);
         }
         // An entry being built, larger than the bound: it neither counts nor goes.
         let building = key(&[b"building"]);

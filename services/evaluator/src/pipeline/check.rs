@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kforge_proto::v1 as pb;
 use kforge_sandbox::tail as cap;
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use kforge_execution::cache::{self, Entry, Held};
@@ -42,6 +43,17 @@ pub(super) struct PreparedCheck {
     pub(super) lock: Option<cache::EntryLock>,
     /// Held while a cached reference is read.
     pub(super) _pin: Option<cache::EntryLock>,
+}
+
+/// What a reference cache entry's marker records of the reference's run (JSON; empty in entries from before it did).
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct ReferenceRecord {
+    /// Its peak device memory (GPU only): memory-aware admission's footprint for the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    device_peak_bytes: Option<u64>,
+    /// The most bytes of tensors one trial output: the disk budget's size for a task its dry run cannot size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    output_bytes: Option<u64>,
 }
 
 /// Which output differed.
@@ -188,18 +200,13 @@ impl Evaluator {
             return Err(InfraError::TrustedStage { what, error: cap(&outcome.error_text(), 4000) });
         }
         if let Some(lock) = &lock {
-            // Kept here and in the cache entry: the reference's peak device memory (GPU only), for admission, and
-            // the most bytes one trial output, the disk budget's size for a task its dry run cannot size.
+            // Kept here and in the cache entry's marker.
             let body = outcome.result.as_ref().map(|r| &r.body);
-            let mut marker = serde_json::Map::new();
-            if let Some(peak) = body.and_then(|b| b.device_peak_bytes) {
-                marker.insert("device_peak_bytes".into(), peak.into());
-            }
-            if let Some(bytes) = body.and_then(|b| b.output_bytes) {
-                marker.insert("output_bytes".into(), bytes.into());
-            }
-            let marker = if marker.is_empty() { String::new() } else { serde_json::Value::from(marker).to_string() };
-            let entry = Entry::Ready(marker);
+            let record = ReferenceRecord {
+                device_peak_bytes: body.and_then(|b| b.device_peak_bytes),
+                output_bytes: body.and_then(|b| b.output_bytes),
+            };
+            let entry = Entry::Ready(serde_json::to_string(&record).expect("plain fields"));
             self.note_reference_entry(&peak_key, &entry);
             let completed = inner.references.complete(&key, &entry, lock);
             if completed.is_err() {
@@ -223,15 +230,14 @@ impl Evaluator {
         Ok((mismatch, compared))
     }
 
-    /// Keeps what a reference cache entry records, where it does: the peak device memory (memory-aware admission)
-    /// and the most bytes one trial output (the disk budget, for a task its dry run cannot size).
+    /// Keeps what a reference cache entry records ([`ReferenceRecord`]), where it does.
     pub(super) fn note_reference_entry(&self, (task_key, device): &(String, String), entry: &Entry) {
         let Entry::Ready(marker) = entry else { return };
-        let Ok(marker) = serde_json::from_str::<serde_json::Value>(marker) else { return };
-        if let Some(peak) = marker.get("device_peak_bytes").and_then(|p| p.as_u64()) {
+        let record: ReferenceRecord = serde_json::from_str(marker).unwrap_or_default();
+        if let Some(peak) = record.device_peak_bytes {
             self.inner.engine.note_reference_peak(task_key, device, peak);
         }
-        if let Some(bytes) = marker.get("output_bytes").and_then(|b| b.as_u64()) {
+        if let Some(bytes) = record.output_bytes {
             self.inner.engine.disk().note_reference_outputs(task_key, bytes);
         }
     }
