@@ -408,7 +408,7 @@ class Gate:
 
     def __init__(self, joining, timing_cpu=None):
         self.send = self.recv = None
-        self.is_idle = joining == "idle"
+        self.is_idle = self.trusted = joining == "idle"
         self.timing_cpu = timing_cpu
         if joining:
             import socket
@@ -454,15 +454,20 @@ class Gate:
 
     @contextlib.contextmanager
     def host_work(self, device):
-        """Host work only in the block (reading outputs' files into the page cache): a pause point before it, and
-        while it runs the evaluator stops this process as soon as another asks to run alone, instead of waiting for
-        the next pause point; a pause point after it, before the device is used again."""
-        if self.is_idle:  # a trusted stage doing host work holds nobody up anyway
+        """Host work only in the block (reading outputs' files into the page cache), by a trusted stage: it goes idle
+        for it, so it holds nobody up and runs on while others run alone, and shares again after, waiting while
+        timed work runs. Only trusted stages (`spec["gate"] == "idle"`) may go idle: a candidate's stage has no host
+        work between its pause points."""
+        if self.send is None:  # no gate: the stage has its device to itself
             yield
             return
-        self.ask(b"host\n", device)
+        if not self.trusted:
+            raise RuntimeError("host work outside the device gate is for trusted stages only")
+        was_idle = self.is_idle
+        self.idle(device)
         yield
-        self.ask(b"pause\n", device, sync=False)  # nothing ran on the device meanwhile
+        if not was_idle:
+            self.share(device)
 
     def share(self, device):
         """Before a trusted stage's device work: leaves idle, waiting while timed work runs."""

@@ -352,10 +352,8 @@ enum Ended {
 ///
 /// - `alone`: run alone on the device; `share`: share it again (or start to, from idle);
 /// - `pause`: a pause point between steps of shared work; it pauses only while someone runs alone or waits to;
-/// - `host`: a pause point after which the stage does host work only (saving or reading outputs) until its next
-///   message: meanwhile it is stopped as soon as someone asks to run alone, instead of being waited for, and
-///   continued once the device is open again (a stage under a launcher, which cannot be stopped, is waited for);
-/// - `idle`: host work only from now on (trusted stages; see [`Joining::Idle`]);
+/// - `idle`: host work only until it shares again (trusted stages; see [`Joining::Idle`]): it holds nobody up and
+///   runs on while others run alone (the checker reading outputs' files into the page cache);
 ///
 /// and two notices, not answered: `call`, a call into candidate code starts (see [`CallLimits`]), and `timed`,
 /// a timed call starts (its process waits for the GPU spinning: no longer limit for CPU use). A call still
@@ -378,7 +376,6 @@ async fn converse(
     let mut read = BufReader::new(read);
     let mut line = Vec::new();
     let mut call: Option<Call> = None;
-    let mut host_work = false;
     loop {
         let check_at = call.as_ref().map(|call| call.check_at);
         // A message cut short by a check keeps its bytes in `line`; the limit counts over the whole message.
@@ -389,10 +386,6 @@ async fn converse(
                 Ok(0) if line.is_empty() => return Ended::Closed,
                 _ => return Ended::Broken,
             },
-            () = member.pause_wanted(), if host_work => {
-                waiting.wait(control, member.share()).await;
-                continue;
-            }
             () = sleep_until(check_at) => {
                 let call = call.as_mut().expect("a deadline comes with a call");
                 let limits = limits.expect("a call is watched only with limits");
@@ -404,7 +397,6 @@ async fn converse(
         }
         let message = std::mem::take(&mut line);
         call = None;
-        host_work = false;
         watch.lock().expect("never poisoned").call_ends();
         match &message[..] {
             b"call\n" | b"timed\n" => {
@@ -417,11 +409,10 @@ async fn converse(
             }
             b"alone\n" => waiting.wait(control, member.alone()).await,
             b"share\n" => waiting.wait(control, member.share()).await,
-            b"pause\n" | b"host\n" => {
+            b"pause\n" => {
                 if member.must_pause() {
                     waiting.wait(control, member.share()).await;
                 }
-                host_work = message == b"host\n" && matches!(waiting, Waiting::Stopped);
             }
             b"idle\n" if member.idle() => {}
             _ => return Ended::Broken,
@@ -600,10 +591,12 @@ mod tests {
         assert_eq!(largest_file(&env), 80 << 30);
     }
 
-    /// Runs `script` (sh) as a stage on `gate` with call limits of 1 s waiting and 2 s busy.
+    /// Runs `script` (sh) as a stage on `gate`, joining it as `joining`, with call limits of 1 s waiting and 2 s
+    /// busy.
     fn shell_stage(
         script: &str,
         gate: &Arc<Gate>,
+        joining: Joining,
     ) -> tokio::task::JoinHandle<Result<StageOutcome<protocol::CompileResult>, StageError>> {
         let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -625,8 +618,10 @@ mod tests {
         let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
         let request = Request { spec, env: vec![], limits: Some(limits) };
         let gate = gate.clone();
-        tokio::spawn(async move { started.run(request, Some((&gate, Joining::Share { solo: false }))).await })
+        tokio::spawn(async move { started.run(request, Some((&gate, joining))).await })
     }
+
+    const SHARE: Joining = Joining::Share { solo: false };
 
     /// Waits (polling, at most 30 s) until `condition` holds; `what` names it if it never does.
     async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
@@ -655,7 +650,7 @@ mod tests {
         ];
         for (script, says) in cases {
             let gate = Arc::new(Gate::default());
-            let hung = shell_stage(script, &gate);
+            let hung = shell_stage(script, &gate, SHARE);
             members(&gate, 1).await;
             // A neighbour that wants to run alone: the hung stage never reaches a pause point.
             let neighbour = Arc::new(gate.join(false).await);
@@ -675,31 +670,48 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_stage_doing_host_work_is_stopped_for_a_neighbour_s_timed_work_not_waited_for() {
-        // After `host`, it writes files until `go-on` exists (host work as long as the test wants), then passes a
-        // pause point and ends.
+    async fn a_trusted_stage_doing_host_work_runs_on_beside_timed_work_and_waits_for_it_to_share_again() {
+        // A trusted stage shares the device, goes idle for host work that lasts until `go-on` exists (as long as
+        // the test wants), then shares again and ends.
         let script = format!(
-            "cat >/dev/null; echo $$ > pid; printf 'host\\n' >&3; head -c 3 <&3 >/dev/null; : > in-host-work; \
-             while [ ! -e go-on ]; do sleep 0.01; done; printf 'pause\\n' >&3; head -c 3 <&3 >/dev/null; \
+            "cat >/dev/null; echo $$ > pid; printf 'share\\n' >&3; head -c 3 <&3 >/dev/null; \
+             printf 'idle\\n' >&3; head -c 3 <&3 >/dev/null; : > in-host-work; \
+             while [ ! -e go-on ]; do sleep 0.01; done; : > host-work-done; \
+             printf 'share\\n' >&3; head -c 3 <&3 >/dev/null; \
              printf '{{\"protocol\": {PROTOCOL_VERSION}, \"ok\": true}}' > result.json"
         );
         let gate = Arc::new(Gate::default());
-        let stage = shell_stage(&script, &gate);
+        let stage = shell_stage(&script, &gate, Joining::Idle);
         let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
         eventually("the stage got to its host work", || dir.join("in-host-work").exists()).await;
         let neighbour = gate.join(false).await;
         tokio::time::timeout(Duration::from_secs(30), neighbour.alone())
             .await
-            .expect("the neighbour runs alone without waiting for the stage's next message");
+            .expect("the neighbour runs alone without waiting for the idle stage");
+        // Not stopped: its host work goes on and ends while the neighbour runs alone.
+        std::fs::write(dir.join("go-on"), "").expect("go-on");
+        eventually("the stage's host work ends beside timed work", || dir.join("host-work-done").exists()).await;
         let pid = std::fs::read_to_string(dir.join("pid")).expect("pid");
         let group = pid.trim().parse().expect("a pid");
-        eventually("the stage is stopped while its neighbour runs alone", || kforge_sandbox::group_stopped(group))
-            .await;
-        std::fs::write(dir.join("go-on"), "").expect("go-on");
-        neighbour.share().await; // the stage goes on: its host work ends, it passes its pause point and ends
+        eventually("the stage is stopped as it asks to share while its neighbour runs alone", || {
+            kforge_sandbox::group_stopped(group)
+        })
+        .await;
+        neighbour.share().await;
         let outcome = stage.await.expect("task").expect("the stage ran");
         assert!(outcome.ok(), "{}", outcome.error_text());
         assert!(outcome.gate.waited > Duration::ZERO, "its stop counts as waiting at the gate");
+    }
+
+    #[tokio::test]
+    async fn a_candidate_stage_may_not_go_idle_nor_send_what_the_harness_never_sends() {
+        for message in ["idle", "host"] {
+            let script = format!("cat >/dev/null; printf '{message}\\n' >&3; exec sleep 3600");
+            let gate = Arc::new(Gate::default());
+            let outcome = shell_stage(&script, &gate, SHARE).await.expect("task").expect("the stage ran");
+            assert_eq!(outcome.finished.exit, kforge_sandbox::Exit::Signal(9), "{message}: {:?}", outcome.finished);
+            assert!(!outcome.ok(), "{message}");
+        }
     }
 
     #[tokio::test]
@@ -711,7 +723,7 @@ mod tests {
              exec 3>&-; exec sleep 3600"
         );
         let gate = Arc::new(Gate::default());
-        let outcome = shell_stage(&script, &gate).await.expect("task").expect("the stage ran");
+        let outcome = shell_stage(&script, &gate, SHARE).await.expect("task").expect("the stage ran");
         assert!(outcome.lingered, "{:?}", outcome.finished);
         assert_eq!(outcome.finished.exit, kforge_sandbox::Exit::Signal(9), "killed: {:?}", outcome.finished);
         assert!(!outcome.ok(), "a stage killed is not ok, whatever it wrote");

@@ -268,12 +268,6 @@ impl Member {
         self.gate.state.lock().expect("gate lock is never poisoned").pausing()
     }
 
-    /// Resolves once a pause point would pause: for a member doing host work between pause points (its device work
-    /// synchronised), which its driver then stops at once instead of waiting for its next pause point.
-    pub async fn pause_wanted(&self) {
-        self.gate.wait_until(|state| state.pausing().then_some(())).await
-    }
-
     /// Goes idle (a trusted member only; `false` otherwise): host work only until it shares again.
     pub fn idle(&self) -> bool {
         if !self.trusted {
@@ -435,34 +429,6 @@ mod tests {
 
         // An untrusted member cannot go idle: only stages that run no candidate code may.
         assert!(!a.idle());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_member_doing_host_work_is_told_when_to_stop_and_lets_timed_work_through_once_stopped() {
-        let gate = Arc::new(Gate::default());
-        let a = Arc::new(gate.join(false).await);
-        let saving = Arc::new(gate.join(false).await); // between pause points, writing files
-        let mut wanted = tokio::spawn({
-            let saving = saving.clone();
-            async move { saving.pause_wanted().await }
-        });
-        assert!(waits(&mut wanted).await, "nobody runs alone or waits to");
-        let mut a_alone = tokio::spawn({
-            let a = a.clone();
-            async move { a.alone().await }
-        });
-        done(wanted).await;
-        assert!(waits(&mut a_alone).await, "the saving member is not stopped yet");
-        // Its driver stops it and waits for the device to open again: A runs alone meanwhile.
-        let mut stopped = tokio::spawn({
-            let saving = saving.clone();
-            async move { saving.share().await }
-        });
-        done(a_alone).await;
-        assert!(waits(&mut stopped).await, "stopped while A runs alone");
-        a.share().await;
-        done(stopped).await;
-        assert!(!saving.must_pause());
     }
 
     #[tokio::test(start_paused = true)]
