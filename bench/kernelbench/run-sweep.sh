@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 D=$OUT/${NAME:?}; R=/tmp/res-$NAME; W=/tmp/kfs-$NAME; mkdir -p $D $R target/release && cp .kb/bin/* target/release/
 for w in /tmp/kfs-*; do [ "$w" = $W ] || rm -rf "$w"; done  # another run's caches would make this one's cold warm
-[ -f $R/machine.txt ] || { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; free -g; df -h / /tmp /dev/shm; cat .kb/bin/COMMIT; } > $R/machine.txt 2>&1
+[ -f $R/machine.txt ] || { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; free -g; df -h / /tmp /dev/shm; echo "${BINARY:-evaluator-kernelbench} (.kb/bin/COMMIT: $(cat .kb/bin/COMMIT))"; } > $R/machine.txt 2>&1
 trap 'kill $LOGGER 2>/dev/null; cp $R/*.jsonl $R/machine.txt $D/ 2>/dev/null; tar czf $D/logs.tgz -C $R . 2>/dev/null' EXIT
 if [ ! -d /tmp/cand ]; then
   python3 bench/kernelbench/make_candidates.py --reproduce .kb/kernelbench /tmp/cand 1 2 3 > /dev/null
