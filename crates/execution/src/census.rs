@@ -178,6 +178,9 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
                 }
             }
         }
+        if index == 0 && gpu {
+            census.findings.extend(host_waits(&mode.records, mode.calls, &mode.mode));
+        }
         if gpu && !own_names.is_empty() && own.is_empty() {
             unlaunched.push(mode.mode.as_str());
         }
@@ -234,6 +237,36 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
         }
     }
     census
+}
+
+/// The notice for a call that makes the host wait for the device mid-call: a copy to the host (`float()`,
+/// `.item()`, `.cpu()` of a device tensor) or from pageable host memory (`torch.tensor(...)` onto the device), which
+/// torch makes blocking. The device runs dry while the host wakes and launches the rest, and that cost comes in two
+/// levels that switch within a process: such a call has no single time to within a few percent, under kforge's timer
+/// or do_bench (bench/results/timing-host-sync-2026-11-26-*). Named so that a reward built on its speedup knows.
+fn host_waits(records: &[Record], calls: u32, mode: &str) -> Option<Finding> {
+    let mut copies: BTreeMap<&str, u64> = BTreeMap::new();
+    for record in
+        records.iter().filter(|r| r.name.starts_with("Memcpy DtoH") || r.name.starts_with("Memcpy HtoD (Pageable"))
+    {
+        *copies.entry(record.name.as_str()).or_default() += 1;
+    }
+    if copies.is_empty() {
+        return None;
+    }
+    let per_call: u64 = copies.values().sum::<u64>().div_ceil(u64::from(calls.max(1)));
+    let names: Vec<&str> = copies.into_keys().collect();
+    Some(Finding {
+        code: "timing.host_synchronized",
+        message: format!(
+            "each call in {mode} copies between host and device {per_call} time(s) ({}): the host waits for the \
+             device mid-call, so the timing includes its wake-up and relaunch, which vary by several percent between \
+             processes",
+            names.join(", ")
+        ),
+        line: 0,
+        category: Category::Notice,
+    })
 }
 
 /// The lazy-work finding: the candidate's own code did less than `threshold` of the measured mode's work. A notice
@@ -432,6 +465,37 @@ mod tests {
         assert_eq!(codes(&census), vec!["timing.untimed_work"]);
         let honest = analyse(&[mode("train/no_grad", records)], gpu_candidate(&own, Some(1.0), policy), true);
         assert!(codes(&honest).is_empty(), "{:?}", honest.findings);
+    }
+
+    #[test]
+    fn a_call_that_copies_to_or_blocks_on_the_host_is_named_for_its_timing() {
+        // KernelBench level2/68 with `float()` of a CUDA parameter in forward, as the H200's census recorded it.
+        let float = "Memcpy DtoH (Device -> Pinned)";
+        let records =
+            vec![record(OWN, 0.0, 30.0), record(float, 31.0, 1.0), record(OWN, 60.0, 30.0), record(float, 91.0, 1.0)];
+        let own = ["scale_kernel".to_owned()];
+        for policy in Policy::ALL {
+            let census =
+                analyse(&[mode("train/no_grad", records.clone())], gpu_candidate(&own, Some(0.05), policy), true);
+            assert_eq!(codes(&census), vec!["timing.host_synchronized"], "{}", policy.id());
+            assert_eq!(category(&census, "timing.host_synchronized"), Some(Category::Notice));
+            let message = &census.findings[0].message;
+            assert!(message.contains("1 time(s)") && message.contains(float), "{message}");
+        }
+        // A blocking copy from pageable host memory makes the host wait too; device-side copies and copies from
+        // pinned memory (which may be asynchronous) do not, nor does a copy in a mode that is not timed.
+        let pageable = vec![record(OWN, 0.0, 30.0), record("Memcpy HtoD (Pageable -> Device)", 31.0, 1.0)];
+        let census =
+            analyse(&[mode("train/no_grad", pageable)], gpu_candidate(&own, Some(0.05), Policy::PERMISSIVE), true);
+        assert_eq!(codes(&census), vec!["timing.host_synchronized"]);
+        let quiet = vec![
+            record(OWN, 0.0, 30.0),
+            record("Memcpy DtoD (Device -> Device)", 31.0, 1.0),
+            record("Memcpy HtoD (Pinned -> Device)", 33.0, 1.0),
+        ];
+        let modes = [mode("train/no_grad", quiet), mode("eval/no_grad", records)];
+        let census = analyse(&modes, gpu_candidate(&own, Some(0.05), Policy::PERMISSIVE), true);
+        assert!(codes(&census).is_empty(), "{:?}", census.findings);
     }
 
     #[test]
