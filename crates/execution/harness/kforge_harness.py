@@ -454,15 +454,14 @@ class Gate:
 
     @contextlib.contextmanager
     def host_work(self, device):
-        """Host work only in the block (reading outputs' files into the page cache), by a trusted stage: it goes idle
-        for it, so it holds nobody up and runs on while others run alone, and shares again after, waiting while
-        timed work runs. Only trusted stages (`spec["gate"] == "idle"`) may go idle: a candidate's stage has no host
-        work between its pause points."""
-        if self.send is None:  # no gate: the stage has its device to itself
+        """Host work only in the block (reading outputs' files into the page cache). A trusted stage that joined
+        idle goes idle for it, so it holds nobody up and runs on while others run alone, and shares again after,
+        waiting while anyone runs alone or waits to. Any other stage runs the block as it is: without a gate, or as
+        a solo member (an evaluation retried alone, its checker included), it has the device to itself; a
+        candidate's stage does no host work between its pause points."""
+        if not self.trusted:
             yield
             return
-        if not self.trusted:
-            raise RuntimeError("host work outside the device gate is for trusted stages only")
         was_idle = self.is_idle
         self.idle(device)
         yield

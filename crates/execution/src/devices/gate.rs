@@ -67,7 +67,7 @@ pub struct GateAccount {
 }
 
 impl GateState {
-    /// Whether someone runs alone or waits to: pause points pause, and members doing host work are stopped.
+    /// Whether someone runs alone or waits to: pause points pause.
     fn pausing(&self) -> bool {
         self.alone.is_some() || !self.queue.is_empty()
     }
