@@ -44,6 +44,8 @@ pub struct Lanes {
     /// While a GPU is quarantined, it is probed again this often.
     retry: Duration,
     metrics: ExecutionMetrics,
+    /// How many lanes outside the slots were handed out: they go to the healthy GPUs in turn.
+    outside: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Debug)]
@@ -179,6 +181,7 @@ impl Lanes {
             probe,
             retry: Duration::from_secs(config.retry_secs),
             metrics,
+            outside: Default::default(),
         })
     }
 
@@ -213,12 +216,21 @@ impl Lanes {
         self.quarantined.lock().expect("lane lock is never poisoned").get(gpu).cloned().flatten()
     }
 
-    /// The first healthy GPU, outside its slots: for work the evaluator does for itself beside the evaluations
-    /// (a baseline computed ahead). Its stages share the device through the gate like any slot's; nothing is
-    /// reserved, and nothing is released when it is dropped. None without a healthy GPU.
+    /// A healthy GPU, outside its slots: for work the evaluator does for itself beside the evaluations (a
+    /// baseline computed ahead). The healthy GPUs take turns: on the first alone, every baseline's timed work made
+    /// GPU 0 run alone 43-44% of the time against 12-24% on the three others (KernelBench sweep on four H200s,
+    /// bench/results/evaluator-kernelbench-sweep-2026-11-27b). Its stages share the device through the gate like
+    /// any slot's; nothing is reserved, and nothing is released when it is dropped. None without a healthy GPU.
     pub fn outside_slots(self: &Arc<Self>) -> Option<Lane> {
-        let index = self.quarantined.lock().expect("lane lock is never poisoned").iter().position(Option::is_none)?;
-        Some(self.lane(true, index, None))
+        let healthy: Vec<usize> = {
+            let quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
+            (0..quarantined.len()).filter(|&gpu| quarantined[gpu].is_none()).collect()
+        };
+        if healthy.is_empty() {
+            return None;
+        }
+        let turn = self.outside.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(self.lane(true, healthy[turn % healthy.len()], None))
     }
 
     /// A lane on device `index` (a GPU's, or the CPU's), holding a slot or not.
@@ -506,7 +518,17 @@ mod tests {
         for _ in 0..3 {
             let lane = lanes.acquire(true, 0, "", None).await.expect("the healthy GPU");
             assert_ne!(lane.gpu(), Some(bad), "the quarantined GPU is out of the pool");
+            let outside = lanes.outside_slots().expect("a healthy GPU");
+            assert_ne!(outside.gpu(), Some(bad), "work outside the slots avoids it too");
         }
+    }
+
+    #[test]
+    fn work_outside_the_slots_goes_to_the_gpus_in_turn() {
+        let lanes = memory_lanes(&[80, 80, 80]);
+        let gpus: Vec<Option<usize>> = (0..6).map(|_| lanes.outside_slots().expect("healthy GPUs").gpu()).collect();
+        assert_eq!(gpus, [0, 1, 2, 0, 1, 2].map(Some));
+        assert!(memory_lanes(&[]).outside_slots().is_none(), "no GPU, no lane");
     }
 
     #[tokio::test]
