@@ -451,11 +451,14 @@ def summary(out, args):
             order.append(record.get("key"))
     # The do_bench a kforge figure is compared with: with several clean processes (`--dobench-repeats`), the one
     # whose candidate median is their median.
-    runs = {}
+    # Its records are one per clean process (the `dobench` phase's repeats; the spinning ones wait otherwise, which
+    # is what moves for calls where the host waits).
+    dobench_runs = {}
     for (phase, _, key), r in table.items():
         if phase == "dobench" and r.get("ok"):
-            runs.setdefault(key, []).append(r)
-    db = {key: sorted(rs, key=lambda r: r["candidate_median_ms"])[(len(rs) - 1) // 2] for key, rs in runs.items()}
+            dobench_runs.setdefault(key, []).append(r)
+    db = {key: sorted(rs, key=lambda r: r["candidate_median_ms"])[(len(rs) - 1) // 2]
+          for key, rs in dobench_runs.items()}
     lines = [f"# timing-fidelity: kforge against do_bench ({time.strftime('%Y-%m-%d %H:%M:%S')})", "",
              f"From `{out / 'results.jsonl'}` ({len(records)} lines); machine: `machine.txt`. Errors are "
              "(kforge - do_bench) / do_bench in %; run-to-run is (max - min) / mean over the idle repeats, in %.",
@@ -598,14 +601,9 @@ def summary(out, args):
             return "host"
         return "large" if d["eager_median_ms"] >= SMALL_MS else "small"
 
-    def dobench_runs(key):
-        """The key's do_bench records, one per clean process (the `dobench` phase's repeats, `--dobench-repeats`;
-        the spinning ones wait otherwise, which is what moves for calls where the host waits)."""
-        return [r for (phase, _, k), r in table.items() if phase == "dobench" and k == key and r.get("ok")]
-
     def dobench_spread(key):
         """do_bench's own spread of the candidate's median across its clean processes, in %."""
-        values = [r["candidate_median_ms"] for r in dobench_runs(key)]
+        values = [r["candidate_median_ms"] for r in dobench_runs.get(key, [])]
         return 100.0 * (max(values) - min(values)) / (sum(values) / len(values)) if len(values) > 1 else None
 
     def outside_pct(value, references):
@@ -658,11 +656,11 @@ def summary(out, args):
             for index, name in enumerate(("candidate median", "eager median", "speedup")):
                 rows.append((f"run-to-run {name} %", worst_r2r(index, group), targets["r2r"], False,
                              group == "large"))
-        for key in (key for key in order if group == "host" and group_of(key) == "host"):
+        for key in [key for key in order if group_of(key) == "host"] if group == "host" else []:
             # Each such op against do_bench's own range across its clean processes: how far kforge's candidate
             # median and speedup (idle and full) fall outside it, held to the median and speedup targets once
             # do_bench ran in at least two processes.
-            runs = dobench_runs(key)
+            runs = dobench_runs.get(key, [])
             spread = dobench_spread(key)
             rows.append((f"do_bench's own spread across processes % ({key})",
                          None if spread is None else (spread, key), "-", False, False))
@@ -670,12 +668,11 @@ def summary(out, args):
                        for (p, _, k), r in table.items() if p in ("idle", "full") and k == key
                        and r.get("verdict") == "VERDICT_CORRECT" for field in ("candidate_median_ms", "speedup_eager")]
             outside = [o for o in outside if o[0] is not None]
+            # With do_bench in one process there is no range to judge it against.
+            limit = targets["median"] if len(runs) > 1 else "- (needs --dobench-repeats 2 or more)"
             rows.append(("largest distance % of kforge's candidate median and speedup from that range, idle and full",
-                         max(outside, key=lambda o: abs(o[0]), default=None),
-                         targets["median"] if len(runs) > 1 else None, True, len(runs) > 1))
+                         max(outside, key=lambda o: abs(o[0]), default=None), limit, True, len(runs) > 1))
         for name, found, limit, signed, judged in rows:
-            if limit is None:  # a host-waiting op whose do_bench ran in one process: nothing to judge it against
-                limit, judged = "- (needs --dobench-repeats 2 or more)", False
             if found is None:
                 lines.append(f"| {name} | - | - | {limit} | not measured |")
                 if group == "large":

@@ -1702,9 +1702,10 @@ def mode_reference(spec):
                 output = model(*inputs)
         with phase("save_reference"):
             write_outputs(output, os.path.join(spec["reference_dir"], f"reference-{trial}.out"))
-        largest = max(largest, output_bytes(output))
+        size = output_bytes(output)
+        largest = max(largest, size)
         if trial == 0:
-            kept = kept_trials(spec, output_bytes(output))
+            kept = kept_trials(spec, size)
         del inputs, output
     result = {"ok": True, "output_bytes": largest}
     if device.type == "cuda":

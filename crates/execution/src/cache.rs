@@ -290,9 +290,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_entry_is_held_pinned_when_complete_and_locked_for_its_builder_otherwise() {
-        let root = std::env::temp_dir().join(format!("kforge-cache-held-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let cache = Cache::new(root.clone(), 1).expect("cache dir");
+        let (root, cache) = fresh("held", 1);
         let k = key(&[b"reference"]);
         // Absent: the caller builds it. A second caller waits, and gets it pinned once the first completes it.
         let Held::Building(lock) = cache.pin_or_lock(&k).await.expect("held") else { panic!("absent: built") };
@@ -324,6 +322,13 @@ mod tests {
         k
     }
 
+    /// An empty cache bounded to `max_bytes` in a directory of its own, and that directory.
+    fn fresh(name: &str, max_bytes: u64) -> (PathBuf, Cache) {
+        let root = std::env::temp_dir().join(format!("kforge-cache-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        (root.clone(), Cache::new(root, max_bytes).expect("cache dir"))
+    }
+
     /// Dates the completed entry's last use `secs` ago.
     fn last_used_ago(cache: &Cache, key: &str, secs: u64) {
         let marker = File::options().append(true).open(cache.dir(key).join("ready")).expect("marker");
@@ -332,9 +337,7 @@ mod tests {
 
     #[tokio::test]
     async fn eviction_removes_least_recently_used_entries_but_never_pinned_ones() {
-        let root = std::env::temp_dir().join(format!("kforge-cache-evict-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let cache = Cache::new(root.clone(), 2500).expect("cache dir");
+        let (root, cache) = fresh("evict", 2500);
         let old = filled(&cache, "old", 1000).await;
         let pinned = filled(&cache, "pinned", 1000).await;
         let used = filled(&cache, "used", 1000).await;
@@ -356,9 +359,7 @@ mod tests {
 
     #[tokio::test]
     async fn eviction_takes_the_largest_long_unused_entry_first_and_leaves_builds_to_their_builders() {
-        let root = std::env::temp_dir().join(format!("kforge-cache-size-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let cache = Cache::new(root.clone(), 2500).expect("cache dir");
+        let (root, cache) = fresh("size", 2500);
         // Size times idle time: small 500 x 400 s, large 2000 x 200 s, medium 1000 x 100 s. Least recently used
         // first would take `small` and then `large`; the large one alone makes room for both others.
         let small = filled(&cache, "small", 500).await;
@@ -388,9 +389,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_protected_entry_stays_until_its_last_guard_drops() {
-        let root = std::env::temp_dir().join(format!("kforge-cache-protect-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let cache = Cache::new(root.clone(), 1000).expect("cache dir");
+        let (root, cache) = fresh("protect", 1000);
         let k = filled(&cache, "reference", 2000).await;
         let (first, second) = (cache.protect(&k), cache.clone().protect(&k));
         assert_eq!(cache.evict(), 0, "over the bound, but protected (by a clone too)");

@@ -222,10 +222,9 @@ impl Lanes {
     /// bench/results/evaluator-kernelbench-sweep-2026-11-27b). Its stages share the device through the gate like
     /// any slot's; nothing is reserved, and nothing is released when it is dropped. None without a healthy GPU.
     pub fn outside_slots(self: &Arc<Self>) -> Option<Lane> {
-        let healthy: Vec<usize> = {
-            let quarantined = self.quarantined.lock().expect("lane lock is never poisoned");
-            (0..quarantined.len()).filter(|&gpu| quarantined[gpu].is_none()).collect()
-        };
+        let healthy: Vec<usize> = (self.quarantined.lock().expect("lane lock is never poisoned").iter().enumerate())
+            .filter_map(|(gpu, reason)| reason.is_none().then_some(gpu))
+            .collect();
         if healthy.is_empty() {
             return None;
         }
