@@ -58,7 +58,7 @@ _exit = os._exit
 # ------------------------------------------------------------------------------------------------- protocol
 
 # The version of the messages below; the evaluator's `protocol::PROTOCOL_VERSION` must be the same.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # The exit status of a harness that refused a request of another protocol version.
 REFUSED_EXIT = 5
 
@@ -1911,13 +1911,23 @@ def profiled_calls(model, inputs, device, calls):
 
 
 def tolerance(dtype, spec):
+    """(atol, rtol, scale_rtol) of a dtype; integers and booleans compare exactly (and ignore them)."""
     import torch
 
     table = spec["tolerances"]
     key = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}.get(dtype)
     if key is None:
-        return 0.0, 0.0  # integers and booleans compare exactly
-    return table[key]["atol"], table[key]["rtol"]
+        return 0.0, 0.0, 0.0
+    entry = table[key]
+    return entry["atol"], entry["rtol"], entry["scale_rtol"]
+
+
+def allowed_error(expected, scale, atol, rtol, scale_rtol):
+    """The error allowed per element of an output whose largest finite |value| is `scale`, `expected` in float64:
+    the absolute part shrinks with the scale (on an output whose values are all far below atol, a constant or zero
+    answer would otherwise pass), and a part relative to the scale covers the rounding of sums that cancel (an
+    element near zero made of terms as large as the output's largest is off by rounding at that magnitude)."""
+    return atol * min(1.0, max(scale, 1e-6)) + scale_rtol * scale + rtol * expected.abs()
 
 
 def mode_check(spec):
@@ -2029,16 +2039,15 @@ def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec)
         c, d = cb.get("tensor"), cm.get("tensor")
         if a is None or not a.is_floating_point() or a.numel() == 0:
             continue
-        atol, rtol = tolerance(a.dtype, spec)
+        tol = tolerance(a.dtype, spec)
         a, b, c, d = (t.reshape(-1) for t in (a, b, c, d))
-        # As in compare_tensor: the absolute part of the tolerance follows the output's scale.
-        absolute = atol * min(1.0, max(finite_scale(a), 1e-6))
+        scale = finite_scale(a)
         for start in range(0, a.numel(), CHUNK_ELEMENTS):
             window = slice(start, start + CHUNK_ELEMENTS)
             rb64, rm64 = a[window].to(torch.float64), b[window].to(torch.float64)
             d_ref = rm64 - rb64
             d_cand = d[window].to(torch.float64) - c[window].to(torch.float64)
-            noise = (absolute + rtol * torch.maximum(rb64.abs(), rm64.abs())) / 10
+            noise = allowed_error(torch.maximum(rb64.abs(), rm64.abs()), scale, *tol) / 10
             judged = torch.isfinite(d_ref) & (d_ref.abs() > 2 * noise)
             wrong = judged & ~((d_cand - d_ref).abs() <= 0.1 * d_ref.abs() + noise)
             if bool(wrong.any()):
@@ -2090,17 +2099,15 @@ def finite_scale(flat):
     return scale
 
 
-def compare_tensor(a, b, atol, rtol):
-    """The first element of `b` outside tolerance of `a` (same shape, dtype, device), or None. Runs where the tensors
-    are, in chunks of CHUNK_ELEMENTS (float64 temporaries stay bounded for outputs of gigabytes)."""
+def compare_tensor(a, b, atol, rtol, scale_rtol):
+    """The first element of `b` outside tolerance of `a` (same shape, dtype, device; `allowed_error`), or None. Runs
+    where the tensors are, in chunks of CHUNK_ELEMENTS (float64 temporaries stay bounded for outputs of gigabytes)."""
     import torch
 
     shape = a.shape
     a, b = a.reshape(-1), b.reshape(-1)
     floating = a.dtype.is_floating_point or a.dtype.is_complex
     chunks = range(0, a.numel(), CHUNK_ELEMENTS)
-    # The absolute tolerance shrinks with the output's scale: on an output whose values are all far below atol, a
-    # constant or zero answer would otherwise pass.
     scale = finite_scale(a) if floating else 0.0
     first, max_abs, max_rel = None, 0.0, 0.0
     for start in chunks:
@@ -2112,7 +2119,7 @@ def compare_tensor(a, b, atol, rtol):
             # NaN never passes, and Inf only where the reference has the same Inf.
             bad_nonfinite = ~torch.isfinite(b64) & ~(torch.isinf(a64) & (a64 == b64))
             diff = torch.where(finite_expected, diff, torch.zeros_like(diff))
-            allowed = atol * min(1.0, max(scale, 1e-6)) + rtol * a64.abs()
+            allowed = allowed_error(a64, scale, atol, rtol, scale_rtol)
             bad = bad_nonfinite | (finite_expected & (diff > allowed))
             rel = diff / a64.abs().clamp_min(1e-12)
             max_rel = max(max_rel, float(torch.nan_to_num(rel, nan=math.inf).max()))

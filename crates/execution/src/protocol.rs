@@ -20,7 +20,7 @@ use crate::census::ModeRecords;
 use crate::config::{TimingBudget, Tolerances};
 
 /// The version of the messages below; the harness's `PROTOCOL_VERSION` must be the same.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The exit status of a harness that refused a request of another protocol version.
 pub const REFUSED_EXIT: i32 = 5;

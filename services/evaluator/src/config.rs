@@ -74,7 +74,7 @@ pub struct EvaluatorConfig {
     /// How long one call into candidate code may run before its stage is stopped as hung (a kernel that never
     /// ends costs seconds, not `run_timeout_secs`, and never stalls the other evaluations on its GPU).
     pub call_limits: CallLimitsConfig,
-    /// Output comparison tolerances by dtype: `|got - expected| <= atol + rtol * |expected|`.
+    /// Output comparison tolerances by dtype (`Tolerance`).
     pub tolerances: Tolerances,
     /// How long and how precisely to time.
     pub timing: TimingBudget,
