@@ -1,7 +1,8 @@
 #!/bin/bash
 # Timing fidelity on the current binaries (.kb/bin, commit in .kb/bin/COMMIT), resumable on one warm machine
 # (/tmp/fid kept between commands): the six KernelBench candidates of runs G/H and the corpus's cuda/ entries.
-# PART=1: do_bench in three clean processes per candidate, warm, idle repeat 0. PART=2: idle repeat 1, then the pipeline full.
+# PART=1: do_bench in three clean processes per candidate, warm, idle repeat 0. PART=2: idle repeat 1, the pipeline
+# full, then level2/14's candidate against the tolerance over 40 seeds.
 cd "$(dirname "$0")/../../.."
 T0=$(date +%s)
 mkdir -p $OUT/fid target/release && cp .kb/bin/* target/release/
@@ -26,7 +27,11 @@ if [ "${PART:?}" = 1 ]; then
   echo "== idle0"; $F --phases idle --only-repeat 0 --deadline-s $(left 560) 2>&1 | tail -6
 else
   echo "== idle1"; $F --phases idle --only-repeat 1 --deadline-s $(left 220) 2>&1 | tail -6
-  echo "== full"; $F --phases full --deadline-s $(left 560) 2>&1 | tail -6
+  echo "== full"; $F --phases full --deadline-s $(left 480) 2>&1 | tail -6
+  echo "== tolerance margin"
+  TORCH_EXTENSIONS_DIR=/tmp/fid/torch_extensions python3 bench/kernelbench/tolerance_margin.py \
+    .kb/kernelbench/level2/14_Gemm_Divide_Sum_Scaling.py /tmp/kbh/level2_14_Gemm_Divide_Sum_Scaling.cuda.py \
+    --seeds 40 > /tmp/fid/tolerance_margin.txt 2>&1; tail -3 /tmp/fid/tolerance_margin.txt
 fi
 $F --summary-only > /dev/null 2>&1
 echo "total $(( $(date +%s) - T0 )) s"
