@@ -1,7 +1,7 @@
 """How close a candidate's outputs sit to the evaluator's tolerance, over many input seeds, with and without the
-part of the tolerance relative to the output's scale (`scale_rtol`, docs/EVALUATOR.md "Tolerances").
+part of the tolerance relative to the output's root mean square (`scale_rtol`, docs/EVALUATOR.md "Tolerances").
 
-    python3 bench/kernelbench/tolerance_margin.py TASK.py CANDIDATE.py [--seeds 40] [--dtype float32]
+    python3 bench/kernelbench/tolerance_margin.py TASK.py CANDIDATE.py [--seeds 40]
 
 Per seed: inputs from torch.manual_seed(seed) and get_inputs(), parameters from seed 0 for both models (as the
 evaluator builds them from one init seed); the reference (Model) and the candidate (ModelNew) called once on the
@@ -47,9 +47,9 @@ def worst_ratio(expected, got, tol):
     import torch
 
     a, b = expected.reshape(-1).to(torch.float64), got.reshape(-1).to(torch.float64)
-    scale = harness.finite_scale(expected.reshape(-1))
-    allowed = harness.allowed_error(a, scale, *tol)
-    return float(((a - b).abs() / allowed).max()), scale
+    scales = harness.finite_scales(expected.reshape(-1))
+    allowed = harness.allowed_error(a, scales, *tol)
+    return float(((a - b).abs() / allowed).max()), scales[0]
 
 
 def main():

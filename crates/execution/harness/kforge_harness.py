@@ -58,7 +58,7 @@ _exit = os._exit
 # ------------------------------------------------------------------------------------------------- protocol
 
 # The version of the messages below; the evaluator's `protocol::PROTOCOL_VERSION` must be the same.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # The exit status of a harness that refused a request of another protocol version.
 REFUSED_EXIT = 5
 
@@ -72,13 +72,13 @@ FRAMING = {"result_path": _PATH, "gate": (_BOOL, _STR)}
 _COMPARE = {
     "task_path": _PATH, "device": _STR, "init_seed": _INT, "seeds": _LIST, "reference_dir": _PATH,
     "candidate_dir": _PATH, "tolerances": _DICT, "timing_seeds": _LIST, "sensitivity": (_DICT, _NONE),
-    "output_bytes_budget": _INT, "timed_call": (_INT, _NONE),
+    "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timed_call": (_INT, _NONE),
 }
 SPECS = {
     "compile": {"candidate_path": _PATH, "kernels": _BOOL},
     "candidate": {
         "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
-        "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST, "census_calls": _INT,
+        "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST, "census_calls": _INT,
         "profiled_calls": _INT, "task_path": _PATH, "candidate_path": _PATH, "candidate_dir": _PATH, "device": _STR,
         "timing_cpu": (_INT, _NONE),
     },
@@ -1693,8 +1693,8 @@ def mode_reference(spec):
     kept = [0]  # as in the candidate's stage: trial 0's outputs decide which trials are kept
     largest = 0  # the most bytes of outputs one trial gave: the disk budget's size for a task it cannot size
     for trial in range(len(spec["seeds"])):
-        if trial not in kept:
-            continue
+        if trial not in kept or trial == spec.get("replay"):
+            continue  # the replay is compared with the candidate's own trial 0
         GATE.pause(device)
         with phase("reference"):
             inputs = trial_inputs(task, spec, trial, device)
@@ -1713,10 +1713,8 @@ def mode_reference(spec):
         # estimates the task's footprint from it for memory-aware admission (devices::footprint).
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     if spec.get("candidate_dir"):
-        result["mismatch"] = compare_trials(spec, device)
+        result["mismatch"] = check_outputs(spec, device, lambda: (task, model))
         result["compared_trials"] = spec.get("compared_trials")
-        if result["mismatch"] is None and spec.get("timed_call") is not None:
-            result["mismatch"] = compare_timed_call(spec, task, model, device)
     write_result(spec, result)
 
 
@@ -1771,8 +1769,8 @@ def output_bytes(output):
 def kept_trials(spec, size):
     """The trials whose outputs are saved and compared when one trial's outputs take `size` bytes: every trial while
     they fit in `output_bytes_budget`, else as many as fit (at least two) in this order: the sensitivity trial's
-    base (trial 0) and the sensitivity trial, then the others from the last down (the re-check trials are the last
-    ones, so they come first). The candidate's harness, the reference stage and the checker each decide from their
+    base (trial 0) and the sensitivity trial, the replay (trial 0's inputs after timing), then the others from the
+    last down (the re-check trials are the last ones, so they come first). The candidate's harness, the reference stage and the checker each decide from their
     own trial 0 (the reference's, for the checker) and from fields every one of their specs carries, so they keep
     the same trials: a candidate whose outputs differ in size already fails trial 0."""
     total = len(spec["seeds"])
@@ -1781,6 +1779,8 @@ def kept_trials(spec, size):
         return list(range(total))
     sensitivity = spec.get("sensitivity")
     first = [sensitivity["base"], sensitivity["trial"]] if sensitivity else [0, 1]
+    if spec.get("replay") is not None:
+        first.append(spec["replay"])
     kept = []
     for trial in first + list(range(total - 1, 0, -1)):
         if trial < total and trial not in kept and (len(kept) < 2 or (len(kept) + 1) * size <= budget):
@@ -1922,22 +1922,33 @@ def tolerance(dtype, spec):
     return entry["atol"], entry["rtol"], entry["scale_rtol"]
 
 
-def allowed_error(expected, scale, atol, rtol, scale_rtol):
-    """The error allowed per element of an output whose largest finite |value| is `scale`, `expected` in float64:
-    the absolute part shrinks with the scale (on an output whose values are all far below atol, a constant or zero
-    answer would otherwise pass), and a part relative to the scale covers the rounding of sums that cancel (an
-    element near zero made of terms as large as the output's largest is off by rounding at that magnitude)."""
-    return atol * min(1.0, max(scale, 1e-6)) + scale_rtol * scale + rtol * expected.abs()
+def allowed_error(expected, scales, atol, rtol, scale_rtol):
+    """The error allowed per element of an output whose finite values have `scales` (the largest |value|, the mean
+    |value|), `expected` in float64: the absolute part shrinks with the largest value (on an output whose values are
+    all far below atol, a constant or zero answer would otherwise pass), and a part relative to the mean |value|
+    covers the rounding of sums that cancel (an element near zero made of terms as large as the output's typical
+    values is off by rounding at that magnitude; a few outliers move the mean little)."""
+    peak, typical = scales
+    return atol * min(1.0, max(peak, 1e-6)) + scale_rtol * typical + rtol * expected.abs()
 
 
 def mode_check(spec):
     device = device_of(spec)
     GATE.share(device)  # outputs are compared on their device
-    mismatch = compare_trials(spec, device)
-    if mismatch is None and spec.get("timed_call") is not None:
-        task, model = reference_model(spec, device)
-        mismatch = compare_timed_call(spec, task, model, device)
+    mismatch = check_outputs(spec, device, lambda: reference_model(spec, device))
     write_result(spec, {"ok": True, "mismatch": mismatch, "compared_trials": spec.get("compared_trials")})
+
+
+def check_outputs(spec, device, reference):
+    """The first mismatch, the strongest evidence first: the trials up to the replay (the first trials, the
+    sensitivity check, and the replay against the candidate's own trial 0), then the last timed call (its reference
+    from `reference()`, the task and its model), then the re-checks on new inputs after the replay, whose mismatch
+    alone may be rounding on inputs the first trials did not have rather than changed behaviour."""
+    mismatch, late = compare_trials(spec, device)
+    if mismatch is None and spec.get("timed_call") is not None:
+        task, model = reference()
+        mismatch = compare_timed_call(spec, task, model, device)
+    return mismatch if mismatch is not None else late
 
 
 def compare_timed_call(spec, task, model, device):
@@ -1973,10 +1984,11 @@ def compare_timed_call(spec, task, model, device):
 
 
 def compare_trials(spec, device):
-    """The first mismatch between reference and candidate outputs over every trial, then the sensitivity check's,
-    or None; compared on `device`."""
-    import torch
-
+    """(the first mismatch over the trials up to the replay and the sensitivity check, the first over the trials
+    after the replay), each None where there is none; compared on `device`. The replay's output is compared with the
+    candidate's trial 0 (the same inputs), the sensitivity trial's with the absolute and scale parts of the
+    tolerance of its base's reference (its moved elements would loosen them for every element), the others with
+    their reference."""
     def path(kind, trial):
         folder = spec["reference_dir"] if kind == "reference" else spec["candidate_dir"]
         return os.path.join(folder, f"{kind}-{trial}.out")
@@ -1984,18 +1996,25 @@ def compare_trials(spec, device):
     def load(kind, trial):
         return load_outputs(path(kind, trial), device)
 
-    sensitivity = spec.get("sensitivity")
+    sensitivity, replay = spec.get("sensitivity"), spec.get("replay")
+    late = None
     kept = {}  # the base and sensitivity trials' outputs, for the sensitivity check after the loop
     compared = [0]  # trial 0's reference outputs decide which trials were kept (kept_trials)
     for trial in range(len(spec["seeds"])):
         if trial not in compared:
             continue
+        expected_path = path("candidate", 0) if trial == replay else path("reference", trial)
         # Comparing shares the device, with a pause point after each file's load, so timed work elsewhere waits
         # for no more than one load (a second for GiB outputs) or one comparison; reading the files is host work.
         with phase("prefetch"):
-            prefetch([path("reference", trial), path("candidate", trial)], device)
-        with phase("load"):
-            expected = load("reference", trial)
+            prefetch([expected_path, path("candidate", trial)], device)
+        try:
+            with phase("load"):
+                expected = load_outputs(expected_path, device)
+        except Exception as error:  # the replay's expected outputs are the candidate's trial 0
+            if trial != replay:
+                raise
+            return {"trial": 0, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}, None
         if trial == 0:
             compared = kept_trials(spec, sum(v["tensor"].numel() * v["tensor"].element_size()
                                              for v in expected if "tensor" in v))
@@ -2005,24 +2024,33 @@ def compare_trials(spec, device):
             with phase("load"):
                 got = load("candidate", trial)
         except Exception as error:  # a missing or malformed file is the candidate's output, not ours
-            return {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}
+            return {"trial": trial, "output_index": 0, "detail": f"outputs unreadable: {type(error).__name__}"}, None
         GATE.pause(device)
+        moved = sensitivity is not None and trial == sensitivity["trial"]
         with phase("compare"):
-            mismatch = compare_outputs(expected, got, spec)
+            mismatch = compare_outputs(expected, got, spec, kept[sensitivity["base"]][0] if moved else None)
         if mismatch is None and sensitivity and trial in (sensitivity["base"], sensitivity["trial"]):
             kept[trial] = (expected, got)
-        if mismatch is not None:
-            mismatch["trial"] = trial
-            if sensitivity and trial == sensitivity["trial"]:
-                mismatch["detail"] = ("input sensitivity: wrong on the sensitivity trial (trial 0's inputs with a few "
-                                      "elements moved far out of range) " + mismatch.get("detail", "")).strip()
-            return mismatch
+        if mismatch is None:
+            continue
+        mismatch["trial"] = trial
+        if moved:
+            mismatch["detail"] = ("input sensitivity: wrong on the sensitivity trial (trial 0's inputs with a few "
+                                  "elements moved far out of range) " + mismatch.get("detail", "")).strip()
+        elif trial == replay:
+            mismatch["detail"] = ("replay: trial 0's inputs again after timing and the census gave an output that "
+                                  "differs from trial 0's beyond the tolerance (`expected` is trial 0's) "
+                                  + mismatch.get("detail", "")).strip()
+        if replay is None or trial <= replay:
+            return mismatch, None
+        late = mismatch  # after the replay: the sensitivity pair and the replay are compared already
+        break
     if not sensitivity:
-        return None
+        return None, late
     (ref_base, cand_base), (ref_moved, cand_moved) = kept[sensitivity["base"]], kept[sensitivity["trial"]]
     GATE.pause(device)
     with phase("compare"):
-        return compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, sensitivity["trial"], spec)
+        return compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, sensitivity["trial"], spec), late
 
 
 def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec):
@@ -2041,13 +2069,13 @@ def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec)
             continue
         tol = tolerance(a.dtype, spec)
         a, b, c, d = (t.reshape(-1) for t in (a, b, c, d))
-        scale = finite_scale(a)
+        scales = finite_scales(a)
         for start in range(0, a.numel(), CHUNK_ELEMENTS):
             window = slice(start, start + CHUNK_ELEMENTS)
             rb64, rm64 = a[window].to(torch.float64), b[window].to(torch.float64)
             d_ref = rm64 - rb64
             d_cand = d[window].to(torch.float64) - c[window].to(torch.float64)
-            noise = allowed_error(torch.maximum(rb64.abs(), rm64.abs()), scale, *tol) / 10
+            noise = allowed_error(torch.maximum(rb64.abs(), rm64.abs()), scales, *tol) / 10
             judged = torch.isfinite(d_ref) & (d_ref.abs() > 2 * noise)
             wrong = judged & ~((d_cand - d_ref).abs() <= 0.1 * d_ref.abs() + noise)
             if bool(wrong.any()):
@@ -2060,7 +2088,9 @@ def compare_sensitivity(ref_base, ref_moved, cand_base, cand_moved, trial, spec)
     return None
 
 
-def compare_outputs(expected, got, spec):
+def compare_outputs(expected, got, spec, base=None):
+    """The first output of `got` that differs from `expected`'s, or None. With `base` (another trial's expected
+    outputs, of the same shapes), each tensor's tolerance takes its scales from base's."""
     if not isinstance(got, list) or len(got) != len(expected):
         return {"output_index": 0, "detail": f"expected {len(expected)} outputs, got {len(got) if isinstance(got, list) else 'none'}"}
     for index, (want, have) in enumerate(zip(expected, got)):
@@ -2081,34 +2111,44 @@ def compare_outputs(expected, got, spec):
             return {"output_index": index, "detail": f"shape {tuple(b.shape)} instead of {tuple(a.shape)}"}
         if a.numel() == 0:
             continue
-        mismatch = compare_tensor(a, b, *tolerance(a.dtype, spec))
+        scales = None
+        if base is not None and a.is_floating_point() and index < len(base) and "tensor" in base[index]:
+            scales = finite_scales(base[index]["tensor"].reshape(-1))
+        mismatch = compare_tensor(a, b, *tolerance(a.dtype, spec), scales=scales)
         if mismatch is not None:
             mismatch["output_index"] = index
             return mismatch
     return None
 
 
-def finite_scale(flat):
-    """The largest finite |value| of a flat floating-point tensor, read in chunks of CHUNK_ELEMENTS."""
+def finite_scales(flat):
+    """(the largest finite |value|, the mean finite |value|) of a flat floating-point tensor, read in chunks of
+    CHUNK_ELEMENTS; zeros where none is finite."""
     import torch
 
-    scale = 0.0
+    peak, total, count = 0.0, 0.0, 0
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         part = flat[start:start + CHUNK_ELEMENTS].to(torch.float64).abs()
-        scale = max(scale, float(torch.where(torch.isfinite(part), part, torch.zeros_like(part)).max()))
-    return scale
+        finite = torch.isfinite(part)
+        part = torch.where(finite, part, torch.zeros_like(part))
+        peak = max(peak, float(part.max()))
+        total += float(part.sum())
+        count += int(finite.sum())
+    return peak, total / count if count else 0.0
 
 
-def compare_tensor(a, b, atol, rtol, scale_rtol):
-    """The first element of `b` outside tolerance of `a` (same shape, dtype, device; `allowed_error`), or None. Runs
-    where the tensors are, in chunks of CHUNK_ELEMENTS (float64 temporaries stay bounded for outputs of gigabytes)."""
+def compare_tensor(a, b, atol, rtol, scale_rtol, scales=None):
+    """The first element of `b` outside tolerance of `a` (same shape, dtype, device; `allowed_error`, with `a`'s
+    scales unless given), or None. Runs where the tensors are, in chunks of CHUNK_ELEMENTS (float64 temporaries stay
+    bounded for outputs of gigabytes)."""
     import torch
 
     shape = a.shape
     a, b = a.reshape(-1), b.reshape(-1)
     floating = a.dtype.is_floating_point or a.dtype.is_complex
     chunks = range(0, a.numel(), CHUNK_ELEMENTS)
-    scale = finite_scale(a) if floating else 0.0
+    if floating and scales is None:
+        scales = finite_scales(a)
     first, max_abs, max_rel = None, 0.0, 0.0
     for start in chunks:
         a64 = a[start:start + CHUNK_ELEMENTS].to(torch.float64)
@@ -2119,7 +2159,7 @@ def compare_tensor(a, b, atol, rtol, scale_rtol):
             # NaN never passes, and Inf only where the reference has the same Inf.
             bad_nonfinite = ~torch.isfinite(b64) & ~(torch.isinf(a64) & (a64 == b64))
             diff = torch.where(finite_expected, diff, torch.zeros_like(diff))
-            allowed = allowed_error(a64, scale, atol, rtol, scale_rtol)
+            allowed = allowed_error(a64, scales, atol, rtol, scale_rtol)
             bad = bad_nonfinite | (finite_expected & (diff > allowed))
             rel = diff / a64.abs().clamp_min(1e-12)
             max_rel = max(max_rel, float(torch.nan_to_num(rel, nan=math.inf).max()))

@@ -202,15 +202,16 @@ impl Default for CacheLimits {
     }
 }
 
-/// The error allowed per element of one dtype's outputs: `atol * min(1, scale) + rtol * |expected| + scale_rtol *
-/// scale`, `scale` being the output's largest finite `|expected|` (docs/EVALUATOR.md, "Tolerances").
+/// The error allowed per element of one dtype's outputs: `atol * min(1, peak) + rtol * |expected| + scale_rtol *
+/// typical`, `peak` and `typical` being the output's largest and mean finite `|expected|` (docs/EVALUATOR.md,
+/// "Tolerances").
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tolerance {
     pub atol: f64,
     pub rtol: f64,
-    /// Relative to the output's scale: an element near zero that is a sum of terms as large as the output's largest
-    /// carries their rounding, which `rtol * |expected|` does not cover.
+    /// Relative to the output's mean `|expected|`: an element near zero that is a sum of terms as large as the
+    /// output's typical values carries their rounding, which `rtol * |expected|` does not cover.
     pub scale_rtol: f64,
 }
 
@@ -221,8 +222,8 @@ pub struct Tolerances {
     pub float16: Tolerance,
     pub bfloat16: Tolerance,
     /// atol and rtol 1e-3: tight enough that an fp16 shortcut on an fp32 task fails it. scale_rtol 1e-5: legitimate
-    /// 8192-term row sums of values up to 1.5e4 are off by up to 2e-3 on elements near zero (level2/14 on an H200,
-    /// rejected by 1e-3 alone in 2 of 4 evaluations; bench/results/timing-fidelity-2026-11-27).
+    /// 8192-term row sums with a mean |value| of about 2.5e3 are off by up to 2.2e-3 on elements near zero
+    /// (level2/14 on an H200, rejected by 1e-3 alone in 2 of 4 evaluations; bench/results/timing-fidelity-2026-11-27).
     pub float32: Tolerance,
     pub float64: Tolerance,
 }

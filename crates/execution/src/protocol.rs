@@ -20,7 +20,7 @@ use crate::census::ModeRecords;
 use crate::config::{TimingBudget, Tolerances};
 
 /// The version of the messages below; the harness's `PROTOCOL_VERSION` must be the same.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The exit status of a harness that refused a request of another protocol version.
 pub const REFUSED_EXIT: i32 = 5;
@@ -159,6 +159,8 @@ pub struct CandidateRun {
     /// Trials from here on run after timing and the census.
     pub recheck_from: usize,
     pub sensitivity: Option<Sensitivity>,
+    /// The trial that repeats trial 0's inputs after timing and the census (kept under the output budget).
+    pub replay: Option<usize>,
     pub output_bytes_budget: u64,
     /// Absent: not timed.
     pub timing: Option<TimingSpec>,
@@ -247,6 +249,9 @@ pub struct CompareSpec {
     pub tolerances: Tolerances,
     pub timing_seeds: Vec<u64>,
     pub sensitivity: Option<Sensitivity>,
+    /// The trial that repeats trial 0's inputs after timing: compared with the candidate's own trial 0, before the
+    /// last timed call and the re-checks after it; it has no reference of its own.
+    pub replay: Option<usize>,
     pub output_bytes_budget: u64,
     /// The candidate's last timed call, when it was timed: its output is checked too, on rebuilt inputs.
     pub timed_call: Option<i64>,
@@ -552,6 +557,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         seeds: vec![],
         recheck_from: 0,
         sensitivity: None,
+        replay: None,
         output_bytes_budget: 0,
         timing: None,
         timing_seeds: vec![],
@@ -569,6 +575,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         tolerances: Tolerances::default(),
         timing_seeds: vec![],
         sensitivity: None,
+        replay: None,
         output_bytes_budget: 0,
         timed_call: None,
     };
@@ -648,6 +655,7 @@ mod tests {
             tolerances: Tolerances::default(),
             timing_seeds: vec![4],
             sensitivity: Some(Sensitivity { trial: 1, base: 0, seed: 9 }),
+            replay: None,
             output_bytes_budget: 10,
             timed_call: Some(7),
         }

@@ -77,11 +77,13 @@ fn the_harness_counts_calls_into_the_candidate_s_extensions() {
 
 /// The harness's input and comparison helpers (`fixtures/harness_inputs_and_checks.py`): the sparse perturbation of
 /// the sensitivity trial, the device-side input digest, the chunked comparison and its room relative to the output's
-/// scale, and the differential sensitivity check, on values chosen so that each can fail.
+/// mean value, the differential sensitivity check and the sensitivity trial's tolerance, the trials kept under the
+/// output budget, and the order in which trials, the replay and later re-checks are judged, on values chosen so that
+/// each can fail.
 #[test]
 fn the_harness_perturbs_digests_and_compares_as_documented() {
     let Some(stdout) = fixture_script("harness_inputs_and_checks.py") else { return };
-    assert_eq!(stdout.lines().count(), 6, "{stdout}");
+    assert_eq!(stdout.lines().count(), 8, "{stdout}");
 }
 
 /// The harness names a candidate's own kernels from what was built and run: the entry functions of a build's device

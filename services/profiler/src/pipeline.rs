@@ -202,6 +202,7 @@ async fn stages(
         seeds: vec![],
         recheck_from: 0,
         sensitivity: None,
+        replay: None,
         output_bytes_budget: config.output_bytes_budget,
         timing: None,
         timing_seeds: timing_seeds.clone(),

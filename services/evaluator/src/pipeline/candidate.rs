@@ -34,6 +34,7 @@ impl Evaluator {
             seeds: vec![],
             recheck_from: 0,
             sensitivity: None,
+            replay: None,
             output_bytes_budget: self.inner.config.output_bytes_budget,
             timing: Some(TimingSpec::from(&timing)),
             timing_seeds: self.inner.engine.seeds(task_key, "remeasure", timing.input_sets.max(1) as usize),

@@ -29,6 +29,8 @@ pub(super) struct Trials<'a> {
     pub(super) timing_seeds: &'a [u64],
     /// The sensitivity trial (`Evaluator::sensitivity_trial`).
     pub(super) sensitivity: Option<Sensitivity>,
+    /// The re-check that repeats trial 0's inputs (`replay_trial`): it has no reference of its own.
+    pub(super) replay: Option<usize>,
 }
 
 /// A comparison ready to run: its started clean process, and its hold on the reference cache entry.
@@ -66,10 +68,13 @@ pub(super) enum Trial {
 impl Evaluator {
     /// The reference cache's key for the task's outputs on these trials on a device of this name.
     fn reference_key(&self, submission: &Submission, trials: &Trials<'_>, device_name: &str) -> String {
-        let Trials { seeds, init_seed, sensitivity, .. } = *trials;
+        let Trials { seeds, init_seed, sensitivity, replay, .. } = *trials;
         let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
         if let Some(Sensitivity { trial, base, seed }) = sensitivity {
             seed_text.push_str(&format!("sensitivity {trial} from {base} with {seed}"));
+        }
+        if let Some(replay) = replay {
+            seed_text.push_str(&format!(" replay {replay}"));
         }
         cache::key(&[
             submission.task.as_bytes(),
@@ -128,7 +133,7 @@ impl Evaluator {
         let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.engine.checked_python();
-        let Trials { seeds, init_seed, timing_seeds, sensitivity } = *trials;
+        let Trials { seeds, init_seed, timing_seeds, sensitivity, replay } = *trials;
         let device_name = python.device_name(gpu);
         let key = self.reference_key(submission, trials, device_name);
         let reference_dir = inner.references.dir(&key);
@@ -143,6 +148,7 @@ impl Evaluator {
             tolerances: inner.config.tolerances,
             timing_seeds: timing_seeds.to_vec(),
             sensitivity,
+            replay,
             output_bytes_budget: inner.config.output_bytes_budget,
             timed_call: None,
         };

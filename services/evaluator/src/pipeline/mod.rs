@@ -190,7 +190,7 @@ impl Evaluator {
         let replay = replay_trial(&mut seeds, recheck_from);
         let sensitivity = self.sensitivity_trial(&task_key, &mut seeds, recheck_from);
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
-        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity };
+        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity, replay };
 
         // On a GPU, the task's sizes (a dry run on the meta device, once per task): the room its files take, and
         // its footprint before its reference has run. The room is reserved before the candidate starts, and held
@@ -250,6 +250,7 @@ impl Evaluator {
             seeds: seeds.clone(),
             recheck_from,
             sensitivity,
+            replay,
             output_bytes_budget: inner.config.output_bytes_budget,
             timing: evaluation.measure.then(|| TimingSpec::from(&inner.config.timing)),
             timing_seeds: timing_seeds.clone(),
@@ -311,17 +312,18 @@ impl Evaluator {
                 let changed = match trial {
                     Trial::Timed => Some((
                         "runtime.timed_output_mismatch",
-                        "the output of a timed call is wrong although the correctness trials passed: the work \
-                         done under measurement differs from the work that was checked"
+                        "the output of a timed call is wrong although the correctness trials and the replay of \
+                         trial 0 passed: the work done under measurement differs from the work that was checked"
                             .to_owned(),
                     )),
-                    // Only the replay tells changed behaviour from numbers: a later re-check's new inputs may
-                    // be ones the candidate's rounding fails, which is INCORRECT, as on any first trial.
+                    // The replay is compared with the candidate's own trial 0, so its mismatch is changed
+                    // behaviour; a later re-check's (compared after the timed call) may be rounding on new inputs,
+                    // INCORRECT as on any first trial.
                     Trial::Index(index) if Some(index) == replay => Some((
                         "runtime.changed_after_check",
                         format!(
-                            "trial {index}, run after timing and the census on trial 0's inputs, is wrong although \
-                             trial 0 passed"
+                            "trial {index} repeats trial 0's inputs after timing and the census, and its output \
+                             differs from trial 0's beyond the tolerance"
                         ),
                     )),
                     Trial::Index(_) => None,
@@ -467,9 +469,9 @@ impl Evaluator {
     }
 }
 
-/// Gives the first re-check (trial `recheck_from`, run after timing and the census) trial 0's seed, so that a wrong
-/// output there is changed behaviour and not rounding on new inputs. Its index, or None without a first trial or a
-/// re-check.
+/// Gives the first re-check (trial `recheck_from`, run after timing and the census) trial 0's seed: the checker
+/// compares its output with the candidate's own trial 0, so a difference there is changed behaviour, not rounding on
+/// new inputs. Its index, or None without a first trial or a re-check.
 fn replay_trial(seeds: &mut [u64], recheck_from: usize) -> Option<usize> {
     if recheck_from == 0 || recheck_from >= seeds.len() {
         return None;
