@@ -249,8 +249,8 @@ pub struct CompareSpec {
     pub tolerances: Tolerances,
     pub timing_seeds: Vec<u64>,
     pub sensitivity: Option<Sensitivity>,
-    /// The trial that repeats trial 0's inputs after timing: compared with the candidate's own trial 0, before the
-    /// last timed call and the re-checks after it; it has no reference of its own.
+    /// The trial that repeats trial 0's inputs after timing: compared with trial 0's reference (it has none of its
+    /// own), before the last timed call and the re-checks after it.
     pub replay: Option<usize>,
     pub output_bytes_budget: u64,
     /// The candidate's last timed call, when it was timed: its output is checked too, on rebuilt inputs.

@@ -42,9 +42,9 @@ pub struct EvaluatorConfig {
     pub default_policy: String,
     /// Correctness trials when a request asks for 0.
     pub default_trials: u32,
-    /// Extra correctness trials run after timing and the census: the first repeats trial 0's inputs and must give
-    /// trial 0's output (behaviour that changes once the first check is over is a hack), the others run on fresh
-    /// inputs.
+    /// Extra correctness trials run after timing and the census: the first repeats trial 0's inputs (an output far
+    /// outside the tolerance there is behaviour that changed once the first check was over, a hack), the others run
+    /// on fresh inputs.
     pub recheck_trials: u32,
     /// One of the first correctness trials repeats trial 0's inputs with a few elements moved far out of range;
     /// the candidate's output must move as the reference's does (partial computation, closed-form shortcuts).

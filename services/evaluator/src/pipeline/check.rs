@@ -29,7 +29,7 @@ pub(super) struct Trials<'a> {
     pub(super) timing_seeds: &'a [u64],
     /// The sensitivity trial (`Evaluator::sensitivity_trial`).
     pub(super) sensitivity: Option<Sensitivity>,
-    /// The re-check that repeats trial 0's inputs (`replay_trial`): it has no reference of its own.
+    /// The re-check that repeats trial 0's inputs (`replay_trial`): compared with trial 0's reference.
     pub(super) replay: Option<usize>,
 }
 

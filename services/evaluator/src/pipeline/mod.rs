@@ -312,18 +312,18 @@ impl Evaluator {
                 let changed = match trial {
                     Trial::Timed => Some((
                         "runtime.timed_output_mismatch",
-                        "the output of a timed call is wrong although the correctness trials and the replay of \
-                         trial 0 passed: the work done under measurement differs from the work that was checked"
+                        "the output of a timed call is wrong although the correctness trials, the replay of trial \
+                         0 and the re-checks passed: the work done under measurement differs from the work that was \
+                         checked"
                             .to_owned(),
                     )),
-                    // The replay is compared with the candidate's own trial 0, so its mismatch is changed
-                    // behaviour; a later re-check's (compared after the timed call) may be rounding on new inputs,
-                    // INCORRECT as on any first trial.
+                    // The harness reports the replay first only far outside the tolerance (changed behaviour);
+                    // a re-check's on fresh inputs, or the replay's near the tolerance, may be rounding: INCORRECT.
                     Trial::Index(index) if Some(index) == replay => Some((
                         "runtime.changed_after_check",
                         format!(
-                            "trial {index} repeats trial 0's inputs after timing and the census, and its output \
-                             differs from trial 0's beyond the tolerance"
+                            "trial {index} repeats trial 0's inputs after timing and the census, and its output is \
+                             far outside the tolerance although trial 0's was within it"
                         ),
                     )),
                     Trial::Index(_) => None,
@@ -469,9 +469,9 @@ impl Evaluator {
     }
 }
 
-/// Gives the first re-check (trial `recheck_from`, run after timing and the census) trial 0's seed: the checker
-/// compares its output with the candidate's own trial 0, so a difference there is changed behaviour, not rounding on
-/// new inputs. Its index, or None without a first trial or a re-check.
+/// Gives the first re-check (trial `recheck_from`, run after timing and the census) trial 0's seed: on the inputs
+/// trial 0 passed, an output far outside the tolerance is changed behaviour, not rounding on new inputs. Its index,
+/// or None without a first trial or a re-check.
 fn replay_trial(seeds: &mut [u64], recheck_from: usize) -> Option<usize> {
     if recheck_from == 0 || recheck_from >= seeds.len() {
         return None;
