@@ -11,7 +11,6 @@ A ratio above 1 fails the check.
 """
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,14 +22,6 @@ import kforge_harness as harness  # noqa: E402
 # The evaluator's defaults (crates/execution/src/config.rs, `Tolerances::default`).
 DEFAULTS = {"float16": (1e-2, 1e-2, 1e-4), "bfloat16": (2e-2, 2e-2, 2e-4), "float32": (1e-3, 1e-3, 1e-5),
             "float64": (1e-8, 1e-8, 1e-10)}
-
-
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def to_device(values, device):
@@ -62,7 +53,8 @@ def main():
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    task, candidate = load(args.task, "margin_task"), load(args.candidate, "margin_candidate")
+    task = harness.load_module(args.task, "margin_task")
+    candidate = harness.load_module(args.candidate, "margin_candidate")
     torch.manual_seed(0)
     reference = task.Model(*to_device(list(task.get_init_inputs()), device)).to(device)
     torch.manual_seed(0)
