@@ -13,10 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
-
-def quantile(samples, q):
-    ordered = sorted(samples)
-    return ordered[int(q * (len(ordered) - 1))]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 
 def interquartile_mean(samples):
@@ -29,7 +27,7 @@ STATISTICS = {
     "median": statistics.median,
     "iqm": interquartile_mean,
     "mean": statistics.fmean,
-    "p20": lambda s: quantile(s, 0.2),
+    "p20": lambda s: common.percentile(s, 20),
     "min": min,
 }
 

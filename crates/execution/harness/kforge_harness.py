@@ -78,9 +78,9 @@ SPECS = {
     "compile": {"candidate_path": _PATH, "kernels": _BOOL},
     "candidate": {
         "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
-        "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST, "census_calls": _INT,
-        "profiled_calls": _INT, "task_path": _PATH, "candidate_path": _PATH, "candidate_dir": _PATH, "device": _STR,
-        "timing_cpu": (_INT, _NONE),
+        "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST,
+        "census_calls": _INT, "profiled_calls": _INT, "task_path": _PATH, "candidate_path": _PATH,
+        "candidate_dir": _PATH, "device": _STR, "timing_cpu": (_INT, _NONE),
     },
     "reference": _COMPARE,
     "check": _COMPARE,
@@ -1694,7 +1694,7 @@ def mode_reference(spec):
     largest = 0  # the most bytes of outputs one trial gave: the disk budget's size for a task it cannot size
     for trial in range(len(spec["seeds"])):
         if trial not in kept or trial == spec.get("replay"):
-            continue  # the replay is compared with the candidate's own trial 0
+            continue  # the replay repeats trial 0's inputs and is compared with trial 0's reference
         GATE.pause(device)
         with phase("reference"):
             inputs = trial_inputs(task, spec, trial, device)
@@ -1770,15 +1770,17 @@ def kept_trials(spec, size):
     """The trials whose outputs are saved and compared when one trial's outputs take `size` bytes: every trial while
     they fit in `output_bytes_budget`, else as many as fit (at least two) in this order: trial 0 (the base of the
     sensitivity trial and of the replay), the sensitivity trial, the replay (trial 0's inputs after timing), then
-    the others from the last down (the re-check trials are the last ones, so they come first). The candidate's harness, the reference stage and the checker each decide from their
-    own trial 0 (the reference's, for the checker) and from fields every one of their specs carries, so they keep
-    the same trials: a candidate whose outputs differ in size already fails trial 0."""
+    the others from the last down (the re-check trials are the last ones, so they come first). The candidate's
+    harness, the reference stage and the checker each decide from their own trial 0 (the reference's, for the
+    checker) and from fields every one of their specs carries, so they keep the same trials: a candidate whose
+    outputs differ in size already fails trial 0."""
     total = len(spec["seeds"])
     budget = spec.get("output_bytes_budget") or 0
     if not budget or size * total <= budget:
         return list(range(total))
     sensitivity = spec.get("sensitivity")
-    first = [0] + ([sensitivity["trial"]] if sensitivity else []) + ([spec["replay"]] if spec.get("replay") else [])
+    replay = spec.get("replay")
+    first = [0] + ([sensitivity["trial"]] if sensitivity else []) + ([replay] if replay is not None else [])
     kept = []
     for trial in first + list(range(total - 1, 0, -1)):
         if trial < total and trial not in kept and (len(kept) < 2 or (len(kept) + 1) * size <= budget):
@@ -1942,14 +1944,14 @@ def check_outputs(spec, device, reference):
     (`compare_trials`), then the last timed call (its reference from `reference()`, the task and its model), then
     the re-checks on fresh inputs after the replay. A timed call is judged wrong only while those re-checks pass:
     both wrong, on inputs the first trials did not have, is a candidate that fails some inputs (rounding near the
-    tolerance looks the same), and the re-check's mismatch is reported."""
+    tolerance looks the same), and the re-check's mismatch is reported without judging the timed call."""
     mismatch, late = compare_trials(spec, device)
-    if mismatch is None and spec.get("timed_call") is not None:
-        task, model = reference()
-        mismatch = compare_timed_call(spec, task, model, device)
-        if mismatch is not None and late is not None:
-            return late
-    return mismatch if mismatch is not None else late
+    if mismatch is not None or late is not None:
+        return mismatch or late
+    if spec.get("timed_call") is None:
+        return None
+    task, model = reference()
+    return compare_timed_call(spec, task, model, device)
 
 
 def compare_timed_call(spec, task, model, device):
@@ -2058,6 +2060,7 @@ def compare_trials(spec, device):
                                   f"the tolerance, {'and' if changed else 'but not'} outside {REPLAY_CHANGED} times "
                                   f"it " + mismatch.get("detail", "")).strip()
             if changed:
+                mismatch["changed"] = True  # runtime.changed_after_check
                 return mismatch, None
             late = late or mismatch  # rounding of a candidate near the tolerance, not changed behaviour
             continue

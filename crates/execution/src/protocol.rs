@@ -277,6 +277,10 @@ pub struct MismatchRecord {
     pub max_rel_error: f64,
     #[serde(default, deserialize_with = "lenient")]
     pub detail: String,
+    /// The harness judged the output changed behaviour: the replay of trial 0's inputs after timing, far outside
+    /// the tolerance (near it, the replay's mismatch is a plain one).
+    #[serde(default, deserialize_with = "lenient")]
+    pub changed: bool,
 }
 
 /// What `reference` and `check` answer beyond [`Report`].

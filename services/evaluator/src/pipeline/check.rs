@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use kforge_execution::cache::{self, Entry, Held};
 use kforge_execution::devices::Lane;
 use kforge_execution::engine::{InfraError, Submission, phases_into};
-use kforge_execution::protocol::{CompareSpec, Sensitivity, StageSpec};
+use kforge_execution::protocol::{CompareSpec, MismatchRecord, Sensitivity, StageSpec};
 use kforge_execution::python;
 use kforge_execution::stage::{Request, Stage, Started};
 
@@ -59,10 +59,22 @@ struct ReferenceRecord {
 }
 
 /// Which output differed.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Trial {
     Index(usize),
+    /// The replay of trial 0's inputs after timing and the census, far outside the tolerance: changed behaviour.
+    Changed(usize),
     Timed,
+}
+
+impl Trial {
+    fn of(record: &MismatchRecord) -> Self {
+        match record.trial {
+            Some(index) if index >= 0 && record.changed => Trial::Changed(index as usize),
+            Some(index) if index >= 0 => Trial::Index(index as usize),
+            _ => Trial::Timed,
+        }
+    }
 }
 
 impl Evaluator {
@@ -226,13 +238,7 @@ impl Evaluator {
         }
         let result = outcome.result.map(|r| r.body).unwrap_or_default();
         let compared = result.compared_trials.map(|trials| trials.len());
-        let mismatch = result.mismatch.map(|m| {
-            let trial = match m.trial {
-                Some(index) if index >= 0 => Trial::Index(index as usize),
-                _ => Trial::Timed,
-            };
-            (trial, mismatch_proto(&m))
-        });
+        let mismatch = result.mismatch.map(|m| (Trial::of(&m), mismatch_proto(&m)));
         Ok((mismatch, compared))
     }
 
@@ -246,5 +252,20 @@ impl Evaluator {
         if let Some(bytes) = record.output_bytes {
             self.inner.engine.disk().note_reference_outputs(task_key, bytes);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{MismatchRecord, Trial};
+
+    #[test]
+    fn only_a_replay_the_harness_judged_changed_is_changed_behaviour() {
+        let record = |trial, changed| MismatchRecord { trial, changed, ..Default::default() };
+        assert_eq!(Trial::of(&record(Some(5), true)), Trial::Changed(5));
+        assert_eq!(Trial::of(&record(Some(5), false)), Trial::Index(5), "the replay near the tolerance");
+        assert_eq!(Trial::of(&record(Some(6), false)), Trial::Index(6));
+        assert_eq!(Trial::of(&record(Some(-1), false)), Trial::Timed);
+        assert_eq!(Trial::of(&record(None, false)), Trial::Timed);
     }
 }

@@ -317,9 +317,9 @@ impl Evaluator {
                          checked"
                             .to_owned(),
                     )),
-                    // The harness reports the replay first only far outside the tolerance (changed behaviour);
-                    // a re-check's on fresh inputs, or the replay's near the tolerance, may be rounding: INCORRECT.
-                    Trial::Index(index) if Some(index) == replay => Some((
+                    // A re-check's mismatch on fresh inputs, or the replay's near the tolerance, may be rounding:
+                    // INCORRECT, as on a first trial.
+                    Trial::Changed(index) => Some((
                         "runtime.changed_after_check",
                         format!(
                             "trial {index} repeats trial 0's inputs after timing and the census, and its output is \

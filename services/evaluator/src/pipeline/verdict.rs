@@ -33,6 +33,7 @@ mod tests {
             max_abs_error: f64::INFINITY,
             max_rel_error: 0.25,
             detail: "shape".into(),
+            changed: false,
         };
         let trial = mismatch_proto(&record(Some(3)));
         assert_eq!((trial.trial, trial.output_index, &trial.element_index[..]), (3, 2, &[1, 4][..]));
