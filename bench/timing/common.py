@@ -333,13 +333,16 @@ def _float(value):
         return None
 
 
-def _timing(response, camel, snake):
+def _timing(response, camel, snake, name):
+    """`name`'s median, 10th percentile (what speedups divide), IQR, sample count and samples, from one TimingStats."""
     stats = _get(response, camel, snake, default=None) or {}
-    samples = _get(stats, "samplesMs", "samples_ms", default=[]) or []
     if not stats:
-        return None, None, 0
-    return (_float(_get(stats, "medianMs", "median_ms", default=0.0)), _float(_get(stats, "iqrMs", "iqr_ms", default=0.0)),
-            len(samples))
+        return {}
+    samples = [_float(s) for s in _get(stats, "samplesMs", "samples_ms", default=[]) or []]
+    return {f"{name}_median_ms": _float(_get(stats, "medianMs", "median_ms", default=0.0)),
+            f"{name}_p10_ms": _float(_get(stats, "p10Ms", "p10_ms", default=0.0)),
+            f"{name}_iqr_ms": _float(_get(stats, "iqrMs", "iqr_ms", default=0.0)),
+            f"{name}_samples": len(samples), f"{name}_samples_ms": samples}
 
 
 def outcome(record):
@@ -349,13 +352,11 @@ def outcome(record):
         out.update(verdict="CALL_FAILED", error=record.get("error", ""))
         return out
     response = record["response"]
-    cand_median, cand_iqr, cand_n = _timing(response, "candidateTiming", "candidate_timing")
-    eager_median, eager_iqr, eager_n = _timing(response, "eagerTiming", "eager_timing")
     stage_ms = {k: _float(v) for k, v in (_get(response, "stageMs", "stage_ms", default={}) or {}).items()}
     out.update(
         verdict=_get(response, "verdict", default="VERDICT_UNSPECIFIED"),
-        candidate_median_ms=cand_median, candidate_iqr_ms=cand_iqr, candidate_samples=cand_n,
-        eager_median_ms=eager_median, eager_iqr_ms=eager_iqr, eager_samples=eager_n,
+        **_timing(response, "candidateTiming", "candidate_timing", "candidate"),
+        **_timing(response, "eagerTiming", "eager_timing", "eager"),
         speedup_eager=_float(_get(response, "speedupEager", "speedup_eager", default=0.0)),
         compile_cache_hit=bool(_get(response, "compileCacheHit", "compile_cache_hit", default=False)),
         device=_get(response, "device", default=""),

@@ -58,7 +58,7 @@ _exit = os._exit
 # ------------------------------------------------------------------------------------------------- protocol
 
 # The version of the messages below; the evaluator's `protocol::PROTOCOL_VERSION` must be the same.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # The exit status of a harness that refused a request of another protocol version.
 REFUSED_EXIT = 5
 
@@ -72,7 +72,7 @@ FRAMING = {"result_path": _PATH, "gate": (_BOOL, _STR)}
 _COMPARE = {
     "task_path": _PATH, "device": _STR, "init_seed": _INT, "seeds": _LIST, "reference_dir": _PATH,
     "candidate_dir": _PATH, "tolerances": _DICT, "timing_seeds": _LIST, "sensitivity": (_DICT, _NONE),
-    "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timed_call": (_INT, _NONE),
+    "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timed_calls": _LIST,
 }
 SPECS = {
     "compile": {"candidate_path": _PATH, "kernels": _BOOL},
@@ -95,8 +95,8 @@ SPECS = {
 COMMON_RESULT = {"protocol", "ok", "error", "error_type", "phase", "cpu_ms", "phases_ms", "blocking_sync"}
 RESULTS = {
     "compile": {"seconds", "kernels", "kernels_unread"},
-    "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "last_call", "timing_cpu", "census",
-                  "device_peak_bytes", "jit_kernels"},
+    "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "last_call", "sampled_calls", "timing_cpu",
+                  "census", "device_peak_bytes", "jit_kernels"},
     "reference": {"mismatch", "compared_trials", "device_peak_bytes", "output_bytes"},
     "check": {"mismatch", "compared_trials"},
     "baseline": {"eager_ms", "eager_host_ms", "compile_ms", "compile_error", "timing_cpu"},
@@ -979,15 +979,15 @@ def perturb(inputs, set_seed, call):
 TIMING_SETS_BYTES = 2 << 30
 
 
-def input_bytes(inputs):
+def tensor_bytes(values):
     import torch
 
-    return sum(v.numel() * v.element_size() for v in inputs if isinstance(v, torch.Tensor))
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def timing_set_count(first, seeds):
     """How many timing input sets rotate, given the first: one per seed, as many as fit in TIMING_SETS_BYTES."""
-    return max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(first))))
+    return max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, tensor_bytes(first))))
 
 
 def timing_inputs(task, spec, device):
@@ -1014,14 +1014,77 @@ def timed_call_inputs(task, spec, device, call):
     return inputs
 
 
-def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
+# The most timed calls whose outputs are kept for the checker besides the last one, while they fit in
+# SAMPLED_TIMED_BYTES (a copy of each is held on the device during the loop); the evaluator's
+# `disk::sampled_timed_calls` reserves their room alike.
+SAMPLED_TIMED_CALLS = 4
+SAMPLED_TIMED_BYTES = 1 << 30
+
+
+def sampled_timed_calls(output_bytes):
+    return min(SAMPLED_TIMED_CALLS, SAMPLED_TIMED_BYTES // max(1, output_bytes))
+
+
+class TimedSample:
+    """A uniform random sample of the measured calls' outputs (reservoir sampling), each drawn after its call
+    returned, with the operating system's randomness: a candidate cannot tell which of its calls are kept, so one
+    wrong on a share of its timed calls (fast where it is wrong, which a low quantile of the times would reward) is
+    caught with the chance that a kept call, or the last, is one of them. `draw(n)` gives a uniform integer below n
+    (a test's own, else os.urandom's, bound before the candidate was imported)."""
+
+    def __init__(self, draw=None):
+        self.draw = draw or random_below
+        self.capacity = None
+        self.kept = []  # [call, outputs copied on the device]
+        self.seen = 0
+
+    def offer(self, call, output):
+        values = flatten_outputs(output)
+        if self.capacity is None:
+            self.capacity = sampled_timed_calls(tensor_bytes(values))
+        self.seen += 1
+        if len(self.kept) < self.capacity:
+            slot = len(self.kept)
+            self.kept.append(None)
+        else:
+            slot = self.draw(self.seen)
+            if slot >= self.capacity:
+                return
+        o = originals()
+        self.kept[slot] = [call, [o.clone(o.detach(v)) if _is_tensor(v) else v for v in values]]
+
+
+_urandom = os.urandom
+
+
+def random_below(n):
+    """A uniform integer in [0, n), from the operating system (rejection sampling over 64 bits)."""
+    limit = (1 << 64) - (1 << 64) % n
+    while True:
+        value = int.from_bytes(_urandom(8), "little")
+        if value < limit:
+            return value % n
+
+
+def _is_tensor(value):
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def timed_output_path(spec, call):
+    return os.path.join(spec["candidate_dir"], f"timed-{call}.out")
+
+
+def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
     """Raw samples of fn over rotating, per-call perturbed input sets; warm-up runs the same code path.
 
     Stops once at least `min_runs` samples and `min_seconds` of measurement are in and the relative standard error
     of the mean is under `budget["target_rel_error"]`, or at `max_runs`, or when `max_seconds` of measurement have
     passed. Each call is announced to the evaluator (`Gate.call`, outside the timed step), which stops a call that
     never returns. Returns the samples as (event ms, host ms) series, the index of the last call, its output, and
-    what competition for the CPU cost the loop (`thread_cpu_wait` over the loop).
+    what competition for the CPU cost the loop (`thread_cpu_wait` over the loop). With `sample` (a TimedSample),
+    each measured call's output is offered to it after the call's timed step.
     """
     import torch
 
@@ -1049,6 +1112,8 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget):
                 started = _monotonic()
             samples.append(elapsed)
             host.append(host_elapsed)
+            if sample is not None:
+                sample.offer(call, output)
             n = len(samples)
             spent = _monotonic() - started
             if n >= budget["min_runs"] and spent >= budget.get("min_seconds", 0.0):
@@ -1855,8 +1920,9 @@ def mode_candidate(spec):
                     census.record()
             if timing:
                 with phase("timing"):
+                    sample = TimedSample()
                     samples, host, last_call, output, cpu = measure(lambda inputs: model(*inputs), input_sets,
-                                                                    spec["timing_seeds"], device, timing)
+                                                                    spec["timing_seeds"], device, timing, sample)
         if timing:
             with phase("timing"):
                 synchronize(device)
@@ -1864,7 +1930,13 @@ def mode_candidate(spec):
                 result["host_ms"] = host
                 result["last_call"] = last_call
                 result["timing_cpu"] = cpu
-                write_outputs(output, os.path.join(spec["candidate_dir"], "timed.out"))
+                write_outputs(output, timed_output_path(spec, last_call))
+                sampled = sorted(call for call, _ in sample.kept if call != last_call)
+                for call, values in sample.kept:
+                    if call != last_call:
+                        write_outputs(values, timed_output_path(spec, call))
+                result["sampled_calls"] = sampled
+                del sample, output
         if census is not None:
             with phase("census_read"):
                 result["census"] = census.records()
@@ -1941,49 +2013,54 @@ def mode_check(spec):
 
 def check_outputs(spec, device, reference):
     """The first mismatch, the strongest evidence first: the first trials, the replay, the sensitivity check
-    (`compare_trials`), then the last timed call (its reference from `reference()`, the task and its model), then
-    the re-checks on fresh inputs after the replay. A timed call is judged wrong only while those re-checks pass:
-    both wrong, on inputs the first trials did not have, is a candidate that fails some inputs (rounding near the
-    tolerance looks the same), and the re-check's mismatch is reported without judging the timed call."""
+    (`compare_trials`), then the timed calls kept (`compare_timed_calls`: their reference from `reference()`, the
+    task and its model), then the re-checks on fresh inputs after the replay. A timed call is judged wrong only
+    while those re-checks pass: both wrong, on inputs the first trials did not have, is a candidate that fails some
+    inputs (rounding near the tolerance looks the same), and the re-check's mismatch is reported without judging the
+    timed calls."""
     mismatch, late = compare_trials(spec, device)
     if mismatch is not None or late is not None:
         return mismatch or late
-    if spec.get("timed_call") is None:
+    if not spec["timed_calls"]:
         return None
     task, model = reference()
-    return compare_timed_call(spec, task, model, device)
+    return compare_timed_calls(spec, task, model, device)
 
 
-def compare_timed_call(spec, task, model, device):
-    """Checks the output of the candidate's last timed call against the reference on the same, rebuilt inputs. A
-    task whose reference gives another output when called again on the same inputs (dropout in training mode, say)
-    draws from torch's generator per call, and the timed call's draw depends on how many calls timing made: for such
-    a task the check cannot apply and is passed (the correctness trials, seeded alike on both sides, still hold)."""
+def compare_timed_calls(spec, task, model, device):
+    """Checks the outputs of the candidate's timed calls it kept (the last, and a random sample: `TimedSample`)
+    against the reference on the same, rebuilt inputs; a mismatch names its call. A task whose reference gives
+    another output when called again on the same inputs (dropout in training mode, say) draws from torch's generator
+    per call, and a timed call's draw depends on how many calls timing made: for such a task the check cannot apply
+    and is passed (the correctness trials, seeded alike on both sides, still hold)."""
     import torch
 
-    call = spec.get("timed_call")
-    if call is None:
-        return None
-    inputs = timed_call_inputs(task, spec, device, call)
-    with torch.no_grad():
-        expected = saved_outputs(model(*inputs))
-        again = saved_outputs(model(*inputs))
-    synchronize(device)
-    if compare_outputs(expected, again, spec) is not None:
-        return None
-    timed = os.path.join(spec["candidate_dir"], "timed.out")
-    with phase("prefetch"):
-        prefetch([timed], device)
-    try:
-        with phase("load"):
-            got = load_outputs(timed, device)
-    except Exception as error:
-        return {"trial": -1, "output_index": 0, "detail": f"timed outputs unreadable: {type(error).__name__}"}
-    with phase("compare"):
-        mismatch = compare_outputs(expected, got, spec)
-    if mismatch is not None:
-        mismatch["trial"] = -1
-    return mismatch
+    for n, call in enumerate(spec["timed_calls"]):
+        inputs = timed_call_inputs(task, spec, device, call)
+        with torch.no_grad():
+            expected = saved_outputs(model(*inputs))
+            again = saved_outputs(model(*inputs)) if n == 0 else None
+        synchronize(device)
+        if again is not None and compare_outputs(expected, again, spec) is not None:
+            return None
+        timed = timed_output_path(spec, call)
+        with phase("prefetch"):
+            prefetch([timed], device)
+        try:
+            with phase("load"):
+                got = load_outputs(timed, device)
+        except Exception as error:
+            return {"trial": -1, "output_index": 0,
+                    "detail": f"timed call {call}: outputs unreadable: {type(error).__name__}"}
+        with phase("compare"):
+            mismatch = compare_outputs(expected, got, spec)
+        del expected, again, got, inputs
+        if mismatch is not None:
+            mismatch["trial"] = -1
+            detail = mismatch.get("detail")
+            mismatch["detail"] = f"timed call {call}" + (f": {detail}" if detail else "")
+            return mismatch
+    return None
 
 
 # A replay this many times outside the tolerance is changed behaviour: a kernel whose rounding differs from call

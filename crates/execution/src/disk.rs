@@ -1,8 +1,8 @@
 //! The disk an evaluation's files take, and admission by it.
 //!
 //! Outputs travel from the candidate's process to the checker's as files, and reference outputs are cached on
-//! disk: a KernelBench level-1 task with 8 GiB outputs writes about 40 GiB (two kept trials and the timed call's
-//! output on the candidate's side, two trials in its reference entry), so four such evaluations at once fill a
+//! disk: a KernelBench level-1 task with 8 GiB outputs writes about 40 GiB (two kept trials and the last timed
+//! call's output on the candidate's side, two trials in its reference entry), so four such evaluations at once fill a
 //! 64 GiB disk. Each GPU evaluation therefore reserves the bytes its files will take before it starts its
 //! candidate, out of a budget ([`DiskBudget`]): `disk_budget_bytes`, by default 60% of the space available in the
 //! work directory when the evaluator starts (the reference cache gets at most 20%). The bytes follow from the task's shapes ([`TaskSizes`]), found by a
@@ -60,7 +60,7 @@ impl OutputPlan {
 /// The bytes of an evaluation's files, by side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FilesBytes {
-    /// The candidate's kept trials and its timed call's output: read by the checker, removed with the evaluation.
+    /// The candidate's kept trials and its timed calls' outputs: read by the checker, removed with the evaluation.
     pub candidate: u64,
     /// The reference's kept trials where its cache entry is missing (`plan.new_reference`): the new entry, which
     /// counts against the reference cache's bound only once written; else 0.
@@ -73,11 +73,23 @@ impl FilesBytes {
     }
 }
 
+/// The most timed calls whose outputs the candidate's harness saves besides the last one's (a random sample)...
+pub const SAMPLED_TIMED_CALLS: u64 = 4;
+/// ...while together they take at most this many bytes (the harness holds a copy of each on the device while it
+/// times).
+pub const SAMPLED_TIMED_BYTES: u64 = 1 << 30;
+
+/// How many sampled timed calls' outputs of `output_bytes` each the harness saves (its `sampled_timed_calls`).
+pub fn sampled_timed_calls(output_bytes: u64) -> u64 {
+    SAMPLED_TIMED_CALLS.min(SAMPLED_TIMED_BYTES / output_bytes.max(1))
+}
+
 /// The bytes an evaluation of a task of `sizes` writes, by side.
 pub fn files_bytes(sizes: TaskSizes, plan: OutputPlan) -> FilesBytes {
     let kept = plan.kept(sizes.output_bytes);
+    let timed = 1 + sampled_timed_calls(sizes.output_bytes);
     FilesBytes {
-        candidate: (kept + 1).saturating_mul(sizes.output_bytes),
+        candidate: (kept + timed).saturating_mul(sizes.output_bytes),
         reference: if plan.new_reference { kept.saturating_mul(sizes.output_bytes) } else { 0 },
     }
 }
@@ -286,12 +298,14 @@ mod tests {
     }
 
     #[test]
-    fn an_evaluation_s_files_are_both_sides_kept_trials_and_the_timed_output() {
+    fn an_evaluation_s_files_are_both_sides_kept_trials_and_the_timed_outputs() {
         let plan = OutputPlan { trials: 8, budget: 12 * GIB, new_reference: true };
         let sizes = |output_bytes| TaskSizes { input_bytes: 0, output_bytes };
         let both = files_bytes(sizes(8 * GIB), plan);
         assert_eq!((both.candidate, both.reference), (24 * GIB, 16 * GIB), "two trials a side and the timed call");
-        assert_eq!(files_bytes(sizes(GIB), plan).total(), 17 * GIB);
+        assert_eq!(files_bytes(sizes(GIB), plan).total(), 18 * GIB, "8 trials a side, the last and one sampled call");
+        let small = files_bytes(sizes(1 << 20), plan);
+        assert_eq!(small.candidate, 13 << 20, "8 trials, the last timed call and four sampled ones");
         assert_eq!(files_bytes(sizes(0), plan).total(), 0);
         let cached = OutputPlan { new_reference: false, ..plan };
         let candidate_only = FilesBytes { candidate: 24 * GIB, reference: 0 };

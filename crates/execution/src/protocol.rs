@@ -20,7 +20,7 @@ use crate::census::ModeRecords;
 use crate::config::{TimingBudget, Tolerances};
 
 /// The version of the messages below; the harness's `PROTOCOL_VERSION` must be the same.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The exit status of a harness that refused a request of another protocol version.
 pub const REFUSED_EXIT: i32 = 5;
@@ -214,6 +214,9 @@ pub struct CandidateResult {
     /// The index of the last timed call, whose output was saved.
     #[serde(default, deserialize_with = "lenient")]
     pub last_call: Option<i64>,
+    /// Earlier timed calls whose outputs were saved too: a random sample, drawn as the calls ran.
+    #[serde(default, deserialize_with = "lenient")]
+    pub sampled_calls: Vec<i64>,
     #[serde(default, deserialize_with = "lenient")]
     pub timing_cpu: Option<TimingCpu>,
     /// The census records when present, or why they are unreadable.
@@ -253,8 +256,9 @@ pub struct CompareSpec {
     /// own), before the last timed call and the re-checks after it.
     pub replay: Option<usize>,
     pub output_bytes_budget: u64,
-    /// The candidate's last timed call, when it was timed: its output is checked too, on rebuilt inputs.
-    pub timed_call: Option<i64>,
+    /// The candidate's timed calls whose outputs it saved, when it was timed (the last and a random sample): their
+    /// outputs are checked too, on rebuilt inputs.
+    pub timed_calls: Vec<i64>,
 }
 
 /// The first output that differed, as the harness found it.
@@ -581,7 +585,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         sensitivity: None,
         replay: None,
         output_bytes_budget: 0,
-        timed_call: None,
+        timed_calls: vec![],
     };
     let baseline = BaselineSpec {
         task_path: PathBuf::new(),
@@ -661,7 +665,7 @@ mod tests {
             sensitivity: Some(Sensitivity { trial: 1, base: 0, seed: 9 }),
             replay: None,
             output_bytes_budget: 10,
-            timed_call: Some(7),
+            timed_calls: vec![7, 3],
         }
     }
 

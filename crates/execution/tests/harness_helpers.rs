@@ -86,6 +86,15 @@ fn the_harness_perturbs_digests_and_compares_as_documented() {
     assert_eq!(stdout.lines().count(), 8, "{stdout}");
 }
 
+/// The sample of timed calls the candidate's harness keeps for the checker (`fixtures/harness_timed_sample.py`):
+/// every measured call kept with the same chance, as copies taken when the call returned, within the byte bound;
+/// and a candidate wrong on every third timed call (right on the last) found through a sampled call.
+#[test]
+fn the_harness_samples_timed_calls_for_the_checker() {
+    let Some(stdout) = fixture_script("harness_timed_sample.py") else { return };
+    assert_eq!(stdout.lines().count(), 4, "{stdout}");
+}
+
 /// The harness names a candidate's own kernels from what was built and run: the entry functions of a build's device
 /// code by function name, and the Triton kernels the candidate's file makes, at import or later.
 #[test]

@@ -162,7 +162,7 @@ impl Evaluator {
             sensitivity,
             replay,
             output_bytes_budget: inner.config.output_bytes_budget,
-            timed_call: None,
+            timed_calls: vec![],
         };
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile; one
@@ -193,19 +193,19 @@ impl Evaluator {
         Ok(PreparedCheck { started: inner.engine.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
     }
 
-    /// Runs a prepared comparison; `timed_call` is the candidate's last timed call, when it was timed (its output
-    /// is checked too, on rebuilt inputs). The first mismatch, when the outputs differ, and how many trials were
+    /// Runs a prepared comparison; `timed_calls` are the candidate's timed calls whose outputs it kept, when it was
+    /// timed (checked too, on rebuilt inputs). The first mismatch, when the outputs differ, and how many trials were
     /// compared (fewer than all where the outputs are large: `output_bytes_budget`).
     pub(super) async fn check(
         &self,
         prepared: PreparedCheck,
         lane: &Lane,
-        timed_call: Option<i64>,
+        timed_calls: Vec<i64>,
         stage_ms: &mut HashMap<String, f64>,
     ) -> Result<(Option<(Trial, pb::Mismatch)>, Option<usize>), InfraError> {
         let inner = &self.inner;
         let PreparedCheck { started, mut spec, key, peak_key, lock, _pin } = prepared;
-        spec.timed_call = timed_call;
+        spec.timed_calls = timed_calls;
         let mode = spec.mode();
         let request = Request::plain(spec);
         let outcome = inner.engine.stage(started, request, Some(lane)).await;

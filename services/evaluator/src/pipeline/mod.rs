@@ -288,9 +288,19 @@ impl Evaluator {
 
         // Correctness, in a clean process.
         let started = Instant::now();
-        // The output of the last timed call is checked too, on its rebuilt inputs.
-        let timed_call = result.last_call.filter(|_| evaluation.measure);
-        let checked = self.check(check, &lane, timed_call, &mut response.stage_ms).await;
+        // The outputs of the timed calls kept (the last and a random sample) are checked too, on rebuilt inputs.
+        let timed_calls = if evaluation.measure {
+            match timing::timed_calls(&result) {
+                Ok(calls) => calls,
+                Err(finding) => {
+                    response.findings.push(finding);
+                    return Ok(pb::Verdict::Hack);
+                }
+            }
+        } else {
+            vec![]
+        };
+        let checked = self.check(check, &lane, timed_calls, &mut response.stage_ms).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         if let Ok((_, Some(compared))) = &checked
             && *compared < seeds.len()

@@ -3,6 +3,7 @@
 
 use kforge_proto::v1 as pb;
 
+use kforge_execution::disk::SAMPLED_TIMED_CALLS;
 use kforge_execution::engine::hack_finding;
 use kforge_execution::protocol::CandidateResult;
 
@@ -33,6 +34,30 @@ pub(super) fn timing_samples(result: &CandidateResult) -> Result<Measured, pb::F
     Ok(Measured { events, host })
 }
 
+/// The timed calls whose outputs the candidate's harness saved for the checker: the last, then the sampled ones
+/// (earlier, distinct, at most SAMPLED_TIMED_CALLS), or the finding that the harness
+/// reported what it cannot have done.
+pub(super) fn timed_calls(result: &CandidateResult) -> Result<Vec<i64>, pb::Finding> {
+    let impossible = |what: String| hack_finding("timing.impossible", what);
+    let Some(last) = result.last_call else {
+        return match (result.samples_ms.is_empty(), result.sampled_calls.is_empty()) {
+            (true, true) => Ok(vec![]),
+            _ => Err(impossible("timing samples without the index of the last timed call".into())),
+        };
+    };
+    let mut sampled = result.sampled_calls.clone();
+    sampled.sort_unstable();
+    sampled.dedup();
+    let valid = last >= 0
+        && sampled.len() == result.sampled_calls.len()
+        && sampled.len() as u64 <= SAMPLED_TIMED_CALLS
+        && sampled.iter().all(|call| (0..last).contains(call));
+    if !valid {
+        return Err(impossible(format!("timed calls {:?} sampled before a last call {last}", result.sampled_calls)));
+    }
+    Ok(std::iter::once(last).chain(sampled).collect())
+}
+
 /// Unaccounted wall-clock time per timed call must stay under this (ms), or half the candidate's median if larger.
 pub(super) const WALL_CLOCK_SLACK_MS: f64 = 0.25;
 
@@ -55,7 +80,7 @@ pub(super) fn wall_clock_mismatch(measured: &Measured, baseline: &Baseline) -> O
 
 pub(super) fn set_speedups(response: &mut pb::EvaluateResponse) {
     let speedup = |baseline: &Option<pb::TimingStats>| match (baseline, &response.candidate_timing) {
-        (Some(b), Some(c)) if c.median_ms > 0.0 => b.median_ms / c.median_ms,
+        (Some(b), Some(c)) if c.p10_ms > 0.0 => b.p10_ms / c.p10_ms,
         _ => 0.0,
     };
     response.speedup_eager = speedup(&response.eager_timing);
@@ -88,6 +113,31 @@ mod tests {
         assert_eq!((measured.events, measured.host), (vec![1.0, 2.0], vec![1.1, 2.1]));
     }
 
+    #[test]
+    fn the_timed_calls_checked_are_the_last_and_the_sampled_ones() {
+        let result = |last: Option<i64>, sampled: &[i64]| CandidateResult {
+            samples_ms: vec![1.0],
+            last_call: last,
+            sampled_calls: sampled.to_vec(),
+            ..CandidateResult::default()
+        };
+        assert_eq!(timed_calls(&result(Some(40), &[31, 5, 17])), Ok(vec![40, 5, 17, 31]));
+        assert_eq!(timed_calls(&result(Some(0), &[])), Ok(vec![0]));
+        assert_eq!(timed_calls(&CandidateResult::default()), Ok(vec![]), "not timed");
+        let forged: [(Option<i64>, &[i64]); 6] = [
+            (None, &[]),
+            (Some(-1), &[]),
+            (Some(40), &[40]),
+            (Some(40), &[3, 3]),
+            (Some(40), &[-2]),
+            (Some(40), &[1, 2, 3, 4, 5]),
+        ];
+        for (last, sampled) in forged {
+            let finding = timed_calls(&result(last, sampled)).expect_err("impossible");
+            assert_eq!(finding.code, "timing.impossible", "{last:?} {sampled:?}");
+        }
+    }
+
     fn baseline(gap_ms: Option<f64>) -> Baseline {
         let eager = vec![10.0; 5];
         Baseline { eager_host: gap_ms.map(|gap| eager.iter().map(|e| e + gap).collect()), eager, compiled: None }
@@ -109,8 +159,8 @@ mod tests {
     }
 
     #[test]
-    fn speedups_are_the_baselines_median_over_the_candidates() {
-        let stats = |median_ms| Some(pb::TimingStats { median_ms, ..Default::default() });
+    fn speedups_are_the_baselines_p10_over_the_candidates() {
+        let stats = |p10_ms| Some(pb::TimingStats { p10_ms, median_ms: 2.0 * p10_ms, ..Default::default() });
         let mut response = pb::EvaluateResponse {
             candidate_timing: stats(2.0),
             eager_timing: stats(6.0),
@@ -121,6 +171,6 @@ mod tests {
         assert_eq!((response.speedup_eager, response.speedup_compile), (3.0, 0.0));
         response.candidate_timing = stats(0.0);
         set_speedups(&mut response);
-        assert_eq!(response.speedup_eager, 0.0, "no speedup from a zero median");
+        assert_eq!(response.speedup_eager, 0.0, "no speedup from a zero time");
     }
 }
