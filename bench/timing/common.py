@@ -334,13 +334,13 @@ def _float(value):
 
 
 def _timing(response, camel, snake, name):
-    """`name`'s median, 10th percentile (what speedups divide), IQR, sample count and samples, from one TimingStats."""
+    """`name`'s median, IQR, 10th percentile (from the samples), sample count and samples, from one TimingStats."""
     stats = _get(response, camel, snake, default=None) or {}
     if not stats:
         return {}
     samples = [_float(s) for s in _get(stats, "samplesMs", "samples_ms", default=[]) or []]
     return {f"{name}_median_ms": _float(_get(stats, "medianMs", "median_ms", default=0.0)),
-            f"{name}_p10_ms": _float(_get(stats, "p10Ms", "p10_ms", default=0.0)),
+            f"{name}_p10_ms": percentile(samples, 10) if samples else None,
             f"{name}_iqr_ms": _float(_get(stats, "iqrMs", "iqr_ms", default=0.0)),
             f"{name}_samples": len(samples), f"{name}_samples_ms": samples}
 

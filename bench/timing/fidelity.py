@@ -37,7 +37,7 @@ every line present at the end of each command, or alone with `--summary-only`):
   cached in OUT/work; not measured. It waits for the evaluator's children to end, so no later phase pays for them.
 - idle: R repeats (`--repeats`, default 2; `--only-repeat K` runs one), each in a fresh evaluator, evaluations
   one at a time with nothing else running. Recorded per evaluation: the candidate's and eager medians and 10th
-  percentiles (what kforge's speedups divide), speedup_eager, the samples (and their count), the verdict, and stage_ms (summary.md shows the entries whose key
+  percentiles (from the samples), speedup_eager, the samples (and their count), the verdict, and stage_ms (summary.md shows the entries whose key
   contains `timing` or `cpu_wait` or starts with `run.`).
 - full: the pipeline full, one evaluator with its default gpu slots (`--gpu-slots` to change): every candidate
   submitted at once together with a cold-compile copy of each (its source plus a line `# load copy <i>`, <i>
@@ -54,11 +54,12 @@ measures eager before it, and with a fresh baseline per evaluator it would compi
 
 summary.md: a table per phase (kforge against do_bench: candidate and eager medians and 10th percentiles, speedup,
 % errors; idle run-to-run % differences), the stage_ms entries, and the aggregate: for ops whose do_bench eager
-median is at least 0.1 ms, the largest |error| of kforge's candidate and eager medians and 10th percentiles (each
-against do_bench's median) and of the speedups, idle and full, and the largest run-to-run difference, against the targets (`--target-median 3`, `--target-speedup 3`, `--target-r2r 2`,
+median is at least 0.1 ms, the largest |error| of kforge's candidate and eager medians and of the speedups, idle
+and full, and the largest run-to-run difference (kforge's 10th percentiles beside them, against do_bench's median,
+not judged), against the targets (`--target-median 3`, `--target-speedup 3`, `--target-r2r 2`,
 in %); smaller ops, and calls that make the host wait mid-call (the evaluator's notice
-`timing.host_synchronized`), reported apart, the latter's speedup and candidate 10th percentile held to the
-targets against the range of do_bench's medians across its clean processes (`--dobench-repeats 2` or more).
+`timing.host_synchronized`), reported apart, the latter's candidate median and speedup held to the targets against
+the range of do_bench's medians across its clean processes (`--dobench-repeats 2` or more).
 """
 
 import argparse
@@ -502,19 +503,19 @@ def summary(out, args):
                      f"{fmt(r.get('max_abs_diff'), 6)} |")
     lines.append("")
 
-    # What each error and run-to-run index measures: kforge's field, and do_bench's it is held to (kforge's speedup
-    # divides 10th percentiles; each of its times is held to do_bench's median).
-    measures = (("candidate median", "candidate_median_ms", "candidate_median_ms", "median"),
-                ("eager median", "eager_median_ms", "eager_median_ms", "median"),
-                ("speedup", "speedup_eager", "speedup_eager", "speedup"),
-                ("candidate p10", "candidate_p10_ms", "candidate_median_ms", "median"),
-                ("eager p10", "eager_p10_ms", "eager_median_ms", "median"))
+    # What each error and run-to-run index measures: kforge's field, do_bench's it is compared with, the target,
+    # and whether it is judged (kforge's 10th percentiles, from its samples, are shown against do_bench's median).
+    measures = (("candidate median", "candidate_median_ms", "candidate_median_ms", "median", True),
+                ("eager median", "eager_median_ms", "eager_median_ms", "median", True),
+                ("speedup", "speedup_eager", "speedup_eager", "speedup", True),
+                ("candidate p10", "candidate_p10_ms", "candidate_median_ms", "median", False),
+                ("eager p10", "eager_p10_ms", "eager_median_ms", "median", False))
 
     def errors(r):
         d = db.get(r["key"])
         if d is None or r.get("verdict") != "VERDICT_CORRECT":
             return (None,) * len(measures)
-        return tuple(pct(r.get(mine), d.get(theirs)) for _, mine, theirs, _ in measures)
+        return tuple(pct(r.get(mine), d.get(theirs)) for _, mine, theirs, _, _ in measures)
 
     def phase_table(phase, title):
         rows = sorted(((rep, key), r) for (p, rep, key), r in table.items() if p == phase)
@@ -523,7 +524,7 @@ def summary(out, args):
             return
         lines.extend([f"## {title}", "",
                       "| candidate | repeat | verdict | kforge cand median / p10 | do_bench cand | err % median / p10 | "
-                      "kforge eager median / p10 | do_bench eager | err % median / p10 | kforge speedup (p10) | "
+                      "kforge eager median / p10 | do_bench eager | err % median / p10 | kforge speedup | "
                       "do_bench speedup | err % | samples cand/eager | wall s |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"])
         for (rep, key), r in rows:
@@ -562,7 +563,7 @@ def summary(out, args):
                     return None
                 return 100.0 * (max(values) - min(values)) / (sum(values) / len(values))
 
-            r2r[key] = tuple(spread(mine) for _, mine, _, _ in measures)
+            r2r[key] = tuple(spread(mine) for _, mine, _, _, _ in measures)
             lines.append(f"| {key} | " + " | ".join(fmt(v.get(r, {}).get("candidate_median_ms")) for r in reps)
                          + f" | {fmt(r2r[key][0], 2)} | "
                          + " | ".join(fmt(v.get(r, {}).get("eager_median_ms")) for r in reps)
@@ -643,14 +644,14 @@ def summary(out, args):
     lines += ["## aggregate", "",
               f"Ops grouped by do_bench's eager median: >= {SMALL_MS} ms (the targets apply) and < {SMALL_MS} ms "
               "(reported apart). Targets, as read from the brief: |error| of the candidate and eager medians "
-              f"(and of the 10th percentiles kforge's speedups divide, each against do_bench's median) "
               f"<= {targets['median']}%, of the speedups <= {targets['speedup']}% (idle and full), run-to-run "
               f"difference between idle repeats <= {targets['r2r']}%. Calls that make the host wait for the device "
               f"mid-call (the evaluator's notice `{HOST_WAITS}`) are reported apart whatever their size: their cost "
               "comes in two levels that switch within a process, and no timer holds them to a few percent of one "
-              "process's do_bench; kforge's speedup and candidate 10th percentile are held to the same targets against "
+              "process's do_bench; kforge's candidate median and speedup are held to the same targets against "
               "the range of do_bench's medians across its clean processes (at least two: `--dobench-repeats`), and "
-              "to the run-to-run target; kforge's median is shown beside them.", ""]
+              "to the run-to-run target. kforge's 10th percentiles (from its samples) are shown beside the medians, "
+              "not judged.", ""]
     failing, measured, unmeasured = [], [], []
     for group, title in (("large", f"eager >= {SMALL_MS} ms"), ("small", f"eager < {SMALL_MS} ms"),
                          ("host", f"the host waits mid-call (`{HOST_WAITS}`)")):
@@ -659,38 +660,37 @@ def summary(out, args):
         rows = []  # (measure, (value, candidate) or None, limit, signed, judged against the limit)
         if group != "host":
             for phase in ("idle", "full"):
-                for index, (name, _, _, target) in enumerate(measures):
+                for index, (name, _, _, target, judged) in enumerate(measures):
                     rows.append((f"{phase} {name} abs error %", worst(phase, index, group), targets[target], True,
-                                 group == "large"))
-            for index, (name, _, _, _) in enumerate(measures):
+                                 group == "large" and judged))
+            for index, (name, _, _, _, judged) in enumerate(measures):
                 rows.append((f"run-to-run {name} %", worst_r2r(index, group), targets["r2r"], False,
-                             group == "large"))
+                             group == "large" and judged))
         for key in [key for key in order if group_of(key) == "host"] if group == "host" else []:
             # Each such op against do_bench's own range across its clean processes: how far kforge's speedup and
-            # candidate p10 (what the speedup divides), and its median (informational: it moves with the share of
-            # calls at each level), idle and full, fall outside it; held to the targets once do_bench ran in at
-            # least two processes. Run to run as for the others.
+            # candidate median, idle and full, fall outside it, held to the targets once do_bench ran in at least
+            # two processes; its 10th percentile beside them (informational). Run to run as for the others.
             runs = dobench_runs.get(key, [])
             spread = dobench_spread(key)
             rows.append((f"do_bench's own spread across processes % ({key})",
                          None if spread is None else (spread, key), "-", False, False))
             # With do_bench in one process there is no range to judge it against.
             limit = targets["median"] if len(runs) > 1 else "- (needs --dobench-repeats 2 or more)"
-            for name, fields, judged in (("speedup and candidate p10", (("speedup_eager", "speedup_eager"),
-                                                                        ("candidate_p10_ms", "candidate_median_ms")),
+            for name, fields, judged in (("candidate median and speedup", (("candidate_median_ms", "candidate_median_ms"),
+                                                                           ("speedup_eager", "speedup_eager")),
                                           len(runs) > 1),
-                                         ("candidate median", (("candidate_median_ms", "candidate_median_ms"),), False)):
+                                         ("candidate p10", (("candidate_p10_ms", "candidate_median_ms"),), False)):
                 outside = [(outside_pct(r.get(mine), [d.get(theirs) for d in runs]), key)
                            for (p, _, k), r in table.items() if p in ("idle", "full") and k == key
                            and r.get("verdict") == "VERDICT_CORRECT" for mine, theirs in fields]
                 outside = [o for o in outside if o[0] is not None]
                 rows.append((f"largest distance % of kforge's {name} from that range, idle and full",
                              max(outside, key=lambda o: abs(o[0]), default=None), limit, True, judged))
-            for index in (2, 3):
+            for index in (0, 2, 3):
                 found = r2r.get(key)
                 rows.append((f"run-to-run {measures[index][0]} % ({key})",
                              None if found is None or found[index] is None else (found[index], key), targets["r2r"],
-                             False, True))
+                             False, measures[index][4]))
         for name, found, limit, signed, judged in rows:
             if found is None:
                 lines.append(f"| {name} | - | - | {limit} | not measured |")

@@ -72,7 +72,7 @@ FRAMING = {"result_path": _PATH, "gate": (_BOOL, _STR)}
 _COMPARE = {
     "task_path": _PATH, "device": _STR, "init_seed": _INT, "seeds": _LIST, "reference_dir": _PATH,
     "candidate_dir": _PATH, "tolerances": _DICT, "timing_seeds": _LIST, "sensitivity": (_DICT, _NONE),
-    "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timed_calls": _LIST,
+    "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timed_outputs": _LIST,
 }
 SPECS = {
     "compile": {"candidate_path": _PATH, "kernels": _BOOL},
@@ -80,7 +80,7 @@ SPECS = {
         "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
         "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST,
         "census_calls": _INT, "profiled_calls": _INT, "task_path": _PATH, "candidate_path": _PATH,
-        "candidate_dir": _PATH, "device": _STR, "timing_cpu": (_INT, _NONE),
+        "candidate_dir": _PATH, "device": _STR, "timing_cpu": (_INT, _NONE), "timed_outputs": _BOOL,
     },
     "reference": _COMPARE,
     "check": _COMPARE,
@@ -95,8 +95,8 @@ SPECS = {
 COMMON_RESULT = {"protocol", "ok", "error", "error_type", "phase", "cpu_ms", "phases_ms", "blocking_sync"}
 RESULTS = {
     "compile": {"seconds", "kernels", "kernels_unread"},
-    "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "last_call", "sampled_calls", "timing_cpu",
-                  "census", "device_peak_bytes", "jit_kernels"},
+    "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "timed_outputs", "timing_cpu", "census",
+                  "device_peak_bytes", "jit_kernels"},
     "reference": {"mismatch", "compared_trials", "device_peak_bytes", "output_bytes"},
     "check": {"mismatch", "compared_trials"},
     "baseline": {"eager_ms", "eager_host_ms", "compile_ms", "compile_error", "timing_cpu"},
@@ -979,7 +979,7 @@ def perturb(inputs, set_seed, call):
 TIMING_SETS_BYTES = 2 << 30
 
 
-def tensor_bytes(values):
+def input_bytes(values):
     import torch
 
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
@@ -987,7 +987,7 @@ def tensor_bytes(values):
 
 def timing_set_count(first, seeds):
     """How many timing input sets rotate, given the first: one per seed, as many as fit in TIMING_SETS_BYTES."""
-    return max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, tensor_bytes(first))))
+    return max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(first))))
 
 
 def timing_inputs(task, spec, device):
@@ -1025,24 +1025,42 @@ def sampled_timed_calls(output_bytes):
     return min(SAMPLED_TIMED_CALLS, SAMPLED_TIMED_BYTES // max(1, output_bytes))
 
 
+class NotATensor:
+    """What a sampled call kept in place of an output that is not a tensor (its repr, taken when the call returned),
+    or of a tensor whose type is not torch.Tensor itself (a subclass's methods could answer for it later): either
+    is written as a value that is not a tensor, which the checker's comparison refuses where a tensor is expected."""
+
+    def __init__(self, value):
+        self.text = repr(value)[:200] if not _is_tensor(value) else f"a {type(value).__name__}, not a torch.Tensor"
+
+    def __repr__(self):
+        return self.text
+
+
 class TimedSample:
     """A uniform random sample of the measured calls' outputs (reservoir sampling), each drawn after its call
     returned, with the operating system's randomness: a candidate cannot tell which of its calls are kept, so one
-    wrong on a share of its timed calls (fast where it is wrong, which a low quantile of the times would reward) is
-    caught with the chance that a kept call, or the last, is one of them. `draw(n)` gives a uniform integer below n
-    (a test's own, else os.urandom's, bound before the candidate was imported)."""
+    wrong on a share of its timed calls is caught with the chance that a kept call, or the last, is one of them.
+    One slot more than `sampled_timed_calls` allows is drawn, so that `calls(last)` still has that many once the
+    last call (whose output is kept anyway) is left out. Copies are taken after the call's timed step and
+    synchronised before the next one starts. `draw(n)` gives a uniform integer below n (a test's own, else the
+    operating system's, bound before the candidate was imported)."""
 
-    def __init__(self, draw=None):
+    def __init__(self, device, draw=None):
+        self.device = device
         self.draw = draw or random_below
         self.capacity = None
-        self.kept = []  # [call, outputs copied on the device]
+        self.kept = []  # [call, [copies on the device, or NotATensor]]
         self.seen = 0
 
     def offer(self, call, output):
         values = flatten_outputs(output)
+        size = sum(originals().numel(v) * originals().element_size(v) for v in values if type(v) is _tensor_type())
         if self.capacity is None:
-            self.capacity = sampled_timed_calls(tensor_bytes(values))
+            self.capacity = sampled_timed_calls(size) + 1
         self.seen += 1
+        if self.capacity == 1 or size * (self.capacity - 1) > SAMPLED_TIMED_BYTES:
+            return  # outputs too large to keep copies of (or larger than the first call's: their room is reserved)
         if len(self.kept) < self.capacity:
             slot = len(self.kept)
             self.kept.append(None)
@@ -1051,7 +1069,16 @@ class TimedSample:
             if slot >= self.capacity:
                 return
         o = originals()
-        self.kept[slot] = [call, [o.clone(o.detach(v)) if _is_tensor(v) else v for v in values]]
+        self.kept[slot] = [call, [o.clone(o.detach(v)) if type(v) is _tensor_type() else NotATensor(v)
+                                  for v in values]]
+        synchronize(self.device)
+
+    def calls(self, last):
+        """The kept calls other than `last`, with their copies: at most `capacity - 1`, a uniform sample."""
+        others = [entry for entry in self.kept if entry[0] != last]
+        while self.capacity is not None and len(others) > self.capacity - 1:
+            others.pop(self.draw(len(others)))
+        return sorted(others, key=lambda entry: entry[0])
 
 
 _urandom = os.urandom
@@ -1066,14 +1093,36 @@ def random_below(n):
             return value % n
 
 
-def _is_tensor(value):
+def _tensor_type():
     import torch
 
-    return isinstance(value, torch.Tensor)
+    return torch.Tensor
+
+
+def _is_tensor(value):
+    return isinstance(value, _tensor_type())
 
 
 def timed_output_path(spec, call):
     return os.path.join(spec["candidate_dir"], f"timed-{call}.out")
+
+
+def written_digest(values):
+    """The digest (`tensor_digest`) of the tensors an outputs file holds for `values`, as `write_outputs` writes
+    them: the checker compares it with the file's, so a file the candidate's code rewrote later is seen."""
+    o = originals()
+    return list(tensor_digest([o.contiguous(o.resolve_neg(o.resolve_conj(o.detach(v))))
+                               for v in flatten_outputs(values) if _is_tensor(v)]))
+
+
+def keep_timed_outputs(spec, output, last_call, sample):
+    """Writes the last timed call's outputs and the sampled calls' for the checker; the calls with each file's
+    digest, the last first."""
+    kept = []
+    for call, values in [(last_call, output)] + sample.calls(last_call):
+        write_outputs(values, timed_output_path(spec, call))
+        kept.append({"call": call, "digest": written_digest(values)})
+    return kept
 
 
 def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
@@ -1920,7 +1969,7 @@ def mode_candidate(spec):
                     census.record()
             if timing:
                 with phase("timing"):
-                    sample = TimedSample()
+                    sample = TimedSample(device) if spec["timed_outputs"] else None
                     samples, host, last_call, output, cpu = measure(lambda inputs: model(*inputs), input_sets,
                                                                     spec["timing_seeds"], device, timing, sample)
         if timing:
@@ -1928,14 +1977,8 @@ def mode_candidate(spec):
                 synchronize(device)
                 result["samples_ms"] = samples
                 result["host_ms"] = host
-                result["last_call"] = last_call
                 result["timing_cpu"] = cpu
-                write_outputs(output, timed_output_path(spec, last_call))
-                sampled = sorted(call for call, _ in sample.kept if call != last_call)
-                for call, values in sample.kept:
-                    if call != last_call:
-                        write_outputs(values, timed_output_path(spec, call))
-                result["sampled_calls"] = sampled
+                result["timed_outputs"] = keep_timed_outputs(spec, output, last_call, sample) if sample else []
                 del sample, output
         if census is not None:
             with phase("census_read"):
@@ -2021,7 +2064,7 @@ def check_outputs(spec, device, reference):
     mismatch, late = compare_trials(spec, device)
     if mismatch is not None or late is not None:
         return mismatch or late
-    if not spec["timed_calls"]:
+    if not spec["timed_outputs"]:
         return None
     task, model = reference()
     return compare_timed_calls(spec, task, model, device)
@@ -2029,13 +2072,15 @@ def check_outputs(spec, device, reference):
 
 def compare_timed_calls(spec, task, model, device):
     """Checks the outputs of the candidate's timed calls it kept (the last, and a random sample: `TimedSample`)
-    against the reference on the same, rebuilt inputs; a mismatch names its call. A task whose reference gives
-    another output when called again on the same inputs (dropout in training mode, say) draws from torch's generator
-    per call, and a timed call's draw depends on how many calls timing made: for such a task the check cannot apply
-    and is passed (the correctness trials, seeded alike on both sides, still hold)."""
+    against the reference on the same, rebuilt inputs; a mismatch names its call, and so does a file whose digest
+    is not the one the harness took when it wrote it (the candidate's code ran after, and could rewrite it). A task
+    whose reference gives another output when called again on the same inputs (dropout in training mode, say) draws
+    from torch's generator per call, and a timed call's draw depends on how many calls timing made: for such a task
+    the check cannot apply and is passed (the correctness trials, seeded alike on both sides, still hold)."""
     import torch
 
-    for n, call in enumerate(spec["timed_calls"]):
+    for n, kept in enumerate(spec["timed_outputs"]):
+        call = kept["call"]
         inputs = timed_call_inputs(task, spec, device, call)
         with torch.no_grad():
             expected = saved_outputs(model(*inputs))
@@ -2053,6 +2098,9 @@ def compare_timed_calls(spec, task, model, device):
             return {"trial": -1, "output_index": 0,
                     "detail": f"timed call {call}: outputs unreadable: {type(error).__name__}"}
         with phase("compare"):
+            if list(tensor_digest([v["tensor"] for v in got if "tensor" in v])) != list(kept["digest"]):
+                return {"trial": -1, "output_index": 0,
+                        "detail": f"timed call {call}: its outputs file changed after the harness wrote it"}
             mismatch = compare_outputs(expected, got, spec)
         del expected, again, got, inputs
         if mismatch is not None:

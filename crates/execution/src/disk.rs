@@ -318,7 +318,7 @@ mod tests {
         let plan = OutputPlan { trials: 8, budget: 12 * GIB, new_reference: true };
         assert_eq!(budget.need(None, plan), 10 * GIB);
         let small = TaskSizes { input_bytes: GIB, output_bytes: 256 << 20 };
-        assert_eq!(budget.need(Some(small), plan), (17 * 256) << 20);
+        assert_eq!(budget.need(Some(small), plan), (21 * 256) << 20, "8 trials and 5 timed calls, 8 trials");
         let huge = TaskSizes { input_bytes: GIB, output_bytes: 8 * GIB };
         assert_eq!(budget.need(Some(huge), plan), 10 * GIB, "more than the budget: the whole of it");
 

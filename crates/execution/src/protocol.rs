@@ -170,6 +170,17 @@ pub struct CandidateRun {
     /// Forward calls inside the profiler's range (`cudaProfilerStart`/`Stop`), after an untimed warm-up call (0:
     /// none). A profiler run only: never with timing or the census, whose measurements it would distort.
     pub profiled_calls: u32,
+    /// Whether timing keeps timed calls' outputs for the checker (the last and a random sample): not in a
+    /// re-measurement, whose outputs nobody checks.
+    pub timed_outputs: bool,
+}
+
+/// A timed call whose outputs the candidate's harness kept for the checker, with the digest of the file it wrote
+/// (the candidate's code ran after, and could rewrite it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimedOutput {
+    pub call: i64,
+    pub digest: Vec<i64>,
 }
 
 /// `candidate`: run the candidate.
@@ -211,12 +222,10 @@ pub struct CandidateResult {
     pub samples_ms: Vec<f64>,
     #[serde(default, deserialize_with = "lenient")]
     pub host_ms: Vec<f64>,
-    /// The index of the last timed call, whose output was saved.
+    /// The timed calls whose outputs were saved: the last, then a random sample of earlier ones, drawn as the calls
+    /// ran; empty when unreadable.
     #[serde(default, deserialize_with = "lenient")]
-    pub last_call: Option<i64>,
-    /// Earlier timed calls whose outputs were saved too: a random sample, drawn as the calls ran.
-    #[serde(default, deserialize_with = "lenient")]
-    pub sampled_calls: Vec<i64>,
+    pub timed_outputs: Vec<TimedOutput>,
     #[serde(default, deserialize_with = "lenient")]
     pub timing_cpu: Option<TimingCpu>,
     /// The census records when present, or why they are unreadable.
@@ -253,18 +262,18 @@ pub struct CompareSpec {
     pub timing_seeds: Vec<u64>,
     pub sensitivity: Option<Sensitivity>,
     /// The trial that repeats trial 0's inputs after timing: compared with trial 0's reference (it has none of its
-    /// own), before the last timed call and the re-checks after it.
+    /// own), before the timed calls kept and the re-checks after it.
     pub replay: Option<usize>,
     pub output_bytes_budget: u64,
     /// The candidate's timed calls whose outputs it saved, when it was timed (the last and a random sample): their
     /// outputs are checked too, on rebuilt inputs.
-    pub timed_calls: Vec<i64>,
+    pub timed_outputs: Vec<TimedOutput>,
 }
 
 /// The first output that differed, as the harness found it.
 #[derive(Debug, Default, Deserialize)]
 pub struct MismatchRecord {
-    /// The trial; negative or absent: the last timed call.
+    /// The trial; negative or absent: a timed call kept (the detail names it).
     #[serde(default, deserialize_with = "lenient")]
     pub trial: Option<i64>,
     #[serde(default, deserialize_with = "lenient")]
@@ -571,6 +580,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         timing_seeds: vec![],
         census_calls: 0,
         profiled_calls: 0,
+        timed_outputs: false,
     };
     let compare = CompareSpec {
         computes_reference: true,
@@ -585,7 +595,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         sensitivity: None,
         replay: None,
         output_bytes_budget: 0,
-        timed_calls: vec![],
+        timed_outputs: vec![],
     };
     let baseline = BaselineSpec {
         task_path: PathBuf::new(),
@@ -665,7 +675,7 @@ mod tests {
             sensitivity: Some(Sensitivity { trial: 1, base: 0, seed: 9 }),
             replay: None,
             output_bytes_budget: 10,
-            timed_calls: vec![7, 3],
+            timed_outputs: vec![TimedOutput { call: 7, digest: vec![1, -2] }],
         }
     }
 
@@ -706,7 +716,7 @@ mod tests {
         assert_eq!(body.timing_cpu.and_then(|t| t.cpu_wait_ms), Some(0.5));
         assert!(matches!(body.census, Some(Err(_))), "present but unreadable: a finding, not an absence");
         let absent: Report<CandidateResult> = report(serde_json::json!({ "ok": true }));
-        assert!(absent.ok && absent.body.census.is_none() && absent.body.last_call.is_none());
+        assert!(absent.ok && absent.body.census.is_none() && absent.body.timed_outputs.is_empty());
     }
 
     #[test]

@@ -2,14 +2,7 @@
 
 use kforge_proto::v1::TimingStats;
 
-/// The quantile of the samples a speedup divides: low enough that a call with two cost levels, which a timed loop
-/// alternates between in shares that differ from process to process (a host wait mid-call), is measured at its
-/// lower level whenever that holds a tenth of its calls; for a call with one level it sits within a fraction of a
-/// percent under the median (`bench/results/timing-fidelity-2026-11-27b/`).
-pub const SPEEDUP_QUANTILE: f64 = 0.1;
-
-/// Median, 10th percentile, interquartile range, mean and standard error of `samples` (ms); the samples are kept in
-/// order.
+/// Median, interquartile range, mean and standard error of `samples` (ms); the samples are kept in order.
 pub fn timing_stats(samples: Vec<f64>) -> Option<TimingStats> {
     if samples.is_empty() || samples.iter().any(|s| !s.is_finite() || *s < 0.0) {
         return None;
@@ -22,7 +15,6 @@ pub fn timing_stats(samples: Vec<f64>) -> Option<TimingStats> {
         if sorted.len() > 1 { sorted.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
     Some(TimingStats {
         median_ms: quantile(&sorted, 0.5),
-        p10_ms: quantile(&sorted, SPEEDUP_QUANTILE),
         iqr_ms: quantile(&sorted, 0.75) - quantile(&sorted, 0.25),
         mean_ms: mean,
         stderr_ms: (variance / n).sqrt(),
@@ -66,25 +58,10 @@ mod tests {
     fn worked_example() {
         let stats = timing_stats(vec![4.0, 1.0, 3.0, 2.0, 5.0]).expect("valid samples");
         assert_eq!(stats.median_ms, 3.0);
-        assert!((stats.p10_ms - 1.4).abs() < 1e-12, "type 7: 1 + 0.4 x (2 - 1)");
         assert_eq!(stats.iqr_ms, 2.0);
         assert_eq!(stats.mean_ms, 3.0);
         assert!((stats.stderr_ms - (2.5f64 / 5.0).sqrt()).abs() < 1e-12);
         assert_eq!(stats.samples_ms, vec![4.0, 1.0, 3.0, 2.0, 5.0], "raw samples keep their order");
-    }
-
-    #[test]
-    fn a_call_with_two_cost_levels_is_measured_at_its_lower_level() {
-        // Two processes of one call that costs 1.49 or 1.64 ms a call, in different shares (30% and 70% high): the
-        // median jumps between the levels, the 10th percentile stays on the lower one.
-        let process = |high: usize| {
-            let mut samples: Vec<f64> = (0..100).map(|i| if i < high { 1.64 } else { 1.49 }).collect();
-            samples.iter_mut().enumerate().for_each(|(i, s)| *s += i as f64 * 1e-5);
-            timing_stats(samples).expect("valid samples")
-        };
-        let (fewer, more) = (process(30), process(70));
-        assert!((more.median_ms - fewer.median_ms) / fewer.median_ms > 0.09);
-        assert!((more.p10_ms - fewer.p10_ms).abs() / fewer.p10_ms < 0.01);
     }
 
     #[test]

@@ -14,14 +14,14 @@ use tokio_util::sync::CancellationToken;
 use kforge_execution::cache::{self, Entry, Held};
 use kforge_execution::devices::Lane;
 use kforge_execution::engine::{InfraError, Submission, phases_into};
-use kforge_execution::protocol::{CompareSpec, MismatchRecord, Sensitivity, StageSpec};
+use kforge_execution::protocol::{CompareSpec, MismatchRecord, Sensitivity, StageSpec, TimedOutput};
 use kforge_execution::python;
 use kforge_execution::stage::{Request, Stage, Started};
 
 use super::Evaluator;
 use super::verdict::mismatch_proto;
 
-/// The inputs a check covers: correctness trials by seed, and the last timed call.
+/// The inputs a check covers: correctness trials by seed, and the timed calls kept.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Trials<'a> {
     pub(super) seeds: &'a [u64],
@@ -162,7 +162,7 @@ impl Evaluator {
             sensitivity,
             replay,
             output_bytes_budget: inner.config.output_bytes_budget,
-            timed_calls: vec![],
+            timed_outputs: vec![],
         };
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile; one
@@ -193,19 +193,19 @@ impl Evaluator {
         Ok(PreparedCheck { started: inner.engine.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
     }
 
-    /// Runs a prepared comparison; `timed_calls` are the candidate's timed calls whose outputs it kept, when it was
-    /// timed (checked too, on rebuilt inputs). The first mismatch, when the outputs differ, and how many trials were
+    /// Runs a prepared comparison; `timed_outputs` are the candidate's timed calls whose outputs it kept, when it
+    /// was timed (checked too, on rebuilt inputs). The first mismatch, when the outputs differ, and how many trials were
     /// compared (fewer than all where the outputs are large: `output_bytes_budget`).
     pub(super) async fn check(
         &self,
         prepared: PreparedCheck,
         lane: &Lane,
-        timed_calls: Vec<i64>,
+        timed_outputs: Vec<TimedOutput>,
         stage_ms: &mut HashMap<String, f64>,
     ) -> Result<(Option<(Trial, pb::Mismatch)>, Option<usize>), InfraError> {
         let inner = &self.inner;
         let PreparedCheck { started, mut spec, key, peak_key, lock, _pin } = prepared;
-        spec.timed_calls = timed_calls;
+        spec.timed_outputs = timed_outputs;
         let mode = spec.mode();
         let request = Request::plain(spec);
         let outcome = inner.engine.stage(started, request, Some(lane)).await;

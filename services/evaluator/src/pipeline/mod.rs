@@ -256,6 +256,7 @@ impl Evaluator {
             timing_seeds: timing_seeds.clone(),
             census_calls: if evaluation.census { inner.config.census_calls } else { 0 },
             profiled_calls: 0,
+            timed_outputs: true,
         };
         let limits = self.call_limits(submission, gpu);
         let mut candidate =
@@ -289,8 +290,8 @@ impl Evaluator {
         // Correctness, in a clean process.
         let started = Instant::now();
         // The outputs of the timed calls kept (the last and a random sample) are checked too, on rebuilt inputs.
-        let timed_calls = if evaluation.measure {
-            match timing::timed_calls(&result) {
+        let timed_outputs = if evaluation.measure {
+            match timing::timed_outputs(&result) {
                 Ok(calls) => calls,
                 Err(finding) => {
                     response.findings.push(finding);
@@ -300,7 +301,7 @@ impl Evaluator {
         } else {
             vec![]
         };
-        let checked = self.check(check, &lane, timed_calls, &mut response.stage_ms).await;
+        let checked = self.check(check, &lane, timed_outputs, &mut response.stage_ms).await;
         response.stage_ms.insert("check".into(), ms(started.elapsed()));
         if let Ok((_, Some(compared))) = &checked
             && *compared < seeds.len()

@@ -5,7 +5,7 @@ use kforge_proto::v1 as pb;
 
 use kforge_execution::disk::SAMPLED_TIMED_CALLS;
 use kforge_execution::engine::hack_finding;
-use kforge_execution::protocol::CandidateResult;
+use kforge_execution::protocol::{CandidateResult, TimedOutput};
 
 use super::baseline::Baseline;
 use crate::stats::timing_stats;
@@ -35,27 +35,31 @@ pub(super) fn timing_samples(result: &CandidateResult) -> Result<Measured, pb::F
 }
 
 /// The timed calls whose outputs the candidate's harness saved for the checker: the last, then the sampled ones
-/// (earlier, distinct, at most SAMPLED_TIMED_CALLS), or the finding that the harness
-/// reported what it cannot have done.
-pub(super) fn timed_calls(result: &CandidateResult) -> Result<Vec<i64>, pb::Finding> {
-    let impossible = |what: String| hack_finding("timing.impossible", what);
-    let Some(last) = result.last_call else {
-        return match (result.samples_ms.is_empty(), result.sampled_calls.is_empty()) {
-            (true, true) => Ok(vec![]),
-            _ => Err(impossible("timing samples without the index of the last timed call".into())),
+/// (earlier, distinct, at most SAMPLED_TIMED_CALLS), or the finding that the harness reported what it cannot have
+/// done (timing samples and no timed call kept among them).
+pub(super) fn timed_outputs(result: &CandidateResult) -> Result<Vec<TimedOutput>, pb::Finding> {
+    let kept = &result.timed_outputs;
+    let Some(last) = kept.first().map(|k| k.call) else {
+        return match result.samples_ms.is_empty() {
+            true => Ok(vec![]),
+            false => Err(hack_finding("timing.impossible", "timing samples and no timed call's outputs kept")),
         };
     };
-    let mut sampled = result.sampled_calls.clone();
+    let mut sampled: Vec<i64> = kept[1..].iter().map(|k| k.call).collect();
     sampled.sort_unstable();
     sampled.dedup();
     let valid = last >= 0
-        && sampled.len() == result.sampled_calls.len()
+        && sampled.len() == kept.len() - 1
         && sampled.len() as u64 <= SAMPLED_TIMED_CALLS
         && sampled.iter().all(|call| (0..last).contains(call));
     if !valid {
-        return Err(impossible(format!("timed calls {:?} sampled before a last call {last}", result.sampled_calls)));
+        let calls: Vec<i64> = kept.iter().map(|k| k.call).collect();
+        return Err(hack_finding(
+            "timing.impossible",
+            format!("timed calls {calls:?} kept: not the last then earlier ones"),
+        ));
     }
-    Ok(std::iter::once(last).chain(sampled).collect())
+    Ok(kept.clone())
 }
 
 /// Unaccounted wall-clock time per timed call must stay under this (ms), or half the candidate's median if larger.
@@ -80,7 +84,7 @@ pub(super) fn wall_clock_mismatch(measured: &Measured, baseline: &Baseline) -> O
 
 pub(super) fn set_speedups(response: &mut pb::EvaluateResponse) {
     let speedup = |baseline: &Option<pb::TimingStats>| match (baseline, &response.candidate_timing) {
-        (Some(b), Some(c)) if c.p10_ms > 0.0 => b.p10_ms / c.p10_ms,
+        (Some(b), Some(c)) if c.median_ms > 0.0 => b.median_ms / c.median_ms,
         _ => 0.0,
     };
     response.speedup_eager = speedup(&response.eager_timing);
@@ -115,26 +119,21 @@ mod tests {
 
     #[test]
     fn the_timed_calls_checked_are_the_last_and_the_sampled_ones() {
-        let result = |last: Option<i64>, sampled: &[i64]| CandidateResult {
+        let kept = |calls: &[i64]| -> Vec<TimedOutput> {
+            calls.iter().map(|&call| TimedOutput { call, digest: vec![call, 1] }).collect()
+        };
+        let result = |calls: &[i64]| CandidateResult {
             samples_ms: vec![1.0],
-            last_call: last,
-            sampled_calls: sampled.to_vec(),
+            timed_outputs: kept(calls),
             ..CandidateResult::default()
         };
-        assert_eq!(timed_calls(&result(Some(40), &[31, 5, 17])), Ok(vec![40, 5, 17, 31]));
-        assert_eq!(timed_calls(&result(Some(0), &[])), Ok(vec![0]));
-        assert_eq!(timed_calls(&CandidateResult::default()), Ok(vec![]), "not timed");
-        let forged: [(Option<i64>, &[i64]); 6] = [
-            (None, &[]),
-            (Some(-1), &[]),
-            (Some(40), &[40]),
-            (Some(40), &[3, 3]),
-            (Some(40), &[-2]),
-            (Some(40), &[1, 2, 3, 4, 5]),
-        ];
-        for (last, sampled) in forged {
-            let finding = timed_calls(&result(last, sampled)).expect_err("impossible");
-            assert_eq!(finding.code, "timing.impossible", "{last:?} {sampled:?}");
+        assert_eq!(timed_outputs(&result(&[40, 31, 5, 17])), Ok(kept(&[40, 31, 5, 17])));
+        assert_eq!(timed_outputs(&result(&[0])), Ok(kept(&[0])));
+        assert_eq!(timed_outputs(&CandidateResult::default()), Ok(vec![]), "not timed");
+        let forged: [&[i64]; 6] = [&[], &[-1], &[40, 40], &[40, 3, 3], &[40, -2], &[40, 1, 2, 3, 4, 5]];
+        for calls in forged {
+            let finding = timed_outputs(&result(calls)).expect_err("impossible");
+            assert_eq!(finding.code, "timing.impossible", "{calls:?}");
         }
     }
 
@@ -159,8 +158,8 @@ mod tests {
     }
 
     #[test]
-    fn speedups_are_the_baselines_p10_over_the_candidates() {
-        let stats = |p10_ms| Some(pb::TimingStats { p10_ms, median_ms: 2.0 * p10_ms, ..Default::default() });
+    fn speedups_are_the_baselines_median_over_the_candidates() {
+        let stats = |median_ms| Some(pb::TimingStats { median_ms, ..Default::default() });
         let mut response = pb::EvaluateResponse {
             candidate_timing: stats(2.0),
             eager_timing: stats(6.0),
@@ -171,6 +170,6 @@ mod tests {
         assert_eq!((response.speedup_eager, response.speedup_compile), (3.0, 0.0));
         response.candidate_timing = stats(0.0);
         set_speedups(&mut response);
-        assert_eq!(response.speedup_eager, 0.0, "no speedup from a zero time");
+        assert_eq!(response.speedup_eager, 0.0, "no speedup from a zero median");
     }
 }
