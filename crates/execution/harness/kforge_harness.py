@@ -72,7 +72,7 @@ FRAMING = {"result_path": _PATH, "gate": (_BOOL, _STR)}
 _COMPARE = {
     "task_path": _PATH, "device": _STR, "init_seed": _INT, "seeds": _LIST, "reference_dir": _PATH,
     "candidate_dir": _PATH, "tolerances": _DICT, "timing_seeds": _LIST, "sensitivity": (_DICT, _NONE),
-    "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timed_outputs": _LIST,
+    "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timed_outputs": _LIST, "digest_key": _INT,
 }
 SPECS = {
     "compile": {"candidate_path": _PATH, "kernels": _BOOL},
@@ -80,7 +80,7 @@ SPECS = {
         "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
         "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST,
         "census_calls": _INT, "profiled_calls": _INT, "task_path": _PATH, "candidate_path": _PATH,
-        "candidate_dir": _PATH, "device": _STR, "timing_cpu": (_INT, _NONE), "timed_outputs": _BOOL,
+        "candidate_dir": _PATH, "device": _STR, "timing_cpu": (_INT, _NONE), "timed_outputs": (_INT, _NONE),
     },
     "reference": _COMPARE,
     "check": _COMPARE,
@@ -313,11 +313,13 @@ def saved_outputs(output):
             for v in flatten_outputs(output)]
 
 
-def tensor_digest(values):
+def tensor_digest(values, key=None):
     """A digest of tensors' bytes, computed where they live (no copy to the host): per tensor, the wrapping sums of
-    its 32-bit words (bytes where the size is not a multiple of 4) and of those words times a multiplicative hash
-    of their position. Any change of a word changes it unless a second change cancels it exactly; it compares a
-    tensor with itself earlier in the same process (inputs the candidate must not write)."""
+    its 32-bit words (bytes where the size is not a multiple of 4) and of those words times a weight per position:
+    a multiplicative hash of the position, or with `key` a random draw from a generator seeded with it, so that
+    changes that cancel out cannot be chosen without the key. Any change of a word changes it unless a second change
+    cancels it exactly; it compares a tensor with itself earlier in the same process (inputs the candidate must not
+    write), or an outputs file with the outputs it was written from (`written_digest`)."""
     import torch
 
     parts = []
@@ -330,14 +332,20 @@ def tensor_digest(values):
             try:
                 words = flat.view(torch.int32)
             except RuntimeError:  # a view whose first byte is not 4-aligned (a half tensor at an odd offset)
-                pass
+                words = flat.clone().view(torch.int32)
         plain = torch.zeros((), dtype=torch.int64, device=flat.device)
         weighted = torch.zeros_like(plain)
         for start in range(0, words.numel(), CHUNK_ELEMENTS):
             chunk = words[start:start + CHUNK_ELEMENTS].to(torch.int64)
-            position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device)
+            if key is None:
+                position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device)
+                weight = position * 2654435761 + 97531
+            else:
+                draws = torch.Generator(device=flat.device).manual_seed((key * 1_000_003 + start) % (1 << 62))
+                weight = torch.randint(-(1 << 62), 1 << 62, (chunk.numel(),), generator=draws, dtype=torch.int64,
+                                       device=flat.device)
             plain += chunk.sum()
-            weighted += (chunk * (position * 2654435761 + 97531)).sum()
+            weighted += (chunk * weight).sum()
         parts.append(torch.stack([plain, weighted]))
     return tuple(torch.stack(parts).flatten().tolist()) if parts else ()
 
@@ -1043,11 +1051,15 @@ class TimedSample:
     wrong on a share of its timed calls is caught with the chance that a kept call, or the last, is one of them.
     One slot more than `sampled_timed_calls` allows is drawn, so that `calls(last)` still has that many once the
     last call (whose output is kept anyway) is left out. Copies are taken after the call's timed step and
-    synchronised before the next one starts. `draw(n)` gives a uniform integer below n (a test's own, else the
-    operating system's, bound before the candidate was imported)."""
+    synchronised before the next one starts. The sample's size follows from `expected_bytes`, trial 0's outputs
+    (checked against the reference), else the first measured call's; a kept call whose outputs take other bytes
+    is kept as what is not a tensor, which the checker refuses (outputs that grow on some calls cannot slip past the
+    sample). `draw(n)` gives a uniform integer below n (a test's own, else the operating system's, bound before the
+    candidate was imported)."""
 
-    def __init__(self, device, draw=None):
+    def __init__(self, device, expected_bytes=None, draw=None):
         self.device = device
+        self.expected_bytes = expected_bytes
         self.draw = draw or random_below
         self.capacity = None
         self.kept = []  # [call, [copies on the device, or NotATensor]]
@@ -1057,10 +1069,11 @@ class TimedSample:
         values = flatten_outputs(output)
         size = sum(originals().numel(v) * originals().element_size(v) for v in values if type(v) is _tensor_type())
         if self.capacity is None:
-            self.capacity = sampled_timed_calls(size) + 1
+            self.expected_bytes = size if self.expected_bytes is None else self.expected_bytes
+            self.capacity = sampled_timed_calls(self.expected_bytes) + 1
         self.seen += 1
-        if self.capacity == 1 or size * (self.capacity - 1) > SAMPLED_TIMED_BYTES:
-            return  # outputs too large to keep copies of (or larger than the first call's: their room is reserved)
+        if self.capacity == 1:
+            return  # outputs too large to keep copies of
         if len(self.kept) < self.capacity:
             slot = len(self.kept)
             self.kept.append(None)
@@ -1068,6 +1081,9 @@ class TimedSample:
             slot = self.draw(self.seen)
             if slot >= self.capacity:
                 return
+        if size != self.expected_bytes:
+            self.kept[slot] = [call, [NotATensor(f"outputs of {size} bytes where trial 0's took {self.expected_bytes}")]]
+            return
         o = originals()
         self.kept[slot] = [call, [o.clone(o.detach(v)) if type(v) is _tensor_type() else NotATensor(v)
                                   for v in values]]
@@ -1107,21 +1123,40 @@ def timed_output_path(spec, call):
     return os.path.join(spec["candidate_dir"], f"timed-{call}.out")
 
 
-def written_digest(values):
-    """The digest (`tensor_digest`) of the tensors an outputs file holds for `values`, as `write_outputs` writes
-    them: the checker compares it with the file's, so a file the candidate's code rewrote later is seen."""
+def written_digest(values, key):
+    """The digest of an outputs file written from `values` (`write_outputs`): its tensors' bytes (`tensor_digest`
+    with `key`) and a keyed hash of what its header says of each output (a tensor's exact type and device, the
+    repr of what is not a tensor). The checker takes the same of the file it loads (`loaded_digest`), so a file the
+    candidate's code rewrote later is seen."""
     o = originals()
-    return list(tensor_digest([o.contiguous(o.resolve_neg(o.resolve_conj(o.detach(v))))
-                               for v in flatten_outputs(values) if _is_tensor(v)]))
+    values = flatten_outputs(values)
+    header = [(type(v) is _tensor_type(), str(v.device), None) if _is_tensor(v) else (False, "", repr(v)[:200])
+              for v in values]
+    tensors = [o.contiguous(o.resolve_neg(o.resolve_conj(o.detach(v)))) for v in values if _is_tensor(v)]
+    return list(tensor_digest(tensors, key)) + [header_digest(header, key)]
+
+
+def loaded_digest(entries, key):
+    """`written_digest` of the outputs `load_outputs` read from a file."""
+    header = [(e["exact_tensor"], e["device"], None) if "tensor" in e else (False, "", e.get("value"))
+              for e in entries]
+    return list(tensor_digest([e["tensor"] for e in entries if "tensor" in e], key)) + [header_digest(header, key)]
+
+
+def header_digest(header, key):
+    import hashlib
+
+    keyed = hashlib.blake2b(json.dumps(header).encode(), digest_size=8, key=key.to_bytes(8, "little"))
+    return int.from_bytes(keyed.digest(), "little", signed=True)
 
 
 def keep_timed_outputs(spec, output, last_call, sample):
     """Writes the last timed call's outputs and the sampled calls' for the checker; the calls with each file's
-    digest, the last first."""
+    digest (keyed with `spec["timed_outputs"]`), the last first."""
     kept = []
     for call, values in [(last_call, output)] + sample.calls(last_call):
         write_outputs(values, timed_output_path(spec, call))
-        kept.append({"call": call, "digest": written_digest(values)})
+        kept.append({"call": call, "digest": written_digest(values, spec["timed_outputs"])})
     return kept
 
 
@@ -1948,13 +1983,14 @@ def mode_candidate(spec):
         # correctness check is over is caught by the same comparison.
         recheck_from = spec.get("recheck_from", len(seeds))
         kept = [0]  # trial 0 always runs; its outputs' size decides the rest
+        first_bytes = None
         for trial in range(recheck_from):
             if trial not in kept:
                 continue
             GATE.pause(device)
             size = run_trial(model, task, device, trial, integrity, result, spec)
             if trial == 0:
-                kept = kept_trials(spec, size)
+                kept, first_bytes = kept_trials(spec, size), size
     integrity.check_environment("during the correctness trials")
     timing, calls = spec.get("timing"), spec.get("census_calls")
     if timing or calls:
@@ -1969,7 +2005,7 @@ def mode_candidate(spec):
                     census.record()
             if timing:
                 with phase("timing"):
-                    sample = TimedSample(device) if spec["timed_outputs"] else None
+                    sample = TimedSample(device, first_bytes) if spec["timed_outputs"] is not None else None
                     samples, host, last_call, output, cpu = measure(lambda inputs: model(*inputs), input_sets,
                                                                     spec["timing_seeds"], device, timing, sample)
         if timing:
@@ -2098,7 +2134,7 @@ def compare_timed_calls(spec, task, model, device):
             return {"trial": -1, "output_index": 0,
                     "detail": f"timed call {call}: outputs unreadable: {type(error).__name__}"}
         with phase("compare"):
-            if list(tensor_digest([v["tensor"] for v in got if "tensor" in v])) != list(kept["digest"]):
+            if loaded_digest(got, spec["digest_key"]) != list(kept["digest"]):
                 return {"trial": -1, "output_index": 0,
                         "detail": f"timed call {call}: its outputs file changed after the harness wrote it"}
             mismatch = compare_outputs(expected, got, spec)

@@ -170,13 +170,13 @@ pub struct CandidateRun {
     /// Forward calls inside the profiler's range (`cudaProfilerStart`/`Stop`), after an untimed warm-up call (0:
     /// none). A profiler run only: never with timing or the census, whose measurements it would distort.
     pub profiled_calls: u32,
-    /// Whether timing keeps timed calls' outputs for the checker (the last and a random sample): not in a
-    /// re-measurement, whose outputs nobody checks.
-    pub timed_outputs: bool,
+    /// With a key, timing keeps timed calls' outputs for the checker (the last and a random sample), each file's
+    /// digest keyed with it; none in a re-measurement, whose outputs nobody checks.
+    pub timed_outputs: Option<u64>,
 }
 
-/// A timed call whose outputs the candidate's harness kept for the checker, with the digest of the file it wrote
-/// (the candidate's code ran after, and could rewrite it).
+/// A timed call whose outputs the candidate's harness kept for the checker, with the keyed digest of the file it
+/// wrote (the candidate's code ran after, and could rewrite it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TimedOutput {
     pub call: i64,
@@ -268,6 +268,8 @@ pub struct CompareSpec {
     /// The candidate's timed calls whose outputs it saved, when it was timed (the last and a random sample): their
     /// outputs are checked too, on rebuilt inputs.
     pub timed_outputs: Vec<TimedOutput>,
+    /// The key of the timed outputs' digests (`CandidateRun::timed_outputs`).
+    pub digest_key: u64,
 }
 
 /// The first output that differed, as the harness found it.
@@ -580,7 +582,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         timing_seeds: vec![],
         census_calls: 0,
         profiled_calls: 0,
-        timed_outputs: false,
+        timed_outputs: None,
     };
     let compare = CompareSpec {
         computes_reference: true,
@@ -596,6 +598,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         replay: None,
         output_bytes_budget: 0,
         timed_outputs: vec![],
+        digest_key: 0,
     };
     let baseline = BaselineSpec {
         task_path: PathBuf::new(),
@@ -676,6 +679,7 @@ mod tests {
             replay: None,
             output_bytes_budget: 10,
             timed_outputs: vec![TimedOutput { call: 7, digest: vec![1, -2] }],
+            digest_key: 5,
         }
     }
 

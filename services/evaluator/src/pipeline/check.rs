@@ -31,6 +31,8 @@ pub(super) struct Trials<'a> {
     pub(super) sensitivity: Option<Sensitivity>,
     /// The re-check that repeats trial 0's inputs (`replay_trial`): compared with trial 0's reference.
     pub(super) replay: Option<usize>,
+    /// The key of the timed outputs' digests (`CandidateRun::timed_outputs`).
+    pub(super) digest_key: u64,
 }
 
 /// A comparison ready to run: its started clean process, and its hold on the reference cache entry.
@@ -145,7 +147,7 @@ impl Evaluator {
         let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.engine.checked_python();
-        let Trials { seeds, init_seed, timing_seeds, sensitivity, replay } = *trials;
+        let Trials { seeds, init_seed, timing_seeds, sensitivity, replay, digest_key } = *trials;
         let device_name = python.device_name(gpu);
         let key = self.reference_key(submission, trials, device_name);
         let reference_dir = inner.references.dir(&key);
@@ -163,6 +165,7 @@ impl Evaluator {
             replay,
             output_bytes_budget: inner.config.output_bytes_budget,
             timed_outputs: vec![],
+            digest_key,
         };
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile; one

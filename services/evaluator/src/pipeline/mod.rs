@@ -190,7 +190,8 @@ impl Evaluator {
         let replay = replay_trial(&mut seeds, recheck_from);
         let sensitivity = self.sensitivity_trial(&task_key, &mut seeds, recheck_from);
         let (init_seed, timing_seeds) = self.baseline_seeds(&task_key);
-        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity, replay };
+        let digest_key = engine.seeds(&task_key, "timed-digest", 1)[0];
+        let trials = Trials { seeds: &seeds, init_seed, timing_seeds: &timing_seeds, sensitivity, replay, digest_key };
 
         // On a GPU, the task's sizes (a dry run on the meta device, once per task): the room its files take, and
         // its footprint before its reference has run. The room is reserved before the candidate starts, and held
@@ -256,7 +257,7 @@ impl Evaluator {
             timing_seeds: timing_seeds.clone(),
             census_calls: if evaluation.census { inner.config.census_calls } else { 0 },
             profiled_calls: 0,
-            timed_outputs: true,
+            timed_outputs: Some(digest_key),
         };
         let limits = self.call_limits(submission, gpu);
         let mut candidate =
