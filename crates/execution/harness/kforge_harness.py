@@ -319,7 +319,7 @@ def tensor_digest(values, key=None):
     a multiplicative hash of the position, or with `key` a random draw from a generator seeded with it, so that
     changes that cancel out cannot be chosen without the key. Any change of a word changes it unless a second change
     cancels it exactly; it compares a tensor with itself earlier in the same process (inputs the candidate must not
-    write), or an outputs file with the outputs it was written from (`written_digest`)."""
+    write), or an outputs file with the outputs it was written from (`outputs_digest`)."""
     import torch
 
     parts = []
@@ -622,7 +622,7 @@ def write_outputs(output, path, stream=None, private=False):
                 if "dtype" not in item:
                     saved.append(item)
                     continue
-                tensor = o.contiguous(o.resolve_neg(o.resolve_conj(o.detach(value))))
+                tensor = as_written(value)
                 if private:
                     # A copy off the device is already the harness's own; a CPU tensor is cloned to be.
                     own = o.to(tensor, "cpu")
@@ -637,6 +637,12 @@ def write_outputs(output, path, stream=None, private=False):
     finally:
         o.close(fd)
     return saved
+
+
+def as_written(value):
+    """A tensor output as `write_outputs` writes its bytes: conjugate and negative views resolved, contiguous."""
+    o = originals()
+    return o.contiguous(o.resolve_neg(o.resolve_conj(o.detach(value))))
 
 
 # On a memory filesystem, a device tensor larger than a sixteenth of this goes to its file through pinned staging
@@ -1123,31 +1129,16 @@ def timed_output_path(spec, call):
     return os.path.join(spec["candidate_dir"], f"timed-{call}.out")
 
 
-def written_digest(values, key):
-    """The digest of an outputs file written from `values` (`write_outputs`): its tensors' bytes (`tensor_digest`
-    with `key`) and a keyed hash of what its header says of each output (a tensor's exact type and device, the
-    repr of what is not a tensor). The checker takes the same of the file it loads (`loaded_digest`), so a file the
-    candidate's code rewrote later is seen."""
-    o = originals()
-    values = flatten_outputs(values)
-    header = [(type(v) is _tensor_type(), str(v.device), None) if _is_tensor(v) else (False, "", repr(v)[:200])
-              for v in values]
-    tensors = [o.contiguous(o.resolve_neg(o.resolve_conj(o.detach(v)))) for v in values if _is_tensor(v)]
-    return list(tensor_digest(tensors, key)) + [header_digest(header, key)]
-
-
-def loaded_digest(entries, key):
-    """`written_digest` of the outputs `load_outputs` read from a file."""
-    header = [(e["exact_tensor"], e["device"], None) if "tensor" in e else (False, "", e.get("value"))
-              for e in entries]
-    return list(tensor_digest([e["tensor"] for e in entries if "tensor" in e], key)) + [header_digest(header, key)]
-
-
-def header_digest(header, key):
+def outputs_digest(tensors, entries, key):
+    """The digest of an outputs file: its tensors' bytes (`tensor_digest` with `key`) and a keyed hash of what its
+    header says of each output (`entries` in the saved form: a tensor's exact type and device, the repr of what is
+    not a tensor). The harness takes it of what it wrote, the checker of what it loaded, so a file the candidate's
+    code rewrote in between is seen."""
     import hashlib
 
-    keyed = hashlib.blake2b(json.dumps(header).encode(), digest_size=8, key=key.to_bytes(8, "little"))
-    return int.from_bytes(keyed.digest(), "little", signed=True)
+    header = json.dumps([(e["exact_tensor"], e["device"], e.get("value")) for e in entries]).encode()
+    keyed = hashlib.blake2b(header, digest_size=8, key=key.to_bytes(8, "little"))
+    return list(tensor_digest(tensors, key)) + [int.from_bytes(keyed.digest(), "little", signed=True)]
 
 
 def keep_timed_outputs(spec, output, last_call, sample):
@@ -1155,8 +1146,9 @@ def keep_timed_outputs(spec, output, last_call, sample):
     digest (keyed with `spec["timed_outputs"]`), the last first."""
     kept = []
     for call, values in [(last_call, output)] + sample.calls(last_call):
-        write_outputs(values, timed_output_path(spec, call))
-        kept.append({"call": call, "digest": written_digest(values, spec["timed_outputs"])})
+        entries = write_outputs(values, timed_output_path(spec, call))
+        tensors = [as_written(v) for v in flatten_outputs(values) if _is_tensor(v)]
+        kept.append({"call": call, "digest": outputs_digest(tensors, entries, spec["timed_outputs"])})
     return kept
 
 
@@ -2134,7 +2126,7 @@ def compare_timed_calls(spec, task, model, device):
             return {"trial": -1, "output_index": 0,
                     "detail": f"timed call {call}: outputs unreadable: {type(error).__name__}"}
         with phase("compare"):
-            if loaded_digest(got, spec["digest_key"]) != list(kept["digest"]):
+            if outputs_digest([v["tensor"] for v in got if "tensor" in v], got, spec["digest_key"]) != kept["digest"]:
                 return {"trial": -1, "output_index": 0,
                         "detail": f"timed call {call}: its outputs file changed after the harness wrote it"}
             mismatch = compare_outputs(expected, got, spec)
