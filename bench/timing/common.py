@@ -391,14 +391,20 @@ def corpus_task_path(name):
 def corpus_entry(path):
     path = Path(path).resolve()
     header = corpus_header(path.read_text())
-    expect = (header.get("expect") or "VERDICT_CORRECT").split()[0]
+    policy, expect = header.get("policy", ""), header.get("expect")
+    if expect is None:
+        # A candidate judged per policy (`# expect[NAME]: ...`) runs under the first policy its header names.
+        named = [(key[len("expect["):-1], value) for key, value in header.items() if key.startswith("expect[")]
+        if named:
+            policy, expect = named[0]
+    expect = (expect or "VERDICT_CORRECT").split()[0]
     return {
         "key": f"corpus/{path.parent.name}/{path.name}",
         "task_id": header["task"],
         "task_path": str(corpus_task_path(header["task"])),
         "candidate_path": str(path),
         "backend": "triton" if header.get("backend") == "triton" else "cuda",
-        "policy": header.get("policy", ""),
+        "policy": policy,
         "expect": expect,
         "kind": "corpus",
     }
