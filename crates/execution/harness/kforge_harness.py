@@ -1628,6 +1628,10 @@ class Census:
 
         self.model, self.inputs, self.device, self.calls = model, inputs, device, calls
         self.extension_calls = []  # per mode, the calls into the candidate's extensions (ExtensionCalls)
+        # Kineto leaves CUPTI attached after a session unless told to finalise it, and an attached CUPTI adds host
+        # time to every launch after: the timed loop that follows would launch slower than the baselines' stages,
+        # which run no census (bench/results/timing-fidelity-2026-11-27c, launch_after_census).
+        os.environ["TEARDOWN_CUPTI"] = "1"
         # torch's autograd profiler, which `torch.profiler.profile` wraps: the wrapper's first start imports
         # torch._inductor (7-8 s on the H100 machine, bench/results/profiler-p50-*), which the census never uses.
         self.profiler = profiler.profile(use_device="cuda" if device.type == "cuda" else None, use_kineto=True)
