@@ -391,12 +391,10 @@ def corpus_task_path(name):
 def corpus_entry(path):
     path = Path(path).resolve()
     header = corpus_header(path.read_text())
-    policy, expect = header.get("policy", ""), header.get("expect")
-    if expect is None:
-        # A candidate judged per policy (`# expect[NAME]: ...`) runs under the first policy its header names.
-        named = [(key[len("expect["):-1], value) for key, value in header.items() if key.startswith("expect[")]
-        if named:
-            policy, expect = named[0]
+    # A candidate judged per policy (`# expect[NAME]: ...`, which replaces `policy` and `expect` as in the corpus
+    # test) runs under the first policy its header names.
+    named = [(key[len("expect["):-1], value) for key, value in header.items() if key.startswith("expect[")]
+    policy, expect = named[0] if named else (header.get("policy", ""), header.get("expect"))
     expect = (expect or "VERDICT_CORRECT").split()[0]
     return {
         "key": f"corpus/{path.parent.name}/{path.name}",

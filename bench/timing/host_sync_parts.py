@@ -14,10 +14,13 @@ each call, no cover), so each part is the device's own time:
 Models: `hostsync` (the float between GEMM and epilogue) and `eager` (the same kernels, min/sub with the 0-dim
 tensor, no wait; its `wait` is the gap between two events recorded back to back). Each (model, repeat) runs in a
 fresh process. Per process, one JSON line: every part's samples and medians, and the calls split into two levels by
-total (exact 1-D 2-means on the 2nd-98th percentiles), with each part's median per level, so the part whose median
-moves with the level is the one that carries it.
+total (exact 1-D 2-means on the 2nd-98th percentiles, so each process is split at its own threshold, even one that
+ran wholly in one level), with each part's median per level, so the part whose median moves with the level is the
+one that carries it. `--split-ms` splits every process at one threshold instead (in the table; `--summary-only`
+re-renders OUT/results.jsonl).
 
-    python3 bench/timing/host_sync_parts.py --out-dir OUT [--repeats 3] [--calls 600]
+    python3 bench/timing/host_sync_parts.py --out-dir OUT [--repeats 3] [--calls 600] [--split-ms 1.55]
+    python3 bench/timing/host_sync_parts.py --out-dir OUT --summary-only [--split-ms 1.55]
 
 Without CUDA it says so and exits 0.
 """
@@ -28,21 +31,32 @@ from pathlib import Path
 PARTS = ["gemm", "wait", "epilogue", "total"]
 
 
-def two_levels(values):
-    """Exact 1-D 2-means on the values clipped to their 2nd-98th percentiles: (threshold, low indices, high)."""
+def two_means_split(values):
+    """The threshold of an exact 1-D 2-means on the values clipped to their 2nd-98th percentiles (prefix sums)."""
     ordered = sorted(values)
     lo, hi = ordered[len(ordered) * 2 // 100], ordered[len(ordered) * 98 // 100]
-    clipped = [min(max(v, lo), hi) for v in values]
-    points = sorted(clipped)
-    best, split = None, points[0]
-    for i in range(1, len(points)):
-        a, b = points[:i], points[i:]
-        cost = sum((v - statistics.fmean(a)) ** 2 for v in a) + sum((v - statistics.fmean(b)) ** 2 for v in b)
+    points = sorted(min(max(v, lo), hi) for v in values)
+    total, total_sq, n = sum(points), sum(v * v for v in points), len(points)
+    best, split, run, run_sq = None, points[0], 0.0, 0.0
+    for i in range(1, n):
+        run, run_sq = run + points[i - 1], run_sq + points[i - 1] ** 2
+        rest, rest_sq = total - run, total_sq - run_sq
+        cost = (run_sq - run * run / i) + (rest_sq - rest * rest / (n - i))
         if best is None or cost < best:
             best, split = cost, (points[i - 1] + points[i]) / 2
-    low = [i for i, v in enumerate(clipped) if v <= split]
-    high = [i for i, v in enumerate(clipped) if v > split]
-    return split, low, high
+    return split
+
+
+def levels(samples, split):
+    """Each part's median over the calls whose total is at most `split` (low) and above it (high)."""
+    totals = samples["total"]
+    out = {}
+    for name, idx in (("low", [i for i, v in enumerate(totals) if v <= split]),
+                      ("high", [i for i, v in enumerate(totals) if v > split])):
+        out[name] = {"count": len(idx)}
+        for p in PARTS:
+            out[name][p] = statistics.median([samples[p][i] for i in idx]) if idx else None
+    return out
 
 
 def child(model, calls, warmup):
@@ -78,35 +92,36 @@ def child(model, calls, warmup):
         samples["wait"].append(e[1].elapsed_time(e[2]))
         samples["epilogue"].append(e[2].elapsed_time(e[3]))
         samples["total"].append(e[0].elapsed_time(e[3]))
-    split, low, high = two_levels(samples["total"])
-    levels = {}
-    for name, idx in (("low", low), ("high", high)):
-        levels[name] = {"count": len(idx)}
-        for p in PARTS:
-            levels[name][p] = statistics.median([samples[p][i] for i in idx]) if idx else None
+    split = two_means_split(samples["total"])
     return {
         "model": model,
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "median": {p: statistics.median(samples[p]) for p in PARTS},
         "split_ms": split,
-        "levels": levels,
+        "levels": levels(samples, split),
         "switches": sum(1 for a, b in zip(samples["total"], samples["total"][1:]) if (a <= split) != (b <= split)),
         "samples": samples,
     }
 
 
-def table(lines):
+def table(lines, split=None):
+    """Per process, each part's median in the two levels: split at the process's own 2-means threshold, or at
+    `split` (ms) for every process, so that the levels mean the same across processes."""
     rows = ["| model | repeat | total median | low: n, gemm / wait / epilogue / total | high: n, gemm / wait / epilogue "
             "/ total | switches |", "|---|---|---|---|---|---|"]
     for r in lines:
         cells = []
+        split_ms = split if split is not None else r["split_ms"]
+        lines_levels = levels(r["samples"], split_ms)
         for name in ("low", "high"):
-            lv = r["levels"][name]
+            lv = lines_levels[name]
             parts = " / ".join("-" if lv[p] is None else f"{lv[p]:.4f}" for p in PARTS)
             cells.append(f"{lv['count']}, {parts}")
+        totals = r["samples"]["total"]
+        switches = sum(1 for a, b in zip(totals, totals[1:]) if (a <= split_ms) != (b <= split_ms))
         rows.append(f"| {r['model']} | {r['repeat']} | {r['median']['total']:.4f} | {cells[0]} | {cells[1]} | "
-                    f"{r['switches']} |")
+                    f"{switches} |")
     return "\n".join(rows)
 
 
@@ -116,8 +131,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=600)
     ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--split-ms", type=float, help="split every process's calls at this total (ms) in the table")
+    ap.add_argument("--summary-only", action="store_true", help="only print the table of OUT/results.jsonl")
     ap.add_argument("--one", help="MODEL: run one process's measurement and print its JSON line")
     args = ap.parse_args()
+    if args.summary_only:
+        lines = [json.loads(line) for line in open(args.out_dir / "results.jsonl")]
+        print(table(lines, args.split_ms))
+        return
     if args.one:
         print(json.dumps(child(args.one, args.calls, args.warmup)))
         return
@@ -141,7 +162,7 @@ def main():
                 out.write(json.dumps(line) + "\n")
                 out.flush()
                 lines.append(line)
-    text = table(lines)
+    text = table(lines, args.split_ms)
     (args.out_dir / "table.md").write_text(text + "\n")
     print(text)
 

@@ -8,11 +8,12 @@ microseconds, and calls that make the host wait mid-call), it is timed.
 
 Each (model, config) in a fresh process, kforge's timed step (`Timer.time_ms` with `cover_ms`, blocking-sync
 context switched to spin for the loop, as the harness does; no gate, no perturbation) over `--calls` calls after 25
-warm-up calls. Models: `relu` (torch.relu on examples/tasks/relu's 64x4096 input), `triton_relu` (a Triton kernel
-on the same input), `hostsync` (level2/68's shape with `float()` of a CUDA scalar between GEMM and epilogue).
-`graph_relu` (torch.relu captured in a CUDA graph before any profiler session, replayed). Configs: `plain` (no
-profiler), `census` (a profiler session as the census opens it, 2 x 10 recorded calls, then closed, before the
-loop), `teardown` (the same with TEARDOWN_CUPTI=1 set just before the session, as the harness's census does).
+warm-up calls (the harness warms up 10 by default). Models: `relu` (torch.relu on examples/tasks/relu's 64x4096
+input), `triton_relu` (a Triton kernel on the same input), `hostsync` (level2/68's shape with `float()` of a CUDA
+scalar between GEMM and epilogue), `graph_relu` (torch.relu captured in a CUDA graph before any profiler session,
+replayed), `graph_lazy` (the same captured at its first call, inside the session). Configs: `plain` (no profiler),
+`census` (a profiler session as the census opens it, 2 x 10 recorded calls, then closed, before the loop),
+`teardown` (the same with TEARDOWN_CUPTI=1 set just before the session, as the harness's census does).
 
 Per process one JSON line: median and p90 of the event times and of the host's time inside the call (`launch`),
 the cover's last size, and how long closing the profiler took.
@@ -28,13 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
 import kforge_harness as harness  # noqa: E402
 
-MODELS = ["relu", "triton_relu", "hostsync", "graph_relu"]
+MODELS = ["relu", "triton_relu", "hostsync", "graph_relu", "graph_lazy"]
 CONFIGS = ["plain", "census", "teardown"]
 
 
 def model_fn(name, torch):
     device = torch.device("cuda")
-    if name in ("relu", "triton_relu", "graph_relu"):
+    if name in ("relu", "triton_relu", "graph_relu", "graph_lazy"):
         x = torch.randn(64, 4096, device=device)
         if name == "relu":
             return lambda: torch.relu(x)
@@ -54,6 +55,25 @@ def model_fn(name, torch):
                 return y
 
             return replay
+        if name == "graph_lazy":
+            # Captured at its first call, which runs inside the profiler session (as the census's untimed first
+            # call of a mode does), replayed after the session ended.
+            made = {}
+
+            def lazy():
+                if not made:
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        torch.relu(x)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    made["graph"] = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(made["graph"]):
+                        made["y"] = torch.relu(x)
+                made["graph"].replay()
+                return made["y"]
+
+            return lazy
         import triton
         import triton.language as tl
 
@@ -83,6 +103,7 @@ def model_fn(name, torch):
 
 
 def child(model, config, calls):
+    os.environ.pop("TEARDOWN_CUPTI", None)  # set (below) only by the teardown configuration
     harness.BLOCKING_SYNC = harness.blocking_sync()
     import torch
 
@@ -90,8 +111,9 @@ def child(model, config, calls):
     fn = model_fn(model, torch)
     close_ms = None
     with torch.no_grad():
-        for _ in range(5):
-            fn()
+        if model != "graph_lazy":
+            for _ in range(5):
+                fn()
         torch.cuda.synchronize()
         if config != "plain":
             from torch.autograd import profiler
@@ -139,6 +161,8 @@ def main():
     ap.add_argument("--out-dir", type=Path)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--calls", type=int, default=600)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of the configurations")
     ap.add_argument("--one", help="MODEL:CONFIG: one process's measurement, printed as a JSON line")
     args = ap.parse_args()
     if args.one:
@@ -155,8 +179,8 @@ def main():
             "|---|---|---|---|---|---|---|"]
     with open(args.out_dir / "results.jsonl", "a") as out:
         for repeat in range(args.repeats):
-            for model in MODELS:
-                for config in CONFIGS:
+            for model in args.models.split(","):
+                for config in args.configs.split(","):
                     run = subprocess.run([sys.executable, __file__, "--one", f"{model}:{config}", "--calls",
                                           str(args.calls)], capture_output=True, text=True, timeout=300)
                     if run.returncode != 0:

@@ -7,7 +7,7 @@
 cd "$(dirname "$0")/../../.."
 T0=$(date +%s)
 mkdir -p $OUT/fid target/release && cp .kb/bin/* target/release/
-{ nvidia-smi --query-gpu=name,driver_version --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; echo "binaries: $(cat .kb/bin/COMMIT)"; } > $OUT/fid/machine.txt 2>&1
+{ nvidia-smi --query-gpu=name,driver_version --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; echo "binaries: $(cat .kb/bin/COMMIT)"; } > $OUT/fid/device.txt 2>&1
 export PATH=$PWD/target/release:$PATH
 if [ ! -d /tmp/kbh ]; then
   python3 bench/kernelbench/make_candidates.py /tmp/kbc > /dev/null
@@ -42,8 +42,6 @@ elif [ "$PART" = 5 ]; then
     mkdir -p $OUT/hangkb$n && cp /tmp/hangkb$n/summary.md /tmp/hangkb$n/results.jsonl /tmp/hangkb$n/machine.txt $OUT/hangkb$n/
   done
 elif [ "$PART" = 3 ]; then
-  # On a fresh machine (the last one given back), the do_bench lines of PART=2 come from the committed results.
-  [ -f /tmp/fid/results.jsonl ] || { echo "fresh machine: PART=2's results"; mkdir -p /tmp/fid; cp bench/results/timing-fidelity-2026-11-27d/results.jsonl /tmp/fid/; }
   echo "== idle1"; $F --phases idle --only-repeat 1 --deadline-s $(left 220) 2>&1 | tail -6
   echo "== full"; $F --phases full --deadline-s $(left 480) 2>&1 | tail -6
 fi

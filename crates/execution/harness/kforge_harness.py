@@ -1628,10 +1628,13 @@ class Census:
 
         self.model, self.inputs, self.device, self.calls = model, inputs, device, calls
         self.extension_calls = []  # per mode, the calls into the candidate's extensions (ExtensionCalls)
-        # Kineto leaves CUPTI attached after a session unless told to finalise it, and an attached CUPTI adds host
-        # time to every launch after: the timed loop that follows would launch slower than the baselines' stages,
-        # which run no census (bench/results/timing-fidelity-2026-11-27c, launch_after_census).
-        os.environ["TEARDOWN_CUPTI"] = "1"
+        # Kineto leaves CUPTI attached after a session unless told to finalise it (it then does, from a thread of
+        # its own, at the next CUDA call: the timed loop's warm-up), and an attached CUPTI adds host time to every
+        # launch after: the timed loop would launch slower than the baselines' stages, which run no census
+        # (bench/results/timing-fidelity-2026-11-27d). An explicit "0" (torch.compile's CUDA graphs on CUDA before
+        # 12.6, where the teardown crashed them) is kept.
+        if os.environ.get("TEARDOWN_CUPTI") != "0":
+            os.environ["TEARDOWN_CUPTI"] = "1"
         # torch's autograd profiler, which `torch.profiler.profile` wraps: the wrapper's first start imports
         # torch._inductor (7-8 s on the H100 machine, bench/results/profiler-p50-*), which the census never uses.
         self.profiler = profiler.profile(use_device="cuda" if device.type == "cuda" else None, use_kineto=True)
