@@ -37,8 +37,8 @@ every line present at the end of each command, or alone with `--summary-only`):
   cached in OUT/work; not measured. It waits for the evaluator's children to end, so no later phase pays for them.
 - idle: R repeats (`--repeats`, default 2; `--only-repeat K` runs one), each in a fresh evaluator, evaluations
   one at a time with nothing else running. Recorded per evaluation: the candidate's and eager medians and 10th
-  percentiles (from the samples), speedup_eager, the samples (and their count), the verdict, and stage_ms (summary.md shows the entries whose key
-  contains `timing` or `cpu_wait` or starts with `run.`).
+  percentiles (from the samples), speedup_eager, the samples (and their count), the verdict, and stage_ms
+  (summary.md shows the entries whose key contains `timing` or `cpu_wait` or starts with `run.`).
 - full: the pipeline full, one evaluator with its default gpu slots (`--gpu-slots` to change): every candidate
   submitted at once together with a cold-compile copy of each (its source plus a line `# load copy <i>`, <i>
   unique to the run, so the compile cache misses); the same fields are recorded for the measured (non-copy) ones.
@@ -688,7 +688,7 @@ def summary(out, args):
                              max(outside, key=lambda o: abs(o[0]), default=None), limit, True, judged))
             for index, (name, _, _, _, judged) in enumerate(measures):
                 found = r2r.get(key)
-                if name != "eager median" and name != "eager p10":  # the reference does not wait: shown above
+                if not name.startswith("eager"):  # the reference does not wait: shown above
                     rows.append((f"run-to-run {name} % ({key})",
                                  None if found is None or found[index] is None else (found[index], key),
                                  targets["r2r"], False, judged))

@@ -80,7 +80,7 @@ SPECS = {
         "init_seed": _INT, "seeds": _LIST, "recheck_from": _INT, "sensitivity": (_DICT, _NONE),
         "replay": (_INT, _NONE), "output_bytes_budget": _INT, "timing": (_DICT, _NONE), "timing_seeds": _LIST,
         "census_calls": _INT, "profiled_calls": _INT, "task_path": _PATH, "candidate_path": _PATH,
-        "candidate_dir": _PATH, "device": _STR, "timing_cpu": (_INT, _NONE), "timed_outputs": (_INT, _NONE),
+        "candidate_dir": _PATH, "device": _STR, "timing_cpu": (_INT, _NONE), "keep_timed": (_DICT, _NONE),
     },
     "reference": _COMPARE,
     "check": _COMPARE,
@@ -993,7 +993,8 @@ def perturb(inputs, set_seed, call):
 TIMING_SETS_BYTES = 2 << 30
 
 
-def input_bytes(values):
+def tensor_bytes(values):
+    """The bytes of the tensors among `values`."""
     import torch
 
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
@@ -1001,7 +1002,7 @@ def input_bytes(values):
 
 def timing_set_count(first, seeds):
     """How many timing input sets rotate, given the first: one per seed, as many as fit in TIMING_SETS_BYTES."""
-    return max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, input_bytes(first))))
+    return max(1, min(len(seeds), TIMING_SETS_BYTES // max(1, tensor_bytes(first))))
 
 
 def timing_inputs(task, spec, device):
@@ -1028,15 +1029,11 @@ def timed_call_inputs(task, spec, device, call):
     return inputs
 
 
-# The most timed calls whose outputs are kept for the checker besides the last one, while they fit in
-# SAMPLED_TIMED_BYTES (a copy of each is held on the device during the loop); the evaluator's
-# `disk::sampled_timed_calls` reserves their room alike.
-SAMPLED_TIMED_CALLS = 4
-SAMPLED_TIMED_BYTES = 1 << 30
-
-
-def sampled_timed_calls(output_bytes):
-    return min(SAMPLED_TIMED_CALLS, SAMPLED_TIMED_BYTES // max(1, output_bytes))
+def sampled_timed_calls(output_bytes, keep):
+    """How many timed calls' outputs of `output_bytes` each are kept besides the last: at most the spec's
+    `keep_timed["sampled_calls"]`, while together they fit in its `sampled_bytes` (a copy of each is held on the
+    device during the loop; the evaluator's `disk::sampled_timed_calls` reserves their room alike)."""
+    return min(keep["sampled_calls"], keep["sampled_bytes"] // max(1, output_bytes))
 
 
 class NotATensor:
@@ -1057,14 +1054,15 @@ class TimedSample:
     wrong on a share of its timed calls is caught with the chance that a kept call, or the last, is one of them.
     One slot more than `sampled_timed_calls` allows is drawn, so that `calls(last)` still has that many once the
     last call (whose output is kept anyway) is left out. Copies are taken after the call's timed step and
-    synchronised before the next one starts. The sample's size follows from `expected_bytes`, trial 0's outputs
-    (checked against the reference), else the first measured call's; a kept call whose outputs take other bytes
+    synchronised before the next one starts. The sample's size follows from the spec's `keep` and from
+    `expected_bytes`, trial 0's outputs (checked against the reference), else the first measured call's; a kept call whose outputs take other bytes
     is kept as what is not a tensor, which the checker refuses (outputs that grow on some calls cannot slip past the
     sample). `draw(n)` gives a uniform integer below n (a test's own, else the operating system's, bound before the
     candidate was imported)."""
 
-    def __init__(self, device, expected_bytes=None, draw=None):
+    def __init__(self, device, keep, expected_bytes=None, draw=None):
         self.device = device
+        self.keep = keep
         self.expected_bytes = expected_bytes
         self.draw = draw or random_below
         self.capacity = None
@@ -1073,10 +1071,12 @@ class TimedSample:
 
     def offer(self, call, output):
         values = flatten_outputs(output)
+        # Through the original methods, and of plain tensors only: the candidate's code has run and could have
+        # replaced `numel` or returned a subclass answering for itself.
         size = sum(originals().numel(v) * originals().element_size(v) for v in values if type(v) is _tensor_type())
         if self.capacity is None:
             self.expected_bytes = size if self.expected_bytes is None else self.expected_bytes
-            self.capacity = sampled_timed_calls(self.expected_bytes) + 1
+            self.capacity = sampled_timed_calls(self.expected_bytes, self.keep) + 1
         self.seen += 1
         if self.capacity == 1:
             return  # outputs too large to keep copies of
@@ -1143,12 +1143,12 @@ def outputs_digest(tensors, entries, key):
 
 def keep_timed_outputs(spec, output, last_call, sample):
     """Writes the last timed call's outputs and the sampled calls' for the checker; the calls with each file's
-    digest (keyed with `spec["timed_outputs"]`), the last first."""
+    digest (keyed with `spec["keep_timed"]["digest_key"]`), the last first."""
     kept = []
     for call, values in [(last_call, output)] + sample.calls(last_call):
         entries = write_outputs(values, timed_output_path(spec, call))
         tensors = [as_written(v) for v in flatten_outputs(values) if _is_tensor(v)]
-        kept.append({"call": call, "digest": outputs_digest(tensors, entries, spec["timed_outputs"])})
+        kept.append({"call": call, "digest": outputs_digest(tensors, entries, spec["keep_timed"]["digest_key"])})
     return kept
 
 
@@ -1909,9 +1909,7 @@ def as_bytes(tensor):
 
 def output_bytes(output):
     """The bytes of a model output's tensors."""
-    import torch
-
-    return sum(v.numel() * v.element_size() for v in flatten_outputs(output) if isinstance(v, torch.Tensor))
+    return tensor_bytes(flatten_outputs(output))
 
 
 def kept_trials(spec, size):
@@ -2004,7 +2002,8 @@ def mode_candidate(spec):
                     census.record()
             if timing:
                 with phase("timing"):
-                    sample = TimedSample(device, first_bytes) if spec["timed_outputs"] is not None else None
+                    keep = spec["keep_timed"]
+                    sample = TimedSample(device, keep, first_bytes) if keep is not None else None
                     samples, host, last_call, output, cpu = measure(lambda inputs: model(*inputs), input_sets,
                                                                     spec["timing_seeds"], device, timing, sample)
         if timing:

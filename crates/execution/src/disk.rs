@@ -73,7 +73,8 @@ impl FilesBytes {
     }
 }
 
-/// The most timed calls whose outputs the candidate's harness saves besides the last one's (a random sample)...
+/// The most timed calls whose outputs the candidate's harness saves besides the last one's (a random sample; it is
+/// told so in `protocol::KeepTimed`)...
 pub const SAMPLED_TIMED_CALLS: u64 = 4;
 /// ...while together they take at most this many bytes (the harness holds a copy of each on the device while it
 /// times).

@@ -170,9 +170,31 @@ pub struct CandidateRun {
     /// Forward calls inside the profiler's range (`cudaProfilerStart`/`Stop`), after an untimed warm-up call (0:
     /// none). A profiler run only: never with timing or the census, whose measurements it would distort.
     pub profiled_calls: u32,
-    /// With a key, timing keeps timed calls' outputs for the checker (the last and a random sample), each file's
-    /// digest keyed with it; none in a re-measurement, whose outputs nobody checks.
-    pub timed_outputs: Option<u64>,
+    /// Timing keeps timed calls' outputs for the checker (the last and a random sample); none in a
+    /// re-measurement, whose outputs nobody checks.
+    pub keep_timed: Option<KeepTimed>,
+}
+
+/// Which timed calls' outputs the candidate's harness keeps for the checker besides the last one's: a random sample
+/// of at most `sampled_calls`, while together they take at most `sampled_bytes` (it holds a copy of each on the
+/// device while it times); each file's digest is keyed with `digest_key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeepTimed {
+    pub digest_key: u64,
+    pub sampled_calls: u64,
+    pub sampled_bytes: u64,
+}
+
+impl KeepTimed {
+    /// The sample the evaluator reserves disk and device memory for (`disk::SAMPLED_TIMED_CALLS`,
+    /// `disk::SAMPLED_TIMED_BYTES`), its digests keyed with `digest_key`.
+    pub fn sampled(digest_key: u64) -> Self {
+        Self {
+            digest_key,
+            sampled_calls: crate::disk::SAMPLED_TIMED_CALLS,
+            sampled_bytes: crate::disk::SAMPLED_TIMED_BYTES,
+        }
+    }
 }
 
 /// A timed call whose outputs the candidate's harness kept for the checker, with the keyed digest of the file it
@@ -268,7 +290,7 @@ pub struct CompareSpec {
     /// The candidate's timed calls whose outputs it saved, when it was timed (the last and a random sample): their
     /// outputs are checked too, on rebuilt inputs.
     pub timed_outputs: Vec<TimedOutput>,
-    /// The key of the timed outputs' digests (`CandidateRun::timed_outputs`).
+    /// The key of the timed outputs' digests (`KeepTimed::digest_key`).
     pub digest_key: u64,
 }
 
@@ -582,7 +604,7 @@ pub fn spec_fields() -> BTreeMap<&'static str, Vec<String>> {
         timing_seeds: vec![],
         census_calls: 0,
         profiled_calls: 0,
-        timed_outputs: None,
+        keep_timed: None,
     };
     let compare = CompareSpec {
         computes_reference: true,

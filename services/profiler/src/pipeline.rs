@@ -208,7 +208,7 @@ async fn stages(
         timing_seeds: timing_seeds.clone(),
         census_calls,
         profiled_calls,
-        timed_outputs: None,
+        keep_timed: None,
     };
 
     let census_calls = config.census_calls.max(1);

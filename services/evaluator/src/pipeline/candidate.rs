@@ -40,7 +40,7 @@ impl Evaluator {
             timing_seeds: self.inner.engine.seeds(task_key, "remeasure", timing.input_sets.max(1) as usize),
             census_calls: 0,
             profiled_calls: 0,
-            timed_outputs: None,
+            keep_timed: None,
         };
         let dir = scratch.join("remeasure");
         let engine = &self.inner.engine;

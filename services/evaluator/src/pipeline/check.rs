@@ -31,7 +31,7 @@ pub(super) struct Trials<'a> {
     pub(super) sensitivity: Option<Sensitivity>,
     /// The re-check that repeats trial 0's inputs (`replay_trial`): compared with trial 0's reference.
     pub(super) replay: Option<usize>,
-    /// The key of the timed outputs' digests (`CandidateRun::timed_outputs`).
+    /// The key of the timed outputs' digests (`KeepTimed::digest_key`).
     pub(super) digest_key: u64,
 }
 

@@ -24,7 +24,7 @@ use kforge_execution::engine::{
     out_of_memory, phases_into,
 };
 use kforge_execution::handoff;
-use kforge_execution::protocol::{CandidateRun, Sensitivity, TimingSpec};
+use kforge_execution::protocol::{CandidateRun, KeepTimed, Sensitivity, TimingSpec};
 use kforge_execution::static_checks::{self, Category};
 use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
@@ -257,7 +257,7 @@ impl Evaluator {
             timing_seeds: timing_seeds.clone(),
             census_calls: if evaluation.census { inner.config.census_calls } else { 0 },
             profiled_calls: 0,
-            timed_outputs: Some(digest_key),
+            keep_timed: Some(KeepTimed::sampled(digest_key)),
         };
         let limits = self.call_limits(submission, gpu);
         let mut candidate =
