@@ -285,13 +285,16 @@ pub struct CallLimitsConfig {
     pub floor_secs: f64,
     /// A waiting call's limit while the task has no measured reference yet, in seconds.
     pub unmeasured_secs: f64,
-    /// A call busy on the CPU (JIT compiles, autotuning, host code) may run this long, in seconds.
-    pub busy_secs: f64,
+    /// A call that used at least this share of a CPU since it was last checked is working (JIT compiles,
+    /// autotuning, host code), not hung: a process waiting on a kernel that never ends uses none.
+    pub working_share: f64,
+    /// A working call may run this long, in seconds.
+    pub working_secs: f64,
 }
 
 impl Default for CallLimitsConfig {
     fn default() -> Self {
-        Self { reference_factor: 100.0, floor_secs: 5.0, unmeasured_secs: 30.0, busy_secs: 60.0 }
+        Self { reference_factor: 100.0, floor_secs: 3.0, unmeasured_secs: 30.0, working_share: 0.02, working_secs: 60.0 }
     }
 }
 

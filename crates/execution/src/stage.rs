@@ -48,10 +48,12 @@ pub struct CallLimits {
     /// A call that waits (on its device, or asleep): a kernel that never ends uses no CPU time while the harness
     /// waits for it (the harness waits for its GPU asleep).
     pub call: Duration,
-    /// A call busy on the CPU for at least half of the time (JIT compiles, autotuning, host code; running or
-    /// runnable, so a call starved by a loaded machine counts: `Control::cpu_demand`): it may run
-    /// this long, checked every second.
-    pub busy: Duration,
+    /// A call working on the CPU, at least `working_share` of a CPU since its last check (JIT compiles,
+    /// autotuning, host code; running or runnable, so a call starved by a loaded machine counts:
+    /// `Control::cpu_demand`), runs on, checked every second, up to this long.
+    pub working: Duration,
+    /// The share of a CPU that tells a working call from a waiting one.
+    pub working_share: f64,
     /// How `call` was chosen, for the error a hung stage gets.
     pub basis: String,
 }
@@ -73,9 +75,15 @@ impl CallLimits {
         };
         Self {
             call: Duration::from_secs_f64(call.max(0.001)),
-            busy: Duration::from_secs_f64(config.busy_secs.max(call)),
+            working: Duration::from_secs_f64(config.working_secs.max(call).max(0.001)),
+            working_share: config.working_share,
             basis,
         }
+    }
+
+    /// The same limit for every call, working or not: stages whose calls are timed by their own wall clock.
+    pub fn fixed(limit: Duration, basis: impl Into<String>) -> Self {
+        Self { call: limit, working: limit, working_share: 1.0, basis: basis.into() }
     }
 }
 
@@ -448,22 +456,23 @@ impl Call {
         Self { since: now, checked: (now, cpu), check_at: now + limits.call, spinning }
     }
 
-    /// At `check_at`: `Ok` (checked again later) while the call is busy on the CPU and within the busy limit,
-    /// else why it is hung.
+    /// At `check_at`: `Ok` (checked again later) while the call works on the CPU and is within the working
+    /// limit, else why it is hung.
     fn check(&mut self, limits: &CallLimits, cpu: Option<Duration>) -> Result<(), String> {
         let now = tokio::time::Instant::now();
         let ran = now - self.since;
-        let busy = match (self.checked.1, cpu) {
-            _ if self.spinning => false,
+        let share = match (self.checked.1, cpu) {
+            _ if self.spinning => None,
             (Some(before), Some(after)) => {
                 let wall = (now - self.checked.0).as_secs_f64();
-                wall > 0.0 && after.saturating_sub(before).as_secs_f64() / wall >= 0.5
+                (wall > 0.0).then(|| after.saturating_sub(before).as_secs_f64() / wall)
             }
-            _ => false,
+            _ => None,
         };
-        if busy && ran < limits.busy {
+        let working = share.is_some_and(|share| share >= limits.working_share);
+        if working && ran < limits.working {
             self.checked = (now, cpu);
-            self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.busy);
+            self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.working);
             return Ok(());
         }
         Err(if self.spinning {
@@ -472,16 +481,19 @@ impl Call {
                 ran.as_secs_f64(),
                 limits.basis
             )
-        } else if busy {
+        } else if working {
             format!(
-                "a call into the candidate's code was still running, busy on the CPU, after {:.1} s (the limit for \
-                 calls busy on the CPU)",
+                "a call into the candidate's code was still running, using the CPU, after {:.1} s (the limit for \
+                 calls that work on the CPU)",
                 ran.as_secs_f64()
             )
         } else {
+            let used = share.map_or(String::new(), |share| {
+                format!(", {:.1}% of a CPU where {:.1}% counts as work", 100.0 * share, 100.0 * limits.working_share)
+            });
             format!(
                 "a call into the candidate's code did not return within {:.1} s and was waiting, not computing on \
-                 the CPU: a kernel that never ends ({})",
+                 the CPU{used}: a kernel that never ends ({})",
                 ran.as_secs_f64(),
                 limits.basis
             )
@@ -592,7 +604,7 @@ mod tests {
     }
 
     /// Runs `script` (sh) as a stage on `gate`, joining it as `joining`, with call limits of 1 s waiting and 2 s
-    /// busy.
+    /// working (at least 2% of a CPU).
     fn shell_stage(
         script: &str,
         gate: &Arc<Gate>,
@@ -614,7 +626,12 @@ mod tests {
             launcher: vec![],
         };
         let started = start(&Sandbox::basic(), &env, &path, stage, CancellationToken::new());
-        let limits = CallLimits { call: Duration::from_secs(1), busy: Duration::from_secs(2), basis: "test".into() };
+        let limits = CallLimits {
+            call: Duration::from_secs(1),
+            working: Duration::from_secs(2),
+            working_share: 0.02,
+            basis: "test".into(),
+        };
         let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
         let request = Request { spec, env: vec![], limits: Some(limits) };
         let gate = gate.clone();
@@ -641,10 +658,16 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_that_never_returns_is_stopped_and_its_neighbour_then_runs_alone() {
-        // Asleep in its call (as a process waiting on a kernel that never ends), and spinning on the CPU.
+        // Asleep in its call (as a process waiting on a kernel that never ends); spinning on the CPU; and mostly
+        // asleep but waking to work, as an autotuner timing its configurations does (well under half a CPU, well
+        // over the 2% that counts as work): the last two run on to the working limit.
         let cases = [
             ("printf 'call\\n' >&3; exec sleep 3600", "did not return within"),
-            ("printf 'call\\n' >&3; while :; do :; done", "busy on the CPU"),
+            ("printf 'call\\n' >&3; while :; do :; done", "using the CPU, after"),
+            (
+                "printf 'call\\n' >&3; while :; do i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done; sleep 0.1; done",
+                "using the CPU, after",
+            ),
             // A timed call spins while it waits for its GPU: its CPU use earns it no longer limit.
             ("printf 'timed\\n' >&3; while :; do :; done", "timed call of the candidate did not return within 1.0"),
         ];
@@ -765,16 +788,16 @@ mod tests {
     }
 
     #[test]
-    fn call_limits_scale_with_the_reference_within_the_floor_and_busy_limit() {
+    fn call_limits_scale_with_the_reference_within_the_floor_and_working_limit() {
         let config = CallLimitsConfig::default();
         let unmeasured = CallLimits::for_reference(&config, None);
         assert_eq!(unmeasured.call, Duration::from_secs_f64(config.unmeasured_secs));
         let quick = CallLimits::for_reference(&config, Some(0.001));
         assert_eq!(quick.call, Duration::from_secs_f64(config.floor_secs), "at least the floor");
-        let slow_ms = 1e3 * 10.0 * config.busy_secs.max(config.floor_secs) / config.reference_factor;
+        let slow_ms = 1e3 * 10.0 * config.working_secs.max(config.floor_secs) / config.reference_factor;
         let slow = CallLimits::for_reference(&config, Some(slow_ms));
-        assert!(slow.call > Duration::from_secs_f64(config.busy_secs), "{slow:?}");
-        assert_eq!(slow.busy, slow.call, "the busy limit is never below the call limit");
+        assert!(slow.call > Duration::from_secs_f64(config.working_secs), "{slow:?}");
+        assert_eq!(slow.working, slow.call, "the working limit is never below the call limit");
         assert!(slow.basis.contains("x the reference's"), "{}", slow.basis);
     }
 }

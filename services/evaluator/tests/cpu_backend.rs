@@ -79,9 +79,9 @@ async fn a_compiled_kernel_is_correct_timed_and_cached() {
 #[tokio::test]
 async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
     let Some(base) = config() else { return };
-    let limits = CallLimitsConfig { floor_secs: 1.0, unmeasured_secs: 1.0, busy_secs: 2.0, reference_factor: 100.0 };
+    let limits = CallLimitsConfig { floor_secs: 1.0, unmeasured_secs: 1.0, working_secs: 2.0, ..Default::default() };
     let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 600, call_limits: limits, ..base }).await;
-    for (name, says) in [("sleeps_in_forward.py", "did not return within"), ("spins_in_forward.py", "busy on the CPU")]
+    for (name, says) in [("sleeps_in_forward.py", "did not return within"), ("spins_in_forward.py", "using the CPU")]
     {
         let response = evaluator.evaluate(request(&fixture(name))).await.expect("evaluates");
         assert_eq!(verdict(&response), pb::Verdict::Timeout, "{name}: {response:#?}");
@@ -95,7 +95,7 @@ async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
 async fn a_stage_limit_is_charged_to_whoever_used_the_time() {
     let Some(base) = config() else { return };
     let limits =
-        CallLimitsConfig { floor_secs: 600.0, unmeasured_secs: 600.0, busy_secs: 600.0, reference_factor: 100.0 };
+        CallLimitsConfig { floor_secs: 600.0, unmeasured_secs: 600.0, working_secs: 600.0, ..Default::default() };
     // Long enough for the stage's own start (imports, building the model) on a loaded 2-core machine: the
     // sleeping call then has most of it.
     let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 15, call_limits: limits, ..base }).await;

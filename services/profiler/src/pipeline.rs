@@ -277,7 +277,7 @@ async fn stages(
     let profiled_calls = profiled_calls(run.launch_limit, &evaluation.kernels, census_calls);
     let started = Instant::now();
     // A profiled call replays each kernel once per pass: its limit is the stage's.
-    let limits = CallLimits { call: run.wall, busy: run.wall, basis: "the profile's run limit".into() };
+    let limits = CallLimits::fixed(run.wall, "the profile's run limit");
     let spec = candidate_run(0, profiled_calls);
     let outcome = engine.candidate_stage(profiled_process, &lane, &profiled_dir, spec, limits).await;
     evaluation.stage_ms.insert("profiled".into(), ms(started.elapsed()));

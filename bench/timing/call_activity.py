@@ -1,0 +1,189 @@
+"""How much CPU does a call into candidate code use while it waits on its GPU: a kernel that never ends against
+legitimate calls that wait long (autotuning, cuDNN's benchmark)?
+
+The evaluator stops a call into candidate code as hung when it runs past its call limit without using the CPU; a
+call that uses enough CPU runs on, checked every second, up to the limit for busy calls. This measures where the
+line between the two can lie. Each workload runs in a fresh process whose GPU context waits asleep
+(CU_CTX_SCHED_BLOCKING_SYNC, as the harness sets it); the parent samples the process's CPU demand every
+`--interval` seconds the way the evaluator does (utime + stime in clock ticks, the children's it waited for
+included, plus each thread's run-queue wait from /proc/PID/task/TID/schedstat) and, beside it, the threads' exact
+on-CPU time (schedstat's first field).
+
+Workloads:
+- `hang`: a Triton kernel spinning on a flag that is never set, then `torch.cuda.synchronize()`; sampled for
+  `--hang-secs` seconds, then killed.
+- `autotune_cold`, `autotune_warm`: the first call of a Triton kernel autotuned over 16 configurations (block
+  sizes and warps), on an elementwise op of about 1 ms per call (`mid`) and about 8 ms per call (`slow`); cold with
+  an empty Triton cache (compiles included), warm with the cache the cold run left.
+- `cudnn_benchmark`: the first call of a 3x3 convolution with `torch.backends.cudnn.benchmark = True`.
+
+Per workload one JSON line in OUT/activity.jsonl: each window's CPU demand share (ticks + wait) and exact on-CPU
+share, the call's length, and the least (legitimate) or greatest (hang) window share; OUT/summary.md a table.
+
+    python3 bench/timing/call_activity.py --out OUT [--interval 1.0] [--hang-secs 6]
+
+Without CUDA it says so and exits 0.
+"""
+
+import argparse, json, os, subprocess, sys, tempfile, time  # noqa: E401
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
+import kforge_harness as harness  # noqa: E402
+
+WORKLOADS = ["hang", "autotune_cold:mid", "autotune_warm:mid", "autotune_cold:slow", "autotune_warm:slow",
+             "cudnn_benchmark"]
+# Elements per call: about 1 ms and 8 ms of memory traffic on an H100 (read and write, float32).
+SIZES = {"mid": 1 << 28, "slow": 1 << 31}
+
+
+def child(workload):
+    """Runs one workload; prints `call` as the call starts and `done` as it ends."""
+    harness.BLOCKING_SYNC = harness.blocking_sync()
+    import torch
+    import triton
+    import triton.language as tl
+
+    name, _, size = workload.partition(":")
+    device = torch.device("cuda")
+    torch.zeros(1, device=device)
+    if name == "hang":
+        @triton.jit
+        def spin(flag_ptr):
+            while tl.load(flag_ptr, volatile=True) == 0:
+                pass
+
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        print("call", flush=True)
+        spin[(1,)](flag)
+        torch.cuda.synchronize()
+    elif name.startswith("autotune"):
+        configs = [triton.Config({"BLOCK": block}, num_warps=warps)
+                   for block in (256, 512, 1024, 2048) for warps in (1, 2, 4, 8)]
+
+        @triton.autotune(configs=configs, key=["n"])
+        @triton.jit
+        def scale(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n
+            tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * 2.0, mask=mask)
+
+        n = SIZES[size]
+        x = torch.randn(n, device=device)
+        y = torch.empty_like(x)
+        torch.cuda.synchronize()
+        print("call", flush=True)
+        scale[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
+        torch.cuda.synchronize()
+    elif name == "cudnn_benchmark":
+        torch.backends.cudnn.benchmark = True
+        conv = torch.nn.Conv2d(64, 64, 3, padding=1).to(device)
+        x = torch.randn(64, 64, 224, 224, device=device)
+        torch.cuda.synchronize()
+        print("call", flush=True)
+        with torch.no_grad():
+            conv(x)
+        torch.cuda.synchronize()
+    print("done", flush=True)
+
+
+def demand(pid):
+    """(CPU demand as the evaluator reads it, exact on-CPU time) in seconds, or None once the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = sum(int(fields[i]) for i in (11, 12, 13, 14)) / os.sysconf("SC_CLK_TCK")
+        run_ns = wait_ns = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                run, wait, _ = (int(v) for v in (task / "schedstat").read_text().split())
+            except (OSError, ValueError):
+                continue
+            run_ns += run
+            wait_ns += wait
+        return ticks + wait_ns / 1e9, (run_ns + wait_ns) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def measure(workload, interval, hang_secs, env):
+    proc = subprocess.Popen([sys.executable, __file__, "--child", workload], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    if proc.stdout.readline().strip() != "call":
+        proc.wait()
+        return {"workload": workload, "error": f"the child ended before its call (rc {proc.returncode})"}
+    start = time.monotonic()
+    last = (start, demand(proc.pid))
+    windows = []
+    os.set_blocking(proc.stdout.fileno(), False)
+    ended = False
+    while not ended:
+        time.sleep(interval)
+        line = proc.stdout.readline()
+        ended = line.strip() == "done" or proc.poll() is not None
+        now = time.monotonic()
+        sample = demand(proc.pid)
+        if sample is None or last[1] is None:
+            break
+        wall = now - last[0]
+        windows.append({"at_s": round(now - start, 2),
+                        "demand_share": round((sample[0] - last[1][0]) / wall, 4),
+                        "exact_share": round((sample[1] - last[1][1]) / wall, 4)})
+        last = (now, sample)
+        if workload == "hang" and now - start >= hang_secs:
+            proc.kill()
+            break
+    call_s = time.monotonic() - start
+    proc.wait()
+    record = {"workload": workload, "call_s": round(call_s, 2), "windows": windows}
+    # The last window of a finished call holds its end; the legitimate calls' least share is read over full ones.
+    full = windows if workload == "hang" else windows[:-1] or windows
+    key = "demand_share"
+    record["least_share" if workload != "hang" else "greatest_share"] = (
+        (max if workload == "hang" else min)(w[key] for w in full) if full else None)
+    return record
+
+
+def shares(windows, key):
+    return " ".join(f"{w[key]:.3f}" for w in windows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="output directory")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between samples (default 1)")
+    parser.add_argument("--hang-secs", type=float, default=6.0, help="how long the hang is sampled (default 6)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default all)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing measured")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = tempfile.mkdtemp(prefix="call-activity-triton-")
+    env = dict(os.environ, TRITON_CACHE_DIR=cache)
+    records = []
+    with open(out / "activity.jsonl", "w") as lines:
+        for workload in args.workloads.split(","):
+            record = measure(workload, args.interval, args.hang_secs, env)
+            records.append(record)
+            lines.write(json.dumps(record) + "\n")
+            lines.flush()
+            print(json.dumps({k: v for k, v in record.items() if k != "windows"}), flush=True)
+    rows = ["| workload | call (s) | windows | CPU demand share per window (ticks + run-queue wait) | exact on-CPU share |",
+            "|---|---|---|---|---|"]
+    for r in records:
+        w = r.get("windows", [])
+        rows.append(f"| {r['workload']} | {r.get('call_s', r.get('error'))} | {len(w)} | "
+                    f"{shares(w, 'demand_share')} | {shares(w, 'exact_share')} |")
+    (out / "summary.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
