@@ -5,7 +5,7 @@
 # KernelBench candidates beside the hang.
 cd "$(dirname "$0")/../../.."
 T0=$(date +%s)
-mkdir -p $OUT/live target/release && cp .kb/bin/* target/release/
+mkdir -p $OUT/live target/release && cp .kb/bin/* target/release/ && { [ ! -e .kb/bin/kforge.gz ] || gunzip -f target/release/kforge.gz; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv; python3 -c "import torch,triton,sys;print(torch.__version__,torch.version.cuda,triton.__version__,sys.version)"; nproc; uname -r; echo "binaries: $(cat .kb/bin/COMMIT)"; } > $OUT/live/device.txt 2>&1
 export PATH=$PWD/target/release:$PATH
 left() { echo $(( $1 - ($(date +%s) - T0) )); }

@@ -595,6 +595,16 @@ def write_outputs(output, path, stream=None, private=False):
 
     o = originals()
     values = flatten_outputs(output)
+    # What is written: with `private`, the harness's own copies, made first, before any host work: the sooner they
+    # are enqueued on the stream after the call returned, the less time work the stream is not ordered after has to
+    # end and hide a race. A copy off the device is already the harness's own; a CPU tensor is cloned to be.
+    written = values
+    if private:
+        with o.stream(stream) if stream is not None else contextlib.nullcontext():
+            written = [o.to(as_written(value), "cpu") if isinstance(value, torch.Tensor) else value
+                       for value in values]
+        written = [o.clone(copy) if isinstance(copy, torch.Tensor) and o.data_ptr(copy) == o.data_ptr(value)
+                   else copy for value, copy in zip(values, written)]
     items, offset = [], 0
     for value in values:
         if not isinstance(value, torch.Tensor):
@@ -617,16 +627,12 @@ def write_outputs(output, path, stream=None, private=False):
         if offset and not memory_backed(fd):
             o.fallocate(fd, start, offset)  # a full disk is an error here, not a SIGBUS in the copy
             mapping = o.from_file(f"/proc/self/fd/{fd}", shared=True, size=start + offset, dtype=torch.uint8)
-        with o.stream(stream) if stream is not None else contextlib.nullcontext():
-            for value, item in zip(values, items):
+        with o.stream(stream) if stream is not None and not private else contextlib.nullcontext():
+            for value, item in zip(written, items):
                 if "dtype" not in item:
                     saved.append(item)
                     continue
-                tensor = as_written(value)
-                if private:
-                    # A copy off the device is already the harness's own; a CPU tensor is cloned to be.
-                    own = o.to(tensor, "cpu")
-                    tensor = o.clone(own) if o.data_ptr(own) == o.data_ptr(value) else own
+                tensor = value if private else as_written(value)
                 write_tensor(fd, tensor, start + item["offset"], mapping)
                 entry = {"exact_tensor": item["exact_tensor"], "device": item["device"]}
                 if private:
