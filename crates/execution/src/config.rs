@@ -294,7 +294,13 @@ pub struct CallLimitsConfig {
 
 impl Default for CallLimitsConfig {
     fn default() -> Self {
-        Self { reference_factor: 100.0, floor_secs: 3.0, unmeasured_secs: 30.0, working_share: 0.02, working_secs: 60.0 }
+        Self {
+            reference_factor: 100.0,
+            floor_secs: 3.0,
+            unmeasured_secs: 30.0,
+            working_share: 0.02,
+            working_secs: 60.0,
+        }
     }
 }
 
