@@ -595,16 +595,16 @@ def write_outputs(output, path, stream=None, private=False):
 
     o = originals()
     values = flatten_outputs(output)
-    # What is written: with `private`, the harness's own copies, made first, before any host work: the sooner they
-    # are enqueued on the stream after the call returned, the less time work the stream is not ordered after has to
-    # end and hide a race. A copy off the device is already the harness's own; a CPU tensor is cloned to be.
+    # What is written: with `private`, the harness's own copies, taken before any host work. Every output is first
+    # cloned on the stream, all clones enqueued at once (no host synchronisation between them), then each clone is
+    # copied to the host: work the stream is not ordered after has only the tens of microseconds until the clones run
+    # to end and hide a race, whatever the outputs' number and size (at most RACE_CHECK_BYTES of clones on the device).
+    # A copy off the device is already the harness's own; a CPU tensor's clone is.
     written = values
     if private:
         with o.stream(stream) if stream is not None else contextlib.nullcontext():
-            written = [o.to(as_written(value), "cpu") if isinstance(value, torch.Tensor) else value
-                       for value in values]
-        written = [o.clone(copy) if isinstance(copy, torch.Tensor) and o.data_ptr(copy) == o.data_ptr(value)
-                   else copy for value, copy in zip(values, written)]
+            written = [o.clone(as_written(value)) if isinstance(value, torch.Tensor) else value for value in values]
+            written = [o.to(clone, "cpu") if isinstance(clone, torch.Tensor) else clone for clone in written]
     items, offset = [], 0
     for value in values:
         if not isinstance(value, torch.Tensor):

@@ -280,16 +280,44 @@ impl Default for TimingBudget {
 #[serde(deny_unknown_fields, default)]
 pub struct CallLimitsConfig {
     /// A call that waits (a kernel running) may take this many times the reference's eager median...
+    #[serde(deserialize_with = "positive")]
     pub reference_factor: f64,
     /// ...and at least this long, in seconds.
+    #[serde(deserialize_with = "positive")]
     pub floor_secs: f64,
     /// A waiting call's limit while the task has no measured reference yet, in seconds.
+    #[serde(deserialize_with = "positive")]
     pub unmeasured_secs: f64,
-    /// A call that used at least this share of a CPU since it was last checked is working (JIT compiles,
-    /// autotuning, host code), not hung: a process waiting on a kernel that never ends uses none.
+    /// A call that used at least this share of a CPU over its last few seconds is working (JIT compiles,
+    /// autotuning, host code), not hung: a process waiting on a kernel that never ends uses none. In (0, 1].
+    #[serde(deserialize_with = "share")]
     pub working_share: f64,
     /// A working call may run this long, in seconds.
+    #[serde(deserialize_with = "positive")]
     pub working_secs: f64,
+}
+
+/// The most any call limit may be: a day, in seconds (a larger figure is a typo, and would overflow a deadline).
+const LONGEST_LIMIT: f64 = 86_400.0;
+
+/// A positive, finite figure of at most [`LONGEST_LIMIT`].
+fn positive<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    let value = f64::deserialize(deserializer)?;
+    if value > 0.0 && value <= LONGEST_LIMIT {
+        Ok(value)
+    } else {
+        Err(serde::de::Error::custom(format!("{value} is not a positive figure of at most {LONGEST_LIMIT}")))
+    }
+}
+
+/// A share of one CPU, in (0, 1].
+fn share<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    let value = f64::deserialize(deserializer)?;
+    if value > 0.0 && value <= 1.0 {
+        Ok(value)
+    } else {
+        Err(serde::de::Error::custom(format!("{value} is not a share of a CPU in (0, 1]")))
+    }
 }
 
 impl Default for CallLimitsConfig {
@@ -318,6 +346,26 @@ mod tests {
         assert_eq!(config(1, 0).gpu_stage_threads_on(1, 16), None, "a GPU to itself keeps torch's default");
         assert_eq!(config(8, 0).gpu_stage_threads_on(0, 16), None, "no GPU");
         assert_eq!(config(8, 3).gpu_stage_threads_on(1, 16), Some(3), "as configured");
+    }
+
+    #[test]
+    fn call_limits_refuse_figures_that_would_defeat_or_overflow_them() {
+        let limits = |key: &str, value: f64| {
+            serde_json::from_value::<CallLimitsConfig>(serde_json::json!({ key: value })).map_err(|e| e.to_string())
+        };
+        assert_eq!(limits("working_share", 0.05).expect("valid").working_share, 0.05);
+        assert_eq!(limits("floor_secs", 1.5).expect("valid").floor_secs, 1.5);
+        // A share of 0 would count every call as working, a hang included; more than a CPU, none.
+        for share in [0.0, -0.1, 1.5] {
+            let error = limits("working_share", share).expect_err("refused");
+            assert!(error.contains("share of a CPU"), "{error}");
+        }
+        for key in ["reference_factor", "floor_secs", "unmeasured_secs", "working_secs"] {
+            for value in [0.0, -1.0, 1e12] {
+                let error = limits(key, value).expect_err("refused");
+                assert!(error.contains("positive figure"), "{key} = {value}: {error}");
+            }
+        }
     }
 
     #[test]

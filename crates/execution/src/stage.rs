@@ -48,8 +48,8 @@ pub struct CallLimits {
     /// A call that waits (on its device, or asleep): a kernel that never ends uses no CPU time while the harness
     /// waits for it (the harness waits for its GPU asleep).
     pub call: Duration,
-    /// A call working on the CPU, at least `working_share` of a CPU since its last check (JIT compiles,
-    /// autotuning, host code; running or runnable, so a call starved by a loaded machine counts:
+    /// A call working on the CPU, at least `working_share` of a CPU over its last [`WORKING_WINDOW`] (JIT
+    /// compiles, autotuning, host code; running or runnable, so a call starved by a loaded machine counts:
     /// `Control::cpu_demand`), runs on, checked every second, up to this long.
     pub working: Duration,
     /// The share of a CPU that tells a working call from a waiting one.
@@ -83,7 +83,7 @@ impl CallLimits {
 
     /// The same limit for every call, working or not: stages whose calls are timed by their own wall clock.
     pub fn fixed(limit: Duration, basis: impl Into<String>) -> Self {
-        Self { call: limit, working: limit, working_share: 1.0, basis: basis.into() }
+        Self { call: limit, working: limit, working_share: f64::INFINITY, basis: basis.into() }
     }
 }
 
@@ -439,12 +439,18 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     }
 }
 
+/// How far back a call's CPU share is read: long enough that a process asleep on its device, which a clock tick of
+/// background work now and then (10 ms) can show at 1% in one second, stays well under [`CallLimits::working_share`],
+/// and that an autotuner's burst of host work between configurations falls inside it.
+const WORKING_WINDOW: Duration = Duration::from_secs(3);
+
 /// A call into candidate code, as its conversation watches it.
 #[derive(Debug)]
 struct Call {
     since: tokio::time::Instant,
-    /// When its CPU time was last read, and what it was.
-    checked: (tokio::time::Instant, Option<Duration>),
+    /// Its CPU demand as read at the call's start and at each check since, oldest first: the oldest is the start of
+    /// the window its share is read over (at least [`WORKING_WINDOW`] back, once the call is that old).
+    readings: std::collections::VecDeque<(tokio::time::Instant, Duration)>,
     check_at: tokio::time::Instant,
     /// A timed call: it waits for its GPU spinning, so CPU use does not tell it from a hang.
     spinning: bool,
@@ -453,7 +459,28 @@ struct Call {
 impl Call {
     fn new(limits: &CallLimits, cpu: Option<Duration>, spinning: bool) -> Self {
         let now = tokio::time::Instant::now();
-        Self { since: now, checked: (now, cpu), check_at: now + limits.call, spinning }
+        Self {
+            since: now,
+            readings: cpu.map(|cpu| (now, cpu)).into_iter().collect(),
+            check_at: now + limits.call,
+            spinning,
+        }
+    }
+
+    /// The share of a CPU the call used over the window, with this reading (`None` where CPU time is not known,
+    /// or for a timed call).
+    fn share(&mut self, now: tokio::time::Instant, cpu: Option<Duration>) -> Option<f64> {
+        if self.spinning {
+            return None;
+        }
+        let cpu = cpu?;
+        self.readings.push_back((now, cpu));
+        while self.readings.get(1).is_some_and(|&(at, _)| at + WORKING_WINDOW <= now) {
+            self.readings.pop_front();
+        }
+        let &(from, before) = self.readings.front()?;
+        let wall = (now - from).as_secs_f64();
+        (wall > 0.0).then(|| cpu.saturating_sub(before).as_secs_f64() / wall)
     }
 
     /// At `check_at`: `Ok` (checked again later) while the call works on the CPU and is within the working
@@ -461,17 +488,9 @@ impl Call {
     fn check(&mut self, limits: &CallLimits, cpu: Option<Duration>) -> Result<(), String> {
         let now = tokio::time::Instant::now();
         let ran = now - self.since;
-        let share = match (self.checked.1, cpu) {
-            _ if self.spinning => None,
-            (Some(before), Some(after)) => {
-                let wall = (now - self.checked.0).as_secs_f64();
-                (wall > 0.0).then(|| after.saturating_sub(before).as_secs_f64() / wall)
-            }
-            _ => None,
-        };
+        let share = self.share(now, cpu);
         let working = share.is_some_and(|share| share >= limits.working_share);
         if working && ran < limits.working {
-            self.checked = (now, cpu);
             self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.working);
             return Ok(());
         }
@@ -785,6 +804,44 @@ mod tests {
         let started = start(&Sandbox::basic(), &env, &path, stage(vec![]), CancellationToken::new());
         let outcome = started.run(request(), None).await.expect("the stage ran");
         assert_eq!(outcome.result.and_then(|r| r.body.seconds), Some(1.0), "no launcher");
+    }
+
+    /// Drives a call's checks on a paused clock: at each check, the CPU time `cpu` says it has used by then.
+    async fn checks(limits: &CallLimits, cpu: impl Fn(Duration) -> Duration) -> (Duration, String) {
+        let mut call = Call::new(limits, Some(cpu(Duration::ZERO)), false);
+        loop {
+            tokio::time::sleep_until(call.check_at).await;
+            if let Err(reason) = call.check(limits, Some(cpu(call.since.elapsed()))) {
+                return (call.since.elapsed(), reason);
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_is_stopped_at_its_limit_unless_it_works_on_the_cpu_over_the_window() {
+        let limits = CallLimits::for_reference(&CallLimitsConfig::default(), Some(0.005));
+        let (call, working) = (limits.call, limits.working);
+        // Asleep on its device, a clock tick now and then: stopped at the call limit, the share it used named.
+        let (at, reason) = checks(&limits, |t| Duration::from_millis(10 * (t.as_secs() / 2))).await;
+        assert_eq!(at, call, "{reason}");
+        assert!(reason.contains("was waiting") && reason.contains("0.3% of a CPU where 2.0%"), "{reason}");
+        // An autotuner: 4% of a CPU, in bursts of 120 ms every 3 s. It runs on to the working limit.
+        let bursts = |t: Duration| Duration::from_millis(120 * (t.as_secs() / 3 + 1));
+        let (at, reason) = checks(&limits, bursts).await;
+        assert_eq!(at, working, "{reason}");
+        assert!(reason.contains("using the CPU"), "{reason}");
+        // Busy compiling for 5 s, then asleep on a kernel that never ends: stopped once the window holds no work.
+        let (at, reason) = checks(&limits, |t| t.min(Duration::from_secs(5))).await;
+        assert_eq!(at, Duration::from_secs(5) + WORKING_WINDOW, "{reason}");
+        assert!(reason.contains("was waiting"), "{reason}");
+        // Just under the share over the window: waiting.
+        let under = |t: Duration| t.mul_f64(0.9 * limits.working_share);
+        assert_eq!(checks(&limits, under).await.0, call);
+        // A timed call spins while it waits: its CPU use earns it nothing.
+        let mut timed = Call::new(&limits, Some(Duration::ZERO), true);
+        tokio::time::sleep_until(timed.check_at).await;
+        let reason = timed.check(&limits, Some(call)).expect_err("stopped");
+        assert!(reason.contains("timed call"), "{reason}");
     }
 
     #[test]
