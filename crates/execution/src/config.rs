@@ -326,7 +326,7 @@ impl Default for CallLimitsConfig {
             reference_factor: 100.0,
             floor_secs: 3.0,
             unmeasured_secs: 30.0,
-            working_share: 0.02,
+            working_share: 0.01,
             working_secs: 60.0,
         }
     }
