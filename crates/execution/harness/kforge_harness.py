@@ -584,10 +584,11 @@ def write_outputs(output, path, stream=None, private=False):
     through two pinned buffers, each chunk written (pwrite) while the next one copies; on a disk, the file's room is
     allocated and mapped, and each tensor copied into its place (`write_tensor`: what measured fastest on each).
     A full filesystem is an error here. With `stream`, everything that reads the output (resolving conjugate and
-    negative views, making it contiguous, the copies) is ordered on that stream, as a consumer on it would read; one
-    tensor at a time, so at most one contiguous copy is held on the device. With `private`, each tensor is first
-    copied to host memory of the harness's own and the file written from that copy, which is what is returned: the
-    file is in the candidate's folder, and the candidate's code could rewrite it.
+    negative views, making it contiguous, the copies) is ordered on that stream, as a consumer on it would read.
+    Without `private`, one tensor at a time, so at most one contiguous copy is held on the device. With `private`
+    (outputs of at most RACE_CHECK_BYTES), every tensor is first copied on the device, all before any is copied to
+    host memory of the harness's own, and the file is written from those host copies, which are what is returned:
+    the file is in the candidate's folder, and the candidate's code could rewrite it.
 
     Returns the outputs in the saved form: `exact_tensor` (the value's type is torch.Tensor itself), `device`, and
     with `private` `tensor` (the copy), or `value` for what is not a tensor."""
@@ -595,16 +596,16 @@ def write_outputs(output, path, stream=None, private=False):
 
     o = originals()
     values = flatten_outputs(output)
-    # What is written: with `private`, the harness's own copies, taken before any host work. Every output is first
-    # cloned on the stream, all clones enqueued at once (no host synchronisation between them), then each clone is
-    # copied to the host: work the stream is not ordered after has only the tens of microseconds until the clones run
-    # to end and hide a race, whatever the outputs' number and size (at most RACE_CHECK_BYTES of clones on the device).
-    # A copy off the device is already the harness's own; a CPU tensor's clone is.
+    # What is written: with `private`, the harness's own copies, taken before any host work. Each output is first
+    # copied on the stream (`as_written`'s copy where it made one, else a clone), the copies enqueued one after the
+    # other with no host synchronisation between them, then each is copied to the host: work the stream is not
+    # ordered after has only until those copies run to end and hide a race (at most RACE_CHECK_BYTES of copies on the
+    # device). A copy off the device is already the harness's own; so is a CPU tensor's copy.
     written = values
     if private:
         with o.stream(stream) if stream is not None else contextlib.nullcontext():
-            written = [o.clone(as_written(value)) if isinstance(value, torch.Tensor) else value for value in values]
-            written = [o.to(clone, "cpu") if isinstance(clone, torch.Tensor) else clone for clone in written]
+            written = [own_copy(value) if isinstance(value, torch.Tensor) else value for value in values]
+            written = [o.to(copy, "cpu") if isinstance(copy, torch.Tensor) else copy for copy in written]
     items, offset = [], 0
     for value in values:
         if not isinstance(value, torch.Tensor):
@@ -643,6 +644,13 @@ def write_outputs(output, path, stream=None, private=False):
     finally:
         o.close(fd)
     return saved
+
+
+def own_copy(value):
+    """`as_written(value)` in memory of its own: the same tensor cloned where `as_written` made no copy."""
+    o = originals()
+    written = as_written(value)
+    return o.clone(written) if o.data_ptr(written) == o.data_ptr(value) else written
 
 
 def as_written(value):

@@ -449,37 +449,47 @@ const WORKING_WINDOW: Duration = Duration::from_secs(3);
 #[derive(Debug)]
 struct Call {
     since: tokio::time::Instant,
-    /// Its CPU demand as read at the call's start and at each check since, oldest first: the oldest is the start of
-    /// the window its share is read over (at least [`WORKING_WINDOW`] back, once the call is that old).
+    /// Its CPU demand as read at the call's start and every second over the last [`WORKING_WINDOW`] before its
+    /// limit and after, oldest first: the oldest is the start of the window its share is read over.
     readings: std::collections::VecDeque<(tokio::time::Instant, Duration)>,
     check_at: tokio::time::Instant,
     /// A timed call: it waits for its GPU spinning, so CPU use does not tell it from a hang.
     spinning: bool,
+    /// Whether its CPU use is read: not for a timed call, nor under limits that do not tell working calls apart.
+    reads_cpu: bool,
 }
 
 impl Call {
     fn new(limits: &CallLimits, cpu: Option<Duration>, spinning: bool) -> Self {
         let now = tokio::time::Instant::now();
-        // A waiting call's CPU is read every second from its start, so that its share is read over the window
-        // from its first check on; a timed call's is never read.
-        let first = if spinning { limits.call } else { limits.call.min(Duration::from_secs(1)) };
-        Self { since: now, readings: cpu.map(|cpu| (now, cpu)).into_iter().collect(), check_at: now + first, spinning }
+        let reads_cpu = !spinning && limits.working_share.is_finite();
+        // Read every second from a window before the limit on, so that the first decision has its window's
+        // readings; a call whose CPU use is not read is checked at its limit only.
+        let first = match reads_cpu {
+            true => limits.call.saturating_sub(WORKING_WINDOW).max(limits.call.min(Duration::from_secs(1))),
+            false => limits.call,
+        };
+        let readings = cpu.filter(|_| reads_cpu).map(|cpu| (now, cpu)).into_iter().collect();
+        Self { since: now, readings, check_at: now + first, spinning, reads_cpu }
     }
 
-    /// The share of a CPU the call used over the window, with this reading (`None` where CPU time is not known,
-    /// or for a timed call).
+    /// The share of a CPU the call used over the window, with this reading (`None` where its CPU use is not read
+    /// or not known). The rises between readings are added up: a reading can fall (a thread that ended takes its
+    /// run-queue wait with it), and a fall must not hide the work around it. Over [`WORKING_WINDOW`] at least, so
+    /// that a call younger than that is not judged by its first moments.
     fn share(&mut self, now: tokio::time::Instant, cpu: Option<Duration>) -> Option<f64> {
-        if self.spinning {
+        if !self.reads_cpu {
             return None;
         }
-        let cpu = cpu?;
-        self.readings.push_back((now, cpu));
+        self.readings.push_back((now, cpu?));
         while self.readings.get(1).is_some_and(|&(at, _)| at + WORKING_WINDOW <= now) {
             self.readings.pop_front();
         }
-        let &(from, before) = self.readings.front()?;
-        let wall = (now - from).as_secs_f64();
-        (wall > 0.0).then(|| cpu.saturating_sub(before).as_secs_f64() / wall)
+        let &(from, _) = self.readings.front()?;
+        let used: Duration =
+            self.readings.iter().zip(self.readings.iter().skip(1)).map(|(a, b)| b.1.saturating_sub(a.1)).sum();
+        let wall = (now - from).max(WORKING_WINDOW).as_secs_f64();
+        Some(used.as_secs_f64() / wall)
     }
 
     /// At `check_at`: `Ok` (checked again later) while the call is within its limit, or works on the CPU and is
@@ -497,28 +507,24 @@ impl Call {
             self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.working);
             return Ok(());
         }
-        Err(if self.spinning {
-            format!(
-                "a timed call of the candidate did not return within {:.1} s: a kernel that never ends ({})",
-                ran.as_secs_f64(),
+        let ran = ran.as_secs_f64();
+        Err(match share {
+            _ if self.spinning => format!(
+                "a timed call of the candidate did not return within {ran:.1} s: a kernel that never ends ({})",
                 limits.basis
-            )
-        } else if working {
-            format!(
-                "a call into the candidate's code was still running, using the CPU, after {:.1} s (the limit for \
-                 calls that work on the CPU)",
-                ran.as_secs_f64()
-            )
-        } else {
-            let used = share.map_or(String::new(), |share| {
-                format!(", {:.1}% of a CPU where {:.1}% counts as work", 100.0 * share, 100.0 * limits.working_share)
-            });
-            format!(
-                "a call into the candidate's code did not return within {:.1} s and was waiting, not computing on \
-                 the CPU{used}: a kernel that never ends ({})",
-                ran.as_secs_f64(),
+            ),
+            _ if working => format!(
+                "a call into the candidate's code was still running, using the CPU, after {ran:.1} s (the limit for \
+                 calls that work on the CPU)"
+            ),
+            Some(share) => format!(
+                "a call into the candidate's code did not return within {ran:.1} s and was waiting, not computing on \
+                 the CPU ({:.1}% of a CPU where {:.1}% counts as work): a kernel that never ends ({})",
+                100.0 * share,
+                100.0 * limits.working_share,
                 limits.basis
-            )
+            ),
+            None => format!("a call into the candidate's code did not return within {ran:.1} s ({})", limits.basis),
         })
     }
 }
@@ -827,7 +833,7 @@ mod tests {
         // Asleep on its device, a clock tick now and then: stopped at the call limit, the share it used named.
         let (at, reason) = checks(&limits, |t| Duration::from_millis(10 * (t.as_secs() / 2))).await;
         assert_eq!(at, call, "{reason}");
-        assert!(reason.contains("was waiting") && reason.contains("0.3% of a CPU where 1.0%"), "{reason}");
+        assert!(reason.contains("was waiting") && reason.contains("(0.3% of a CPU where 1.0%"), "{reason}");
         // An autotuner timing a 40 ms kernel's configurations: 1.3% of a CPU, in bursts of 40 ms every 3 s (as
         // measured). It runs on to the working limit.
         let bursts = |t: Duration| Duration::from_millis(40 * (t.as_secs() / 3 + 1));
@@ -841,6 +847,24 @@ mod tests {
         // Just under the share over the window: waiting.
         let under = |t: Duration| t.mul_f64(0.9 * limits.working_share);
         assert_eq!(checks(&limits, under).await.0, call);
+        // Working at 2% a second, but its reading falls by 50 ms every 3 s (a thread that ended takes its run-queue
+        // wait with it): the fall does not hide the work around it (the readings' difference would be 0.3%).
+        let falling = |t: Duration| {
+            let secs = t.as_secs();
+            Duration::from_millis(200 + 20 * secs - 50 * (secs / 3))
+        };
+        let (at, reason) = checks(&limits, falling).await;
+        assert!(reason.contains("using the CPU"), "{at:?}: {reason}");
+        // A call limit under the window: its share is counted over the window, so a start's few ticks (20 ms in its
+        // first second) do not count as work.
+        let short = CallLimits { call: Duration::from_secs(1), ..limits.clone() };
+        let (at, reason) = checks(&short, |t| Duration::from_millis(20).min(t.mul_f64(0.02))).await;
+        assert_eq!(at, Duration::from_secs(1), "{reason}");
+        assert!(reason.contains("(0.7% of a CPU"), "{reason}");
+        // Limits that do not tell working calls apart (a profiled call's) read no CPU and name none.
+        let (at, reason) = checks(&CallLimits::fixed(Duration::from_secs(5), "fixed"), |t| t).await;
+        assert_eq!(at, Duration::from_secs(5));
+        assert!(reason.contains("did not return within 5.0 s (fixed)"), "{reason}");
         // A timed call spins while it waits: its CPU use earns it nothing.
         let mut timed = Call::new(&limits, Some(Duration::ZERO), true);
         tokio::time::sleep_until(timed.check_at).await;
