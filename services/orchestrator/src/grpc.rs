@@ -69,16 +69,17 @@ impl Orchestrator for OrchestratorService {
     type WatchJobStream = BoxStream<pb::JobProgress>;
 
     async fn watch_job(&self, request: Request<pb::WatchJobRequest>) -> Result<Response<Self::WatchJobStream>, Status> {
-        let job = self.job(&request.into_inner().job_id).await?;
-        let receiver = self.running().get(&job.job_id).map(|r| r.updates.clone());
+        let job_id = request.into_inner().job_id;
+        let receiver = self.running().get(&job_id).map(|r| r.updates.clone());
         // The job's task drops the sender once the job is terminal: the stream yields the last state and ends. A
-        // job not running here (finished, or interrupted and not resumed) is sent once, as stored.
+        // job not running here (finished, or interrupted and not resumed) is sent once, as stored, read after its
+        // task was found gone: a job that ends between the two reads is sent in its final state, not its last but one.
         let stream: Self::WatchJobStream = match receiver {
             Some(receiver) => {
                 Box::pin(tokio_stream::StreamExt::map(tokio_stream::wrappers::WatchStream::new(receiver), Ok))
             }
             None => Box::pin(tokio_stream::once(Ok(pb::JobProgress {
-                job: Some(job),
+                job: Some(self.job(&job_id).await?),
                 in_flight: Some(pb::StageCounts::default()),
                 recorded: None,
             }))),
