@@ -628,12 +628,12 @@ def write_outputs(output, path, stream=None, private=False):
         if offset and not memory_backed(fd):
             o.fallocate(fd, start, offset)  # a full disk is an error here, not a SIGBUS in the copy
             mapping = o.from_file(f"/proc/self/fd/{fd}", shared=True, size=start + offset, dtype=torch.uint8)
-        with o.stream(stream) if stream is not None and not private else contextlib.nullcontext():
+        with o.stream(stream) if stream is not None else contextlib.nullcontext():
             for value, item in zip(written, items):
                 if "dtype" not in item:
                     saved.append(item)
                     continue
-                tensor = value if private else as_written(value)
+                tensor = as_written(value)  # a private copy is as written already: the same memory
                 write_tensor(fd, tensor, start + item["offset"], mapping)
                 entry = {"exact_tensor": item["exact_tensor"], "device": item["device"]}
                 if private:
@@ -1069,9 +1069,9 @@ class TimedSample:
     One slot more than `sampled_timed_calls` allows is drawn, so that `calls(last)` still has that many once the
     last call (whose output is kept anyway) is left out. Copies are taken after the call's timed step and
     synchronised before the next one starts. The sample's size follows from the spec's `keep` and from
-    `expected_bytes`, trial 0's outputs (checked against the reference), else the first measured call's; a kept call whose outputs take other bytes
-    is kept as what is not a tensor, which the checker refuses (outputs that grow on some calls cannot slip past the
-    sample). `draw(n)` gives a uniform integer below n (a test's own, else the operating system's, bound before the
+    `expected_bytes`, trial 0's outputs (checked against the reference), else the first measured call's; a kept call
+    whose outputs take other bytes is kept as what is not a tensor, which the checker refuses (outputs that grow on
+    some calls cannot slip past the sample). `draw(n)` gives a uniform integer below n (a test's own, else the operating system's, bound before the
     candidate was imported)."""
 
     def __init__(self, device, keep, expected_bytes=None, draw=None):

@@ -52,8 +52,9 @@ pub struct CallLimits {
     /// compiles, autotuning, host code; running or runnable, so a call starved by a loaded machine counts:
     /// `Control::cpu_demand`), runs on, checked every second, up to this long.
     pub working: Duration,
-    /// The share of a CPU that tells a working call from a waiting one.
-    pub working_share: f64,
+    /// The share of a CPU that tells a working call from a waiting one; `None`: calls are not told apart, and
+    /// their CPU use is not read.
+    pub working_share: Option<f64>,
     /// How `call` was chosen, for the error a hung stage gets.
     pub basis: String,
 }
@@ -76,14 +77,14 @@ impl CallLimits {
         Self {
             call: Duration::from_secs_f64(call.max(0.001)),
             working: Duration::from_secs_f64(config.working_secs.max(call).max(0.001)),
-            working_share: config.working_share,
+            working_share: Some(config.working_share),
             basis,
         }
     }
 
     /// The same limit for every call, working or not: stages whose calls are timed by their own wall clock.
     pub fn fixed(limit: Duration, basis: impl Into<String>) -> Self {
-        Self { call: limit, working: limit, working_share: f64::INFINITY, basis: basis.into() }
+        Self { call: limit, working: limit, working_share: None, basis: basis.into() }
     }
 }
 
@@ -397,7 +398,7 @@ async fn converse(
             () = sleep_until(check_at) => {
                 let call = call.as_mut().expect("a deadline comes with a call");
                 let limits = limits.expect("a call is watched only with limits");
-                match call.check(limits, control.cpu_demand()) {
+                match call.check(limits, || control.cpu_demand()) {
                     Ok(()) => continue,
                     Err(reason) => return Ended::Hung(reason),
                 }
@@ -409,10 +410,8 @@ async fn converse(
         match &message[..] {
             b"call\n" | b"timed\n" => {
                 watch.lock().expect("never poisoned").call_starts();
-                // A timed call's CPU use says nothing (it spins), so its CPU time is not read (a /proc scan).
                 let spinning = message == b"timed\n";
-                let cpu = if spinning { None } else { control.cpu_demand() };
-                call = limits.map(|limits| Call::new(limits, cpu, spinning));
+                call = limits.map(|limits| Call::new(limits, spinning, || control.cpu_demand()));
                 continue;
             }
             b"alone\n" => waiting.wait(control, member.alone()).await,
@@ -455,33 +454,35 @@ struct Call {
     check_at: tokio::time::Instant,
     /// A timed call: it waits for its GPU spinning, so CPU use does not tell it from a hang.
     spinning: bool,
-    /// Whether its CPU use is read: not for a timed call, nor under limits that do not tell working calls apart.
+    /// Whether its CPU use is read (a /proc scan): not for a timed call, whose CPU use says nothing (it spins),
+    /// nor under limits that do not tell working calls apart.
     reads_cpu: bool,
 }
 
 impl Call {
-    fn new(limits: &CallLimits, cpu: Option<Duration>, spinning: bool) -> Self {
+    /// A call starting now; `read` gives its stage's CPU demand (`Control::cpu_demand`), read only where used.
+    fn new(limits: &CallLimits, spinning: bool, read: impl FnOnce() -> Option<Duration>) -> Self {
         let now = tokio::time::Instant::now();
-        let reads_cpu = !spinning && limits.working_share.is_finite();
+        let reads_cpu = !spinning && limits.working_share.is_some();
         // Read every second from a window before the limit on, so that the first decision has its window's
         // readings; a call whose CPU use is not read is checked at its limit only.
         let first = match reads_cpu {
             true => limits.call.saturating_sub(WORKING_WINDOW).max(limits.call.min(Duration::from_secs(1))),
             false => limits.call,
         };
-        let readings = cpu.filter(|_| reads_cpu).map(|cpu| (now, cpu)).into_iter().collect();
+        let readings = if reads_cpu { read().map(|cpu| (now, cpu)).into_iter().collect() } else { Default::default() };
         Self { since: now, readings, check_at: now + first, spinning, reads_cpu }
     }
 
-    /// The share of a CPU the call used over the window, with this reading (`None` where its CPU use is not read
-    /// or not known). The rises between readings are added up: a reading can fall (a thread that ended takes its
+    /// The share of a CPU the call used over the window, with a reading taken now (`None` where its CPU use is not
+    /// read or not known). The rises between readings are added up: a reading can fall (a thread that ended takes its
     /// run-queue wait with it), and a fall must not hide the work around it. Over [`WORKING_WINDOW`] at least, so
     /// that a call younger than that is not judged by its first moments.
-    fn share(&mut self, now: tokio::time::Instant, cpu: Option<Duration>) -> Option<f64> {
+    fn share(&mut self, now: tokio::time::Instant, read: impl FnOnce() -> Option<Duration>) -> Option<f64> {
         if !self.reads_cpu {
             return None;
         }
-        self.readings.push_back((now, cpu?));
+        self.readings.push_back((now, read()?));
         while self.readings.get(1).is_some_and(|&(at, _)| at + WORKING_WINDOW <= now) {
             self.readings.pop_front();
         }
@@ -494,15 +495,15 @@ impl Call {
 
     /// At `check_at`: `Ok` (checked again later) while the call is within its limit, or works on the CPU and is
     /// within the working limit, else why it is hung.
-    fn check(&mut self, limits: &CallLimits, cpu: Option<Duration>) -> Result<(), String> {
+    fn check(&mut self, limits: &CallLimits, read: impl FnOnce() -> Option<Duration>) -> Result<(), String> {
         let now = tokio::time::Instant::now();
         let ran = now - self.since;
-        let share = self.share(now, cpu);
+        let share = self.share(now, read);
         if ran < limits.call {
             self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.call);
             return Ok(());
         }
-        let working = share.is_some_and(|share| share >= limits.working_share);
+        let working = share.zip(limits.working_share).is_some_and(|(share, line)| share >= line);
         if working && ran < limits.working {
             self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.working);
             return Ok(());
@@ -521,7 +522,7 @@ impl Call {
                 "a call into the candidate's code did not return within {ran:.1} s and was waiting, not computing on \
                  the CPU ({:.1}% of a CPU where {:.1}% counts as work): a kernel that never ends ({})",
                 100.0 * share,
-                100.0 * limits.working_share,
+                100.0 * limits.working_share.unwrap_or(f64::NAN),
                 limits.basis
             ),
             None => format!("a call into the candidate's code did not return within {ran:.1} s ({})", limits.basis),
@@ -657,7 +658,7 @@ mod tests {
         let limits = CallLimits {
             call: Duration::from_secs(1),
             working: Duration::from_secs(2),
-            working_share: 0.01,
+            working_share: Some(0.01),
             basis: "test".into(),
         };
         let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
@@ -817,10 +818,11 @@ mod tests {
 
     /// Drives a call's checks on a paused clock: at each check, the CPU time `cpu` says it has used by then.
     async fn checks(limits: &CallLimits, cpu: impl Fn(Duration) -> Duration) -> (Duration, String) {
-        let mut call = Call::new(limits, Some(cpu(Duration::ZERO)), false);
+        let mut call = Call::new(limits, false, || Some(cpu(Duration::ZERO)));
         loop {
             tokio::time::sleep_until(call.check_at).await;
-            if let Err(reason) = call.check(limits, Some(cpu(call.since.elapsed()))) {
+            let used = cpu(call.since.elapsed());
+            if let Err(reason) = call.check(limits, || Some(used)) {
                 return (call.since.elapsed(), reason);
             }
         }
@@ -845,7 +847,7 @@ mod tests {
         assert_eq!(at, Duration::from_secs(5) + WORKING_WINDOW, "{reason}");
         assert!(reason.contains("was waiting"), "{reason}");
         // Just under the share over the window: waiting.
-        let under = |t: Duration| t.mul_f64(0.9 * limits.working_share);
+        let under = |t: Duration| t.mul_f64(0.9 * limits.working_share.expect("told apart"));
         assert_eq!(checks(&limits, under).await.0, call);
         // Working at 2% a second, but its reading falls by 50 ms every 3 s (a thread that ended takes its run-queue
         // wait with it): the fall does not hide the work around it (the readings' difference would be 0.3%).
@@ -866,9 +868,9 @@ mod tests {
         assert_eq!(at, Duration::from_secs(5));
         assert!(reason.contains("did not return within 5.0 s (fixed)"), "{reason}");
         // A timed call spins while it waits: its CPU use earns it nothing.
-        let mut timed = Call::new(&limits, Some(Duration::ZERO), true);
+        let mut timed = Call::new(&limits, true, || panic!("a timed call's CPU is not read"));
         tokio::time::sleep_until(timed.check_at).await;
-        let reason = timed.check(&limits, Some(call)).expect_err("stopped");
+        let reason = timed.check(&limits, || panic!("a timed call's CPU is not read")).expect_err("stopped");
         assert!(reason.contains("timed call"), "{reason}");
     }
 
