@@ -1628,7 +1628,8 @@ EXTENSIONS = ExtensionCalls()
 
 class Census:
     """What ran during `calls` forward calls in each mode: device kernels with start and duration on a GPU (every
-    stream and thread of the process), the direct torch-op children of each call on a CPU. Raw records only.
+    stream and thread of the process), the direct torch-op children of each call and each call's span on a CPU. Raw
+    records only.
 
     One profiler session covers every mode (a session's start and its event processing cost far more than the
     calls): each mode's calls run inside a `kforge.mode` range that ends after a synchronisation, and a record
@@ -1689,7 +1690,7 @@ class Census:
                          if e.name == "kforge.mode" and e.device_type == DeviceType.CPU)
         if len(windows) != len(names):
             raise RuntimeError(f"the census found {len(windows)} mode ranges instead of {len(names)}")
-        modes = [{"mode": name, "calls": calls, "call_us": 0.0, "records": []} for name in names]
+        modes = [{"mode": name, "calls": calls, "call_spans": [], "records": []} for name in names]
         if EXTENSIONS.complete and len(self.extension_calls) == len(modes):
             for mode, extension_calls in zip(modes, self.extension_calls):
                 mode["extension_functions"] = EXTENSIONS.functions
@@ -1715,7 +1716,8 @@ class Census:
                 mode = mode_at(event.time_range.start)
                 if mode is None:
                     continue
-                mode["call_us"] += event.time_range.elapsed_us()
+                mode["call_spans"].append({"start_us": event.time_range.start,
+                                           "duration_us": event.time_range.elapsed_us()})
                 for child in event.cpu_children:
                     mode["records"].append({"name": child.name, "start_us": child.time_range.start,
                                             "duration_us": child.time_range.elapsed_us()})
