@@ -1071,8 +1071,8 @@ class TimedSample:
     synchronised before the next one starts. The sample's size follows from the spec's `keep` and from
     `expected_bytes`, trial 0's outputs (checked against the reference), else the first measured call's; a kept call
     whose outputs take other bytes is kept as what is not a tensor, which the checker refuses (outputs that grow on
-    some calls cannot slip past the sample). `draw(n)` gives a uniform integer below n (a test's own, else the operating system's, bound before the
-    candidate was imported)."""
+    some calls cannot slip past the sample). `draw(n)` gives a uniform integer below n (a test's own, else the
+    operating system's, bound before the candidate was imported)."""
 
     def __init__(self, device, keep, expected_bytes=None, draw=None):
         self.device = device

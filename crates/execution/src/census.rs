@@ -81,10 +81,10 @@ struct CallSplit {
 impl CallSplit {
     /// Each part at its least over `calls`. Being descheduled only adds time, and it adds it to whichever part was
     /// running: on a loaded host one stall of a few milliseconds outside the operators made a lazy candidate's
-    /// 0.05-0.2 of own time read 0.77. Each part's least is the call least disturbed there.
-    fn least(calls: &[CallSplit]) -> CallSplit {
-        let least = |part: fn(&CallSplit) -> f64| calls.iter().map(part).fold(f64::INFINITY, f64::min);
-        CallSplit { outside_us: least(|c| c.outside_us), operators_us: least(|c| c.operators_us) }
+    /// 0.05-0.2 of own time read 0.77. Each part's least is the call least disturbed there. `None` without calls.
+    fn least(calls: &[CallSplit]) -> Option<CallSplit> {
+        let least = |part: fn(&CallSplit) -> f64| calls.iter().map(part).reduce(f64::min);
+        Some(CallSplit { outside_us: least(|c| c.outside_us)?, operators_us: least(|c| c.operators_us)? })
     }
 }
 
@@ -182,12 +182,12 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
         let mut records = mode.records.clone();
         // CPU: the time outside torch operators is the extension's only while the extension is called at all.
         let extension_ran = candidate.compiles && !mode.extension_idle();
-        let calls = if gpu { Vec::new() } else { mode.cpu_split() };
+        let splits = if gpu { Vec::new() } else { mode.cpu_split() };
         if !gpu {
             records.push(Record {
                 name: if extension_ran { CPU_OWN_RECORD } else { CPU_PYTHON_RECORD }.into(),
                 start_us: 0.0,
-                duration_us: calls.iter().map(|c| c.outside_us).sum(),
+                duration_us: splits.iter().map(|c| c.outside_us).sum(),
             });
         }
         let mut by_name: BTreeMap<&str, (u64, f64)> = BTreeMap::new();
@@ -202,14 +202,15 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
             .map(|(name, _)| (*name).to_owned())
             .collect();
         if index == 0 {
-            let (own, total) = if gpu {
-                let total: f64 = by_name.values().map(|(_, ms)| ms).sum();
-                (by_name.iter().filter(|(name, _)| is_own(name)).map(|(_, (_, ms))| ms).sum(), total)
-            } else if calls.is_empty() {
-                (0.0, 0.0)
-            } else {
-                let least = CallSplit::least(&calls);
-                (if extension_ran { least.outside_us } else { 0.0 }, least.outside_us + least.operators_us)
+            let (own, total) = match CallSplit::least(&splits) {
+                _ if gpu => {
+                    let total: f64 = by_name.values().map(|(_, ms)| ms).sum();
+                    (by_name.iter().filter(|(name, _)| is_own(name)).map(|(_, (_, ms))| ms).sum(), total)
+                }
+                Some(least) => {
+                    (if extension_ran { least.outside_us } else { 0.0 }, least.outside_us + least.operators_us)
+                }
+                None => (0.0, 0.0),
             };
             // (An empty sum is -0.0: no own time is a plain 0.)
             census.profiling_ratio = if total > 0.0 && own > 0.0 { (own / total).min(1.0) } else { 0.0 };

@@ -454,32 +454,40 @@ struct Call {
     check_at: tokio::time::Instant,
     /// A timed call: it waits for its GPU spinning, so CPU use does not tell it from a hang.
     spinning: bool,
-    /// Whether its CPU use is read (a /proc scan): not for a timed call, whose CPU use says nothing (it spins),
-    /// nor under limits that do not tell working calls apart.
-    reads_cpu: bool,
 }
 
 impl Call {
     /// A call starting now; `read` gives its stage's CPU demand (`Control::cpu_demand`), read only where used.
     fn new(limits: &CallLimits, spinning: bool, read: impl FnOnce() -> Option<Duration>) -> Self {
         let now = tokio::time::Instant::now();
-        let reads_cpu = !spinning && limits.working_share.is_some();
+        let mut call = Self { since: now, readings: Default::default(), check_at: now + limits.call, spinning };
         // Read every second from a window before the limit on, so that the first decision has its window's
         // readings; a call whose CPU use is not read is checked at its limit only.
-        let first = match reads_cpu {
-            true => limits.call.saturating_sub(WORKING_WINDOW).max(limits.call.min(Duration::from_secs(1))),
-            false => limits.call,
-        };
-        let readings = if reads_cpu { read().map(|cpu| (now, cpu)).into_iter().collect() } else { Default::default() };
-        Self { since: now, readings, check_at: now + first, spinning, reads_cpu }
+        if call.reads_cpu(limits) {
+            call.readings.extend(read().map(|cpu| (now, cpu)));
+            call.check_at =
+                now + limits.call.saturating_sub(WORKING_WINDOW).max(limits.call.min(Duration::from_secs(1)));
+        }
+        call
+    }
+
+    /// Whether its CPU use is read (a /proc scan): not for a timed call, whose CPU use says nothing (it spins), nor
+    /// under limits that do not tell working calls apart.
+    fn reads_cpu(&self, limits: &CallLimits) -> bool {
+        !self.spinning && limits.working_share.is_some()
     }
 
     /// The share of a CPU the call used over the window, with a reading taken now (`None` where its CPU use is not
     /// read or not known). The rises between readings are added up: a reading can fall (a thread that ended takes its
     /// run-queue wait with it), and a fall must not hide the work around it. Over [`WORKING_WINDOW`] at least, so
     /// that a call younger than that is not judged by its first moments.
-    fn share(&mut self, now: tokio::time::Instant, read: impl FnOnce() -> Option<Duration>) -> Option<f64> {
-        if !self.reads_cpu {
+    fn share(
+        &mut self,
+        limits: &CallLimits,
+        now: tokio::time::Instant,
+        read: impl FnOnce() -> Option<Duration>,
+    ) -> Option<f64> {
+        if !self.reads_cpu(limits) {
             return None;
         }
         self.readings.push_back((now, read()?));
@@ -498,18 +506,20 @@ impl Call {
     fn check(&mut self, limits: &CallLimits, read: impl FnOnce() -> Option<Duration>) -> Result<(), String> {
         let now = tokio::time::Instant::now();
         let ran = now - self.since;
-        let share = self.share(now, read);
+        let share = self.share(limits, now, read);
         if ran < limits.call {
             self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.call);
             return Ok(());
         }
-        let working = share.zip(limits.working_share).is_some_and(|(share, line)| share >= line);
+        // The share used and the share that counts as work, where the call's CPU use is read.
+        let measured = share.zip(limits.working_share);
+        let working = measured.is_some_and(|(share, line)| share >= line);
         if working && ran < limits.working {
             self.check_at = (now + Duration::from_secs(1)).min(self.since + limits.working);
             return Ok(());
         }
         let ran = ran.as_secs_f64();
-        Err(match share {
+        Err(match measured {
             _ if self.spinning => format!(
                 "a timed call of the candidate did not return within {ran:.1} s: a kernel that never ends ({})",
                 limits.basis
@@ -518,11 +528,11 @@ impl Call {
                 "a call into the candidate's code was still running, using the CPU, after {ran:.1} s (the limit for \
                  calls that work on the CPU)"
             ),
-            Some(share) => format!(
+            Some((share, line)) => format!(
                 "a call into the candidate's code did not return within {ran:.1} s and was waiting, not computing on \
                  the CPU ({:.1}% of a CPU where {:.1}% counts as work): a kernel that never ends ({})",
                 100.0 * share,
-                100.0 * limits.working_share.unwrap_or(f64::NAN),
+                100.0 * line,
                 limits.basis
             ),
             None => format!("a call into the candidate's code did not return within {ran:.1} s ({})", limits.basis),
