@@ -921,6 +921,8 @@ class Timer:
         self.device = device
         self.flush_buffer = None
         self.cycles_per_ms = 0.0
+        # Per call on a GPU: the cover asked for and the one the device ran (flushed -> start, by the events).
+        self.covers, self.covered = [], []
         if device.type == "cuda":
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             # Twice the L2 size, written between runs, so no run finds its data already cached.
@@ -948,7 +950,10 @@ class Timer:
             launch = (_perf_counter_ns() - launch) / 1e6
             o.event_record(end)
             o.synchronize(self.device)
-            host = (_perf_counter_ns() - begin) / 1e6 - o.event_elapsed(flushed, start)
+            covered = o.event_elapsed(flushed, start)
+            self.covers.append(cover_ms)
+            self.covered.append(covered)
+            host = (_perf_counter_ns() - begin) / 1e6 - covered
             return o.event_elapsed(start, end), host, launch, result
         result = fn()
         host = (_perf_counter_ns() - begin) / 1e6
@@ -981,6 +986,11 @@ def cover_ms(launches, device_ms):
     recent_device = sorted(device_ms[-20:])
     device = recent_device[len(recent_device) // 2] if recent_device else 0.0
     return min(1.5 * launch + 0.02, device + 0.05)
+
+
+def median_or_none(values):
+    """The median of `values` (the upper one of an even count), None when empty."""
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def perturb(inputs, set_seed, call):
@@ -1221,8 +1231,12 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
         "cpu_wait_ms": (waited_after - waited_before) / 1e6 if waited_before is not None else None,
         "involuntary_switches": switches_after - switches_before if switches_before is not None else None,
         "calls": call + 1,
-        "cover_ms": cover_ms(launches, device_ms) if device.type == "cuda" else 0.0,
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        # Medians over the measured calls, on a GPU: the host's time inside the call, the cover asked for, and the
+        # cover the device ran (short of the one asked for where the spin's clock rate moved since it was measured).
+        "launch_ms": median_or_none(launches[budget["warmup_runs"]:]) if device.type == "cuda" else None,
+        "cover_ms": median_or_none(timer.covers[budget["warmup_runs"]:]),
+        "cover_device_ms": median_or_none(timer.covered[budget["warmup_runs"]:]),
     }
     return samples, host, call, output, cpu
 

@@ -229,6 +229,29 @@ pub struct TimingCpu {
     /// What competition for the CPU cost it (0 when nothing competed).
     #[serde(default, deserialize_with = "lenient")]
     pub cpu_wait_ms: Option<f64>,
+    /// On a GPU, medians over the measured calls: the host's time inside the call, the cover asked for, and the
+    /// cover the device ran (see the harness's `Timer`).
+    #[serde(default, deserialize_with = "lenient")]
+    pub launch_ms: Option<f64>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub cover_ms: Option<f64>,
+    #[serde(default, deserialize_with = "lenient")]
+    pub cover_device_ms: Option<f64>,
+}
+
+impl TimingCpu {
+    /// The figures as `stage_ms` entries (`run.timing_cpu_wait`, `run.timing_launch`, `run.timing_cover`,
+    /// `run.timing_cover_device`), those present only.
+    pub fn stage_ms(&self) -> impl Iterator<Item = (&'static str, f64)> {
+        [
+            ("run.timing_cpu_wait", self.cpu_wait_ms),
+            ("run.timing_launch", self.launch_ms),
+            ("run.timing_cover", self.cover_ms),
+            ("run.timing_cover_device", self.cover_device_ms),
+        ]
+        .into_iter()
+        .filter_map(|(key, value)| Some((key, value?)))
+    }
 }
 
 /// What `candidate` answers beyond [`Report`].
@@ -727,7 +750,7 @@ mod tests {
             "host_ms": [1.0, 2.0],
             "findings": [{ "code": "runtime.x", "message": "m" }, 4, { "message": 5 }],
             "mutated_inputs": [1, "two"],
-            "timing_cpu": { "cpu_wait_ms": 0.5 },
+            "timing_cpu": { "cpu_wait_ms": 0.5, "launch_ms": 0.03, "cover_ms": null, "cover_device_ms": "x" },
             "census": null,
         }));
         assert!(!result.ok, "only true is ok");
@@ -739,7 +762,8 @@ mod tests {
         let codes: Vec<_> = body.findings.iter().map(|f| f.code.as_deref()).collect();
         assert_eq!(codes, [Some("runtime.x"), None, None]);
         assert_eq!(body.mutated_inputs, [1, 0], "still a mutation, whatever the index");
-        assert_eq!(body.timing_cpu.and_then(|t| t.cpu_wait_ms), Some(0.5));
+        let timing_cpu: Vec<_> = body.timing_cpu.as_ref().map(|t| t.stage_ms().collect()).unwrap_or_default();
+        assert_eq!(timing_cpu, [("run.timing_cpu_wait", 0.5), ("run.timing_launch", 0.03)]);
         assert!(matches!(body.census, Some(Err(_))), "present but unreadable: a finding, not an absence");
         let absent: Report<CandidateResult> = report(serde_json::json!({ "ok": true }));
         assert!(absent.ok && absent.body.census.is_none() && absent.body.timed_outputs.is_empty());

@@ -1,5 +1,5 @@
 //! The harness's helpers run directly with the Python environment of `scripts/setup.sh --test`: the build recipe
-//! it installs, its count of calls into extensions, and its input and comparison helpers.
+//! it installs, its count of calls into extensions, its input and comparison helpers, and its timed loop.
 
 mod support;
 
@@ -93,6 +93,15 @@ fn the_harness_perturbs_digests_and_compares_as_documented() {
 fn the_harness_samples_timed_calls_for_the_checker() {
     let Some(stdout) = fixture_script("harness_timed_sample.py") else { return };
     assert_eq!(stdout.lines().count(), 4, "{stdout}");
+}
+
+/// The timed loop's GPU path on a simulated device (`fixtures/harness_timed_loop.py`): the cover hides the host's
+/// launch and the events read the device time; a spin that runs shorter than asked for shows in the loop's figures
+/// (`cover_device_ms` against `cover_ms`), and the launch beyond it in the events.
+#[test]
+fn the_harness_times_behind_a_cover_and_reports_the_cover_the_device_ran() {
+    let Some(stdout) = fixture_script("harness_timed_loop.py") else { return };
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
 }
 
 /// The harness names a candidate's own kernels from what was built and run: the entry functions of a build's device

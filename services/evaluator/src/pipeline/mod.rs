@@ -283,9 +283,10 @@ impl Evaluator {
         phases_into(&result, "run", &mut response.stage_ms);
         let result = result.body;
         response.device_peak_bytes = result.device_peak_bytes.unwrap_or(0);
-        // What competition for the CPU cost the timed loop's launching thread (0 when nothing competed).
-        if let Some(waited) = result.timing_cpu.as_ref().and_then(|t| t.cpu_wait_ms) {
-            response.stage_ms.insert("run.timing_cpu_wait".into(), waited);
+        // What competition for the CPU cost the timed loop's launching thread (0 when nothing competed), and on a
+        // GPU its launches against the cover.
+        if let Some(timing_cpu) = &result.timing_cpu {
+            response.stage_ms.extend(timing_cpu.stage_ms().map(|(key, ms)| (key.to_owned(), ms)));
         }
 
         // Correctness, in a clean process.
