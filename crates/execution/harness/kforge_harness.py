@@ -950,10 +950,11 @@ class Timer:
             launch = (_perf_counter_ns() - launch) / 1e6
             o.event_record(end)
             o.synchronize(self.device)
+            host = (_perf_counter_ns() - begin) / 1e6
             covered = o.event_elapsed(flushed, start)
+            host -= covered
             self.covers.append(cover_ms)
             self.covered.append(covered)
-            host = (_perf_counter_ns() - begin) / 1e6 - covered
             return o.event_elapsed(start, end), host, launch, result
         result = fn()
         host = (_perf_counter_ns() - begin) / 1e6
