@@ -53,13 +53,13 @@ is off (`baseline_torch_compile = false`, `--compile-baseline` turns it on): it 
 measures eager before it, and with a fresh baseline per evaluator it would compile every task again.
 
 summary.md: a table per phase (kforge against do_bench: candidate and eager medians and 10th percentiles, speedup,
-% errors; idle run-to-run % differences), the stage_ms entries, and the aggregate: for ops whose do_bench eager
-median is at least 0.1 ms, the largest |error| of kforge's candidate and eager medians and of the speedups, idle
-and full, and the largest run-to-run difference (kforge's 10th percentiles beside them, against do_bench's median,
-not judged), against the targets (`--target-median 3`, `--target-speedup 3`, `--target-r2r 2`,
-in %); smaller ops, and calls that make the host wait mid-call (the evaluator's notice
-`timing.host_synchronized`), reported apart, the latter's candidate median and speedup held to the targets against
-the range of do_bench's medians across its clean processes (`--dobench-repeats 2` or more).
+% errors; idle run-to-run % differences), the candidate's launch against its cover per evaluation, the stage_ms
+entries, and the aggregate: for ops whose do_bench eager median is at least 0.1 ms, the largest |error| of kforge's
+candidate and eager medians and of the speedups, idle and full, and the largest run-to-run difference (kforge's
+10th percentiles beside them, against do_bench's median, not judged), against the targets (`--target-median 3`,
+`--target-speedup 3`, `--target-r2r 2`, in %); smaller ops, and calls that make the host wait mid-call (the
+evaluator's notice `timing.host_synchronized`), reported apart, the latter's candidate median and speedup held to
+the targets against the range of do_bench's medians across its clean processes (`--dobench-repeats 2` or more).
 """
 
 import argparse
@@ -579,6 +579,22 @@ def summary(out, args):
         lines += [f"Load copies: {len(loads)} ({verdicts}); cache hits among them: "
                   f"{sum(1 for r in loads if r.get('compile_cache_hit'))}; last evaluation ended at "
                   f"{max(ends):.1f} s.", ""]
+
+    # The candidate's timed step per evaluation: what its launch took against the cover (the harness's medians)
+    steps = [(phase, repeat, key, r) for (phase, repeat, key), r in table.items()
+             if phase in ("warm", "idle", "full", "full-load") and "run.timing_launch" in (r.get("stage_ms") or {})]
+    if steps:
+        lines += ["## the candidate's timed step: launch against the cover (medians over the measured calls, us)", "",
+                  "A launch longer than the flush and the cover the device ran shows in the candidate's median.", "",
+                  "| candidate | phase | repeat | candidate median | launch | cover asked | cover run |",
+                  "|---|---|---|---|---|---|---|"]
+        for phase, repeat, key, r in sorted(steps, key=lambda s: (order.index(s[2]), s[0], s[1])):
+            st = r["stage_ms"]
+            us = [r.get("candidate_median_ms"), st.get("run.timing_launch"), st.get("run.timing_cover"),
+                  st.get("run.timing_cover_device")]
+            lines.append(f"| {key} | {phase} | {repeat} | " +
+                         " | ".join(fmt(1000 * v, 1) if v is not None else "-" for v in us) + " |")
+        lines.append("")
 
     # stage_ms
     stage_keys = {}
