@@ -977,6 +977,11 @@ def spin_rate(device):
     return cycles / elapsed if elapsed > 0 else 0.0
 
 
+def median_or_none(values):
+    """The median of `values` (the upper one of an even count), None when empty."""
+    return sorted(values)[len(values) // 2] if values else None
+
+
 def cover_ms(launches, device_ms):
     """How long the spin before the next timed call runs: enough to hide its launch (the 75th percentile of the
     recent calls' launch time, 1.5x plus 20 us), never more than its device time plus 50 us."""
@@ -984,14 +989,8 @@ def cover_ms(launches, device_ms):
         return 0.1
     recent = sorted(launches[-20:])
     launch = recent[min(len(recent) - 1, (3 * len(recent)) // 4)]
-    recent_device = sorted(device_ms[-20:])
-    device = recent_device[len(recent_device) // 2] if recent_device else 0.0
+    device = median_or_none(device_ms[-20:]) or 0.0
     return min(1.5 * launch + 0.02, device + 0.05)
-
-
-def median_or_none(values):
-    """The median of `values` (the upper one of an even count), None when empty."""
-    return sorted(values)[len(values) // 2] if values else None
 
 
 def perturb(inputs, set_seed, call):
