@@ -381,6 +381,7 @@ class Originals:
         self.numel = torch.Tensor.numel
         self.element_size = torch.Tensor.element_size
         self.event_synchronize = torch.cuda.Event.synchronize
+        self.event_query = torch.cuda.Event.query
         self.from_file = torch.from_file
         self.os_open = os.open
         self.pwrite = os.pwrite
@@ -912,8 +913,10 @@ class Timer:
     the host's time to launch the call, so the start event fires when the call's first kernel is already queued and
     the events measure the device's work, not the host's launch latency after the previous synchronisation. The
     cover is sized from the calls before (their launch time on the host, 1.5x plus 20 us) and never longer than the
-    call's own device time plus 50 us: host work beyond what the device's backlog would hide, as in a stream of
-    back-to-back calls, still shows in the events."""
+    call's own device time plus the flush's plus 50 us: host work beyond what the device's backlog would hide, as in
+    a stream of back-to-back flushed calls (do_bench's), still shows in the events. Each call also records whether
+    the cover had run out before the host had enqueued the call and its end event (`short`): the calls whose time
+    may include host launch time."""
 
     def __init__(self, device):
         import torch
@@ -921,13 +924,30 @@ class Timer:
         self.device = device
         self.flush_buffer = None
         self.cycles_per_ms = 0.0
-        # Per call on a GPU: the cover asked for and the one the device ran (flushed -> start, by the events).
-        self.covers, self.covered = [], []
+        self.flush_ms = 0.0
+        # Per call on a GPU: the cover asked for, the one the device ran (flushed -> start, by the events), and
+        # whether it ran out before the host had enqueued the call.
+        self.covers, self.covered, self.short = [], [], []
         if device.type == "cuda":
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             # Twice the L2 size, written between runs, so no run finds its data already cached.
             self.flush_buffer = torch.empty(max(2 * l2, 1 << 20), dtype=torch.uint8, device=device)
             self.cycles_per_ms = spin_rate(device)
+            self.flush_ms = self.flush_time()
+
+    def flush_time(self):
+        """The flush's device time: the median of five, after one untimed."""
+        o = originals()
+        self.flush_buffer.zero_()
+        times = []
+        for _ in range(5):
+            start, end = o.event(enable_timing=True), o.event(enable_timing=True)
+            o.event_record(start)
+            self.flush_buffer.zero_()
+            o.event_record(end)
+            o.synchronize(self.device)
+            times.append(o.event_elapsed(start, end))
+        return median_or_none(times)
 
     def time_ms(self, fn, cover_ms=0.0):
         """(event ms, host ms, launch ms, result). The host clock spans the whole timed step (flush, call,
@@ -949,12 +969,14 @@ class Timer:
             result = fn()
             launch = (_perf_counter_ns() - launch) / 1e6
             o.event_record(end)
+            short = o.event_query(start)  # after the end event is enqueued: the timed work is not delayed
             o.synchronize(self.device)
             host = (_perf_counter_ns() - begin) / 1e6
             covered = o.event_elapsed(flushed, start)
             host -= covered
             self.covers.append(cover_ms)
             self.covered.append(covered)
+            self.short.append(short)
             return o.event_elapsed(start, end), host, launch, result
         result = fn()
         host = (_perf_counter_ns() - begin) / 1e6
@@ -977,20 +999,26 @@ def spin_rate(device):
     return cycles / elapsed if elapsed > 0 else 0.0
 
 
+def share(flags):
+    """The share of true values among `flags`, None when empty."""
+    return sum(1 for flag in flags if flag) / len(flags) if flags else None
+
+
 def median_or_none(values):
     """The median of `values` (the upper one of an even count), None when empty."""
     return sorted(values)[len(values) // 2] if values else None
 
 
-def cover_ms(launches, device_ms):
+def cover_ms(launches, device_ms, flush_ms=0.0):
     """How long the spin before the next timed call runs: enough to hide its launch (the 75th percentile of the
-    recent calls' launch time, 1.5x plus 20 us), never more than its device time plus 50 us."""
+    recent calls' launch time, 1.5x plus 20 us), never more than its device time plus the flush's plus 50 us (what
+    a stream of back-to-back flushed calls would have queued ahead of it)."""
     if not launches:
         return 0.1
     recent = sorted(launches[-20:])
     launch = recent[min(len(recent) - 1, (3 * len(recent)) // 4)]
     device = median_or_none(device_ms[-20:]) or 0.0
-    return min(1.5 * launch + 0.02, device + 0.05)
+    return min(1.5 * launch + 0.02, device + flush_ms + 0.05)
 
 
 def perturb(inputs, set_seed, call):
@@ -1203,7 +1231,7 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
             perturb(inputs, set_seeds[which], call)
             GATE.call(timed=spinning)
             elapsed, host_elapsed, launch, output = timer.time_ms(lambda: fn_for_inputs(inputs),
-                                                                   cover_ms(launches, device_ms))
+                                                                   cover_ms(launches, device_ms, timer.flush_ms))
             launches.append(launch)
             device_ms.append(elapsed)
             if call < budget["warmup_runs"]:
@@ -1237,6 +1265,9 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
         "launch_ms": median_or_none(launches[budget["warmup_runs"]:]) if device.type == "cuda" else None,
         "cover_ms": median_or_none(timer.covers[budget["warmup_runs"]:]),
         "cover_device_ms": median_or_none(timer.covered[budget["warmup_runs"]:]),
+        # The share of the measured calls whose cover ran out before the host had enqueued them: above a half, the
+        # median includes host launch time.
+        "cover_short_share": share(timer.short[budget["warmup_runs"]:]),
     }
     return samples, host, call, output, cpu
 

@@ -237,6 +237,10 @@ pub struct TimingCpu {
     pub cover_ms: Option<f64>,
     #[serde(default, deserialize_with = "lenient")]
     pub cover_device_ms: Option<f64>,
+    /// On a GPU, the share of the measured calls whose cover ran out before the host had enqueued them (their time
+    /// may include host launch time); above a half, the median does.
+    #[serde(default, deserialize_with = "lenient")]
+    pub cover_short_share: Option<f64>,
 }
 
 impl TimingCpu {
@@ -750,7 +754,8 @@ mod tests {
             "host_ms": [1.0, 2.0],
             "findings": [{ "code": "runtime.x", "message": "m" }, 4, { "message": 5 }],
             "mutated_inputs": [1, "two"],
-            "timing_cpu": { "cpu_wait_ms": 0.5, "launch_ms": 0.03, "cover_ms": null, "cover_device_ms": "x" },
+            "timing_cpu": { "cpu_wait_ms": 0.5, "launch_ms": 0.03, "cover_ms": null, "cover_device_ms": "x",
+                            "cover_short_share": 0.75 },
             "census": null,
         }));
         assert!(!result.ok, "only true is ok");
@@ -764,6 +769,7 @@ mod tests {
         assert_eq!(body.mutated_inputs, [1, 0], "still a mutation, whatever the index");
         let timing_cpu: Vec<_> = body.timing_cpu.as_ref().map(|t| t.stage_ms().collect()).unwrap_or_default();
         assert_eq!(timing_cpu, [("run.timing_cpu_wait", 0.5), ("run.timing_launch", 0.03)]);
+        assert_eq!(body.timing_cpu.as_ref().and_then(|t| t.cover_short_share), Some(0.75));
         assert!(matches!(body.census, Some(Err(_))), "present but unreadable: a finding, not an absence");
         let absent: Report<CandidateResult> = report(serde_json::json!({ "ok": true }));
         assert!(absent.ok && absent.body.census.is_none() && absent.body.timed_outputs.is_empty());

@@ -287,6 +287,7 @@ impl Evaluator {
         // GPU its launches against the cover.
         if let Some(timing_cpu) = &result.timing_cpu {
             response.stage_ms.extend(timing_cpu.stage_ms().map(|(key, ms)| (key.to_owned(), ms)));
+            response.findings.extend(timing::launch_exposed(timing_cpu));
         }
 
         // Correctness, in a clean process.

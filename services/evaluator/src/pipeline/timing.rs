@@ -5,7 +5,7 @@ use kforge_proto::v1 as pb;
 
 use kforge_execution::disk::SAMPLED_TIMED_CALLS;
 use kforge_execution::engine::hack_finding;
-use kforge_execution::protocol::{CandidateResult, TimedOutput};
+use kforge_execution::protocol::{CandidateResult, TimedOutput, TimingCpu};
 
 use super::baseline::Baseline;
 use crate::stats::timing_stats;
@@ -82,6 +82,27 @@ pub(super) fn wall_clock_mismatch(measured: &Measured, baseline: &Baseline) -> O
     })
 }
 
+/// The notice for a candidate whose timed calls were mostly enqueued after the device had reached their start: the
+/// host's launch took longer than the flush and the cover could hide (capped at the call's device time plus the
+/// flush's plus 50 us, so that work moved onto the host is paid for), and the median includes launch time. Calls of
+/// a few microseconds with a slow launch get it; a reward built on their speedup should know.
+pub(super) fn launch_exposed(cpu: &TimingCpu) -> Option<pb::Finding> {
+    let share = cpu.cover_short_share.filter(|share| *share > 0.5)?;
+    let us = |ms: Option<f64>| ms.map_or_else(|| "?".to_owned(), |ms| format!("{:.1}", ms * 1000.0));
+    Some(pb::Finding {
+        code: "timing.launch_exposed".into(),
+        message: format!(
+            "in {:.0}% of the timed calls the device reached the call's start before the host had launched it \
+             (launch {} us, cover {} us, medians): the median includes the host's launch time beyond the cover",
+            share * 100.0,
+            us(cpu.launch_ms),
+            us(cpu.cover_device_ms)
+        ),
+        line: 0,
+        category: pb::FindingCategory::Notice as i32,
+    })
+}
+
 pub(super) fn set_speedups(response: &mut pb::EvaluateResponse) {
     let speedup = |baseline: &Option<pb::TimingStats>| match (baseline, &response.candidate_timing) {
         (Some(b), Some(c)) if c.median_ms > 0.0 => b.median_ms / c.median_ms,
@@ -155,6 +176,27 @@ mod tests {
         assert!(wall_clock_mismatch(&short, &baseline(Some(0.0))).is_none());
         // A baseline cached before the host clock was recorded cannot tell.
         assert!(wall_clock_mismatch(&measured(100.0), &baseline(None)).is_none());
+    }
+
+    #[test]
+    fn a_median_that_includes_launch_time_is_named() {
+        let cpu = |share| TimingCpu {
+            launch_ms: Some(0.1),
+            cover_device_ms: Some(0.06),
+            cover_short_share: share,
+            ..TimingCpu::default()
+        };
+        for quiet in [None, Some(0.0), Some(0.5)] {
+            assert!(launch_exposed(&cpu(quiet)).is_none(), "{quiet:?}: the median is a call the cover hid");
+        }
+        let finding = launch_exposed(&cpu(Some(0.75))).expect("three calls in four exposed");
+        assert_eq!(finding.code, "timing.launch_exposed");
+        assert_eq!(finding.category, pb::FindingCategory::Notice as i32);
+        assert!(
+            finding.message.contains("75%") && finding.message.contains("launch 100.0 us, cover 60.0 us"),
+            "{}",
+            finding.message
+        );
     }
 
     #[test]
