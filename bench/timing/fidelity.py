@@ -585,15 +585,18 @@ def summary(out, args):
              if phase in ("warm", "idle", "full", "full-load") and "run.timing_launch" in (r.get("stage_ms") or {})]
     if steps:
         lines += ["## the candidate's timed step: launch against the cover (medians over the measured calls, us)", "",
-                  "A launch longer than the flush and the cover the device ran shows in the candidate's median.", "",
-                  "| candidate | phase | repeat | candidate median | launch | cover asked | cover run |",
-                  "|---|---|---|---|---|---|---|"]
+                  "A launch longer than the flush and the cover the device ran shows in the candidate's median; "
+                  "`timing.launch_exposed`: the evaluator's notice that more than half the calls' covers ran out.", "",
+                  "| candidate | phase | repeat | candidate median | launch | cover asked | cover run | "
+                  "timing.launch_exposed |",
+                  "|---|---|---|---|---|---|---|---|"]
         for phase, repeat, key, r in sorted(steps, key=lambda s: (order.index(s[2]), s[0], s[1])):
             st = r["stage_ms"]
             us = [r.get("candidate_median_ms"), st.get("run.timing_launch"), st.get("run.timing_cover"),
                   st.get("run.timing_cover_device")]
+            exposed = "yes" if "timing.launch_exposed" in (r.get("findings") or []) else "no"
             lines.append(f"| {key} | {phase} | {repeat} | " +
-                         " | ".join(fmt(1000 * v, 1) if v is not None else "-" for v in us) + " |")
+                         " | ".join(fmt(1000 * v, 1) if v is not None else "-" for v in us) + f" | {exposed} |")
         lines.append("")
 
     # stage_ms
