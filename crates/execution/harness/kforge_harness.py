@@ -382,6 +382,7 @@ class Originals:
         self.element_size = torch.Tensor.element_size
         self.event_synchronize = torch.cuda.Event.synchronize
         self.event_query = torch.cuda.Event.query
+        self.zero = torch.Tensor.zero_
         self.from_file = torch.from_file
         self.os_open = os.open
         self.pwrite = os.pwrite
@@ -938,12 +939,12 @@ class Timer:
     def flush_time(self):
         """The flush's device time: the median of five, after one untimed."""
         o = originals()
-        self.flush_buffer.zero_()
+        o.zero(self.flush_buffer)
         times = []
         for _ in range(5):
             start, end = o.event(enable_timing=True), o.event(enable_timing=True)
             o.event_record(start)
-            self.flush_buffer.zero_()
+            o.zero(self.flush_buffer)
             o.event_record(end)
             o.synchronize(self.device)
             times.append(o.event_elapsed(start, end))
@@ -956,7 +957,7 @@ class Timer:
         begin = _perf_counter_ns()
         if self.flush_buffer is not None:
             o = originals()
-            self.flush_buffer.zero_()
+            o.zero(self.flush_buffer)
             flushed = o.event(enable_timing=True)
             start = o.event(enable_timing=True)
             end = o.event(enable_timing=True)
@@ -1316,6 +1317,7 @@ def watched_attributes():
         "torch.Tensor.numpy": (torch.Tensor, "numpy"),
         "torch.Tensor.numel": (torch.Tensor, "numel"),
         "torch.Tensor.element_size": (torch.Tensor, "element_size"),
+        "torch.Tensor.zero_": (torch.Tensor, "zero_"),
         "os.open": (os, "open"),
         "os.pwrite": (os, "pwrite"),
         "os.posix_fallocate": (os, "posix_fallocate"),
