@@ -586,7 +586,8 @@ def summary(out, args):
     if steps:
         lines += ["## the candidate's timed step: launch against the cover (medians over the measured calls, us)", "",
                   "A launch longer than the flush and the cover the device ran shows in the candidate's median; "
-                  "`timing.launch_exposed`: the evaluator's notice that more than half the calls' covers ran out.", "",
+                  "`timing.launch_exposed`: the evaluator's notice that more than half the calls' covers ran out (binaries "
+                  "from 9fbcaaf on; earlier ones never give it).", "",
                   "| candidate | phase | repeat | candidate median | launch | cover asked | cover run | "
                   "timing.launch_exposed |",
                   "|---|---|---|---|---|---|---|---|"]

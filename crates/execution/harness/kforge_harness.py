@@ -938,17 +938,9 @@ class Timer:
 
     def flush_time(self):
         """The flush's device time: the median of five, after one untimed."""
-        o = originals()
-        o.zero(self.flush_buffer)
-        times = []
-        for _ in range(5):
-            start, end = o.event(enable_timing=True), o.event(enable_timing=True)
-            o.event_record(start)
-            o.zero(self.flush_buffer)
-            o.event_record(end)
-            o.synchronize(self.device)
-            times.append(o.event_elapsed(start, end))
-        return median_or_none(times)
+        flush = functools.partial(originals().zero, self.flush_buffer)
+        flush()
+        return median_or_none([event_ms(self.device, flush) for _ in range(5)])
 
     def time_ms(self, fn, cover_ms=0.0):
         """(event ms, host ms, launch ms, result). The host clock spans the whole timed step (flush, call,
@@ -988,16 +980,21 @@ class Timer:
 def spin_rate(device):
     """Clock cycles per millisecond of `torch.cuda._sleep` on `device`, measured once per process (it spins for
     cycles)."""
+    spin = functools.partial(originals().sleep, 1_000_000)
+    spin()  # its first launch loads the kernel
+    elapsed = event_ms(device, spin)
+    return 1_000_000 / elapsed if elapsed > 0 else 0.0
+
+
+def event_ms(device, work):
+    """The device time of what `work()` enqueues, between two events, waited for."""
     o = originals()
-    cycles = 1_000_000
-    o.sleep(cycles)  # its first launch loads the kernel
     start, end = o.event(enable_timing=True), o.event(enable_timing=True)
     o.event_record(start)
-    o.sleep(cycles)
+    work()
     o.event_record(end)
     o.synchronize(device)
-    elapsed = o.event_elapsed(start, end)
-    return cycles / elapsed if elapsed > 0 else 0.0
+    return o.event_elapsed(start, end)
 
 
 def share(flags):
