@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kforge_sandbox::{Command, Control, Finished, Limits, Sandbox, SandboxError};
+use kforge_sandbox::{Command, Control, Finished, Limits, Processes, Sandbox, SandboxError};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::CallLimitsConfig;
@@ -50,7 +50,7 @@ pub struct CallLimits {
     pub call: Duration,
     /// A call working on the CPU, at least `working_share` of a CPU over its last [`WORKING_WINDOW`] (JIT
     /// compiles, autotuning, host code; running or runnable, so a call starved by a loaded machine counts:
-    /// `Control::cpu_demand`), runs on, checked every second, up to this long.
+    /// `Processes::cpu_demand`), runs on, checked every second, up to this long.
     pub working: Duration,
     /// The share of a CPU that tells a working call from a waiting one; `None`: calls are not told apart, and
     /// their CPU use is not read.
@@ -385,11 +385,14 @@ async fn converse(
     let mut read = BufReader::new(read);
     let mut line = Vec::new();
     let mut call: Option<Call> = None;
+    let processes = control.processes();
     loop {
         let check_at = call.as_ref().map(|call| call.check_at);
         // A message cut short by a check keeps its bytes in `line`; the limit counts over the whole message.
         let mut message = (&mut read).take(MESSAGE_BYTES.saturating_sub(line.len() as u64));
         tokio::select! {
+            // A message that is there is read before any check: the call it ends is over.
+            biased;
             read = message.read_until(b'\n', &mut line) => match read {
                 Ok(n) if n > 0 && line.ends_with(b"\n") => {}
                 Ok(0) if line.is_empty() => return Ended::Closed,
@@ -398,9 +401,22 @@ async fn converse(
             () = sleep_until(check_at) => {
                 let call = call.as_mut().expect("a deadline comes with a call");
                 let limits = limits.expect("a call is watched only with limits");
-                match call.check(limits, || control.cpu_demand()) {
+                let reading = if call.reads_cpu(limits) { cpu_demand(processes).await } else { None };
+                match call.check(limits, || reading) {
                     Ok(()) => continue,
-                    Err(reason) => return Ended::Hung(reason),
+                    // The harness has spoken since: the call returned while this check waited for a CPU (on a host
+                    // starved by thousands of exiting processes, seconds), and its message is read next.
+                    Err(_) if message_waiting(&read, &line) => {
+                        call.check_at = tokio::time::Instant::now() + Duration::from_secs(1);
+                        continue;
+                    }
+                    Err(reason) => {
+                        let threads = tokio::task::spawn_blocking(move || processes.thread_states()).await;
+                        return Ended::Hung(match threads {
+                            Ok(threads) if !threads.is_empty() => format!("{reason}; its threads then: {threads}"),
+                            _ => reason,
+                        });
+                    }
                 }
             }
         }
@@ -411,7 +427,13 @@ async fn converse(
             b"call\n" | b"timed\n" => {
                 watch.lock().expect("never poisoned").call_starts();
                 let spinning = message == b"timed\n";
-                call = limits.map(|limits| Call::new(limits, spinning, || control.cpu_demand()));
+                call = match limits {
+                    Some(limits) => {
+                        let reading = if reads_cpu(limits, spinning) { cpu_demand(processes).await } else { None };
+                        Some(Call::new(limits, spinning, || reading))
+                    }
+                    None => None,
+                };
                 continue;
             }
             b"alone\n" => waiting.wait(control, member.alone()).await,
@@ -430,6 +452,28 @@ async fn converse(
     }
 }
 
+/// A reading of a stage's CPU demand ([`Processes::cpu_demand`]), taken on the blocking pool: it reads `/proc`,
+/// which can take seconds on a starved host, and the runtime's workers serve every other stage meanwhile.
+async fn cpu_demand(processes: Processes) -> Option<Duration> {
+    tokio::task::spawn_blocking(move || processes.cpu_demand()).await.ok().flatten()
+}
+
+/// Whether a whole message from the harness waits to be read (in the reader's buffer or on the socket), or the
+/// socket is closed: what the harness said after its call returned. Part of a message does not count: candidate code
+/// can write to the socket too, and a byte without its end of line must not keep a hung call alive.
+fn message_waiting(read: &tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>, line: &[u8]) -> bool {
+    if line.contains(&b'\n') || read.buffer().contains(&b'\n') {
+        return true;
+    }
+    let mut peeked = [0u8; MESSAGE_BYTES as usize];
+    let socket: &tokio::net::UnixStream = read.get_ref().as_ref();
+    match rustix::net::recv(socket, &mut peeked[..], rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
+        Ok((_, 0)) => true,
+        Ok((_, n)) => peeked[..n.min(peeked.len())].contains(&b'\n'),
+        Err(_) => false,
+    }
+}
+
 /// Resolves at `at`, or never.
 async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
@@ -444,6 +488,12 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 /// it.
 const WORKING_WINDOW: Duration = Duration::from_secs(3);
 
+/// Whether a call's CPU use is read (a /proc scan): not for a timed call, whose CPU use says nothing (it spins), nor
+/// under limits that do not tell working calls apart.
+fn reads_cpu(limits: &CallLimits, spinning: bool) -> bool {
+    !spinning && limits.working_share.is_some()
+}
+
 /// A call into candidate code, as its conversation watches it.
 #[derive(Debug)]
 struct Call {
@@ -457,7 +507,7 @@ struct Call {
 }
 
 impl Call {
-    /// A call starting now; `read` gives its stage's CPU demand (`Control::cpu_demand`), read only where used.
+    /// A call starting now; `read` gives its stage's CPU demand (`Processes::cpu_demand`), read only where used.
     fn new(limits: &CallLimits, spinning: bool, read: impl FnOnce() -> Option<Duration>) -> Self {
         let now = tokio::time::Instant::now();
         let mut call = Self { since: now, readings: Default::default(), check_at: now + limits.call, spinning };
@@ -471,10 +521,9 @@ impl Call {
         call
     }
 
-    /// Whether its CPU use is read (a /proc scan): not for a timed call, whose CPU use says nothing (it spins), nor
-    /// under limits that do not tell working calls apart.
+    /// Whether its CPU use is read ([`reads_cpu`]).
     fn reads_cpu(&self, limits: &CallLimits) -> bool {
-        !self.spinning && limits.working_share.is_some()
+        reads_cpu(limits, self.spinning)
     }
 
     /// The share of a CPU the call used over the window, with a reading taken now (`None` where its CPU use is not
@@ -642,13 +691,20 @@ mod tests {
         assert_eq!(largest_file(&env), 80 << 30);
     }
 
+    type ShellStage = tokio::task::JoinHandle<Result<StageOutcome<protocol::CompileResult>, StageError>>;
+
     /// Runs `script` (sh) as a stage on `gate`, joining it as `joining`, with call limits of 1 s waiting and 2 s
     /// working (at least 1% of a CPU).
-    fn shell_stage(
+    fn shell_stage(script: &str, gate: &Arc<Gate>, joining: Joining) -> ShellStage {
+        watched_shell_stage(script, gate, joining).0
+    }
+
+    /// [`shell_stage`], with what its conversation records as it goes, and its directory.
+    fn watched_shell_stage(
         script: &str,
         gate: &Arc<Gate>,
         joining: Joining,
-    ) -> tokio::task::JoinHandle<Result<StageOutcome<protocol::CompileResult>, StageError>> {
+    ) -> (ShellStage, Arc<Mutex<Watch>>, PathBuf) {
         let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("scratch");
@@ -674,7 +730,8 @@ mod tests {
         let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
         let request = Request { spec, env: vec![], limits: Some(limits) };
         let gate = gate.clone();
-        tokio::spawn(async move { started.run(request, Some((&gate, joining))).await })
+        let watch = started.watch.clone();
+        (tokio::spawn(async move { started.run(request, Some((&gate, joining))).await }), watch, dir)
     }
 
     const SHARE: Joining = Joining::Share { solo: false };
@@ -702,6 +759,8 @@ mod tests {
         // over the 1% that counts as work): the last two run on to the working limit.
         let cases = [
             ("printf 'call\\n' >&3; exec sleep 3600", "did not return within"),
+            // Part of a message, without its end of line (candidate code can write to the socket): still hung.
+            ("printf 'call\\n' >&3; printf 'pau' >&3; exec sleep 3600", "did not return within"),
             ("printf 'call\\n' >&3; while :; do :; done", "using the CPU, after"),
             (
                 "printf 'call\\n' >&3; while :; do i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done; sleep 0.1; done",
@@ -723,12 +782,71 @@ mod tests {
             let outcome = hung.await.expect("task").expect("the stage ran");
             let reason = outcome.hung.clone().expect("stopped as hung");
             assert!(reason.contains(says), "{reason}");
+            // What its threads were doing is named: one asleep (S) where the call sleeps, one running where it spins.
+            let threads = match script {
+                _ if script.contains("exec sleep") => "its threads then: 1 S",
+                _ if script.contains("sleep 0.1") => "its threads then: ",
+                _ => "its threads then: 1 R",
+            };
+            assert!(reason.contains(threads), "{reason}");
             assert_eq!(outcome.finished.exit, kforge_sandbox::Exit::Signal(9), "killed: {:?}", outcome.finished);
             // Until the caller has checked the device and lets the stage go, nobody runs alone.
             assert!(!alone.is_finished(), "the killed stage still holds its place");
             drop(outcome);
             tokio::time::timeout(Duration::from_secs(30), alone).await.expect("runs alone").expect("task");
         }
+    }
+
+    #[tokio::test]
+    async fn a_call_that_returned_while_the_evaluator_was_starved_is_not_taken_for_hung() {
+        // The call returns once the test says so, and the harness asks to pause. The evaluator (this runtime, one
+        // thread) is starved meanwhile, as a host busy with thousands of exiting processes starved it for seconds:
+        // it runs again only once the message is there and the call's limit (1 s) has passed, so the check and the
+        // message are both due. The message is read; the call is not hung. Three times, as a random pick of the two
+        // took the check in half of the runs.
+        for run in 0..3 {
+            let script = format!(
+                "cat >/dev/null; printf 'call\\n' >&3; while [ ! -e returned ]; do sleep 0.01; done; \
+                 printf 'pause\\n' >&3; : > sent; head -c 3 <&3 >/dev/null; \
+                 printf '{{\"protocol\": {PROTOCOL_VERSION}, \"ok\": true}}' > result.json # {run}"
+            );
+            let gate = Arc::new(Gate::default());
+            let (stage, watch, dir) = watched_shell_stage(&script, &gate, SHARE);
+            eventually("the evaluator saw the call begin", || watch.lock().expect("watch").open_call.is_some()).await;
+            let returned = std::time::Instant::now();
+            std::fs::write(dir.join("returned"), "").expect("returned");
+            // Starved: this thread does nothing else until the message is sent and the limit has passed.
+            while !dir.join("sent").exists() || returned.elapsed() < Duration::from_millis(1500) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let outcome = stage.await.expect("task").expect("the stage ran");
+            assert_eq!(outcome.hung, None, "run {run}");
+            assert!(outcome.ok(), "run {run}: {}", outcome.error_text());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_whole_message_waiting_or_a_closed_socket_ends_a_call_and_part_of_one_does_not() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+        let (harness, evaluator) = tokio::net::UnixStream::pair().expect("socket pair");
+        let (read, _write) = evaluator.into_split();
+        let mut read = BufReader::new(read);
+        let (_, mut harness) = harness.into_split();
+        assert!(!message_waiting(&read, b""), "nothing sent");
+        harness.write_all(b"pau").await.expect("write");
+        assert!(!message_waiting(&read, b""), "part of a message on the socket");
+        assert!(!message_waiting(&read, b"pau"), "part of a message read");
+        harness.write_all(b"se\n").await.expect("write");
+        assert!(message_waiting(&read, b""), "a whole message on the socket");
+        // Read into the reader's buffer: still waiting there.
+        let mut first = [0u8; 1];
+        read.read_exact(&mut first).await.expect("read");
+        assert!(message_waiting(&read, b"p"), "the rest in the reader's buffer");
+        let mut rest = Vec::new();
+        read.read_buf(&mut rest).await.expect("read");
+        assert!(!message_waiting(&read, b""), "all read");
+        drop(harness);
+        assert!(message_waiting(&read, b""), "the harness closed its socket");
     }
 
     #[tokio::test]

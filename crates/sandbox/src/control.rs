@@ -69,62 +69,10 @@ impl Control {
         self.signal(libc::SIGKILL);
     }
 
-    /// How long the command's process group has wanted a CPU so far: the CPU time it used (its processes' own, and
-    /// that of the children they waited for) plus the time its threads waited runnable in a run queue
-    /// (`/proc/<pid>/task/<tid>/schedstat`), so that a process starved by others on a loaded machine still counts
-    /// as busy, not as waiting. `None` where `/proc` does not say.
-    pub fn cpu_demand(&self) -> Option<Duration> {
-        let cpu = self.cpu_time()?;
-        let mut waited_ns = 0u64;
-        for pid in self.pids() {
-            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
-            for task in tasks.flatten() {
-                let Ok(schedstat) = std::fs::read_to_string(task.path().join("schedstat")) else { continue };
-                // on-CPU ns, run-queue wait ns, time slices
-                waited_ns += schedstat.split_whitespace().nth(1).and_then(|w| w.parse::<u64>().ok()).unwrap_or(0);
-            }
-        }
-        Some(cpu + Duration::from_nanos(waited_ns))
-    }
-
-    /// The processes of the command's group now.
-    fn pids(&self) -> Vec<i32> {
-        let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-        entries
-            .flatten()
-            .filter_map(|entry| {
-                let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
-                let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-                let (_, fields) = stat.rsplit_once(')')?;
-                (fields.split_whitespace().nth(2)?.parse::<i32>().ok()? == self.group).then_some(pid)
-            })
-            .collect()
-    }
-
-    /// CPU time the command's process group has used so far: its processes' own, and that of the children they
-    /// waited for. `None` where `/proc` does not say.
-    pub fn cpu_time(&self) -> Option<Duration> {
-        let ticks = sys::clock_ticks()?;
-        let mut total = 0u64;
-        let mut found = false;
-        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<i32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-            // The command name is in parentheses and may hold spaces; the fields after it are numbers.
-            let Some((_, fields)) = stat.rsplit_once(')') else { continue };
-            let fields: Vec<&str> = fields.split_whitespace().collect();
-            // state ppid pgrp ... utime(11) stime(12) cutime(13) cstime(14), counted from the state.
-            if fields.len() < 15 || fields[2].parse::<i32>() != Ok(self.group) {
-                continue;
-            }
-            let field = |index: usize| fields[index].parse::<u64>().unwrap_or(0);
-            total += field(11) + field(12);
-            if pid == self.group {
-                total += field(13) + field(14);
-            }
-            found = true;
-        }
-        found.then(|| Duration::from_secs_f64(total as f64 / ticks as f64))
+    /// A reader of the command's processes in `/proc`, to use off the async runtime: on a host starved of CPU (the
+    /// mass exit of a fork bomb's processes), one read of a process's `stat` has taken seconds.
+    pub fn processes(&self) -> Processes {
+        Processes { group: self.group, uid: self.user.map(|(uid, _)| uid) }
     }
 
     fn signal(&self, signal: libc::c_int) {
@@ -134,6 +82,102 @@ impl Control {
             sys::signal_all_as_user(uid, gid, signal);
         }
     }
+}
+
+/// The processes of a command's group, as `/proc` shows them (see [`Control::processes`]). Where the command runs
+/// as a user of its own, only that user's entries of `/proc` are read (and root's: a process that made itself
+/// undumpable shows as root's), so that the cost of a reading, and what can slow it, is the command's own and not
+/// every process's on the host.
+#[derive(Debug, Clone, Copy)]
+pub struct Processes {
+    group: libc::pid_t,
+    uid: Option<u32>,
+}
+
+impl Processes {
+    /// How long the command's process group has wanted a CPU so far: the CPU time it used (its processes' own, and
+    /// that of the children the group's leader waited for) plus the time its threads waited runnable in a run
+    /// queue (`/proc/<pid>/task/<tid>/schedstat`), so that a process starved by others on a loaded machine still
+    /// counts as busy, not as waiting. `None` where `/proc` does not say. Blocking.
+    pub fn cpu_demand(&self) -> Option<Duration> {
+        let ticks = sys::clock_ticks()?;
+        let members = self.members();
+        if members.is_empty() {
+            return None;
+        }
+        let mut cpu_ticks = 0u64;
+        let mut waited_ns = 0u64;
+        for (pid, fields) in &members {
+            // After the state: ppid pgrp ... utime(11) stime(12) cutime(13) cstime(14).
+            let field = |index: usize| fields.get(index).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+            cpu_ticks += field(11) + field(12);
+            if *pid == self.group {
+                cpu_ticks += field(13) + field(14);
+            }
+            for task in tasks(*pid) {
+                let Ok(schedstat) = std::fs::read_to_string(task.join("schedstat")) else { continue };
+                // on-CPU ns, run-queue wait ns, time slices
+                waited_ns += schedstat.split_whitespace().nth(1).and_then(|w| w.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        Some(Duration::from_secs_f64(cpu_ticks as f64 / ticks as f64) + Duration::from_nanos(waited_ns))
+    }
+
+    /// What the command's threads are doing now, for a report: each one's state and, for one asleep, where in the
+    /// kernel it waits (`wchan`), counted, most common first: `3 S futex_do_wait, 1 S unix_stream_read_generic`.
+    /// Empty where `/proc` does not say. Blocking.
+    pub fn thread_states(&self) -> String {
+        let mut counts: Vec<(String, usize)> = Vec::new();
+        for (pid, _) in self.members() {
+            for task in tasks(pid) {
+                let Ok(stat) = std::fs::read_to_string(task.join("stat")) else { continue };
+                let Some(state) = stat.rsplit_once(") ").and_then(|(_, fields)| fields.split_whitespace().next())
+                else {
+                    continue;
+                };
+                let wchan = std::fs::read_to_string(task.join("wchan")).unwrap_or_default();
+                let what = match wchan.trim() {
+                    "" | "0" => state.to_owned(),
+                    wchan => format!("{state} {wchan}"),
+                };
+                match counts.iter_mut().find(|(seen, _)| *seen == what) {
+                    Some((_, count)) => *count += 1,
+                    None => counts.push((what, 1)),
+                }
+            }
+        }
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        counts.iter().map(|(what, count)| format!("{count} {what}")).collect::<Vec<_>>().join(", ")
+    }
+
+    /// The group's processes now, each with the fields of its `stat` from the state on.
+    fn members(&self) -> Vec<(libc::pid_t, Vec<String>)> {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+        entries
+            .flatten()
+            .filter_map(|entry| {
+                let pid = entry.file_name().to_str()?.parse::<libc::pid_t>().ok()?;
+                if let Some(uid) = self.uid {
+                    let owner = entry.metadata().ok()?.uid();
+                    if owner != uid && owner != 0 {
+                        return None;
+                    }
+                }
+                let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+                // The command name is in parentheses and may hold spaces; the fields after it are numbers.
+                let (_, fields) = stat.rsplit_once(')')?;
+                let fields: Vec<String> = fields.split_whitespace().map(str::to_owned).collect();
+                (fields.get(2)?.parse::<libc::pid_t>().ok()? == self.group).then_some((pid, fields))
+            })
+            .collect()
+    }
+}
+
+/// The `/proc` directories of process `pid`'s threads.
+fn tasks(pid: libc::pid_t) -> Vec<std::path::PathBuf> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks.flatten().map(|task| task.path()).collect()
 }
 
 /// Resolves when the command has run `wall` since `started`, not counting the time its clock was held.

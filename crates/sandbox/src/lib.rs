@@ -28,7 +28,7 @@ mod sys;
 mod users;
 
 pub use command::{Command, Exit, Finished, Limits, SYSTEM_READABLE, resolve_on_path, tail};
-pub use control::{Control, group_stopped};
+pub use control::{Control, Processes, group_stopped};
 pub use detect::{Protection, Sandbox, SandboxOptions};
 pub use sys::allowed_cpus;
 pub use users::COMMAND_USERS;

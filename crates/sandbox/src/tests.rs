@@ -391,6 +391,39 @@ async fn stopping_a_job_with_its_own_user_stops_what_left_its_group() {
 }
 
 #[tokio::test]
+async fn a_job_s_cpu_demand_and_thread_states_are_read_under_its_own_user() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let sandbox = command_users_only().await;
+    if !sandbox.command_users_active() {
+        skip("job users are inactive (the tests do not run as root): reading only a job user's processes not checked");
+        return;
+    }
+    // Works on the CPU, says so, and waits for the reply (asleep in `read`).
+    let script = "i=0; while [ $i -lt 400000 ]; do i=$((i+1)); done; echo worked >&3; read reply <&3";
+    let command = shell(script, "demand-user", Limits::default());
+    let (readings, seen) = tokio::sync::oneshot::channel();
+    let converse = |control: Control, socket: tokio::net::UnixStream| async move {
+        let (read, mut write) = socket.into_split();
+        let said = BufReader::new(read).lines().next_line().await.expect("read").expect("a line");
+        let processes = control.processes();
+        let read = tokio::task::spawn_blocking(move || (processes.cpu_demand(), processes.thread_states()));
+        let (demand, threads) = read.await.expect("read /proc");
+        write.write_all(b"done\n").await.expect("reply");
+        let _ = readings.send((said, demand, threads));
+        std::future::pending::<()>().await
+    };
+    let finished = sandbox
+        .run_with_control(command, async { Some(Vec::new()) }, converse, CancellationToken::new())
+        .await
+        .expect("ran");
+    let (said, demand, threads) = seen.await.expect("the conversation happened");
+    assert_eq!(said, "worked", "{finished:?}");
+    let demand = demand.expect("its processes were found under its user");
+    assert!(demand >= Duration::from_millis(100), "the loop's CPU time is counted: {demand:?}");
+    assert!(threads.starts_with("1 S"), "one thread, asleep in its read: {threads}");
+}
+
+#[tokio::test]
 async fn landlock_keeps_a_job_s_signals_to_its_own_processes() {
     let options = SandboxOptions {
         network_namespace: false,

@@ -81,10 +81,14 @@ async fn a_call_that_never_returns_is_stopped_at_its_call_limit() {
     let Some(base) = config() else { return };
     let limits = CallLimitsConfig { floor_secs: 1.0, unmeasured_secs: 1.0, working_secs: 2.0, ..Default::default() };
     let evaluator = evaluator(EvaluatorConfig { run_timeout_secs: 600, call_limits: limits, ..base }).await;
-    for (name, says) in [("sleeps_in_forward.py", "did not return within"), ("spins_in_forward.py", "using the CPU")] {
+    for (name, says) in
+        [("sleeps_in_forward.py", "was waiting, not computing"), ("spins_in_forward.py", "using the CPU")]
+    {
         let response = evaluator.evaluate(request(&fixture(name))).await.expect("evaluates");
         assert_eq!(verdict(&response), pb::Verdict::Timeout, "{name}: {response:#?}");
         assert!(response.error.contains(says), "{name}: {}", response.error);
+        // What the candidate's threads were doing when it was stopped.
+        assert!(response.error.contains("its threads then: "), "{name}: {}", response.error);
     }
 }
 
