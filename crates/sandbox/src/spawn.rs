@@ -167,7 +167,11 @@ impl Sandbox {
             }
         };
         // Kill whatever is left of the group (the command itself on timeout, background children otherwise) and of
-        // its cgroup (what left the group), so the pipes close and the readers finish.
+        // its cgroup (what left the group), so the pipes close and the readers finish: at the lowest priority first,
+        // so that their exits do not starve the host (a fork bomb's thousands).
+        if let Some(leader) = group.0 {
+            sys::lowest_priority(leader, user.as_ref().map(|user| user.uid));
+        }
         drop(group);
         // The cgroup's reads, kills and waits for emptiness block: off the async threads.
         let cgroup = match cgroup {
