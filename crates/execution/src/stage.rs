@@ -401,7 +401,7 @@ async fn converse(
             () = sleep_until(check_at) => {
                 let call = call.as_mut().expect("a deadline comes with a call");
                 let limits = limits.expect("a call is watched only with limits");
-                let reading = if call.reads_cpu(limits) { cpu_demand(processes).await } else { None };
+                let reading = cpu_demand(processes, limits, call.spinning).await;
                 match call.check(limits, || reading) {
                     Ok(()) => continue,
                     // The harness has spoken since: the call returned while this check waited for a CPU (on a host
@@ -429,7 +429,7 @@ async fn converse(
                 let spinning = message == b"timed\n";
                 call = match limits {
                     Some(limits) => {
-                        let reading = if reads_cpu(limits, spinning) { cpu_demand(processes).await } else { None };
+                        let reading = cpu_demand(processes, limits, spinning).await;
                         Some(Call::new(limits, spinning, || reading))
                     }
                     None => None,
@@ -452,9 +452,13 @@ async fn converse(
     }
 }
 
-/// A reading of a stage's CPU demand ([`Processes::cpu_demand`]), taken on the blocking pool: it reads `/proc`,
-/// which can take seconds on a starved host, and the runtime's workers serve every other stage meanwhile.
-async fn cpu_demand(processes: Processes) -> Option<Duration> {
+/// A reading of a stage's CPU demand ([`Processes::cpu_demand`]) for a call whose CPU use is read ([`reads_cpu`]),
+/// taken on the blocking pool: it reads `/proc`, which can take seconds on a starved host, and the runtime's workers
+/// serve every other stage meanwhile. `None` for a call whose CPU use is not read.
+async fn cpu_demand(processes: Processes, limits: &CallLimits, spinning: bool) -> Option<Duration> {
+    if !reads_cpu(limits, spinning) {
+        return None;
+    }
     tokio::task::spawn_blocking(move || processes.cpu_demand()).await.ok().flatten()
 }
 
@@ -468,8 +472,8 @@ fn message_waiting(read: &tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
     let mut peeked = [0u8; MESSAGE_BYTES as usize];
     let socket: &tokio::net::UnixStream = read.get_ref().as_ref();
     match rustix::net::recv(socket, &mut peeked[..], rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT) {
-        Ok((_, 0)) => true,
-        Ok((_, n)) => peeked[..n.min(peeked.len())].contains(&b'\n'),
+        // Nothing to read on a socket that waits no more: it is closed.
+        Ok((read, _)) => read == 0 || peeked[..read].contains(&b'\n'),
         Err(_) => false,
     }
 }
