@@ -22,6 +22,10 @@ pub const DEFAULT_OPENING: &str = "Okay";
 pub const DEFAULT_REPETITION_THRESHOLD: f64 = 0.5;
 /// Responses shorter than this many words have repetition ratio 0: too short to call a loop.
 const MIN_WORDS_FOR_REPETITION: usize = 50;
+/// The longest word, in characters, that [`repetition_ratio`] takes whole; a longer run without whitespace is
+/// taken as words of this many characters, so that a loop with no word boundaries (`aaaa...`, `abcabc...`) repeats
+/// like any other. Longer than almost every identifier, literal and path in code (which stay whole).
+const MAX_WORD_CHARS: usize = 32;
 
 /// Parameters of [`diagnose`].
 #[derive(Debug, Clone, PartialEq)]
@@ -112,7 +116,11 @@ fn flag(params: &DiagnoseParams, response: &ResponseInput) -> ResponseFlags {
     let (reasoning, answer) = split_reasoning(response);
     let truncated = matches!(response.finish_reason.to_ascii_lowercase().as_str(), "length" | "max_tokens");
     let no_kernel = kforge_model_text::extract_kernel(answer).is_none();
-    let repetition = repetition_ratio(&format!("{reasoning}\n{answer}"));
+    // A text without a reasoning block is both: measured once, or each of its 4-grams would count as a repeat (every
+    // such response over 50 words had a ratio near 0.5).
+    let one_text = std::ptr::eq(reasoning, answer);
+    let repetition =
+        if one_text { repetition_ratio(answer) } else { repetition_ratio(&format!("{reasoning}\n{answer}")) };
     let degenerate = repetition > params.repetition_threshold;
     ResponseFlags {
         response_id: response.response_id.clone(),
@@ -126,9 +134,23 @@ fn flag(params: &DiagnoseParams, response: &ResponseInput) -> ResponseFlags {
     }
 }
 
+/// `word` cut into pieces of [`MAX_WORD_CHARS`] characters (the last shorter); a shorter word is one piece.
+fn pieces(word: &str) -> impl Iterator<Item = &str> {
+    let mut rest = word;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = rest.char_indices().nth(MAX_WORD_CHARS).map_or(rest.len(), |(at, _)| at);
+        let (piece, after) = rest.split_at(end);
+        rest = after;
+        Some(piece)
+    })
+}
+
 /// (reasoning, answer): the separate reasoning field if set; else the text split by
-/// [`kforge_model_text::split_reasoning`]; else the whole text is both (a model without a reasoning block is judged
-/// on how its text opens).
+/// [`kforge_model_text::split_reasoning`]; else the whole text is both, the same `&str` (a model without a
+/// reasoning block is judged on how its text opens).
 fn split_reasoning(response: &ResponseInput) -> (&str, &str) {
     if !response.reasoning.is_empty() {
         return (&response.reasoning, &response.text);
@@ -137,10 +159,12 @@ fn split_reasoning(response: &ResponseInput) -> (&str, &str) {
     if split.found { (split.reasoning, split.answer) } else { (&response.text, &response.text) }
 }
 
-/// `1 - distinct / total` over word 4-grams (words split on whitespace); 0 for texts under 50 words. A response
-/// that loops on one paragraph approaches 1; ordinary prose and code stay well under 0.3.
+/// `1 - distinct / total` over word 4-grams (words split on whitespace, a word of more than 32 characters cut into
+/// pieces of 32); 0 for texts under 50 words. A response that loops on one paragraph approaches 1, and so does
+/// one that repeats a character or a short unit without a space (`"a"` ten million times is 312,500 words of 32
+/// `a`s); ordinary prose and code stay well under 0.3. Linear in the text's length.
 pub fn repetition_ratio(text: &str) -> f64 {
-    let words: Vec<&str> = text.split_whitespace().collect();
+    let words: Vec<&str> = text.split_whitespace().flat_map(pieces).collect();
     if words.len() < MIN_WORDS_FOR_REPETITION {
         return 0.0;
     }
@@ -167,6 +191,45 @@ mod tests {
         let looped = "I will now try again to fix the kernel. ".repeat(40);
         assert!(repetition_ratio(&looped) > 0.8, "{}", repetition_ratio(&looped));
         assert_eq!(repetition_ratio("short text short text"), 0.0);
+    }
+
+    #[test]
+    fn a_loop_without_word_boundaries_is_degenerate() {
+        let ten_mb = "a".repeat(10_000_000);
+        let started = std::time::Instant::now();
+        let ratio = repetition_ratio(&ten_mb);
+        assert!(ratio > 0.99, "{ratio}");
+        // Linear: a few hundred milliseconds even in a debug build (the word split once, each 4-gram hashed once).
+        assert!(started.elapsed() < std::time::Duration::from_secs(20), "{:?}", started.elapsed());
+        for unit in ["ab", "xyz", "<|endoftext|>", "é", "🙂🙃"] {
+            let looped = unit.repeat(20_000);
+            assert!(repetition_ratio(&looped) > 0.9, "{unit}: {}", repetition_ratio(&looped));
+        }
+        // The loop dominates a response that opens and ends with prose: degenerate, and so junk.
+        let text = format!("<think>Okay, let me write it.</think>{ten_mb} the end");
+        let flags = diagnose(&DiagnoseParams::default(), &[response(&text)]).expect("valid").flags;
+        assert!(flags[0].degenerate && flags[0].junk && !flags[0].not_okay, "{:?}", flags[0]);
+        // A long word without a loop is not: 8 KB of hex without a space, no piece of it repeated.
+        let hex: String = (0u32..1024).map(|i| format!("{:08x}", i.wrapping_mul(2_654_435_761))).collect();
+        assert!(repetition_ratio(&hex) < 0.05, "{}", repetition_ratio(&hex));
+    }
+
+    #[test]
+    fn ordinary_code_is_not_degenerate() {
+        // Python with repeated idioms, C++/CUDA with long identifiers and literals, and this crate's own Rust.
+        let sources = [
+            include_str!("../../../examples/tasks/relu/turns/2_unrolled.py"),
+            include_str!("../../../examples/tasks/relu/candidates/cpu_loop.py"),
+            include_str!("diagnose.rs"),
+            include_str!("metrics.rs"),
+        ];
+        for source in sources {
+            let ratio = repetition_ratio(source);
+            assert!(ratio < 0.3, "{ratio}: {}", &source[..source.len().min(200)]);
+        }
+        let answer = format!("Here is the kernel.\n```python\n{}```\n", sources[0]);
+        let flags = diagnose(&DiagnoseParams::default(), &[response(&answer)]).expect("valid").flags;
+        assert!(!flags[0].degenerate, "{:?}", flags[0]);
     }
 
     #[test]
