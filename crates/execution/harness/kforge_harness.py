@@ -58,7 +58,7 @@ _exit = os._exit
 # ------------------------------------------------------------------------------------------------- protocol
 
 # The version of the messages below; the evaluator's `protocol::PROTOCOL_VERSION` must be the same.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # The exit status of a harness that refused a request of another protocol version.
 REFUSED_EXIT = 5
 
@@ -95,11 +95,11 @@ SPECS = {
 COMMON_RESULT = {"protocol", "ok", "error", "error_type", "phase", "cpu_ms", "phases_ms", "blocking_sync"}
 RESULTS = {
     "compile": {"seconds", "kernels", "kernels_unread"},
-    "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "timed_outputs", "timing_cpu", "census",
-                  "device_peak_bytes", "jit_kernels"},
+    "candidate": {"mutated_inputs", "findings", "samples_ms", "host_ms", "rounds", "timed_outputs", "timing_cpu",
+                  "census", "device_peak_bytes", "jit_kernels"},
     "reference": {"mismatch", "compared_trials", "device_peak_bytes", "output_bytes"},
     "check": {"mismatch", "compared_trials"},
-    "baseline": {"eager_ms", "eager_host_ms", "compile_ms", "compile_error", "timing_cpu"},
+    "baseline": {"eager_ms", "eager_host_ms", "eager_rounds", "compile_ms", "compile_error", "timing_cpu"},
     "bindings_pch": {"built", "failed", "host"},
 }
 
@@ -447,6 +447,15 @@ class Gate:
         """Runs the block alone on the device, its launching thread on the CPU kept free of other stages (the
         evaluator's `timing_cpu`). A block that raises ends the stage: no need to share again."""
         self.ask(b"alone\n", device)
+        with pinned_to(self.timing_cpu):
+            yield
+        self.ask(b"share\n", device)
+
+    @contextlib.contextmanager
+    def round(self, device):
+        """One round of paired timing: run alone once it is this stage's turn (the candidate's and its baseline's
+        rounds alternate), its launching thread pinned as in `alone`. Sharing again after it passes the turn."""
+        self.ask(b"round\n", device)
         with pinned_to(self.timing_cpu):
             yield
         self.ask(b"share\n", device)
@@ -1220,35 +1229,47 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
     output = None
     spinning = device.type == "cuda" and set_sync(spin=True)
     waited_before, switches_before = thread_cpu_wait()
+
+    def step():
+        """One call, timed; warm-up calls are not recorded. Whether it was recorded."""
+        nonlocal call, output
+        call += 1
+        which = call % len(input_sets)
+        inputs = input_sets[which]
+        perturb(inputs, set_seeds[which], call)
+        GATE.call(timed=spinning)
+        elapsed, host_elapsed, launch, output = timer.time_ms(lambda: fn_for_inputs(inputs),
+                                                               cover_ms(launches, device_ms, timer.flush_ms))
+        launches.append(launch)
+        device_ms.append(elapsed)
+        if call < budget["warmup_runs"]:
+            return False
+        samples.append(elapsed)
+        host.append(host_elapsed)
+        if sample is not None:
+            sample.offer(call, output)
+        return True
+
+    rounds = []
     with torch.no_grad():
-        started = None
-        while len(samples) < budget["max_runs"]:
-            call += 1
-            which = call % len(input_sets)
-            inputs = input_sets[which]
-            perturb(inputs, set_seeds[which], call)
-            GATE.call(timed=spinning)
-            elapsed, host_elapsed, launch, output = timer.time_ms(lambda: fn_for_inputs(inputs),
-                                                                   cover_ms(launches, device_ms, timer.flush_ms))
-            launches.append(launch)
-            device_ms.append(elapsed)
-            if call < budget["warmup_runs"]:
-                continue
-            if started is None:
-                started = _monotonic()
-            samples.append(elapsed)
-            host.append(host_elapsed)
-            if sample is not None:
-                sample.offer(call, output)
-            n = len(samples)
-            spent = _monotonic() - started
-            if n >= budget["min_runs"] and spent >= budget.get("min_seconds", 0.0):
-                mean = sum(samples) / n
-                var = sum((s - mean) ** 2 for s in samples) / (n - 1)
-                if mean > 0 and math.sqrt(var / n) / mean < budget["target_rel_error"]:
+        if budget.get("rounds"):
+            rounds = paired_rounds(step, device, budget)
+        else:
+            started = None
+            while len(samples) < budget["max_runs"]:
+                if not step():
+                    continue
+                if started is None:
+                    started = _monotonic()
+                n = len(samples)
+                spent = _monotonic() - started
+                if n >= budget["min_runs"] and spent >= budget.get("min_seconds", 0.0):
+                    mean = sum(samples) / n
+                    var = sum((s - mean) ** 2 for s in samples) / (n - 1)
+                    if mean > 0 and math.sqrt(var / n) / mean < budget["target_rel_error"]:
+                        break
+                if spent > budget["max_seconds"]:
                     break
-            if spent > budget["max_seconds"]:
-                break
     waited_after, switches_after = thread_cpu_wait()
     if spinning:
         set_sync(spin=False)
@@ -1267,7 +1288,33 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
         # median includes host launch time.
         "cover_short_share": share(timer.short[budget["warmup_runs"]:]),
     }
-    return samples, host, call, output, cpu
+    return samples, host, call, output, cpu, rounds
+
+
+def paired_rounds(step, device, budget):
+    """Paired timing: `budget["rounds"]` rounds of `step`, each alone on the device in its turn (`Gate.round`), the
+    first opening with the warm-up calls. A round records at least its share of `min_runs` and `min_seconds`, and
+    stops at its share of `max_runs` or `max_seconds`. Returns the recorded calls' count in each round."""
+    count = budget["rounds"]
+    least_calls = max(1, math.ceil(budget["min_runs"] / count))
+    most_calls = max(least_calls, budget["max_runs"] // count)
+    least_seconds = budget.get("min_seconds", 0.0) / count
+    most_seconds = max(least_seconds, budget["max_seconds"] / count)
+    counts = []
+    for _ in range(count):
+        recorded, started = 0, None
+        with GATE.round(device):
+            while recorded < most_calls:
+                if not step():
+                    continue
+                if started is None:
+                    started = _monotonic()
+                recorded += 1
+                spent = _monotonic() - started
+                if (recorded >= least_calls and spent >= least_seconds) or spent > most_seconds:
+                    break
+        counts.append(recorded)
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------------- integrity
@@ -2051,26 +2098,39 @@ def mode_candidate(spec):
     integrity.check_environment("during the correctness trials")
     timing, calls = spec.get("timing"), spec.get("census_calls")
     if timing or calls:
-        # The census and timing share one turn alone on the device: one wait for the device to drain, not two.
         with phase("census_start"):
             census = Census(model, make_inputs(task, spec["timing_seeds"][0], device), device, calls) if calls else None
         with phase("timing"):
             input_sets = timing_inputs(task, spec, device) if timing else None
-        with GATE.alone(device):
-            if census is not None:
-                with phase("census_calls"):
-                    census.record()
-            if timing:
-                with phase("timing"):
-                    keep = spec["keep_timed"]
-                    sample = TimedSample(device, keep, first_bytes) if keep is not None else None
-                    samples, host, last_call, output, cpu = measure(lambda inputs: model(*inputs), input_sets,
-                                                                    spec["timing_seeds"], device, timing, sample)
+        paired = bool(timing and timing.get("rounds"))
+        measured = None
+
+        def timed():
+            with phase("timing"):
+                keep = spec["keep_timed"]
+                sample = TimedSample(device, keep, first_bytes) if keep is not None else None
+                return measure(lambda inputs: model(*inputs), input_sets, spec["timing_seeds"], device, timing,
+                               sample), sample
+
+        # The census and unpaired timing share one turn alone on the device. Paired timing takes its turns with
+        # the baseline's round by round (`paired_rounds`), after the census.
+        if census is not None or (timing and not paired):
+            with GATE.alone(device):
+                if census is not None:
+                    with phase("census_calls"):
+                        census.record()
+                if timing and not paired:
+                    measured = timed()
+        if paired:
+            measured = timed()
+        if measured is not None:
+            (samples, host, last_call, output, cpu, rounds), sample = measured
         if timing:
             with phase("timing"):
                 synchronize(device)
                 result["samples_ms"] = samples
                 result["host_ms"] = host
+                result["rounds"] = rounds
                 result["timing_cpu"] = cpu
                 result["timed_outputs"] = keep_timed_outputs(spec, output, last_call, sample) if sample else []
                 del sample, output
@@ -2426,10 +2486,13 @@ def mode_baseline(spec):
     task, model = reference_model(spec, device)
     input_sets = timing_inputs(task, spec, device)
     seeds = spec["timing_seeds"]
-    with GATE.alone(device):
-        eager, eager_host, _, _, cpu = measure(lambda inputs: model(*inputs), input_sets, seeds, device,
-                                               spec["timing"])
+    # Paired, each round takes its own turn alone; else the whole loop runs alone.
+    with GATE.alone(device) if not spec["timing"].get("rounds") else contextlib.nullcontext():
+        eager, eager_host, _, _, cpu, rounds = measure(lambda inputs: model(*inputs), input_sets, seeds, device,
+                                                       spec["timing"])
     result = {"ok": True, "eager_ms": eager, "eager_host_ms": eager_host, "timing_cpu": cpu}
+    if rounds:
+        result["eager_rounds"] = rounds
     if spec.get("compile"):
         try:
             compiled = torch.compile(model)
@@ -2437,7 +2500,7 @@ def mode_baseline(spec):
             with torch.no_grad():
                 compiled(*input_sets[0])
             with GATE.alone(device):
-                result["compile_ms"], _, _, _, _ = measure(lambda inputs: compiled(*inputs), input_sets, seeds,
+                result["compile_ms"], _, _, _, _, _ = measure(lambda inputs: compiled(*inputs), input_sets, seeds,
                                                            device, spec["timing"])
         except Exception as error:  # torch.compile is unavailable on some hosts (no C compiler for inductor)
             result["compile_error"] = f"{type(error).__name__}: {error}"[:2000]

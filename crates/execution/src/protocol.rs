@@ -20,7 +20,7 @@ use crate::census::ModeRecords;
 use crate::config::{TimingBudget, Tolerances};
 
 /// The version of the messages below; the harness's `PROTOCOL_VERSION` must be the same.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The exit status of a harness that refused a request of another protocol version.
 pub const REFUSED_EXIT: i32 = 5;
@@ -112,10 +112,14 @@ pub struct TimingSpec {
     pub max_seconds: f64,
     pub min_seconds: f64,
     pub target_rel_error: f64,
+    /// Paired timing (`devices::pairing`): the calls are timed in this many rounds, each at least `min_runs` and
+    /// `min_seconds` over the rounds' count (and at most `max_runs` and `max_seconds` so divided), its turn taken by
+    /// turns with the other side's; no early stop. 0: one run alone, stopping early once the error is small.
+    pub rounds: u32,
 }
 
 impl From<&TimingBudget> for TimingSpec {
-    /// At least two measured runs, and no fewer at most than at least.
+    /// At least two measured runs, and no fewer at most than at least; unpaired.
     fn from(timing: &TimingBudget) -> Self {
         Self {
             warmup_runs: timing.warmup_runs,
@@ -124,7 +128,15 @@ impl From<&TimingBudget> for TimingSpec {
             max_seconds: timing.max_seconds,
             min_seconds: timing.min_seconds,
             target_rel_error: timing.target_rel_error,
+            rounds: 0,
         }
+    }
+}
+
+impl TimingSpec {
+    /// The same budget, timed in `rounds` paired rounds.
+    pub fn paired(self, rounds: u32) -> Self {
+        Self { rounds, ..self }
     }
 }
 
@@ -271,6 +283,9 @@ pub struct CandidateResult {
     pub samples_ms: Vec<f64>,
     #[serde(default, deserialize_with = "lenient")]
     pub host_ms: Vec<f64>,
+    /// Paired timing: the samples' count in each round, in order; empty when unpaired or unreadable.
+    #[serde(default, deserialize_with = "lenient")]
+    pub rounds: Vec<u32>,
     /// The timed calls whose outputs were saved: the last, then a random sample of earlier ones, drawn as the calls
     /// ran; empty when unreadable.
     #[serde(default, deserialize_with = "lenient")]
@@ -392,6 +407,9 @@ pub struct BaselineResult {
     pub eager_ms: Option<Vec<f64>>,
     #[serde(default, deserialize_with = "lenient")]
     pub eager_host_ms: Option<Vec<f64>>,
+    /// Paired timing: the eager samples' count in each round, in order.
+    #[serde(default, deserialize_with = "lenient")]
+    pub eager_rounds: Option<Vec<u32>>,
     #[serde(default, deserialize_with = "lenient")]
     pub compile_ms: Option<Vec<f64>>,
     /// Why torch.compile was not timed.

@@ -11,7 +11,7 @@ use kforge_sandbox::{Command, Control, Finished, Limits, Processes, Sandbox, San
 use tokio_util::sync::CancellationToken;
 
 use crate::config::CallLimitsConfig;
-use crate::devices::{Gate, Member, MemberTimes};
+use crate::devices::{Gate, Member, MemberTimes, PairSide};
 use crate::protocol::{self, Decoded, GateRole, Mode, PROTOCOL_VERSION, Report, StageSpec};
 use crate::python::PythonEnv;
 
@@ -38,6 +38,8 @@ pub struct Request<S> {
     pub env: Vec<(String, String)>,
     /// How long each call into candidate code may run (stages that run candidate code); see [`converse`].
     pub limits: Option<CallLimits>,
+    /// The stage's side of a paired timing (`devices::pairing`): its rounds alternate with the other side's.
+    pub pair: Option<PairSide>,
 }
 
 /// How long a call into candidate code may run before its stage is stopped as hung. A call is what follows the
@@ -91,7 +93,7 @@ impl CallLimits {
 impl<S: StageSpec> Request<S> {
     /// A request with no environment of its own and no call limits.
     pub fn plain(spec: S) -> Self {
-        Self { spec, env: vec![], limits: None }
+        Self { spec, env: vec![], limits: None, pair: None }
     }
 
     pub fn mode(&self) -> Mode {
@@ -251,6 +253,7 @@ impl Watch {
 struct Conversation {
     member: Arc<Member>,
     limits: Option<CallLimits>,
+    pair: Option<PairSide>,
 }
 
 /// The largest file a stage may write (RLIMIT_FSIZE): one trial's outputs, saved for the checker, are as large as
@@ -317,8 +320,9 @@ pub fn start(
         let watch = watch.clone();
         move |control, socket| async move {
             let joined = conversation.lock().expect("never poisoned").take();
-            if let Some(Conversation { member, limits }) = joined {
-                match converse(&member, &control, waiting, socket, limits.as_ref(), &watch).await {
+            if let Some(Conversation { member, limits, pair }) = joined {
+                let party = Party { member: &member, pair: pair.as_ref() };
+                match converse(party, &control, waiting, socket, limits.as_ref(), &watch).await {
                     // The harness's socket closes as its interpreter shuts down; a stage that closed it and runs
                     // on would use the device outside the gate.
                     Ended::Closed => {
@@ -363,6 +367,8 @@ enum Ended {
 /// - `pause`: a pause point between steps of shared work; it pauses only while someone runs alone or waits to;
 /// - `idle`: host work only until it shares again (trusted stages; see [`Joining::Idle`]): it holds nobody up and
 ///   runs on while others run alone (the checker reading outputs' files into the page cache);
+/// - `round` (a paired stage only): one round of paired timing, run alone once it is this side's turn
+///   (`devices::pairing`); the `share` that ends it passes the turn to the other side;
 ///
 /// and two notices, not answered: `call`, a call into candidate code starts (see [`CallLimits`]), and `timed`,
 /// a timed call starts (its process waits for the GPU spinning: no longer limit for CPU use). A call still
@@ -373,7 +379,7 @@ enum Ended {
 /// candidate code forging the harness's messages sends one, and a stage left outside the gate could use the device
 /// while others run alone.
 async fn converse(
-    member: &Member,
+    party: Party<'_>,
     control: &Control,
     waiting: Waiting,
     socket: tokio::net::UnixStream,
@@ -384,7 +390,10 @@ async fn converse(
     let (read, mut write) = socket.into_split();
     let mut read = BufReader::new(read);
     let mut line = Vec::new();
+    let Party { member, pair } = party;
     let mut call: Option<Call> = None;
+    // A paired round runs: the `share` that ends it passes the turn.
+    let mut in_round = false;
     let processes = control.processes();
     loop {
         let check_at = call.as_ref().map(|call| call.check_at);
@@ -437,7 +446,26 @@ async fn converse(
                 continue;
             }
             b"alone\n" => waiting.wait(control, member.alone()).await,
-            b"share\n" => waiting.wait(control, member.share()).await,
+            b"round\n" => {
+                let Some(pair) = pair else { return Ended::Broken };
+                in_round = true;
+                // Held at its pause point while the other side's round runs, then alone for its own.
+                member.hold();
+                waiting
+                    .wait(control, async {
+                        pair.turn().await;
+                        member.alone().await
+                    })
+                    .await;
+            }
+            b"share\n" => {
+                if std::mem::take(&mut in_round) {
+                    // Held first, so the other side's round, next, finds this one paused.
+                    member.hold();
+                    pair.expect("a round runs only in a paired stage").end_turn();
+                }
+                waiting.wait(control, member.share()).await;
+            }
             b"pause\n" => {
                 if member.must_pause() {
                     waiting.wait(control, member.share()).await;
@@ -450,6 +478,13 @@ async fn converse(
             return Ended::Closed;
         }
     }
+}
+
+/// Who a stage's conversation speaks for: its place at the gate, and its side of a paired timing.
+#[derive(Debug, Clone, Copy)]
+struct Party<'a> {
+    member: &'a Member,
+    pair: Option<&'a PairSide>,
 }
 
 /// A reading of a stage's CPU demand ([`Processes::cpu_demand`]) for a call whose CPU use is read ([`reads_cpu`]),
@@ -639,7 +674,8 @@ impl Started {
             None => None,
         };
         let clock = member.as_deref().map(Member::clock).unwrap_or_default();
-        let conversation = member.clone().map(|member| Conversation { member, limits: request.limits });
+        let Request { limits, pair, .. } = request;
+        let conversation = member.clone().map(|member| Conversation { member, limits, pair });
         if let Some(sender) = self.request.take() {
             let _ = sender.send((message, conversation));
         }
@@ -732,7 +768,7 @@ mod tests {
             basis: "test".into(),
         };
         let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
-        let request = Request { spec, env: vec![], limits: Some(limits) };
+        let request = Request { spec, env: vec![], limits: Some(limits), pair: None };
         let gate = gate.clone();
         let watch = started.watch.clone();
         (tokio::spawn(async move { started.run(request, Some((&gate, joining))).await }), watch, dir)

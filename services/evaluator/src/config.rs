@@ -87,6 +87,9 @@ pub struct EvaluatorConfig {
     pub plausible_speedup: f64,
     /// Whether baselines include torch.compile (it needs a C compiler and minutes per task on first use).
     pub baseline_torch_compile: bool,
+    /// Which evaluations time the candidate and a fresh eager baseline in alternating rounds
+    /// (`[evaluator.paired_timing]`; docs/EVALUATOR.md, "Paired timing").
+    pub paired_timing: PairedTimingConfig,
     /// Whether a GPU evaluation starts its task's baseline when it arrives, beside its compile and outside the
     /// device's slots, rather than on its slot after the checks (off: the serial design).
     pub baselines_ahead: bool,
@@ -136,6 +139,7 @@ impl EvaluatorConfig {
             reserve_timing_cpu,
             plausible_speedup: _,
             baseline_torch_compile: _,
+            paired_timing: _,
             baselines_ahead: _,
             build_recipe,
             bindings_pch,
@@ -226,6 +230,7 @@ impl Default for EvaluatorConfig {
             reserve_timing_cpu,
             plausible_speedup: 10.0,
             baseline_torch_compile: true,
+            paired_timing: PairedTimingConfig::default(),
             baselines_ahead: true,
             build_recipe,
             bindings_pch,
@@ -233,6 +238,49 @@ impl Default for EvaluatorConfig {
             device_probe,
             cache_limits,
         }
+    }
+}
+
+/// Paired timing: the candidate and a fresh baseline process time their calls in alternating rounds in one window,
+/// so both meet the same load, and the speedup is the median of the rounds' ratios.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PairedTimingConfig {
+    /// Where: `cpu` (the default: the CPU backend, whose timing shares the machine's CPUs with everything else),
+    /// `all` (GPU backends too, a baseline process per evaluation), or `off` (every speedup against the cached
+    /// baseline).
+    pub on: PairedOn,
+    /// Rounds per side: the timing budget (`timing`) is spread over them. Default 10.
+    pub rounds: u32,
+    /// The rounds' speedups spreading more than this (their interquartile range over their median) gets the
+    /// finding `timing.unsteady`. Default 0.2.
+    pub spread_bound: f64,
+}
+
+impl Default for PairedTimingConfig {
+    fn default() -> Self {
+        Self { on: PairedOn::Cpu, rounds: 10, spread_bound: 0.2 }
+    }
+}
+
+/// Which backends time in pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PairedOn {
+    Cpu,
+    All,
+    Off,
+}
+
+impl PairedTimingConfig {
+    /// Whether an evaluation on the CPU (`on_gpu` false) or a GPU times in pairs.
+    pub fn applies(&self, on_gpu: bool) -> bool {
+        self.rounds > 0
+            && match self.on {
+                PairedOn::Cpu => !on_gpu,
+                PairedOn::All => true,
+                PairedOn::Off => false,
+            }
     }
 }
 

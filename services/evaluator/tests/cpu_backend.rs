@@ -7,7 +7,7 @@ mod support;
 
 use std::path::PathBuf;
 
-use kforge_evaluator::config::CallLimitsConfig;
+use kforge_evaluator::config::{CallLimitsConfig, PairedOn, PairedTimingConfig};
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics, RequestError};
 use kforge_proto::v1 as pb;
 
@@ -65,13 +65,34 @@ async fn a_compiled_kernel_is_correct_timed_and_cached() {
     assert_eq!(verdict(&first), pb::Verdict::Correct, "{first:#?}");
     let timing = first.candidate_timing.as_ref().expect("candidate timed");
     assert!(!timing.samples_ms.is_empty() && timing.median_ms > 0.0, "{timing:?}");
-    let eager = first.eager_timing.as_ref().expect("eager baseline timed");
-    assert!((first.speedup_eager - eager.median_ms / timing.median_ms).abs() < 1e-9);
+    assert!(first.eager_timing.as_ref().is_some_and(|eager| eager.median_ms > 0.0), "eager baseline timed");
+    // On the CPU the candidate and a fresh baseline take turns, round by round.
+    assert_eq!(first.speedup_basis(), pb::SpeedupBasis::Paired, "{first:#?}");
+    assert!(first.speedup_eager > 0.0 && first.speedup_spread.is_finite() && first.speedup_spread >= 0.0);
+    assert!(!first.findings.iter().any(|f| f.code == "timing.unpaired"), "{:?}", first.findings);
     assert_eq!(first.device, "cpu");
 
     let again = evaluator.evaluate(request(CPU_LOOP)).await.expect("evaluates");
     assert_eq!(verdict(&again), pb::Verdict::Correct);
     assert!(again.compile_cache_hit, "an identical candidate reuses its compiled artifact");
+}
+
+/// With paired timing off, the speedup is the cached baseline's eager median over the candidate's.
+#[tokio::test]
+async fn unpaired_speedups_are_against_the_cached_baseline() {
+    let Some(base) = config() else { return };
+    let unpaired = PairedTimingConfig { on: PairedOn::Off, ..PairedTimingConfig::default() };
+    let evaluator = evaluator(EvaluatorConfig { paired_timing: unpaired, ..base }).await;
+    let response = evaluator
+        .evaluate(pb::EvaluateRequest { measure_performance: true, ..request(CPU_LOOP) })
+        .await
+        .expect("evaluates");
+    assert_eq!(verdict(&response), pb::Verdict::Correct, "{response:#?}");
+    let timing = response.candidate_timing.as_ref().expect("candidate timed");
+    let eager = response.eager_timing.as_ref().expect("eager baseline timed");
+    assert!((response.speedup_eager - eager.median_ms / timing.median_ms).abs() < 1e-9);
+    assert_eq!(response.speedup_basis(), pb::SpeedupBasis::CachedBaseline);
+    assert_eq!(response.speedup_spread, 0.0);
 }
 
 /// A call that never returns costs its call limit, not the stage's: asleep (as a process waiting on a kernel that

@@ -222,7 +222,7 @@ async fn stages(
             let reference_ms = engine.eager_median_ms(&task_key, lane.gpu());
             let limits = CallLimits::for_reference(&config.call_limits, reference_ms);
             let spec = candidate_run(census_calls, 0);
-            let outcome = engine.candidate_stage(process, &lane, &census_dir, spec, limits).await;
+            let outcome = engine.candidate_stage(process, &lane, &census_dir, spec, limits, None).await;
             evaluation.stage_ms.insert("census".into(), ms(started.elapsed()));
             let result = match engine.candidate_result(outcome, lane.gpu(), evaluation)? {
                 Ok(result) => result,
@@ -279,7 +279,7 @@ async fn stages(
     // A profiled call replays each kernel once per pass: its limit is the stage's.
     let limits = CallLimits::fixed(run.wall, "the profile's run limit");
     let spec = candidate_run(0, profiled_calls);
-    let outcome = engine.candidate_stage(profiled_process, &lane, &profiled_dir, spec, limits).await;
+    let outcome = engine.candidate_stage(profiled_process, &lane, &profiled_dir, spec, limits, None).await;
     evaluation.stage_ms.insert("profiled".into(), ms(started.elapsed()));
     match engine.candidate_result(outcome, lane.gpu(), evaluation)? {
         Ok(result) => {

@@ -263,6 +263,12 @@ impl Member {
         self.clock.lock().times.waited += asked.elapsed();
     }
 
+    /// Stands at a pause point (stopped by its driver, its device work synchronised) without asking for anything:
+    /// others may run alone meanwhile. A paired stage waits for its round's turn so (`super::pairing`).
+    pub fn hold(&self) {
+        self.stand(Standing::Paused);
+    }
+
     /// Whether a pause point should pause: someone runs alone or waits to.
     pub fn must_pause(&self) -> bool {
         self.gate.state.lock().expect("gate lock is never poisoned").pausing()

@@ -9,7 +9,7 @@ use kforge_sandbox::{Exit, tail as cap};
 use tokio_util::sync::CancellationToken;
 
 use super::{Backend, Engine, InfraError, Submission, hack_finding};
-use crate::devices::Lane;
+use crate::devices::{Lane, PairSide};
 use crate::protocol::{CandidatePlacement, CandidateResult, CandidateRun, CandidateSpec, Mode, Report};
 use crate::stage::{CallLimits, Request, Stage, StageOutcome, Started};
 
@@ -82,7 +82,8 @@ impl Engine {
         self.start_candidate(submission, dir, artifact_dir, cancel)
     }
 
-    /// Runs the candidate's started process on `lane` with `spec`.
+    /// Runs the candidate's started process on `lane` with `spec`; with `pair`, its timing rounds alternate with its
+    /// baseline's (`devices::pairing`).
     pub async fn candidate_stage(
         &self,
         started: Started,
@@ -90,6 +91,7 @@ impl Engine {
         dir: &Path,
         run: CandidateRun,
         limits: CallLimits,
+        pair: Option<PairSide>,
     ) -> Result<StageOutcome<CandidateResult>, InfraError> {
         let python = self.checked_python();
         let placement = CandidatePlacement {
@@ -100,7 +102,7 @@ impl Engine {
             timing_cpu: python.timing_cpu(lane.gpu()),
         };
         let spec = CandidateSpec { run, placement };
-        let request = Request { spec, env: python.device_env(lane.gpu()), limits: Some(limits) };
+        let request = Request { spec, env: python.device_env(lane.gpu()), limits: Some(limits), pair };
         self.stage(started, request, Some(lane)).await.map_err(InfraError::stage(Mode::Candidate))
     }
 

@@ -1,6 +1,7 @@
 //! The baselines: the reference timed eagerly and under torch.compile in a clean child, cached per task, device
 //! and versions, and computed ahead of the evaluation where that helps.
 
+use std::ffi::OsString;
 use std::path::Path;
 use std::time::Duration;
 
@@ -117,19 +118,7 @@ impl Evaluator {
             return Baseline::parse(&text);
         }
         inner.engine.metrics().cache("baseline", false);
-        std::fs::write(scratch.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
-        let mut env = python.env_on(scratch, gpu);
-        env.push(("TORCHINDUCTOR_CACHE_DIR".into(), scratch.join("inductor").into()));
-        env.push(("TRITON_CACHE_DIR".into(), scratch.join("triton").into()));
-        let stage = Stage {
-            scratch: scratch.to_owned(),
-            readable: vec![],
-            writable: vec![],
-            env,
-            wall: Duration::from_secs(inner.config.run_timeout_secs),
-            background: false,
-            launcher: vec![],
-        };
+        let stage = self.baseline_stage(submission, scratch, python.env_on(scratch, gpu))?;
         let request = Request::plain(BaselineSpec {
             task_path: scratch.join("task.py"),
             device: lane.device(),
@@ -167,6 +156,28 @@ impl Evaluator {
             .map_err(InfraError::cache("baseline cache"))?;
         inner.engine.evict_later("baseline", &inner.baselines);
         Ok(baseline)
+    }
+
+    /// A baseline's stage in `scratch`, the task written there, with `env` (the interpreter's, and the device's
+    /// where it is known when the process starts).
+    pub(super) fn baseline_stage(
+        &self,
+        submission: &Submission,
+        scratch: &Path,
+        mut env: Vec<(OsString, OsString)>,
+    ) -> Result<Stage, InfraError> {
+        std::fs::write(scratch.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
+        env.push(("TORCHINDUCTOR_CACHE_DIR".into(), scratch.join("inductor").into()));
+        env.push(("TRITON_CACHE_DIR".into(), scratch.join("triton").into()));
+        Ok(Stage {
+            scratch: scratch.to_owned(),
+            readable: vec![],
+            writable: vec![],
+            env,
+            wall: Duration::from_secs(self.inner.config.run_timeout_secs),
+            background: false,
+            launcher: vec![],
+        })
     }
 
     /// The baseline cache's key of `submission`'s task on `gpu` (or the CPU).

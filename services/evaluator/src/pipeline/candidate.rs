@@ -45,7 +45,7 @@ impl Evaluator {
         let dir = scratch.join("remeasure");
         let engine = &self.inner.engine;
         let started = engine.start_candidate(submission, &dir, artifact_dir, cancel)?;
-        engine.candidate_stage(started, lane, &dir, spec, self.call_limits(submission, lane.gpu())).await
+        engine.candidate_stage(started, lane, &dir, spec, self.call_limits(submission, lane.gpu()), None).await
     }
 
     /// How long each call of `submission`'s candidate may run on `gpu`: from the task's eager median where its

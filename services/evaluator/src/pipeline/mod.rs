@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use kforge_execution::cache::{self, Cache};
 use kforge_execution::census;
-use kforge_execution::devices::{self, MemberTimes};
+use kforge_execution::devices::{self, MemberTimes, Pairing, Side};
 use kforge_execution::disk::OutputPlan;
 use kforge_execution::engine::{
     Backend, Engine, InfraError, RemoveOnDrop, RequestError, Submission, finding_proto, hack_finding, ms,
@@ -36,11 +36,13 @@ use crate::stats::timing_stats;
 mod baseline;
 mod candidate;
 mod check;
+mod paired;
 mod request;
 mod setup;
 mod timing;
 mod verdict;
 
+use baseline::Baseline;
 use check::{Trial, Trials};
 use request::Evaluation;
 use timing::{set_speedups, timing_samples, wall_clock_mismatch};
@@ -110,7 +112,7 @@ impl Evaluator {
         // The lane was released when `run` returned: its hold is the device time this evaluation took.
         if let Some((held, gate)) = lane_held {
             response.stage_ms.insert("device".into(), ms(held.elapsed()));
-            self.inner.metrics.execution.stage_seconds("device_lane", held.elapsed());
+            self.inner.metrics.execution.stage_seconds(kforge_execution::metrics::DEVICE_LANE_STAGE, held.elapsed());
             let gate = *gate.lock().expect("never poisoned");
             response.stage_ms.insert("device.alone".into(), ms(gate.alone));
             response.stage_ms.insert("device.gate_wait".into(), ms(gate.waited));
@@ -159,11 +161,11 @@ impl Evaluator {
             return Ok(pb::Verdict::Rejected);
         }
 
-        let stage_dirs = ["compile", "candidate", "check", "baseline"].map(|stage| scratch.join(stage));
+        let stage_dirs = ["compile", "candidate", "check", "baseline", "paired"].map(|stage| scratch.join(stage));
         for dir in &stage_dirs {
             std::fs::create_dir_all(dir).map_err(InfraError::files(format!("scratch directory {}", dir.display())))?;
         }
-        let [compile_dir, mut candidate_dir, check_dir, baseline_dir] = stage_dirs;
+        let [compile_dir, mut candidate_dir, check_dir, baseline_dir, paired_dir] = stage_dirs;
         let task_key = cache::key(&[submission.task.as_bytes()]);
 
         self.baseline_ahead(evaluation);
@@ -225,8 +227,14 @@ impl Evaluator {
             _files_room = Some(room);
         }
 
-        // Started before the lane: the interpreter and torch load while other evaluations use the device.
+        // Started before the lane: the interpreter and torch load while other evaluations use the device. So does a
+        // paired baseline's, which a failed candidate stops (`paired.rs`).
         let candidate_process = engine.start_candidate(submission, &candidate_dir, artifact_dir, cancel)?;
+        let paired_cancel = cancel.child_token();
+        let paired_process = match evaluation.measure && inner.config.paired_timing.applies(on_gpu) {
+            true => Some(self.start_paired_baseline(submission, &paired_dir, &paired_cancel)?),
+            false => None,
+        };
         let started = Instant::now();
         let footprint = match on_gpu {
             true => engine.footprint(&task_key).or(sizes.map(|s| devices::footprint(s.input_bytes + s.output_bytes))),
@@ -260,8 +268,29 @@ impl Evaluator {
             keep_timed: Some(KeepTimed::sampled(digest_key)),
         };
         let limits = self.call_limits(submission, gpu);
-        let mut candidate =
-            engine.candidate_stage(candidate_process, &lane, &candidate_dir, spec.clone(), limits.clone()).await;
+        // Paired: the candidate's timing rounds and its baseline's take turns, in one window.
+        let pairing = paired_process.is_some().then(Pairing::new);
+        let timing = match &pairing {
+            Some(_) => spec.timing.map(|timing| timing.paired(inner.config.paired_timing.rounds)),
+            None => spec.timing,
+        };
+        let candidate_run = async {
+            let side = pairing.as_ref().map(|pairing| pairing.side(Side::Candidate));
+            let run = CandidateRun { timing, ..spec.clone() };
+            let outcome =
+                engine.candidate_stage(candidate_process, &lane, &candidate_dir, run, limits.clone(), side).await;
+            let timed = outcome.as_ref().is_ok_and(|o| o.result.as_ref().is_some_and(|r| !r.body.rounds.is_empty()));
+            if !timed {
+                paired_cancel.cancel();
+            }
+            outcome
+        };
+        let paired_run = async {
+            let (started, pairing) = paired_process.zip(pairing.as_ref())?;
+            let side = pairing.side(Side::Baseline);
+            Some(self.paired_baseline(started, &lane, side, init_seed, &timing_seeds, &paired_dir).await)
+        };
+        let (mut candidate, paired_outcome) = tokio::join!(candidate_run, paired_run);
         if lane.shared() && candidate.as_ref().is_ok_and(out_of_memory) {
             // Another evaluation on the device may have held the memory it needed: once more, with the device to
             // itself. A candidate that needs more than the device has fails again, alone.
@@ -273,7 +302,7 @@ impl Evaluator {
                 category: pb::FindingCategory::Notice as i32,
             });
             let process = engine.restart_candidate(submission, &candidate_dir, artifact_dir, cancel)?;
-            candidate = engine.candidate_stage(process, &lane, &candidate_dir, spec, limits.clone()).await;
+            candidate = engine.candidate_stage(process, &lane, &candidate_dir, spec, limits.clone(), None).await;
         }
         response.stage_ms.insert("run".into(), ms(started.elapsed()));
         let result = match engine.candidate_result(candidate, gpu, response)? {
@@ -358,19 +387,45 @@ impl Evaluator {
                     return Ok(pb::Verdict::Hack);
                 }
             };
-            let baseline = self.baseline(submission, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await?;
+            let cached = self.baseline(submission, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await?;
+            // Paired: the eager samples are the paired baseline's, timed in the candidate's window.
+            let paired = paired_outcome.and_then(|outcome| paired::paired_eager(outcome.ok()?));
+            let paired_speedup = paired.as_ref().and_then(|(eager, _, rounds)| {
+                paired::paired_speedup((&measured.events, &result.rounds), (eager, rounds))
+            });
+            let baseline = match paired {
+                Some((eager, eager_host, _)) if paired_speedup.is_some() => {
+                    Baseline { eager, eager_host: Some(eager_host), compiled: cached.compiled.clone() }
+                }
+                _ => cached.clone(),
+            };
             if let Some(finding) = wall_clock_mismatch(&measured, &baseline) {
                 response.findings.push(finding);
                 return Ok(pb::Verdict::Hack);
             }
             response.eager_timing = timing_stats(baseline.eager.clone());
             // What a profile of the task on this device takes its call limits from.
-            if let Some(eager) = &response.eager_timing {
+            if let Some(eager) = timing_stats(cached.eager.clone()) {
                 engine.note_eager_median(&task_key, gpu, eager.median_ms);
             }
             response.compile_timing = baseline.compiled.clone().and_then(timing_stats);
             response.candidate_timing = timing_stats(measured.events.clone());
             set_speedups(response);
+            response.speedup_basis = pb::SpeedupBasis::CachedBaseline.into();
+            if let Some(paired) = paired_speedup {
+                response.speedup_eager = paired.speedup;
+                response.speedup_spread = paired.spread;
+                response.speedup_basis = pb::SpeedupBasis::Paired.into();
+                response.findings.extend(paired::unsteady(paired, inner.config.paired_timing.spread_bound));
+            } else if pairing.is_some() {
+                response.findings.push(pb::Finding {
+                    code: "timing.unpaired".into(),
+                    message: "paired timing was asked for, but the rounds did not pair (the paired baseline failed or                               timed other rounds): the speedup is against the cached baseline"
+                        .into(),
+                    line: 0,
+                    category: pb::FindingCategory::Notice as i32,
+                });
+            }
             response.stage_ms.insert("timing".into(), ms(started.elapsed()));
 
             // An implausible speedup is measured again in a fresh process, on inputs the first never saw; the
@@ -403,7 +458,9 @@ impl Evaluator {
                 if let (Some(first_ms), Some(again_ms)) = medians {
                     if again_ms > first_ms {
                         response.candidate_timing = again;
-                        set_speedups(response);
+                        // The speedups, paired or not, scaled to the slower measurement.
+                        response.speedup_eager *= first_ms / again_ms;
+                        response.speedup_compile *= first_ms / again_ms;
                     }
                     response.findings.push(pb::Finding {
                         code: "timing.remeasured".into(),
