@@ -1,4 +1,5 @@
-//! The shared bearer token: resolved once from config, checked by servers, attached by clients.
+//! Bearer tokens: the shared one and the named callers' own, resolved once from config, checked by servers (a named
+//! caller's token puts its [`Caller`] in the request's extensions, for the service to read), attached by clients.
 
 use std::fmt;
 use std::sync::Arc;
@@ -6,7 +7,7 @@ use std::sync::Arc;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Status};
 
-use crate::config::AuthConfig;
+use crate::config::{AuthConfig, CallerConfig};
 
 /// Why the token could not be resolved.
 #[derive(Debug, thiserror::Error)]
@@ -17,6 +18,9 @@ pub enum AuthError {
     MissingEnv { name: String },
     #[error("auth token from {source_name} is empty")]
     Empty { source_name: String },
+    /// `server.callers[index]` cannot name a caller.
+    #[error("server.callers[{index}]: {message}")]
+    Caller { index: usize, message: String },
 }
 
 /// A bearer token. Its `Debug` output never shows the secret.
@@ -65,6 +69,54 @@ impl Token {
     }
 }
 
+/// The named caller a call's token belongs to (`server.callers`), in the request's extensions once the bearer check
+/// has passed. Absent where the call presented the shared token, or auth is off: such calls name no caller.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Caller(Arc<str>);
+
+impl Caller {
+    pub fn new(name: &str) -> Self {
+        Self(name.into())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.0
+    }
+
+    /// The caller of `request`, if its token named one.
+    pub fn of<T>(request: &Request<T>) -> Option<&Caller> {
+        request.extensions().get::<Caller>()
+    }
+}
+
+impl fmt::Display for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Reads every named caller's token: each caller needs a unique name and a token of its own, unlike every other
+/// caller's and the shared one's (a token that named two callers could not tell them apart).
+pub fn resolve_callers(callers: &[CallerConfig], shared: Option<&Token>) -> Result<Vec<(Caller, Token)>, AuthError> {
+    let mut resolved: Vec<(Caller, Token)> = Vec::with_capacity(callers.len());
+    for (index, config) in callers.iter().enumerate() {
+        let fail = |message: &str| AuthError::Caller { index, message: message.to_owned() };
+        if config.name.trim().is_empty() {
+            return Err(fail("name: required"));
+        }
+        if resolved.iter().any(|(caller, _)| caller.name() == config.name) {
+            return Err(fail(&format!("name `{}` appears twice", config.name)));
+        }
+        let token = Token::resolve(&config.auth())?.ok_or_else(|| fail("token_file or token_env: required"))?;
+        let same = |other: &Token| constant_time_eq(other.0.as_bytes(), token.0.as_bytes());
+        if shared.is_some_and(same) || resolved.iter().any(|(_, other)| same(other)) {
+            return Err(fail("its token is another caller's or the shared one: each caller needs its own"));
+        }
+        resolved.push((Caller::new(&config.name), token));
+    }
+    Ok(resolved)
+}
+
 /// Compares without an early exit, so response time does not reveal how much of a guess was right.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
@@ -73,27 +125,53 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Server interceptor: with a token configured, rejects calls that do not present it as UNAUTHENTICATED.
+/// Server interceptor: with a token configured (the shared one, or named callers'), rejects calls that present none
+/// of them as UNAUTHENTICATED; a named caller's token puts its [`Caller`] in the request's extensions.
 #[derive(Debug, Clone, Default)]
 pub struct RequireBearer {
     token: Option<Token>,
+    callers: Arc<[(Caller, Token)]>,
 }
 
 impl RequireBearer {
     pub fn new(token: Option<Token>) -> Self {
-        Self { token }
+        Self { token, callers: Arc::new([]) }
+    }
+
+    /// The shared token (if any) and the named callers' tokens.
+    pub fn with_callers(token: Option<Token>, callers: Vec<(Caller, Token)>) -> Self {
+        Self { token, callers: callers.into() }
+    }
+
+    /// Whether any token is required.
+    pub fn is_on(&self) -> bool {
+        self.token.is_some() || !self.callers.is_empty()
     }
 }
 
 impl tonic::service::Interceptor for RequireBearer {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let Some(token) = &self.token else {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if !self.is_on() {
             return Ok(request);
+        }
+        let Some(value) = request.metadata().get("authorization") else {
+            return Err(Status::unauthenticated("missing `authorization: Bearer <token>` metadata"));
         };
-        match request.metadata().get("authorization") {
-            Some(value) if token.matches_header(value.as_bytes()) => Ok(request),
-            Some(_) => Err(Status::unauthenticated("bearer token does not match")),
-            None => Err(Status::unauthenticated("missing `authorization: Bearer <token>` metadata")),
+        let header = value.as_bytes();
+        if self.token.as_ref().is_some_and(|token| token.matches_header(header)) {
+            return Ok(request);
+        }
+        // Every caller's token is compared, so the time taken does not tell which one came close.
+        let caller = self.callers.iter().fold(None, |found, (caller, token)| {
+            let matches = token.matches_header(header);
+            found.or(matches.then(|| caller.clone()))
+        });
+        match caller {
+            Some(caller) => {
+                request.extensions_mut().insert(caller);
+                Ok(request)
+            }
+            None => Err(Status::unauthenticated("bearer token does not match")),
         }
     }
 }
@@ -154,6 +232,47 @@ mod tests {
         let token = Token::new("abc");
         let request = Outbound::new(Some(token.clone())).call(Request::new(())).expect("outbound never fails");
         assert!(RequireBearer::new(Some(token)).call(request).is_ok());
+    }
+
+    #[test]
+    fn a_caller_s_token_names_it_and_the_shared_token_names_no_one() {
+        let callers = vec![(Caller::new("alice"), Token::new("a-token")), (Caller::new("bob"), Token::new("b-token"))];
+        let mut check = RequireBearer::with_callers(Some(Token::new("shared")), callers.clone());
+        let caller = |check: &mut RequireBearer, header| {
+            check.call(with_header(Some(header))).map(|request| Caller::of(&request).map(|c| c.name().to_owned()))
+        };
+        assert_eq!(caller(&mut check, "Bearer a-token").expect("passes"), Some("alice".into()));
+        assert_eq!(caller(&mut check, "Bearer b-token").expect("passes"), Some("bob".into()));
+        assert_eq!(caller(&mut check, "Bearer shared").expect("passes"), None);
+        let status = caller(&mut check, "Bearer c-token").expect_err("unknown");
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        let mut callers_only = RequireBearer::with_callers(None, callers);
+        assert!(callers_only.call(with_header(None)).is_err(), "named callers alone turn the check on");
+        assert_eq!(caller(&mut callers_only, "Bearer b-token").expect("passes"), Some("bob".into()));
+    }
+
+    #[test]
+    fn callers_need_a_name_and_a_token_of_their_own() {
+        let dir = std::env::temp_dir().join(format!("kforge-callers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = |name: &str, token: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, format!("{token}\n")).expect("written");
+            Some(path)
+        };
+        let caller = |name: &str, token_file| CallerConfig { name: name.into(), token_file, token_env: None };
+        let (a, b, shared) = (file("a", "a-token"), file("b", "b-token"), Token::new("shared"));
+        let resolved = resolve_callers(&[caller("alice", a.clone()), caller("bob", b.clone())], Some(&shared))
+            .expect("two callers");
+        assert_eq!(resolved.iter().map(|(c, _)| c.name()).collect::<Vec<_>>(), ["alice", "bob"]);
+        let error =
+            |callers: &[CallerConfig]| resolve_callers(callers, Some(&shared)).expect_err("refused").to_string();
+        assert!(error(&[caller("", a.clone())]).starts_with("server.callers[0]: name"));
+        assert!(error(&[caller("alice", a.clone()), caller("alice", b)]).contains("appears twice"));
+        assert!(error(&[caller("alice", None)]).contains("token_file or token_env: required"));
+        assert!(error(&[caller("alice", a.clone()), caller("bob", a)]).contains("needs its own"));
+        assert!(error(&[caller("carol", file("c", "shared"))]).contains("needs its own"));
+        std::fs::remove_dir_all(dir).expect("cleanup");
     }
 
     #[test]

@@ -85,6 +85,10 @@ pub struct ServerConfig {
     pub tls: Option<TlsConfig>,
     /// Bearer-token check; off when neither source is set.
     pub auth: AuthConfig,
+    /// Named callers, each with a bearer token of its own (`[[<service>.server.callers]]`): a call presenting one
+    /// is that caller's (the orchestrator's per-caller quotas). Any turns the bearer check on; the shared token, when
+    /// set, is accepted beside them and names no caller.
+    pub callers: Vec<CallerConfig>,
 }
 
 impl ServerConfig {
@@ -104,6 +108,7 @@ impl Default for ServerConfig {
             concurrency_per_connection: 256,
             tls: None,
             auth: AuthConfig::default(),
+            callers: Vec::new(),
         }
     }
 }
@@ -129,6 +134,25 @@ pub struct AuthConfig {
     pub token_file: Option<PathBuf>,
     /// Name of an environment variable holding the token.
     pub token_env: Option<String>,
+}
+
+/// A named caller and where its own bearer token comes from (the file wins when both are set).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CallerConfig {
+    /// The caller's name, as recorded on what it submits (`Job.caller`). Required, unique.
+    pub name: String,
+    /// File holding the caller's token; surrounding whitespace is ignored.
+    pub token_file: Option<PathBuf>,
+    /// Name of an environment variable holding the caller's token.
+    pub token_env: Option<String>,
+}
+
+impl CallerConfig {
+    /// The caller's token sources, as the shared token's are read.
+    pub fn auth(&self) -> AuthConfig {
+        AuthConfig { token_file: self.token_file.clone(), token_env: self.token_env.clone() }
+    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-use crate::auth::{AuthError, RequireBearer, Token};
+use crate::auth::{AuthError, RequireBearer, Token, resolve_callers};
 use crate::config::{ServerConfig, TlsConfig};
 use crate::metrics::{Metrics, MetricsLayer, render};
 
@@ -53,7 +53,8 @@ pub enum ServeError {
 /// 4. deadline: the caller's `grpc-timeout`, capped by `request_timeout_secs` (tonic's built-in timeout layer);
 /// 5. per-connection concurrency limit;
 /// 6. routing: `/metrics` (plain HTTP), grpc.health.v1 (no auth: kubelet probes carry no credentials), and the
-///    services plus reflection behind the bearer-token interceptor;
+///    services plus reflection behind the bearer-token interceptor (which names the caller of a named token in the
+///    request's extensions, for the service's own checks);
 /// 7. each service's message size limit, set by the service on its generated server.
 #[derive(Debug)]
 pub struct Host {
@@ -72,7 +73,9 @@ impl Host {
     /// A host for `service` (the name on its logs, spans and metrics), configured by `config`.
     pub fn new(service: &'static str, config: &ServerConfig) -> Result<Self, ServeError> {
         let token = Token::resolve(&config.auth)?;
-        if token.is_none() && !config.listen.ip().is_loopback() {
+        let callers = resolve_callers(&config.callers, token.as_ref())?;
+        let auth = RequireBearer::with_callers(token, callers);
+        if !auth.is_on() && !config.listen.ip().is_loopback() {
             tracing::warn!(service, listen = %config.listen, "auth is off on a non-loopback address");
         }
         let health = HealthReporter::new();
@@ -86,7 +89,7 @@ impl Host {
             routes: RoutesBuilder::default(),
             names: Vec::new(),
             registry,
-            auth: RequireBearer::new(token),
+            auth,
             health,
             health_service,
             readiness: None,
