@@ -1,6 +1,6 @@
 //! The orchestrator's configuration, the `[orchestrator]` section of kforge.toml: where it listens, its peers and
-//! how many calls each may take at once, its store, its instance name and leases, the GPU pools to discover, and
-//! how a busy evaluator is retried. Deserialized with unknown keys refused; every field has a default, so an empty
+//! how many calls each may take at once, its store, its instance name and leases, the GPU pools to discover, how a
+//! busy evaluator is retried, the limits on a job's size, the named callers' quotas, and the failing-turns breaker. Deserialized with unknown keys refused; every field has a default, so an empty
 //! section serves on loopback with the default ports (docs/ORCHESTRATOR.md, "Configuration").
 
 use std::sync::Arc;
@@ -47,6 +47,60 @@ pub struct OrchestratorConfig {
     pub discovery: DiscoveriesConfig,
     /// Retries of a busy evaluator or a retryable infrastructure error (`[orchestrator.retry]`).
     pub retry: RetryConfig,
+    /// The largest job a submission may ask for (`[orchestrator.limits]`).
+    pub limits: LimitsConfig,
+    /// What each named caller may have at once and per hour (`[orchestrator.quotas]`).
+    pub quotas: QuotasConfig,
+    /// When a job whose turns keep failing is failed (`[orchestrator.breaker]`).
+    pub breaker: BreakerConfig,
+}
+
+/// The largest job SubmitJob and StartEpisode accept; a spec over one is INVALID_ARGUMENT naming its field and the
+/// key. Each bounds what one job can make the orchestrator do and store: with the measured size of a turn in the
+/// store, `total_turns` bounds a job's share of the disk (docs/ORCHESTRATOR.md, "Limits and quotas"). 0: no limit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Tasks, counted after resolving (`max_tasks` and `levels` applied). Default 10000 (KernelBench has 250).
+    pub tasks: u64,
+    /// `spec.trajectories_per_task`. Default 64 (GRPO groups are 4 to 16).
+    pub trajectories_per_task: u64,
+    /// `spec.turns`. Default 32 (Kevin trains on 4 to 8, CudaForge refines for 10).
+    pub turns: u64,
+    /// Tasks x trajectories x turns. Default 100000.
+    pub total_turns: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self { tasks: 10_000, trajectories_per_task: 64, turns: 32, total_turns: 100_000 }
+    }
+}
+
+/// Per named caller (a token of the server's `callers`): jobs in flight and turns asked for per hour. Calls with
+/// the shared token, or without auth, name no caller and no quota applies to them. 0: no quota.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuotasConfig {
+    /// The caller's queued and running jobs (step-API episodes not counted: a trainer may leave them unfinished).
+    pub jobs_in_flight: u64,
+    /// Turns (`turns_total`) of the jobs and episodes the caller submitted in the last hour, this one included.
+    pub turns_per_hour: u64,
+}
+
+/// The failing-turns breaker: a job whose last `failed_turns` recorded turns all failed on a service call for the
+/// same reason (the peer and the status code) is failed, instead of recording one failed episode after another.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    /// Consecutive failed turns that fail the job. Default 32; 0: off.
+    pub failed_turns: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self { failed_turns: 32 }
+    }
 }
 
 /// Calls in flight to each peer, across every job: the orchestrator's share of each service, handed out first
@@ -220,6 +274,9 @@ impl Default for OrchestratorConfig {
             max_in_flight: InFlightConfig::default(),
             discovery: DiscoveriesConfig::default(),
             retry: RetryConfig::default(),
+            limits: LimitsConfig::default(),
+            quotas: QuotasConfig::default(),
+            breaker: BreakerConfig::default(),
         }
     }
 }

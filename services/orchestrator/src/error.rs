@@ -1,6 +1,8 @@
 //! The orchestrator's errors and their one mapping to gRPC codes, and the store's errors as the handlers return
 //! them.
 
+use std::time::Duration;
+
 use tonic::{Code, Status};
 
 use crate::store::StoreError;
@@ -20,6 +22,12 @@ pub enum OrchestratorError {
     /// A peer service could not be reached.
     #[error("{peer} at {url} is unavailable: {message}")]
     PeerUnavailable { peer: &'static str, url: String, message: String },
+    /// The request asks for more than a configured limit (`key`) allows; `field` names what to lower.
+    #[error("{field}: {value}{unit} is over the limit of {limit} ({key})")]
+    OverLimit { field: String, value: u64, unit: String, limit: u64, key: &'static str },
+    /// A named caller is over one of its quotas (`key`); `retry_after` when it is known when there will be room.
+    #[error("caller `{caller}` is over its quota: {detail} ({key})")]
+    OverQuota { caller: String, detail: String, key: &'static str, retry_after: Option<Duration> },
 }
 
 impl OrchestratorError {
@@ -35,8 +43,17 @@ impl From<OrchestratorError> for Status {
             OrchestratorError::JobNotFound(_) => Code::NotFound,
             OrchestratorError::Precondition(_) => Code::FailedPrecondition,
             OrchestratorError::PeerUnavailable { .. } => Code::Unavailable,
+            OrchestratorError::OverLimit { .. } => Code::InvalidArgument,
+            OrchestratorError::OverQuota { .. } => Code::ResourceExhausted,
         };
-        Status::new(code, error.to_string())
+        let mut status = Status::new(code, error.to_string());
+        // The evaluator's convention for a refusal that will pass later: `retry-after-ms` metadata.
+        if let OrchestratorError::OverQuota { retry_after: Some(wait), .. } = &error
+            && let Ok(value) = wait.as_millis().to_string().parse()
+        {
+            status.metadata_mut().insert("retry-after-ms", value);
+        }
+        status
     }
 }
 
@@ -51,4 +68,38 @@ pub(crate) fn store_code(error: &StoreError) -> Code {
 /// A store failure as a handler returns it, with [`store_code`].
 pub(crate) fn store_status(error: StoreError) -> Status {
     Status::new(store_code(&error), error.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_limit_names_its_field_and_key_and_a_quota_says_when_to_retry() {
+        let over = OrchestratorError::OverLimit {
+            field: "spec.turns".into(),
+            value: 4_294_967_295,
+            unit: String::new(),
+            limit: 32,
+            key: "orchestrator.limits.turns",
+        };
+        let status = Status::from(over);
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert_eq!(status.message(), "spec.turns: 4294967295 is over the limit of 32 (orchestrator.limits.turns)");
+        let quota = |retry_after| OrchestratorError::OverQuota {
+            caller: "alice".into(),
+            detail: "2 jobs queued or running, the quota is 2".into(),
+            key: "orchestrator.quotas.jobs_in_flight",
+            retry_after,
+        };
+        let status = Status::from(quota(Some(Duration::from_millis(1500))));
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(
+            status.message(),
+            "caller `alice` is over its quota: 2 jobs queued or running, the quota is 2 \
+             (orchestrator.quotas.jobs_in_flight)"
+        );
+        assert_eq!(status.metadata().get("retry-after-ms").map(|v| v.to_str().ok()), Some(Some("1500")));
+        assert!(Status::from(quota(None)).metadata().get("retry-after-ms").is_none());
+    }
 }

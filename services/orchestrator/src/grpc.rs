@@ -1,7 +1,7 @@
 //! The gRPC face of the service: `kforge.v1.Orchestrator`'s handlers. Each checks its request (INVALID_ARGUMENT
-//! naming the field), then calls the service (`service.rs`: submitting, resuming and cancelling jobs), the store
-//! (reading jobs, trajectories and samples), the step API (`job::step`) or the reward service (RejectMismatched),
-//! and maps what fails to a gRPC status (`error.rs`).
+//! naming the field; a job over the limits; a named caller over its quotas), then calls the service (`service.rs`:
+//! submitting, resuming and cancelling jobs), the store (reading jobs, trajectories and samples), the step API
+//! (`job::step`) or the reward service (RejectMismatched), and maps what fails to a gRPC status (`error.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,28 +9,33 @@ use std::time::Duration;
 
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_server::Orchestrator;
+use kforge_server::auth::Caller;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response, Status};
 
 use crate::error::{OrchestratorError, store_status};
 use crate::export::{self, parse_cursor};
 use crate::job::{self, Plan};
-use crate::service::{OrchestratorService, lease_until};
+use crate::service::{OrchestratorService, Submission, lease_until};
 use crate::{metrics, now, recipe, reward, store};
 
 #[tonic::async_trait]
 impl Orchestrator for OrchestratorService {
     async fn submit_job(&self, request: Request<pb::SubmitJobRequest>) -> Result<Response<pb::Job>, Status> {
+        let caller = Caller::of(&request).map(|caller| caller.name().to_owned());
         let request = request.into_inner();
         let spec = request.spec.ok_or_else(|| OrchestratorError::invalid("spec", "required"))?;
         if let Some(job) = self.store.job_by_key(&request.idempotency_key).await.map_err(store_status)? {
             return Ok(Response::new(job));
         }
-        // A KernelBench directory or a JSONL file is read from disk: off the async threads.
+        // A KernelBench directory or a JSONL file is read from disk, and every task parsed: off the async threads.
         let plan = tokio::task::spawn_blocking(move || Plan::new(spec))
             .await
             .map_err(|error| Status::internal(format!("resolving the task set panicked: {error}")))??;
+        plan.check_limits(&self.config.limits)?;
         let peers = self.connect(&plan).await?;
+        // Held until the job is stored: the caller's next submission counts this one.
+        let _admission = self.admit(caller.as_deref(), Submission::Job { turns: plan.turns_total() }).await?;
         let job = pb::Job {
             job_id: self.next_job_id(),
             spec: Some(plan.spec.clone()),
@@ -40,6 +45,7 @@ impl Orchestrator for OrchestratorService {
             metrics: Some(metrics::job_metrics(None, &[], 0.0)),
             created_at: Some(now()),
             updated_at: Some(now()),
+            caller: caller.unwrap_or_default(),
             ..Default::default()
         };
         let existing = self
@@ -191,6 +197,7 @@ impl Orchestrator for OrchestratorService {
         &self,
         request: Request<pb::StartEpisodeRequest>,
     ) -> Result<Response<pb::Observation>, Status> {
+        let caller = Caller::of(&request).map(|caller| caller.name().to_owned());
         let request = request.into_inner();
         let task = request.task.ok_or_else(|| OrchestratorError::invalid("task", "required"))?;
         let spec = pb::JobSpec {
@@ -207,14 +214,22 @@ impl Orchestrator for OrchestratorService {
             strict_format: request.strict_format,
             ..Default::default()
         };
-        // The episode's checks are the job's: name the request's fields, not the spec's.
-        let plan = Plan::new(spec).map_err(|error| match error {
-            OrchestratorError::InvalidArgument { field, message } => OrchestratorError::InvalidArgument {
-                field: field.replace("spec.tasks[0]", "task").trim_start_matches("spec.").to_owned(),
-                message,
+        // The episode's checks and limits are the job's: name the request's fields, not the spec's.
+        let request_field = |field: String| match field.as_str() {
+            "spec" => "turns".to_owned(),
+            field => field.replace("spec.tasks[0]", "task").trim_start_matches("spec.").to_owned(),
+        };
+        let plan = Plan::new(spec).and_then(|plan| plan.check_limits(&self.config.limits).map(|()| plan)).map_err(
+            |error| match error {
+                OrchestratorError::InvalidArgument { field, message } => {
+                    OrchestratorError::InvalidArgument { field: request_field(field), message }
+                }
+                OrchestratorError::OverLimit { field, value, unit, limit, key } => {
+                    OrchestratorError::OverLimit { field: request_field(field), value, unit, limit, key }
+                }
+                other => other,
             },
-            other => other,
-        })?;
+        )?;
         if plan.recipe == recipe::Recipe::CudaForge {
             // Its Judge is a second model the orchestrator asks through the gateway; a stepped episode has one, the
             // trainer's.
@@ -225,15 +240,23 @@ impl Orchestrator for OrchestratorService {
             )
             .into());
         }
+        // A retry of a stored episode is not counted again.
+        let retry = self.store.job_by_key(&request.idempotency_key).await.map_err(store_status)?.is_some();
+        let turns = plan.turns_total();
+        let _admission = match retry {
+            true => None,
+            false => self.admit(caller.as_deref(), Submission::Episode { turns }).await?,
+        };
         let job = pb::Job {
             job_id: self.next_job_id(),
             spec: Some(plan.spec.clone()),
             state: pb::JobState::Running.into(),
             episodes_total: 1,
-            turns_total: plan.turns_total(),
+            turns_total: turns,
             metrics: Some(metrics::job_metrics(None, &[], 0.0)),
             created_at: Some(now()),
             updated_at: Some(now()),
+            caller: caller.unwrap_or_default(),
             ..Default::default()
         };
         // Owned apart from this instance's jobs: a restart has nothing to resume in it (the trainer steps it).

@@ -7,10 +7,12 @@
 //! - `episode`: one trajectory's turns in order, each recorded before the next, resumed from the store.
 //! - `turn`: one turn's stages: generated, evaluated, scored, diagnosed, its feedback made; `review`: cudaforge's
 //!   profile and Judge calls for it.
-//! - `progress`: the job's snapshot shared by its episodes, sent to watchers and stored.
+//! - `progress`: the job's snapshot shared by its episodes, sent to watchers and stored; `breaker`: when turns that
+//!   keep failing the same way fail the job.
 //! - `peers`: the clients a turn calls, the limits on calls in flight, the retried evaluation.
 //! - `step`: the step API: a trainer's responses run through the same turns.
 
+mod breaker;
 mod episode;
 mod peers;
 mod plan;
@@ -41,7 +43,8 @@ use progress::{Progress, slim};
 /// `max_concurrent`, each turn's stages stored as they complete and the turn recorded before the next starts, the
 /// job's snapshot (state, progress, metrics) written to the store and sent to watchers after every turn. `cancel`
 /// stops the job: CANCELLED, unless `shutdown` is cancelled too (the orchestrator is stopping), which leaves the
-/// job RUNNING in the store for the next start to resume.
+/// job RUNNING in the store for the next start to resume. `failed_turns` recorded turns in a row that failed on a
+/// service call for the same reason stop the job's episodes and fail it (0: never).
 #[allow(clippy::too_many_arguments)]
 pub async fn run(
     plan: Arc<Plan>,
@@ -52,6 +55,7 @@ pub async fn run(
     cancel: CancellationToken,
     shutdown: CancellationToken,
     max_concurrent: usize,
+    failed_turns: u32,
 ) {
     let started = Instant::now();
     // A resumed job starts from its recorded turns; its episodes count again as each finds itself done.
@@ -65,7 +69,10 @@ pub async fn run(
     };
     let mut job = job;
     job.episodes_done = 0;
-    let progress = Arc::new(Progress::new(job, recorded, store, updates, started, peers.metrics.clone()));
+    // The episodes stop when the job is cancelled or when the breaker trips.
+    let stop_episodes = cancel.child_token();
+    let progress = Progress::new(job, recorded, store, updates, started, peers.metrics.clone());
+    let progress = Arc::new(progress.with_breaker(failed_turns, stop_episodes.clone()));
     progress.set_state(pb::JobState::Running, String::new()).await;
     let limit = Arc::new(Semaphore::new(max_concurrent.max(1)));
     let mut episodes = JoinSet::new();
@@ -75,7 +82,7 @@ pub async fn run(
         for trajectory in 0..plan.spec.trajectories_per_task {
             let permit = tokio::select! {
                 permit = limit.clone().acquire_owned() => permit.expect("the episode semaphore is never closed"),
-                () = cancel.cancelled() => break 'start,
+                () = stop_episodes.cancelled() => break 'start,
             };
             let episode = Episode {
                 plan: plan.clone(),
@@ -84,7 +91,7 @@ pub async fn run(
                 trajectory,
                 peers: peers.clone(),
                 progress: progress.clone(),
-                cancel: cancel.clone(),
+                cancel: stop_episodes.clone(),
             };
             // One trace per episode: its root span, a span per turn under it, and one per call to a peer under
             // the turn's, which the peer's own server span continues (W3C trace context in the call's metadata).
@@ -111,7 +118,8 @@ pub async fn run(
             }
         }
     }
-    let (state, error) = match failure {
+    // The breaker's reason, where nothing else failed the job, comes before a stop or a cancel that came after it.
+    let (state, error) = match failure.or_else(|| progress.tripped().map(str::to_owned)) {
         Some(error) => (pb::JobState::Failed, error),
         None if shutdown.is_cancelled() => {
             progress.stopped().await;

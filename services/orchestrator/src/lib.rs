@@ -34,7 +34,8 @@ use kforge_server::{Host, ServeError};
 use tokio::net::TcpListener;
 
 pub use config::{
-    DiscoveriesConfig, DiscoveryConfig, DiscoveryError, InFlightConfig, OrchestratorConfig, PeersConfig, RetryConfig,
+    BreakerConfig, DiscoveriesConfig, DiscoveryConfig, DiscoveryError, InFlightConfig, LimitsConfig,
+    OrchestratorConfig, PeersConfig, QuotasConfig, RetryConfig,
 };
 pub use error::OrchestratorError;
 pub use service::OrchestratorService;

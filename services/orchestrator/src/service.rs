@@ -45,7 +45,22 @@ pub struct OrchestratorService {
     pub(crate) stop: CancellationToken,
     next_id: Arc<AtomicU64>,
     metrics: OrchestratorMetrics,
+    /// Held from a named caller's quota check until its job is stored, so that two submissions of one caller do
+    /// not both fit the room left for one (within this process; replicas sharing a store each check apart).
+    admission: Arc<tokio::sync::Mutex<()>>,
 }
+
+/// What a submission counts against its caller's quotas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Submission {
+    /// A job: one in flight, and its turns.
+    Job { turns: u64 },
+    /// A step-API episode: its turns only (a trainer may leave an episode unfinished).
+    Episode { turns: u64 },
+}
+
+/// The window of `quotas.turns_per_hour`.
+const HOUR_MS: i64 = 3_600_000;
 
 impl OrchestratorService {
     pub fn new(config: OrchestratorConfig, store: Store, metrics: OrchestratorMetrics) -> Self {
@@ -65,6 +80,7 @@ impl OrchestratorService {
             stop: CancellationToken::new(),
             next_id: Arc::default(),
             metrics,
+            admission: Arc::default(),
         }
     }
 
@@ -132,6 +148,56 @@ impl OrchestratorService {
         })
     }
 
+    /// Checks a named caller's quotas for `submission` (RESOURCE_EXHAUSTED naming the quota, with `retry-after-ms`
+    /// when the turns of the last hour leave room later) and returns the admission lock, to hold until the job is
+    /// stored. Without a caller (the shared token, or no auth) or without quotas, nothing is checked.
+    pub(crate) async fn admit(
+        &self,
+        caller: Option<&str>,
+        submission: Submission,
+    ) -> Result<Option<tokio::sync::OwnedMutexGuard<()>>, Status> {
+        let quotas = &self.config.quotas;
+        let Some(caller) = caller.filter(|_| quotas.jobs_in_flight > 0 || quotas.turns_per_hour > 0) else {
+            return Ok(None);
+        };
+        let over = |detail: String, key: &'static str, retry_after: Option<Duration>| -> Status {
+            OrchestratorError::OverQuota { caller: caller.to_owned(), detail, key, retry_after }.into()
+        };
+        let admission = self.admission.clone().lock_owned().await;
+        let turns = match submission {
+            Submission::Job { turns } if quotas.jobs_in_flight > 0 => {
+                let in_flight = self.store.caller_jobs_in_flight(caller).await.map_err(store_status)?;
+                if in_flight >= quotas.jobs_in_flight {
+                    // No time to suggest: room comes when one of the caller's jobs ends.
+                    let detail = format!("{in_flight} jobs queued or running, the quota is {}", quotas.jobs_in_flight);
+                    return Err(over(detail, "orchestrator.quotas.jobs_in_flight", None));
+                }
+                turns
+            }
+            Submission::Job { turns } => turns,
+            Submission::Episode { turns } => turns,
+        };
+        if quotas.turns_per_hour > 0 {
+            let key = "orchestrator.quotas.turns_per_hour";
+            if turns > quotas.turns_per_hour {
+                let detail =
+                    format!("{turns} turns asked for, more than the quota of {} per hour", quotas.turns_per_hour);
+                return Err(over(detail, key, None));
+            }
+            let now = lease_until(Duration::ZERO);
+            let recent = self.store.caller_turns_since(caller, now - HOUR_MS).await.map_err(store_status)?;
+            if let Some(wait) = turns_quota_wait(&recent, turns, quotas.turns_per_hour, now) {
+                let used: u64 = recent.iter().map(|(_, turns)| turns).sum();
+                let detail = format!(
+                    "{used} turns asked for in the last hour and {turns} now, the quota is {} per hour",
+                    quotas.turns_per_hour
+                );
+                return Err(over(detail, key, Some(wait)));
+            }
+        }
+        Ok(Some(admission))
+    }
+
     /// The stored job `job_id` (INVALID_ARGUMENT when empty, NOT_FOUND when unknown).
     pub(crate) async fn job(&self, job_id: &str) -> Result<pb::Job, Status> {
         if job_id.is_empty() {
@@ -164,6 +230,7 @@ impl OrchestratorService {
         let store = self.store.clone();
         let running = self.running.clone();
         let (instance, lease) = (self.config.instance.clone(), self.lease());
+        let failed_turns = self.config.breaker.failed_turns;
         self.tracker.spawn(async move {
             // The lease is renewed beside the job, in a task of its own (the job may hold the store's only
             // connection while it waits); lost to another instance (this one stalled past its lease), the job stops
@@ -177,7 +244,7 @@ impl OrchestratorService {
                 halt.clone(),
                 finished.clone(),
             ));
-            job::run(Arc::new(plan), job, peers, store, updates, cancel, halt, max_concurrent).await;
+            job::run(Arc::new(plan), job, peers, store, updates, cancel, halt, max_concurrent, failed_turns).await;
             finished.cancel();
             if let Err(error) = renewal.await {
                 tracing::error!(%job_id, %error, "the lease renewal task failed");
@@ -296,6 +363,24 @@ async fn renew_lease(
     }
 }
 
+/// How long until `turns` more fit a quota of `per_hour` beside `recent` (each job's creation time and turns, oldest
+/// first, all within the hour before `now_ms`): as each leaves the hour, its turns free up. None when they fit now.
+fn turns_quota_wait(recent: &[(i64, u64)], turns: u64, per_hour: u64, now_ms: i64) -> Option<Duration> {
+    let mut used: u64 = recent.iter().map(|(_, turns)| turns).sum();
+    if used.saturating_add(turns) <= per_hour {
+        return None;
+    }
+    for (created_ms, job_turns) in recent {
+        used = used.saturating_sub(*job_turns);
+        if used.saturating_add(turns) <= per_hour {
+            let leaves = created_ms + HOUR_MS - now_ms;
+            return Some(Duration::from_millis(u64::try_from(leaves).unwrap_or(0).max(1)));
+        }
+    }
+    // Only a turns count above the quota itself never fits; the caller refuses that apart.
+    Some(Duration::from_millis(u64::try_from(HOUR_MS).unwrap_or(0)))
+}
+
 /// `lease` from now, in milliseconds since the Unix epoch.
 pub(crate) fn lease_until(lease: Duration) -> i64 {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -319,6 +404,25 @@ fn new_job_id(sequence: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_turns_quota_frees_as_the_hour_s_jobs_leave_it() {
+        let hour = HOUR_MS;
+        let recent = [(1_000, 60), (5_000, 30)];
+        let now = 10_000;
+        assert_eq!(turns_quota_wait(&recent, 10, 100, now), None, "90 + 10 fit 100");
+        assert_eq!(
+            turns_quota_wait(&recent, 11, 100, now),
+            Some(Duration::from_millis((1_000 + hour - now) as u64)),
+            "room once the first job leaves the hour"
+        );
+        assert_eq!(
+            turns_quota_wait(&recent, 80, 100, now),
+            Some(Duration::from_millis((5_000 + hour - now) as u64)),
+            "room once both have left"
+        );
+        assert_eq!(turns_quota_wait(&[], 100, 100, now), None);
+    }
 
     #[test]
     fn job_ids_differ_within_a_process() {

@@ -229,6 +229,15 @@ impl Store {
         Ok(Self { pool: Pool::Sqlite(pool), _checkpoints: checkpoints })
     }
 
+    /// Copies a SQLite file's write-ahead log back into the database and truncates the log (waiting for the
+    /// writers; tooling, for a file's size to be read whole). A no-op on PostgreSQL and in memory.
+    pub async fn checkpoint(&self) -> Result<(), StoreError> {
+        if let Pool::Sqlite(pool) = &self.pool {
+            sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)").execute(pool).await?;
+        }
+        Ok(())
+    }
+
     /// Which backend this store uses: `sqlite` or `postgres`.
     pub fn backend(&self) -> &'static str {
         match self.pool {
@@ -237,8 +246,9 @@ impl Store {
         }
     }
 
-    /// Creates `job` with its resolved `tasks`, owned by `owner` until `lease_until_ms`, in one transaction. When
-    /// `idempotency_key` is not empty and a job already holds it, nothing is written and that job is returned.
+    /// Creates `job` with its resolved `tasks`, owned by `owner` until `lease_until_ms`, in one transaction (with
+    /// its caller, creation time and turns, for the quotas). When `idempotency_key` is not empty and a job already
+    /// holds it, nothing is written and that job is returned.
     pub async fn create_job(
         &self,
         job: &pb::Job,
@@ -251,8 +261,8 @@ impl Store {
         let created: bool = on_pool!(&self.pool, p => {
             let mut tx = p.begin().await?;
             let inserted = sqlx::query(
-                "INSERT INTO jobs (job_id, idempotency_key, owner, lease_until_ms, state, job) \
-                 VALUES ($1, $2, $3, $6, $4, $5) ON CONFLICT (idempotency_key) DO NOTHING",
+                "INSERT INTO jobs (job_id, idempotency_key, owner, lease_until_ms, state, job, caller, created_ms, \
+                 turns_total) VALUES ($1, $2, $3, $6, $4, $5, $7, $8, $9) ON CONFLICT (idempotency_key) DO NOTHING",
             )
             .bind(&job.job_id)
             .bind(key)
@@ -260,6 +270,9 @@ impl Store {
             .bind(i64::from(job.state))
             .bind(job.encode_to_vec())
             .bind(lease_until_ms)
+            .bind(&job.caller)
+            .bind(job.created_at.as_ref().map_or(0, timestamp_ms))
+            .bind(i64::try_from(job.turns_total).unwrap_or(i64::MAX))
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -431,6 +444,36 @@ impl Store {
         Ok(rows.into_iter().map(|(id,)| id).collect())
     }
 
+    /// How many jobs (step-API episodes left out) `caller` has queued or running.
+    pub async fn caller_jobs_in_flight(&self, caller: &str) -> Result<u64, StoreError> {
+        let (count,): (i64,) = on_pool!(&self.pool, p => {
+            sqlx::query_as(
+                "SELECT COUNT(*) FROM jobs WHERE caller = $1 AND state IN ($2, $3) AND owner NOT LIKE '%/step'",
+            )
+            .bind(caller)
+            .bind(pb::JobState::Queued as i64)
+            .bind(pb::JobState::Running as i64)
+            .fetch_one(p)
+            .await?
+        });
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
+    /// The creation time (milliseconds since the Unix epoch) and turns of every job and episode `caller` created
+    /// after `since_ms`, oldest first.
+    pub async fn caller_turns_since(&self, caller: &str, since_ms: i64) -> Result<Vec<(i64, u64)>, StoreError> {
+        let rows: Vec<(i64, i64)> = on_pool!(&self.pool, p => {
+            sqlx::query_as(
+                "SELECT created_ms, turns_total FROM jobs WHERE caller = $1 AND created_ms > $2 ORDER BY created_ms",
+            )
+            .bind(caller)
+            .bind(since_ms)
+            .fetch_all(p)
+            .await?
+        });
+        Ok(rows.into_iter().map(|(at, turns)| (at, u64::try_from(turns).unwrap_or(0))).collect())
+    }
+
     /// Writes `turn` at `stage`, committed when this returns. The same (task, trajectory, turn) written again at
     /// the same or a later stage replaces the stored row; at an earlier stage the write is a no-op.
     pub async fn put_turn(
@@ -539,6 +582,11 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// A timestamp in milliseconds since the Unix epoch.
+pub(crate) fn timestamp_ms(at: &prost_types::Timestamp) -> i64 {
+    at.seconds.saturating_mul(1000).saturating_add(i64::from(at.nanos) / 1_000_000)
 }
 
 fn decode_job(bytes: &[u8]) -> Result<pb::Job, StoreError> {
@@ -655,6 +703,36 @@ mod tests {
         assert_eq!(rest.iter().map(|l| l.job.job_id.as_str()).collect::<Vec<_>>(), ["j1"]);
         let succeeded = store.list_jobs(None, Some(done.state), 10).await.expect("listed");
         assert_eq!(succeeded.iter().map(|l| l.job.job_id.as_str()).collect::<Vec<_>>(), ["j4"]);
+    }
+
+    #[tokio::test]
+    async fn a_caller_s_jobs_in_flight_and_recent_turns_are_counted() {
+        let store = memory().await;
+        let at = |ms: i64| prost_types::Timestamp { seconds: ms / 1000, nanos: ((ms % 1000) * 1_000_000) as i32 };
+        let job = |id: &str, caller: &str, created_ms: i64, turns_total: u64, state: pb::JobState| pb::Job {
+            job_id: id.into(),
+            caller: caller.into(),
+            created_at: Some(at(created_ms)),
+            turns_total,
+            state: state.into(),
+            ..Default::default()
+        };
+        let running = pb::JobState::Running;
+        for (job, owner) in [
+            (job("a1", "alice", 1_000, 10, pb::JobState::Queued), "me"),
+            (job("a2", "alice", 2_500, 20, running), "me"),
+            (job("a3", "alice", 3_000, 30, pb::JobState::Succeeded), "me"),
+            (job("a4", "alice", 4_000, 5, running), "me/step"),
+            (job("b1", "bob", 2_000, 40, running), "me"),
+            (job("s1", "", 2_000, 50, running), "me"),
+        ] {
+            store.create_job(&job, "", owner, 0, &[]).await.expect("written");
+        }
+        assert_eq!(store.caller_jobs_in_flight("alice").await.expect("read"), 2, "finished jobs and episodes not");
+        assert_eq!(store.caller_jobs_in_flight("bob").await.expect("read"), 1);
+        assert_eq!(store.caller_jobs_in_flight("carol").await.expect("read"), 0);
+        let recent = store.caller_turns_since("alice", 2_000).await.expect("read");
+        assert_eq!(recent, [(2_500, 20), (3_000, 30), (4_000, 5)], "after the time, oldest first, episodes too");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

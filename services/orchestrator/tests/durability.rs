@@ -74,7 +74,12 @@ impl Drop for Orchestrator {
 }
 
 fn spec() -> pb::JobSpec {
-    let task = |id: &str| pb::Task { task_id: id.into(), source: format!("# task {id}\nclass Model: pass\n") };
+    let task = |id: &str| pb::Task {
+        task_id: id.into(),
+        source: format!(
+            "# task {id}\nclass Model:\n    pass\n\ndef get_inputs():\n    return []\n\ndef get_init_inputs():\n    return []\n"
+        ),
+    };
     pb::JobSpec {
         kind: pb::JobKind::Rollout.into(),
         recipe: "kevin".into(),

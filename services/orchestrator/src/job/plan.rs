@@ -1,12 +1,14 @@
 //! A job's plan: its spec checked (INVALID_ARGUMENT naming the field) and resolved into what the job runs: the
 //! recipe and its templates, how its turns are rewarded, and its tasks (the examples, inline tasks, a KernelBench
-//! directory by level, or a JSONL file). A resumed job's plan is its stored spec checked again with the tasks it was
-//! resolved to at submission.
+//! directory by level, or a JSONL file; every task's source checked as the evaluator checks it). A resumed job's
+//! plan is its stored spec checked again with the tasks it was resolved to at submission. The orchestrator's limits
+//! on a job's size (`Plan::check_limits`) apply at submission only: a job accepted once is not refused on resume.
 
 use std::path::Path;
 
 use kforge_proto::v1 as pb;
 
+use crate::config::LimitsConfig;
 use crate::error::OrchestratorError;
 use crate::recipe::{self, Recipe, Templates};
 use crate::reward::RewardPlan;
@@ -29,6 +31,10 @@ pub struct Plan {
 impl Plan {
     /// Validates `spec` (INVALID_ARGUMENT naming the field) and resolves its task set.
     pub fn new(spec: pb::JobSpec) -> Result<Self, OrchestratorError> {
+        Self::checked(spec, Sources::Check)
+    }
+
+    fn checked(spec: pb::JobSpec, sources: Sources) -> Result<Self, OrchestratorError> {
         if spec.kind() == pb::JobKind::Unspecified {
             return Err(OrchestratorError::invalid("spec.kind", "required: JOB_KIND_ROLLOUT or JOB_KIND_EVALUATION"));
         }
@@ -55,7 +61,7 @@ impl Plan {
         if let Some(diagnose) = &spec.diagnose {
             check_diagnose(diagnose)?;
         }
-        let mut tasks = resolve_tasks(&spec)?;
+        let mut tasks = resolve_tasks(&spec, sources)?;
         if spec.max_tasks > 0 {
             tasks.truncate(spec.max_tasks as usize);
         }
@@ -74,16 +80,56 @@ impl Plan {
             levels: Vec::new(),
             ..spec.clone()
         };
-        let plan = Self::new(inline)?;
+        // Checked when the job was submitted (a job stored before the check existed is not refused now).
+        let plan = Self::checked(inline, Sources::Trusted)?;
         Ok(Self { spec, tasks, ..plan })
     }
 
-    pub fn episodes(&self) -> u64 {
-        self.tasks.len() as u64 * u64::from(self.spec.trajectories_per_task)
+    /// Whether the job fits the orchestrator's `limits` (an OverLimit naming the field and the key otherwise):
+    /// tasks (as resolved), trajectories per task, turns, and turns in all.
+    pub fn check_limits(&self, limits: &LimitsConfig) -> Result<(), OrchestratorError> {
+        let over = |field: &str, value: u64, unit: String, limit: u64, key: &'static str| {
+            (limit > 0 && value > limit).then(|| OrchestratorError::OverLimit {
+                field: field.to_owned(),
+                value,
+                unit,
+                limit,
+                key,
+            })
+        };
+        let spec = &self.spec;
+        let tasks = self.tasks.len() as u64;
+        let (trajectories, turns) = (u64::from(spec.trajectories_per_task), u64::from(spec.turns));
+        let tasks_field = if spec.task_set == "inline" { "spec.tasks" } else { "spec.task_set" };
+        let tasks_unit = match spec.max_tasks {
+            0 => " tasks".to_owned(),
+            _ => " tasks (after max_tasks)".to_owned(),
+        };
+        let checks = [
+            over("spec.trajectories_per_task", trajectories, String::new(), limits.trajectories_per_task, TRAJECTORIES),
+            over("spec.turns", turns, String::new(), limits.turns, TURNS),
+            over(tasks_field, tasks, tasks_unit, limits.tasks, TASKS),
+            over(
+                "spec",
+                self.turns_total(),
+                format!(" turns ({tasks} tasks x {trajectories} trajectories x {turns} turns)"),
+                limits.total_turns,
+                TOTAL_TURNS,
+            ),
+        ];
+        match checks.into_iter().flatten().next() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
     }
 
+    pub fn episodes(&self) -> u64 {
+        (self.tasks.len() as u64).saturating_mul(u64::from(self.spec.trajectories_per_task))
+    }
+
+    /// Saturating: a spec of `u32::MAX` trajectories and turns is counted (and refused by the limits), not wrapped.
     pub fn turns_total(&self) -> u64 {
-        self.episodes() * u64::from(self.spec.turns)
+        self.episodes().saturating_mul(u64::from(self.spec.turns))
     }
 
     /// A new turn's record of `completion`: its kernel, and under the strict format policy what breaks it.
@@ -97,6 +143,19 @@ impl Plan {
         record.completion = Some(completion);
         record
     }
+}
+
+/// The config keys of the limits, as errors name them.
+const TASKS: &str = "orchestrator.limits.tasks";
+const TRAJECTORIES: &str = "orchestrator.limits.trajectories_per_task";
+const TURNS: &str = "orchestrator.limits.turns";
+const TOTAL_TURNS: &str = "orchestrator.limits.total_turns";
+
+/// Whether inline tasks' sources are checked: at submission they are; a stored job's were.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sources {
+    Check,
+    Trusted,
 }
 
 /// The job's diagnosis parameters, as the reward service would refuse them (INVALID_ARGUMENT naming the field).
@@ -116,7 +175,7 @@ fn check_diagnose(params: &pb::DiagnoseParams) -> Result<(), OrchestratorError> 
     Ok(())
 }
 
-fn resolve_tasks(spec: &pb::JobSpec) -> Result<Vec<pb::Task>, OrchestratorError> {
+fn resolve_tasks(spec: &pb::JobSpec, sources: Sources) -> Result<Vec<pb::Task>, OrchestratorError> {
     let field = "spec.task_set";
     if !spec.tasks.is_empty() && spec.task_set != "inline" {
         return Err(OrchestratorError::invalid("spec.tasks", "inline tasks need task_set `inline`"));
@@ -138,6 +197,16 @@ fn resolve_tasks(spec: &pb::JobSpec) -> Result<Vec<pb::Task>, OrchestratorError>
                     return Err(OrchestratorError::invalid(
                         format!("spec.tasks[{i}]"),
                         format!("task_id `{}` appears twice", task.task_id),
+                    ));
+                }
+                // The evaluator's own check of a task (it parses as Python and defines Model, get_inputs and
+                // get_init_inputs): a source it would refuse at every turn is refused once, here.
+                if sources == Sources::Check
+                    && let Err(reason) = kforge_evaluator::static_checks::check_task(&task.source)
+                {
+                    return Err(OrchestratorError::invalid(
+                        format!("spec.tasks[{i}].source"),
+                        format!("not a task: {reason}"),
                     ));
                 }
             }
@@ -253,11 +322,80 @@ mod tests {
         let empty = std::env::temp_dir().join(format!("kforge-empty-tasks-{}", std::process::id()));
         std::fs::create_dir_all(&empty).expect("dir");
         assert!(invalid(pb::JobSpec { task_set: empty.display().to_string(), ..spec() }).starts_with("spec.task_set:"));
-        let task = |id: &str| pb::Task { task_id: id.into(), source: "class Model: pass".into() };
+        let task = |id: &str| pb::Task { task_id: id.into(), source: TASK.into() };
         let twice = pb::JobSpec { task_set: "inline".into(), tasks: vec![task("a"), task("a")], ..spec() };
         assert!(invalid(twice).starts_with("spec.tasks[1]:"));
         let inline = pb::JobSpec { task_set: "inline".into(), tasks: vec![task("a"), task("b")], ..spec() };
         assert_eq!(Plan::new(inline).expect("valid").tasks.len(), 2);
         assert!(invalid(pb::JobSpec { tasks: vec![task("a")], ..spec() }).starts_with("spec.tasks:"));
+    }
+
+    /// A KernelBench-format task the evaluator accepts.
+    const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
+                        def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
+
+    #[test]
+    fn an_inline_task_the_evaluator_would_refuse_is_refused_naming_its_source() {
+        let inline = |sources: &[&str]| pb::JobSpec {
+            task_set: "inline".into(),
+            tasks: sources
+                .iter()
+                .enumerate()
+                .map(|(i, source)| pb::Task { task_id: format!("t{i}"), source: (*source).into() })
+                .collect(),
+            ..spec()
+        };
+        let refused = invalid(inline(&[TASK, "int main() { return 0; }"]));
+        assert!(refused.starts_with("spec.tasks[1].source: not a task: syntax error at line 1"), "{refused}");
+        let refused = invalid(inline(&["class Model: pass\n"]));
+        assert_eq!(refused, "spec.tasks[0].source: not a task: defines no get_inputs()");
+        assert!(Plan::new(inline(&[TASK, TASK])).is_ok());
+        // A stored job's tasks were checked when it was submitted: resuming it does not check them again.
+        let stored = vec![pb::Task { task_id: "old".into(), source: "class Model: pass".into() }];
+        assert!(Plan::resumed(inline(&[TASK]), stored).is_ok());
+    }
+
+    #[test]
+    fn limits_name_the_field_the_value_and_the_key() {
+        let limits = LimitsConfig { tasks: 5, trajectories_per_task: 4, turns: 3, total_turns: 20 };
+        let refused = |spec: pb::JobSpec| {
+            Plan::new(spec).expect("a valid spec").check_limits(&limits).expect_err("over a limit").to_string()
+        };
+        assert_eq!(
+            refused(pb::JobSpec { trajectories_per_task: 1_000_000_000, ..spec() }),
+            "spec.trajectories_per_task: 1000000000 is over the limit of 4 (orchestrator.limits.trajectories_per_task)"
+        );
+        assert_eq!(
+            refused(pb::JobSpec { turns: u32::MAX, ..spec() }),
+            "spec.turns: 4294967295 is over the limit of 3 (orchestrator.limits.turns)"
+        );
+        assert_eq!(
+            refused(pb::JobSpec { trajectories_per_task: 1, turns: 1, ..spec() }),
+            "spec.task_set: 13 tasks is over the limit of 5 (orchestrator.limits.tasks)",
+            "the examples are 13 tasks"
+        );
+        assert_eq!(
+            refused(pb::JobSpec { max_tasks: 4, ..spec() }),
+            "spec: 24 turns (4 tasks x 2 trajectories x 3 turns) is over the limit of 20 (orchestrator.limits.total_turns)"
+        );
+        // The tasks are counted after max_tasks; at the limits, a job is accepted; 0 is no limit.
+        let at_limits = pb::JobSpec { max_tasks: 5, trajectories_per_task: 4, turns: 1, ..spec() };
+        assert_eq!(Plan::new(at_limits.clone()).expect("valid").check_limits(&limits).ok(), Some(()));
+        let inline = pb::JobSpec {
+            task_set: "inline".into(),
+            tasks: (0..6).map(|i| pb::Task { task_id: format!("t{i}"), source: TASK.into() }).collect(),
+            trajectories_per_task: 1,
+            turns: 1,
+            ..spec()
+        };
+        assert_eq!(refused(inline), "spec.tasks: 6 tasks is over the limit of 5 (orchestrator.limits.tasks)");
+        let none = LimitsConfig { tasks: 0, trajectories_per_task: 0, turns: 0, total_turns: 0 };
+        let huge = pb::JobSpec { trajectories_per_task: u32::MAX, turns: u32::MAX, ..spec() };
+        assert_eq!(Plan::new(huge).expect("valid").check_limits(&none).ok(), Some(()));
+        // The defaults take the default `kforge run` job (13 tasks x 1 x 1) and KernelBench x 16 x 8.
+        let defaults = LimitsConfig::default();
+        let run = pb::JobSpec { trajectories_per_task: 1, turns: 1, ..spec() };
+        assert_eq!(Plan::new(run).expect("valid").check_limits(&defaults).ok(), Some(()));
+        assert!(250 * 16 * 8 <= defaults.total_turns);
     }
 }

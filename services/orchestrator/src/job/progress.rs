@@ -1,7 +1,7 @@
 //! A job's progress while it runs, shared by its episodes: the job's snapshot (state, turns and episodes done,
-//! metrics over its recorded turns), each turn's stages written to the store as they complete, and the turns in
-//! flight by stage. Watchers (WatchJob, GetJob) are sent every change; the store's copy of the snapshot is rewritten
-//! at most once a second and at every state change.
+//! metrics over its recorded turns), each turn's stages written to the store as they complete, the turns in
+//! flight by stage, and the failing-turns breaker over the recorded turns. Watchers (WatchJob, GetJob) are sent
+//! every change; the store's copy of the snapshot is rewritten at most once a second and at every state change.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 use kforge_proto::v1 as pb;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::breaker::{Breaker, Observed};
 
 use crate::metrics::job_metrics;
 use crate::monitoring::OrchestratorMetrics;
@@ -71,6 +74,10 @@ pub(super) struct Progress {
     pub(super) in_flight: InFlight,
     /// The orchestrator's Prometheus metrics (every job's turns and stages count there too).
     pub(super) metrics: OrchestratorMetrics,
+    /// Cancelled when the breaker trips, which stops the job's episodes.
+    trip: CancellationToken,
+    /// Why the breaker tripped, once it has.
+    tripped: std::sync::OnceLock<String>,
 }
 
 #[derive(Debug)]
@@ -82,6 +89,8 @@ struct Snapshot {
     metrics_at: Option<Instant>,
     /// When the snapshot was last written to the store.
     stored_at: Option<Instant>,
+    /// The failing-turns breaker, over the turns in the order they are recorded.
+    breaker: Breaker,
 }
 
 /// How often a running job's metrics and its stored snapshot are refreshed; exactly at every state change and at
@@ -113,13 +122,34 @@ impl Progress {
     ) -> Self {
         Self {
             job_id: job.job_id.clone(),
-            job: tokio::sync::Mutex::new(Snapshot { job, turns, metrics_at: None, stored_at: None }),
+            job: tokio::sync::Mutex::new(Snapshot {
+                job,
+                turns,
+                metrics_at: None,
+                stored_at: None,
+                breaker: Breaker::new(0),
+            }),
             store,
             updates,
             started,
             in_flight: InFlight::default(),
             metrics,
+            trip: CancellationToken::new(),
+            tripped: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Fails the job once `failed_turns` recorded turns in a row failed for the same reason (0: never): `trip` is
+    /// cancelled (the job's episodes stop) and [`Progress::tripped`] says why.
+    pub(super) fn with_breaker(mut self, failed_turns: u32, trip: CancellationToken) -> Self {
+        self.job.get_mut().breaker = Breaker::new(failed_turns);
+        self.trip = trip;
+        self
+    }
+
+    /// Why the breaker tripped, if it has.
+    pub(super) fn tripped(&self) -> Option<&str> {
+        self.tripped.get().map(String::as_str)
     }
 
     pub(super) async fn set_state(&self, state: pb::JobState, error: String) {
@@ -140,6 +170,8 @@ impl Progress {
         self.metrics.turn(turn);
         let turn = slim(turn);
         let mut snapshot = self.job.lock().await;
+        let observed = snapshot.breaker.observe(&turn.error);
+        self.log_failure(&turn, observed);
         snapshot.turns.push(turn.clone());
         snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), false);
         let Snapshot { job, turns, .. } = &mut *snapshot;
@@ -147,6 +179,30 @@ impl Progress {
         job.updated_at = Some(crate::now());
         self.publish(&mut snapshot, Some(turn), false).await;
         Ok(())
+    }
+
+    /// Logs a turn that failed on a service call: the first of a streak at WARN, the rest of it at DEBUG (a peer
+    /// down fails every turn that reaches it, and the streak is bounded by the breaker), the breaker's trip at WARN.
+    fn log_failure(&self, turn: &pb::TurnRecord, observed: Observed) {
+        let job_id = &self.job_id;
+        let (task_id, trajectory, turn_index, error) = (&turn.task_id, turn.trajectory, turn.turn, &turn.error);
+        match observed {
+            Observed::Passed => {}
+            Observed::NewStreak => tracing::warn!(%job_id, %task_id, trajectory, turn = turn_index, %error,
+                "turn failed on a service call; its episode ends (the same failure again is logged at debug)"),
+            Observed::Again(failed) => tracing::debug!(%job_id, %task_id, trajectory, turn = turn_index, %error,
+                failed, "turn failed on a service call again"),
+            Observed::Tripped(reason) => match self.tripped.set(reason) {
+                Ok(()) => {
+                    tracing::warn!(%job_id, reason = self.tripped().unwrap_or_default(),
+                        "the failing-turns breaker tripped: failing the job");
+                    self.trip.cancel();
+                }
+                // A turn that was recorded while the job's episodes stopped.
+                Err(_) => tracing::debug!(%job_id, %task_id, trajectory, turn = turn_index, %error,
+                    "turn failed on a service call after the breaker tripped"),
+            },
+        }
     }
 
     /// Stores a turn's stage (committed before this returns) and tells watchers.

@@ -1,0 +1,335 @@
+//! What an operator bounds, against the orchestrator in this process (its real `serve`, an in-memory SQLite store)
+//! and fake peers: a job over the configured limits refused naming the field and the limit (SubmitJob and
+//! StartEpisode alike), an inline task that is not a task refused at submission, the failing-turns breaker failing
+//! a job whose turns keep failing (and not one whose failures are interrupted, nor for infrastructure verdicts), and
+//! the named callers' quotas: one caller over its quota refused while another, and the shared token, go on.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use kforge_orchestrator::OrchestratorConfig;
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use kforge_server::auth::{Outbound, Token};
+use kforge_server::config::CallerConfig;
+use support::{Answer, key};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+/// A valid KernelBench-format task.
+const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
+                    def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
+
+type Client = OrchestratorClient<InterceptedService<Channel, Outbound>>;
+
+struct Running {
+    channel: Channel,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    served: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// A client presenting `token` (none: no `authorization` metadata).
+    fn client(&self, token: Option<&str>) -> Client {
+        OrchestratorClient::with_interceptor(self.channel.clone(), Outbound::new(token.map(Token::new)))
+    }
+
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.served).await.expect("the orchestrator stops");
+    }
+}
+
+async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -> Running {
+    let mut config = OrchestratorConfig {
+        store: "sqlite::memory:".into(),
+        peers: kforge_orchestrator::PeersConfig {
+            gateway: peers.into(),
+            evaluator: peers.into(),
+            reward: peers.into(),
+            profiler: peers.into(),
+            client: Default::default(),
+        },
+        retry: kforge_orchestrator::RetryConfig { attempts: 2, initial_backoff_ms: 1, max_backoff_ms: 2 },
+        ..Default::default()
+    };
+    tune(&mut config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = format!("http://{}", listener.local_addr().expect("address"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        kforge_orchestrator::serve(config, listener, async {
+            let _ = stopped.await;
+        })
+        .await
+        .expect("serves");
+    });
+    let channel = support::wait_ready(&address, std::time::Duration::from_secs(30)).await;
+    Running { channel, stop: Some(stop), served }
+}
+
+fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
+    pb::JobSpec {
+        kind: pb::JobKind::Rollout.into(),
+        recipe: "single-turn".into(),
+        task_set: "inline".into(),
+        tasks: tasks.iter().map(|id| pb::Task { task_id: (*id).into(), source: TASK.into() }).collect(),
+        model: "fake".into(),
+        trajectories_per_task: trajectories,
+        turns,
+        ..Default::default()
+    }
+}
+
+async fn submit(client: &mut Client, spec: pb::JobSpec) -> Result<pb::Job, tonic::Status> {
+    let request = pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() };
+    client.submit_job(request).await.map(tonic::Response::into_inner)
+}
+
+fn episode(turns: u32) -> pb::StartEpisodeRequest {
+    pb::StartEpisodeRequest {
+        recipe: "single-turn".into(),
+        task: Some(pb::Task { task_id: "a".into(), source: TASK.into() }),
+        turns,
+        ..Default::default()
+    }
+}
+
+/// The job once it has ended (WatchJob's last update).
+async fn ended(client: &mut Client, job_id: &str) -> pb::Job {
+    let mut stream =
+        client.watch_job(pb::WatchJobRequest { job_id: job_id.into() }).await.expect("watched").into_inner();
+    let mut last = None;
+    while let Some(update) = stream.message().await.expect("an update") {
+        last = update.job;
+    }
+    last.expect("an update with the job")
+}
+
+async fn jobs(client: &mut Client) -> Vec<pb::Job> {
+    client.list_jobs(pb::ListJobsRequest::default()).await.expect("listed").into_inner().jobs
+}
+
+fn assert_refused(result: Result<impl std::fmt::Debug, tonic::Status>, code: tonic::Code, message: &str) {
+    let status = result.expect_err(message);
+    assert_eq!(status.code(), code, "{status:?}");
+    assert_eq!(status.message(), message);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_over_the_limits_are_refused_naming_the_field_and_the_limit() {
+    let (peers, fakes) = support::start_fakes().await;
+    let running = orchestrator(&peers, |_| {}).await;
+    let mut client = running.client(None);
+    let invalid = tonic::Code::InvalidArgument;
+    // The defaults: the submissions that were once accepted and flooded the store.
+    assert_refused(
+        submit(&mut client, spec(&["a"], 1_000_000_000, 1)).await,
+        invalid,
+        "spec.trajectories_per_task: 1000000000 is over the limit of 64 (orchestrator.limits.trajectories_per_task)",
+    );
+    assert_refused(
+        submit(&mut client, spec(&["a"], 1, u32::MAX)).await,
+        invalid,
+        "spec.turns: 4294967295 is over the limit of 32 (orchestrator.limits.turns)",
+    );
+    assert_refused(
+        client.start_episode(episode(1000)).await,
+        invalid,
+        "turns: 1000 is over the limit of 32 (orchestrator.limits.turns)",
+    );
+    assert!(jobs(&mut client).await.is_empty(), "nothing stored");
+    running.shutdown().await;
+
+    let running = orchestrator(&peers, |c| {
+        c.limits = kforge_orchestrator::LimitsConfig { tasks: 2, trajectories_per_task: 4, turns: 3, total_turns: 10 };
+    })
+    .await;
+    let mut client = running.client(None);
+    assert_refused(
+        submit(&mut client, spec(&["a", "b", "c"], 1, 1)).await,
+        invalid,
+        "spec.tasks: 3 tasks is over the limit of 2 (orchestrator.limits.tasks)",
+    );
+    assert_refused(
+        submit(&mut client, pb::JobSpec { task_set: "examples".into(), tasks: Vec::new(), ..spec(&[], 1, 1) }).await,
+        invalid,
+        "spec.task_set: 13 tasks is over the limit of 2 (orchestrator.limits.tasks)",
+    );
+    assert_refused(
+        submit(&mut client, spec(&["a", "b"], 4, 3)).await,
+        invalid,
+        "spec: 24 turns (2 tasks x 4 trajectories x 3 turns) is over the limit of 10 (orchestrator.limits.total_turns)",
+    );
+    assert!(jobs(&mut client).await.is_empty(), "nothing stored");
+    // The examples cut to the limit by max_tasks, and a job at the limits, are accepted and run.
+    let examples = pb::JobSpec { task_set: "examples".into(), tasks: Vec::new(), max_tasks: 2, ..spec(&[], 1, 1) };
+    let job = submit(&mut client, examples).await.expect("two tasks are within the limit");
+    assert_eq!(job.turns_total, 2);
+    let job = submit(&mut client, spec(&["a", "b"], 1, 3)).await.expect("at the limits");
+    assert_eq!(ended(&mut client, &job.job_id).await.state(), pb::JobState::Succeeded);
+    assert_eq!(fakes.generate_counts().1.get(&key("b", 0, 2)), Some(&1), "its last turn ran");
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_task_that_is_not_python_is_refused_at_submission() {
+    let (peers, fakes) = support::start_fakes().await;
+    let running = orchestrator(&peers, |_| {}).await;
+    let mut client = running.client(None);
+    let cuda = "#include <cuda_runtime.h>\n__global__ void relu(float* x) { x[threadIdx.x] = 0; }\n";
+    let mut job = spec(&["good", "cuda"], 1, 1);
+    job.tasks[1].source = cuda.into();
+    let status = submit(&mut client, job).await.expect_err("not Python");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("spec.tasks[1].source: not a task: syntax error at line "), "{status:?}");
+    let mut job = spec(&["no-inputs"], 1, 1);
+    job.tasks[0].source = "import torch\n\nclass Model(torch.nn.Module):\n    pass\n".into();
+    assert_refused(
+        submit(&mut client, job).await,
+        tonic::Code::InvalidArgument,
+        "spec.tasks[0].source: not a task: defines no get_inputs()",
+    );
+    let request =
+        pb::StartEpisodeRequest { task: Some(pb::Task { task_id: "cuda".into(), source: cuda.into() }), ..episode(1) };
+    let status = client.start_episode(request).await.expect_err("not Python");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().starts_with("task.source: not a task: "), "{status:?}");
+    assert!(jobs(&mut client).await.is_empty(), "nothing stored");
+    assert!(fakes.generate_counts().0.is_empty(), "nothing generated");
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_fails_a_job_whose_turns_keep_failing_the_same_way() {
+    let (peers, fakes) = support::start_fakes().await;
+    // One episode at a time, so that the turns are recorded in the job's order.
+    let running = orchestrator(&peers, |c| {
+        c.breaker.failed_turns = 5;
+        c.max_concurrent_episodes = 1;
+    })
+    .await;
+    let mut client = running.client(None);
+    for trajectory in 0..64 {
+        fakes.fail_generation(&key("a", trajectory, 0));
+    }
+    let job = submit(&mut client, spec(&["a"], 64, 2)).await.expect("submitted");
+    let failed = ended(&mut client, &job.job_id).await;
+    assert_eq!(failed.state(), pb::JobState::Failed, "{failed:?}");
+    assert_eq!(
+        failed.error,
+        "breaker: 5 consecutive turns failed with gateway: Unavailable (the last: \"gateway: Unavailable: backend \
+         down\")"
+    );
+    assert_eq!((failed.turns_done, failed.turns_total), (5, 128), "no episode started after the fifth failure");
+    let asked: u32 = fakes.generate_counts().0.values().sum();
+    assert_eq!(asked, 5);
+    let stored = client.get_job(pb::GetJobRequest { job_id: job.job_id.clone() }).await.expect("a job").into_inner();
+    assert_eq!((stored.state(), stored.error), (pb::JobState::Failed, failed.error));
+
+    // Eight failures in two streaks of four broken by a turn that went through, then eight infrastructure verdicts
+    // (the evaluator answered: not a failed call) do not trip it.
+    for trajectory in [0, 1, 2, 3, 5, 6, 7, 8] {
+        fakes.fail_generation(&key("b", trajectory, 0));
+    }
+    for trajectory in 0..10 {
+        fakes.script(&key("c", trajectory, 0), [Answer::Infra { retryable: false }]);
+    }
+    let job = submit(&mut client, spec(&["b", "c"], 10, 1)).await.expect("submitted");
+    let finished = ended(&mut client, &job.job_id).await;
+    assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 20), "{finished:?}");
+    let metrics = finished.metrics.expect("metrics");
+    assert_eq!(metrics.infra_errors, 10, "{metrics:?}");
+    running.shutdown().await;
+}
+
+/// Writes `token` to a file of its own under `dir`.
+fn token_file(dir: &Path, name: &str, token: &str) -> Option<PathBuf> {
+    let path = dir.join(name);
+    std::fs::write(&path, format!("{token}\n")).expect("token written");
+    Some(path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_over_its_quota_is_refused_while_another_goes_on() {
+    let (peers, fakes) = support::start_fakes().await;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("operator-limits-quotas");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let caller = |name: &str| CallerConfig {
+        name: name.into(),
+        token_file: token_file(&dir, name, &format!("{name}-token")),
+        token_env: None,
+    };
+    let running = orchestrator(&peers, |c| {
+        c.server.auth.token_file = token_file(&dir, "shared", "shared-token");
+        c.server.callers = vec![caller("alice"), caller("bob")];
+        c.quotas = kforge_orchestrator::QuotasConfig { jobs_in_flight: 1, turns_per_hour: 10 };
+    })
+    .await;
+    let (mut alice, mut bob) = (running.client(Some("alice-token")), running.client(Some("bob-token")));
+    let mut shared = running.client(Some("shared-token"));
+    let status = submit(&mut running.client(None), spec(&["a"], 1, 1)).await.expect_err("no token");
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    // Evaluations wait until the test lets them go: the jobs stay in flight.
+    let gate = fakes.gate_evaluations();
+
+    let first = submit(&mut alice, spec(&["a"], 1, 2)).await.expect("within alice's quotas");
+    assert_eq!(first.caller, "alice");
+    assert_refused(
+        submit(&mut alice, spec(&["b"], 1, 1)).await,
+        tonic::Code::ResourceExhausted,
+        "caller `alice` is over its quota: 1 jobs queued or running, the quota is 1 (orchestrator.quotas.jobs_in_flight)",
+    );
+    let theirs = submit(&mut bob, spec(&["b"], 1, 2)).await.expect("bob has his own quota");
+    assert_eq!(theirs.caller, "bob");
+    let unnamed = submit(&mut shared, spec(&["c"], 1, 1)).await.expect("the shared token has no quota");
+    assert_eq!(unnamed.caller, "");
+
+    // Turns per hour: bob has asked for 2; episodes count their turns (not as jobs in flight).
+    let started = bob.start_episode(episode(3)).await.expect("2 + 3 turns within 10").into_inner();
+    let stored = bob.get_job(pb::GetJobRequest { job_id: started.episode_id }).await.expect("a job").into_inner();
+    assert_eq!((stored.caller, stored.turns_total), ("bob".into(), 3));
+    let status = bob.start_episode(episode(6)).await.expect_err("5 + 6 turns are over 10");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(
+        status.message(),
+        "caller `bob` is over its quota: 5 turns asked for in the last hour and 6 now, the quota is 10 per hour \
+         (orchestrator.quotas.turns_per_hour)"
+    );
+    let retry_ms: u64 =
+        status.metadata().get("retry-after-ms").expect("a hint").to_str().expect("ascii").parse().expect("ms");
+    assert!((1..=3_600_000).contains(&retry_ms), "{retry_ms}");
+    assert_refused(
+        bob.start_episode(episode(11)).await,
+        tonic::Code::ResourceExhausted,
+        "caller `bob` is over its quota: 11 turns asked for, more than the quota of 10 per hour \
+         (orchestrator.quotas.turns_per_hour)",
+    );
+    alice.start_episode(episode(8)).await.expect("2 + 8 turns: alice's own quota has room");
+
+    // Once alice's job ends, she may submit again (within her turns: 10 asked for, so only an empty hour would do).
+    gate.add_permits(1000);
+    assert_eq!(ended(&mut alice, &first.job_id).await.state(), pb::JobState::Succeeded);
+    assert_refused(
+        submit(&mut alice, spec(&["b"], 1, 1)).await,
+        tonic::Code::ResourceExhausted,
+        "caller `alice` is over its quota: 10 turns asked for in the last hour and 1 now, the quota is 10 per hour \
+         (orchestrator.quotas.turns_per_hour)",
+    );
+    assert_eq!(ended(&mut bob, &theirs.job_id).await.state(), pb::JobState::Succeeded);
+    running.shutdown().await;
+
+    // Without quotas, a named caller is only named.
+    let running = orchestrator(&peers, |c| {
+        c.server.callers = vec![caller("alice")];
+    })
+    .await;
+    let job = submit(&mut running.client(Some("alice-token")), spec(&["a"], 1, 1)).await.expect("no quotas");
+    assert_eq!(job.caller, "alice");
+    running.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
