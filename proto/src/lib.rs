@@ -16,3 +16,27 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kfor
 
 /// The proto package of this contract version.
 pub const PACKAGE: &str = "kforge.v1";
+
+/// The request paths (`/kforge.v1.Evaluator/Evaluate`) of every method of the service named `service`
+/// (`kforge.v1.Evaluator`), read from [`FILE_DESCRIPTOR_SET`]; none for a service this contract does not define.
+pub fn method_paths(service: &str) -> Vec<String> {
+    use prost::Message;
+    // The set is generated from this crate's own files at build time: it always decodes.
+    let Ok(set) = prost_types::FileDescriptorSet::decode(FILE_DESCRIPTOR_SET) else { return Vec::new() };
+    set.file
+        .iter()
+        .flat_map(|file| file.service.iter().map(move |s| (file.package(), s)))
+        .filter(|(package, s)| format!("{package}.{}", s.name()) == service)
+        .flat_map(|(_, s)| s.method.iter().map(|m| format!("/{service}/{}", m.name())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_services_method_paths_come_from_the_descriptor_set() {
+        let paths = super::method_paths("kforge.v1.Evaluator");
+        assert!(paths.contains(&"/kforge.v1.Evaluator/Evaluate".to_owned()), "{paths:?}");
+        assert!(super::method_paths("grpc.health.v1.Health").is_empty());
+    }
+}

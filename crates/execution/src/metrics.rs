@@ -1,6 +1,10 @@
 //! The engine's metrics at `/metrics`: stages in flight and their latency, cache lookups and evictions, device
 //! probes and quarantined devices, and the device memory reserved on each GPU by memory-aware admission. The
 //! series keep the `kforge_evaluator_` prefix they had before the engine was shared with the profiler.
+//!
+//! Every stage's series, the artifact cache's hits and misses and both probe results exist from registration at 0
+//! (a service adds its own caches with [`ExecutionMetrics::create_cache`]): Prometheus's `rate` counts increases
+//! between scrapes, so a series created by its first event would hide that event from the dashboards.
 
 use std::time::Duration;
 
@@ -10,6 +14,20 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::protocol::Mode;
+
+/// Every stage the engine runs: its series exist from the start.
+const STAGES: [Mode; 6] =
+    [Mode::Compile, Mode::Reference, Mode::Candidate, Mode::Check, Mode::Baseline, Mode::BindingsPch];
+
+/// A mode added to the protocol fails to compile here until [`STAGES`] lists it.
+const _: fn(Mode) = |mode| match mode {
+    Mode::Compile | Mode::Reference | Mode::Candidate | Mode::Check | Mode::Baseline | Mode::BindingsPch => {}
+};
+
+/// The time an evaluation held its device lane, timed beside the stages (`stage_seconds` only).
+pub const DEVICE_LANE_STAGE: &str = "device_lane";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StageLabel {
@@ -87,7 +105,7 @@ impl ExecutionMetrics {
 
     /// Metrics that no registry exposes (tests, tools).
     pub fn unregistered() -> Self {
-        Self {
+        let metrics = Self {
             running: Family::default(),
             // 10 ms to ~3 h: a cached check to a cold compile.
             stage_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.01, 2.0, 20))),
@@ -96,6 +114,23 @@ impl ExecutionMetrics {
             devices_quarantined: Gauge::default(),
             gpu_reserved_bytes: Family::default(),
             evictions: Family::default(),
+        };
+        for stage in STAGES.map(Mode::name) {
+            let _ = metrics.running.get_or_create(&StageLabel { stage: stage.into() });
+            let _ = metrics.stage_seconds.get_or_create(&StageLabel { stage: stage.into() });
+        }
+        let _ = metrics.stage_seconds.get_or_create(&StageLabel { stage: DEVICE_LANE_STAGE.into() });
+        metrics.create_cache("artifact");
+        for result in ["pass", "fail"] {
+            let _ = metrics.device_probes.get_or_create(&ProbeLabel { result: result.into() });
+        }
+        metrics
+    }
+
+    /// Creates `cache`'s hit and miss series at 0.
+    pub fn create_cache(&self, cache: &str) {
+        for outcome in ["hit", "miss"] {
+            let _ = self.cache.get_or_create(&CacheLabel { cache: cache.into(), outcome: outcome.into() });
         }
     }
 

@@ -148,7 +148,7 @@ impl Host {
         routes.add_service(InterceptedService::new(reflection_alpha.build_v1alpha()?, auth));
         routes.add_service(health_service);
 
-        let metrics = Arc::new(Metrics::register(&mut registry));
+        let metrics = Arc::new(Metrics::register(&mut registry, &names));
         let registry = Arc::new(registry);
         let router = routes.routes().into_axum_router().route(
             "/metrics",

@@ -1,5 +1,10 @@
-//! Evaluator metrics at `/metrics`: admitted evaluations (queue depth), verdicts, infrastructure errors by cause,
-//! findings by code (for the hack ratio), and the engine's (`kforge_execution::metrics`: stages, caches, devices).
+//! Evaluator metrics at `/metrics`: admitted evaluations (queue depth), verdicts, hacks (the hack ratio's
+//! numerator), infrastructure errors by cause, findings by code, and the engine's (`kforge_execution::metrics`:
+//! stages, caches, devices).
+//!
+//! Every verdict's series and the hack counter exist from registration at 0, and so do the evaluator's caches'
+//! (reference, baseline): Prometheus's `rate` counts increases between scrapes, so a series created by its first
+//! event would hide that event from the dashboards' ratios.
 
 use kforge_execution::metrics::{ExecutionMetrics, InFlight};
 use kforge_proto::v1 as pb;
@@ -30,6 +35,7 @@ struct FindingLabel {
 pub struct EvaluatorMetrics {
     admitted: Gauge,
     verdicts: Family<VerdictLabel, Counter>,
+    hacks: Counter,
     infra_errors: Family<CauseLabel, Counter>,
     findings: Family<FindingLabel, Counter>,
     /// The engine's: stages, caches, devices.
@@ -42,6 +48,7 @@ impl EvaluatorMetrics {
         let metrics = Self {
             admitted: Gauge::default(),
             verdicts: Family::default(),
+            hacks: Counter::default(),
             infra_errors: Family::default(),
             findings: Family::default(),
             execution: ExecutionMetrics::register(registry),
@@ -50,11 +57,22 @@ impl EvaluatorMetrics {
         r.register("admitted", "evaluations admitted: queued or running (queue depth)", metrics.admitted.clone());
         r.register("verdicts", "evaluations by verdict", metrics.verdicts.clone());
         r.register(
+            "hacks",
+            "evaluations that were hacks: VERDICT_HACK, or a rejection with a hack-category finding (hack ratio numerator)",
+            metrics.hacks.clone(),
+        );
+        r.register(
             "infra_errors",
             "evaluations ended by the evaluator's own failure, by cause",
             metrics.infra_errors.clone(),
         );
-        r.register("findings", "findings by code and category (hack ratio numerator)", metrics.findings.clone());
+        r.register("findings", "findings by code and category", metrics.findings.clone());
+        for verdict in (1..).map_while(|v| pb::Verdict::try_from(v).ok()) {
+            let _ = metrics.verdicts.get_or_create(&VerdictLabel { verdict: verdict.as_str_name().into() });
+        }
+        for cache in ["reference", "baseline"] {
+            metrics.execution.create_cache(cache);
+        }
         metrics
     }
 
@@ -64,6 +82,12 @@ impl EvaluatorMetrics {
 
     pub(crate) fn verdict(&self, verdict: pb::Verdict, findings: &[pb::Finding]) {
         self.verdicts.get_or_create(&VerdictLabel { verdict: verdict.as_str_name().into() }).inc();
+        let hack_category = pb::FindingCategory::Hack as i32;
+        let hack = verdict == pb::Verdict::Hack
+            || (verdict == pb::Verdict::Rejected && findings.iter().any(|f| f.category == hack_category));
+        if hack {
+            self.hacks.inc();
+        }
         for finding in findings {
             let category = pb::FindingCategory::try_from(finding.category).map_or("UNKNOWN", |c| c.as_str_name());
             self.findings.get_or_create(&FindingLabel { code: finding.code.clone(), category: category.into() }).inc();

@@ -4,6 +4,11 @@
 //! The metrics join the host's registry, so they are served at `/metrics` beside the per-method gRPC metrics
 //! every kforge service has. A job's dollars are `kforge_gateway_cost_usd_total{job=...}` summed over models;
 //! each response also carries its own `usage.cost_usd`, so the orchestrator can attribute cost per kernel.
+//!
+//! Every series of a configured model and backend exists from the start at 0 ([`Accounting::create_pool`]):
+//! Prometheus's `rate` counts increases between scrapes, so a series created by its first event would hide that
+//! event from the dashboards. A job's cost series cannot be made ahead of the job: it is made, at 0, when the
+//! job's first request to a priced pool arrives.
 
 use std::sync::atomic::AtomicU64;
 
@@ -70,6 +75,23 @@ pub struct Accounting {
     requests: Family<RequestLabels, Counter>,
 }
 
+/// `attempts_total`'s outcomes: `ok` and every `AttemptError::class`.
+const ATTEMPT_OUTCOMES: [&str; 10] = [
+    "ok",
+    "connect",
+    "deadline",
+    "rate_limited",
+    "upstream_timeout",
+    "server_error",
+    "client_error",
+    "broken_stream",
+    "malformed",
+    "replay_miss",
+];
+
+/// `tokens_total`'s kinds.
+const TOKEN_KINDS: [&str; 4] = ["prompt", "completion", "cached_prompt", "reasoning"];
+
 fn seconds_histogram() -> Histogram {
     // 1 ms to ~9 minutes: a cached replay answer to a long reasoning generation.
     Histogram::new(exponential_buckets(0.001, 2.0, 20))
@@ -95,6 +117,42 @@ impl Accounting {
         gateway.register("affinity", "affinity-routed attempts served by the episode's home", this.affinity.clone());
         gateway.register("requests", "generation requests by final status", this.requests.clone());
         this
+    }
+
+    /// Creates, at 0, every series of `model` served by `backends`: tokens by kind, TTFT and latency, attempts by
+    /// outcome, requests by each gRPC code, and affinity hits and misses where the pool routes by affinity.
+    pub fn create_pool(&self, model: &str, backends: &[String], affinity: bool) {
+        for backend in backends {
+            for kind in TOKEN_KINDS {
+                let _ = self.tokens.get_or_create(&TokenLabels { model: model.into(), backend: backend.clone(), kind });
+            }
+            let labels = BackendLabels { model: model.into(), backend: backend.clone() };
+            let _ = self.ttft.get_or_create(&labels);
+            let _ = self.latency.get_or_create(&labels);
+            for outcome in ATTEMPT_OUTCOMES {
+                let _ = self.attempts.get_or_create(&AttemptLabels {
+                    model: model.into(),
+                    backend: backend.clone(),
+                    outcome,
+                });
+            }
+        }
+        for code in (0..=16).map(tonic::Code::from) {
+            let _ = self
+                .requests
+                .get_or_create(&RequestLabels { model: model.into(), code: kforge_server::code_name(code) });
+        }
+        if affinity {
+            for result in ["hit", "miss"] {
+                let _ = self.affinity.get_or_create(&AffinityLabels { model: model.into(), result });
+            }
+        }
+    }
+
+    /// Creates `job`'s cost series for `model` at 0 when its first request arrives, so that the cost of the
+    /// request counts in `rate` (where a scrape falls between its arrival and its answer).
+    pub fn job_request(&self, model: &str, job: &str) {
+        let _ = self.cost.get_or_create(&CostLabels { model: model.into(), job: job.into() });
     }
 
     pub fn attempt(&self, model: &str, backend: &str, outcome: &'static str) {

@@ -66,12 +66,21 @@ impl GatewayService {
         let stop = CancellationToken::new();
         let all: Vec<Arc<Pool>> = order.iter().filter_map(|m| pools.get(m).cloned()).collect();
         let health = crate::health::spawn(&all, &config.health, &stop);
+        let accounting = Accounting::register(registry);
+        for pool in &all {
+            let backends: Vec<String> = pool.backends.iter().map(|b| b.label.clone()).collect();
+            accounting.create_pool(
+                &pool.config.model,
+                &backends,
+                pool.config.policy == crate::config::Policy::Affinity,
+            );
+        }
         Ok(Self {
             state: Arc::new(State {
                 pools,
                 order,
                 retry: config.retry.clone(),
-                accounting: Accounting::register(registry),
+                accounting,
                 _stop: stop.drop_guard(),
                 _health: Mutex::new(health),
             }),
@@ -103,6 +112,9 @@ impl GatewayService {
         sink: &mut DeltaSink,
     ) -> Result<pb::GenerateResponse, GatewayError> {
         let accounting = &self.state.accounting;
+        if pool.config.price != crate::config::Price::default() && !pool.backends.iter().all(|b| b.client.is_replay()) {
+            accounting.job_request(&pool.config.model, &spec.keys.job_id);
+        }
         let result = dispatch::generate(pool, &self.state.retry, accounting, spec, deadline, sink).await;
         let code = match &result {
             Ok(_) => "OK".to_owned(),

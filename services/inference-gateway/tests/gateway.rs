@@ -712,11 +712,26 @@ async fn metrics_count_tokens_latency_and_cost_per_job() {
     priced.price =
         Price { input_per_mtok: 1_000_000.0, cached_input_per_mtok: Some(0.0), output_per_mtok: 1_000_000.0 };
     let mut gateway = start(config(vec![priced])).await;
+    let label = fake.label();
+    // Every series the request moves is there at 0 before it: `rate` counts increases, not a series' first value.
+    let before = reqwest::get(format!("{}/metrics", gateway.addr)).await.expect("scrape").text().await.expect("text");
+    for expected in [
+        format!(
+            "kforge_gateway_tokens_total{{service=\"gateway\",model=\"qwen\",backend=\"{label}\",kind=\"prompt\"}} 0"
+        ),
+        format!(
+            "kforge_gateway_attempts_total{{service=\"gateway\",model=\"qwen\",backend=\"{label}\",outcome=\"ok\"}} 0"
+        ),
+        format!("kforge_gateway_ttft_seconds_count{{service=\"gateway\",model=\"qwen\",backend=\"{label}\"}} 0"),
+        "kforge_gateway_requests_total{service=\"gateway\",model=\"qwen\",code=\"OK\"} 0".to_owned(),
+        "kforge_gateway_affinity_total{service=\"gateway\",model=\"qwen\",result=\"hit\"} 0".to_owned(),
+    ] {
+        assert!(before.contains(&expected), "missing {expected} in\n{before}");
+    }
     let response = gateway.client.generate(chat_request("hi")).await.expect("served").into_inner();
     // 3 prompt tokens of which 1 cached (free), 2 completion tokens, at $1 per token.
     assert_eq!(response.usage.expect("usage").cost_usd, 4.0);
     let metrics = reqwest::get(format!("{}/metrics", gateway.addr)).await.expect("scrape").text().await.expect("text");
-    let label = fake.label();
     for expected in [
         format!(
             "kforge_gateway_tokens_total{{service=\"gateway\",model=\"qwen\",backend=\"{label}\",kind=\"prompt\"}} 3"

@@ -25,11 +25,13 @@ pub fn job_metrics(spec: Option<&pb::JobSpec>, turns: &[pb::TurnRecord], wall_ti
 /// (`JobSpec.diagnose.not_okay_off`): then the not-okay ratio has no denominator; likewise the format-error ratio
 /// without the strict format policy.
 pub fn samples(spec: Option<&pb::JobSpec>, turns: &[pb::TurnRecord]) -> Vec<TurnSample> {
-    let checked = Checked {
-        not_okay: !spec.and_then(|s| s.diagnose.as_ref()).is_some_and(|d| d.not_okay_off),
-        format: spec.is_some_and(crate::recipe::strict_format),
-    };
+    let checked = Checked { not_okay: opening_checked(spec), format: spec.is_some_and(crate::recipe::strict_format) };
     turns.iter().map(|t| turn_sample(t, level(&t.task_id), t.wall_time_s.max(0.0), checked)).collect()
+}
+
+/// Whether a job of `spec` checks its responses' openings (`JobSpec.diagnose.not_okay_off` unset).
+pub fn opening_checked(spec: Option<&pb::JobSpec>) -> bool {
+    !spec.and_then(|s| s.diagnose.as_ref()).is_some_and(|d| d.not_okay_off)
 }
 
 /// The metrics' parameters for a job that has run `wall_time_s`.

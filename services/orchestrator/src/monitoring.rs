@@ -1,7 +1,12 @@
 //! The orchestrator's Prometheus metrics, served at `/metrics` with the rest of the server's: every recorded turn
-//! by turn index and verdict, its response flags (junk, not-okay, hack...), whether it was fast (correct and faster
-//! than eager), how long it took, and turns in flight by stage across jobs. The ratios the dashboards plot are
-//! quotients of these counters (docs/METRICS.md, "Prometheus").
+//! by turn index and verdict, its response flags (junk, not-okay, hack...), its response (the junk and not-okay
+//! ratios' denominators), whether it was fast (correct and faster than eager), how long it took, and turns in
+//! flight by stage across jobs. The ratios the dashboards plot are quotients of these counters (docs/METRICS.md,
+//! "Prometheus").
+//!
+//! Every label set a dashboard reads exists from registration at 0: every turn label (`0`..`14`, `15+`) by every
+//! verdict, flag and response kind, and every stage. Prometheus's `rate` and `increase` count a series' increases
+//! between scrapes, so a series created by its first event would hide that event from every panel.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -14,6 +19,27 @@ use kforge_proto::v1 as pb;
 
 /// Turn indices at and past this one share the label `"15+"`: the label set stays bounded.
 const LAST_TURN_LABEL: u32 = 15;
+
+/// The `verdict` label of each verdict a recorded turn can have: the evaluator's (`VERDICT_` dropped, lowercase),
+/// `none` (nothing evaluated) and `failed` (a service error).
+const VERDICT_LABELS: [&str; 10] = [
+    "correct",
+    "incorrect",
+    "compile_error",
+    "runtime_error",
+    "timeout",
+    "rejected",
+    "hack",
+    "infra_error",
+    "none",
+    "failed",
+];
+
+/// The `flag` label of each response flag.
+const FLAG_LABELS: [&str; 6] = ["junk", "not_okay", "hack", "no_kernel", "truncated", "degenerate"];
+
+/// The stages a turn is in flight in.
+const STAGE_LABELS: [&str; 3] = ["generating", "evaluating", "scoring"];
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TurnVerdict {
@@ -33,6 +59,14 @@ struct TurnIndex {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TurnResponse {
+    turn: String,
+    /// `true` when the response's opening was checked (the job's not-okay detection is on): the not-okay ratio's
+    /// denominator counts these only.
+    opening_checked: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StageLabel {
     stage: String,
 }
@@ -42,6 +76,7 @@ struct StageLabel {
 pub struct OrchestratorMetrics {
     turns: Family<TurnVerdict, Counter>,
     flags: Family<TurnFlag, Counter>,
+    responses: Family<TurnResponse, Counter>,
     fast: Family<TurnIndex, Counter>,
     turn_seconds: Histogram,
     in_flight: Family<StageLabel, Gauge>,
@@ -52,6 +87,7 @@ impl OrchestratorMetrics {
         let metrics = Self {
             turns: Family::default(),
             flags: Family::default(),
+            responses: Family::default(),
             fast: Family::default(),
             // 10 ms to ~3 h: a cached evaluation to a long generation and a cold compile.
             turn_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 20)),
@@ -65,8 +101,15 @@ impl OrchestratorMetrics {
         );
         registry.register(
             "turn_flags",
-            "Recorded turns by turn index and response flag (junk, not_okay, hack, no_kernel, truncated, degenerate)",
+            "Recorded turns by turn index and flag: the response's (junk, not_okay, no_kernel, truncated, degenerate), and \
+             hack (a hack verdict, or a rejection with a hack-category finding)",
             metrics.flags.clone(),
+        );
+        registry.register(
+            "responses",
+            "Recorded turns whose generation returned a response, by turn index and whether its opening was checked \
+             (the junk and not-okay ratios' denominators)",
+            metrics.responses.clone(),
         );
         registry.register(
             "fast_turns",
@@ -83,11 +126,33 @@ impl OrchestratorMetrics {
             "Turns in flight across jobs by stage (generating, evaluating, scoring)",
             metrics.in_flight.clone(),
         );
+        metrics.create_every_label_set();
         metrics
     }
 
-    /// Counts a recorded turn.
-    pub fn turn(&self, record: &pb::TurnRecord) {
+    /// Creates every series at 0: 16 turn labels by 10 verdicts, 6 flags, 2 response kinds and fast, plus 3
+    /// stages; 307 series in all, whatever the jobs.
+    fn create_every_label_set(&self) {
+        for turn in (0..=LAST_TURN_LABEL).map(turn_label) {
+            for verdict in VERDICT_LABELS {
+                let _ = self.turns.get_or_create(&TurnVerdict { turn: turn.clone(), verdict: verdict.to_owned() });
+            }
+            for flag in FLAG_LABELS {
+                let _ = self.flags.get_or_create(&TurnFlag { turn: turn.clone(), flag: flag.to_owned() });
+            }
+            for opening_checked in ["true", "false"] {
+                let label = TurnResponse { turn: turn.clone(), opening_checked: opening_checked.to_owned() };
+                let _ = self.responses.get_or_create(&label);
+            }
+            let _ = self.fast.get_or_create(&TurnIndex { turn });
+        }
+        for stage in STAGE_LABELS {
+            let _ = self.in_flight.get_or_create(&StageLabel { stage: stage.to_owned() });
+        }
+    }
+
+    /// Counts a recorded turn of a job whose responses' openings are checked (not-okay detection on) or not.
+    pub fn turn(&self, record: &pb::TurnRecord, opening_checked: bool) {
         let turn = turn_label(record.turn);
         let verdict = match pb::Verdict::try_from(record.verdict) {
             Ok(pb::Verdict::Unspecified) | Err(_) if !record.error.is_empty() => "failed".to_owned(),
@@ -95,18 +160,27 @@ impl OrchestratorMetrics {
             Ok(verdict) => verdict.as_str_name().trim_start_matches("VERDICT_").to_lowercase(),
         };
         self.turns.get_or_create(&TurnVerdict { turn: turn.clone(), verdict }).inc();
-        if let Some(flags) = &record.flags {
-            let raised = [
-                ("junk", flags.junk),
-                ("not_okay", flags.not_okay),
-                ("hack", flags.hack),
-                ("no_kernel", flags.no_kernel),
-                ("truncated", flags.truncated),
-                ("degenerate", flags.degenerate),
-            ];
-            for (flag, _) in raised.into_iter().filter(|(_, raised)| *raised) {
-                self.flags.get_or_create(&TurnFlag { turn: turn.clone(), flag: flag.to_owned() }).inc();
-            }
+        let flags = record.flags.clone().unwrap_or_default();
+        if record.flags.is_some() {
+            let opening_checked = opening_checked.to_string();
+            self.responses.get_or_create(&TurnResponse { turn: turn.clone(), opening_checked }).inc();
+        }
+        // A hack as the job's metrics count it: the Diagnose flag, or the evaluation itself where Diagnose failed.
+        let hack_finding =
+            |e: &pb::EvaluateResponse| e.findings.iter().any(|f| f.category == pb::FindingCategory::Hack as i32);
+        let hack = flags.hack
+            || record.verdict() == pb::Verdict::Hack
+            || (record.verdict() == pb::Verdict::Rejected && record.evaluation.as_ref().is_some_and(hack_finding));
+        let raised = [
+            ("junk", flags.junk),
+            ("not_okay", flags.not_okay),
+            ("hack", hack),
+            ("no_kernel", flags.no_kernel),
+            ("truncated", flags.truncated),
+            ("degenerate", flags.degenerate),
+        ];
+        for (flag, _) in raised.into_iter().filter(|(_, raised)| *raised) {
+            self.flags.get_or_create(&TurnFlag { turn: turn.clone(), flag: flag.to_owned() }).inc();
         }
         if record.verdict() == pb::Verdict::Correct && record.speedup.is_some_and(|s| s > 1.0) {
             self.fast.get_or_create(&TurnIndex { turn }).inc();
@@ -142,11 +216,11 @@ mod tests {
             wall_time_s: 1.0,
             ..Default::default()
         };
-        metrics.turn(&turn(0, pb::Verdict::Correct, Some(1.5), false));
-        metrics.turn(&turn(0, pb::Verdict::Correct, Some(0.8), false));
-        metrics.turn(&turn(1, pb::Verdict::Hack, None, true));
-        metrics.turn(&turn(20, pb::Verdict::Unspecified, None, true));
-        metrics.turn(&pb::TurnRecord { turn: 1, error: "gateway: unavailable".into(), ..Default::default() });
+        metrics.turn(&turn(0, pb::Verdict::Correct, Some(1.5), false), true);
+        metrics.turn(&turn(0, pb::Verdict::Correct, Some(0.8), false), true);
+        metrics.turn(&turn(1, pb::Verdict::Hack, None, true), true);
+        metrics.turn(&turn(20, pb::Verdict::Unspecified, None, true), false);
+        metrics.turn(&pb::TurnRecord { turn: 1, error: "gateway: unavailable".into(), ..Default::default() }, true);
         let _evaluating = metrics.in_flight("evaluating");
         _evaluating.inc();
         let mut text = String::new();
@@ -157,11 +231,71 @@ mod tests {
             "kforge_orchestrator_turns_total{turn=\"15+\",verdict=\"none\"} 1",
             "kforge_orchestrator_turns_total{turn=\"1\",verdict=\"failed\"} 1",
             "kforge_orchestrator_turn_flags_total{turn=\"1\",flag=\"junk\"} 1",
+            "kforge_orchestrator_responses_total{turn=\"0\",opening_checked=\"true\"} 2",
+            "kforge_orchestrator_responses_total{turn=\"15+\",opening_checked=\"false\"} 1",
             "kforge_orchestrator_fast_turns_total{turn=\"0\"} 1",
             "kforge_orchestrator_turn_seconds_count 5",
             "kforge_orchestrator_in_flight{stage=\"evaluating\"} 1",
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }
+    }
+
+    /// Every series, by name and labels, with its value.
+    fn series(registry: &Registry) -> std::collections::BTreeMap<String, f64> {
+        let mut text = String::new();
+        encode(&mut text, registry).expect("encodes");
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.rsplit_once(' '))
+            .map(|(series, value)| (series.to_owned(), value.parse().expect("a number")))
+            .collect()
+    }
+
+    /// `rate` and `increase` count a series' increases between scrapes: a series created by its first event (at 1)
+    /// hides that event. Every series one turn of each kind moves must have been there, at 0, before it.
+    #[test]
+    fn every_series_a_turn_moves_exists_at_zero_from_registration() {
+        let mut registry = Registry::default();
+        let metrics = OrchestratorMetrics::register(&mut registry);
+        let before = series(&registry);
+        assert!(before.values().all(|&v| v == 0.0), "{before:#?}");
+        let every_flag = pb::ResponseFlags {
+            junk: true,
+            not_okay: true,
+            hack: true,
+            no_kernel: true,
+            truncated: true,
+            degenerate: true,
+            ..Default::default()
+        };
+        let mut turns: Vec<pb::TurnRecord> = (0..=8)
+            .filter_map(|v| pb::Verdict::try_from(v).ok())
+            .flat_map(|verdict| {
+                [0, 1, 14, 15, 99].map(|turn| pb::TurnRecord {
+                    turn,
+                    verdict: verdict.into(),
+                    speedup: Some(2.0),
+                    flags: Some(every_flag.clone()),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        turns.push(pb::TurnRecord { turn: 3, error: "evaluator: unavailable".into(), ..Default::default() });
+        for (i, turn) in turns.iter().enumerate() {
+            metrics.turn(turn, i % 2 == 0);
+        }
+        for stage in STAGE_LABELS {
+            metrics.in_flight(stage).inc();
+        }
+        let after = series(&registry);
+        let moved: Vec<&String> = after.iter().filter(|&(k, v)| before.get(k) != Some(v)).map(|(k, _)| k).collect();
+        assert!(moved.len() > 60, "{moved:#?}");
+        for name in moved {
+            assert_eq!(before.get(name), Some(&0.0), "{name} was not at 0 before its first event");
+        }
+        let per_turn = 10 + 6 + 2 + 1;
+        let labelled = before.keys().filter(|k| k.contains("turn=\"") || k.contains("stage=\"")).count();
+        assert_eq!(labelled, 16 * per_turn + 3, "the documented cardinality");
     }
 }

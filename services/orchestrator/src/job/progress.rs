@@ -74,6 +74,8 @@ pub(super) struct Progress {
     pub(super) in_flight: InFlight,
     /// The orchestrator's Prometheus metrics (every job's turns and stages count there too).
     pub(super) metrics: OrchestratorMetrics,
+    /// Whether the job's responses are checked for their opening (not-okay detection on), as its metrics say.
+    opening_checked: bool,
     /// Cancelled when the breaker trips, which stops the job's episodes.
     trip: CancellationToken,
     /// Why the breaker tripped, once it has.
@@ -120,6 +122,7 @@ impl Progress {
         started: Instant,
         metrics: OrchestratorMetrics,
     ) -> Self {
+        let opening_checked = crate::metrics::opening_checked(job.spec.as_ref());
         Self {
             job_id: job.job_id.clone(),
             job: tokio::sync::Mutex::new(Snapshot {
@@ -134,6 +137,7 @@ impl Progress {
             started,
             in_flight: InFlight::default(),
             metrics,
+            opening_checked,
             trip: CancellationToken::new(),
             tripped: std::sync::OnceLock::new(),
         }
@@ -167,7 +171,7 @@ impl Progress {
     pub(super) async fn record(&self, position: i64, turn: &pb::TurnRecord) -> Result<(), StoreError> {
         // The write needs no lock: each (task, trajectory, turn) has one writer, its episode.
         self.store.put_turn(&self.job_id, position, Stage::Recorded, turn).await?;
-        self.metrics.turn(turn);
+        self.metrics.turn(turn, self.opening_checked);
         let turn = slim(turn);
         let mut snapshot = self.job.lock().await;
         let observed = snapshot.breaker.observe(&turn.error);
