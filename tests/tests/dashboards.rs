@@ -9,8 +9,9 @@
 //! a series.
 //!
 //! Needs `prometheus` and the Python environment (`scripts/setup.sh --test` installs both): without them the test
-//! says `SKIP:`, and fails under `KFORGE_CI=1`. About 20-40 s on a 2-core machine: two kernels run on the CPU (a
-//! torch import each, the reference and the eager baseline), the other turns end at static checks or before.
+//! says `SKIP:`, and fails under `KFORGE_CI=1`. About 60 s on a 2-core machine shared with builds (30 s of CPU),
+//! most of it the three evaluations that run on the CPU (a torch import each, the reference, the eager baseline);
+//! the other turns end at static checks or before.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
