@@ -1,7 +1,8 @@
 //! The Parquet form of `kforge export`: one row per `kforge.v1.Sample`, in columns a trainer reads as they are
 //! (verl's and OpenRLHF's datasets): `prompt` as a list of `{role, content}` messages, token ids and
-//! log-probabilities as lists, the verdict by name, the optional numbers null when unset. The evaluation and the
-//! Judge's record are proto3 JSON strings, so nothing a sample holds is lost.
+//! log-probabilities as lists, the verdict by name, the optional numbers null when unset, the response's Diagnose
+//! flags as a struct (null when the turn got no response). The evaluation and the Judge's record are proto3 JSON
+//! strings, so nothing a sample holds is lost.
 //!
 //! Written with the `parquet` crate's column writers rather than through Arrow arrays (docs/DEPENDENCIES.md says
 //! why): rows are buffered column by column, nested columns with their definition and repetition levels, and go
@@ -67,6 +68,15 @@ message kforge_sample {
   required binary format_error (STRING);
   optional binary evaluation (STRING);
   optional binary judge (STRING);
+  optional group flags {
+    required boolean truncated;
+    required boolean no_kernel;
+    required boolean degenerate;
+    required boolean junk;
+    required boolean not_okay;
+    required boolean hack;
+    required double repetition_ratio;
+  }
 }
 ";
 
@@ -207,6 +217,13 @@ struct Rows {
     format_error: Leaf<ByteArray>,
     evaluation: Leaf<ByteArray>,
     judge: Leaf<ByteArray>,
+    truncated: Leaf<bool>,
+    no_kernel: Leaf<bool>,
+    degenerate: Leaf<bool>,
+    junk: Leaf<bool>,
+    not_okay: Leaf<bool>,
+    hack: Leaf<bool>,
+    repetition_ratio: Leaf<f64>,
 }
 
 impl Rows {
@@ -232,6 +249,7 @@ impl Rows {
             error,
             judge,
             format_error,
+            flags,
         } = sample;
         let pb::Completion {
             text: answer,
@@ -243,6 +261,19 @@ impl Rows {
             ttft_ms,
             latency_ms,
         } = response.unwrap_or_default();
+        // `response_id` echoes a Diagnose request's id, which a turn's record leaves empty: the cursor names the sample.
+        let flags = flags.map(
+            |pb::ResponseFlags {
+                 response_id: _,
+                 truncated,
+                 no_kernel,
+                 degenerate,
+                 junk,
+                 not_okay,
+                 hack,
+                 repetition_ratio,
+             }| (truncated, no_kernel, degenerate, junk, not_okay, hack, repetition_ratio),
+        );
         let evaluation =
             evaluation.map(|evaluation| super::message_json("kforge.v1.EvaluateResponse", &evaluation)).transpose()?;
         let judge = judge.map(|judge| super::message_json("kforge.v1.JudgeRecord", &judge)).transpose()?;
@@ -258,7 +289,7 @@ impl Rows {
             + prompt.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>()
             + evaluation.as_ref().map_or(0, String::len)
             + judge.as_ref().map_or(0, String::len)
-            + 8 * (prompt_token_ids.len() + token_ids.len() + logprobs.len() + 8);
+            + 8 * (prompt_token_ids.len() + token_ids.len() + logprobs.len() + 9);
         self.count += 1;
 
         self.cursor.push(text(cursor));
@@ -289,6 +320,14 @@ impl Rows {
         self.format_error.push(text(format_error));
         self.evaluation.push_optional(evaluation.map(text));
         self.judge.push_optional(judge.map(text));
+        // The group is null or whole: each leaf is null exactly where the group is.
+        self.truncated.push_optional(flags.map(|f| f.0));
+        self.no_kernel.push_optional(flags.map(|f| f.1));
+        self.degenerate.push_optional(flags.map(|f| f.2));
+        self.junk.push_optional(flags.map(|f| f.3));
+        self.not_okay.push_optional(flags.map(|f| f.4));
+        self.hack.push_optional(flags.map(|f| f.5));
+        self.repetition_ratio.push_optional(flags.map(|f| f.6));
         Ok(())
     }
 
@@ -320,6 +359,13 @@ impl Rows {
         write_leaf::<ByteArrayType, W>(row_group, self.format_error)?;
         write_leaf::<ByteArrayType, W>(row_group, self.evaluation)?;
         write_leaf::<ByteArrayType, W>(row_group, self.judge)?;
+        write_leaf::<BoolType, W>(row_group, self.truncated)?;
+        write_leaf::<BoolType, W>(row_group, self.no_kernel)?;
+        write_leaf::<BoolType, W>(row_group, self.degenerate)?;
+        write_leaf::<BoolType, W>(row_group, self.junk)?;
+        write_leaf::<BoolType, W>(row_group, self.not_okay)?;
+        write_leaf::<BoolType, W>(row_group, self.hack)?;
+        write_leaf::<DoubleType, W>(row_group, self.repetition_ratio)?;
         Ok(())
     }
 }
@@ -382,6 +428,16 @@ mod tests {
             error: String::new(),
             judge: None,
             format_error: String::new(),
+            flags: Some(pb::ResponseFlags {
+                response_id: String::new(),
+                truncated: false,
+                no_kernel: false,
+                degenerate: turn == 1,
+                junk: turn == 1,
+                not_okay: true,
+                hack: false,
+                repetition_ratio: 0.625,
+            }),
         }
     }
 
@@ -439,6 +495,10 @@ mod tests {
                 "kernel": "class ModelNew: ...\n", "verdict": "VERDICT_CORRECT",
                 "score": score, "return_value": return_value, "advantage": null, "keep": keep,
                 "error": "", "format_error": "", "evaluation": evaluation, "judge": null,
+                "flags": {
+                    "truncated": false, "no_kernel": false, "degenerate": turn == 1, "junk": turn == 1,
+                    "not_okay": true, "hack": false, "repetition_ratio": 0.625,
+                },
             })
         };
         assert_eq!(
@@ -458,6 +518,7 @@ mod tests {
             evaluation: None,
             verdict: 42,
             error: "gateway: unavailable".into(),
+            flags: None,
             ..sample(9, None, Some(false))
         };
         let rows = rows_of(vec![sample(0, Some(1.0), None), failed, sample(2, Some(0.0), None)]);
@@ -472,6 +533,8 @@ mod tests {
             (&json!(""), &Value::Null, &json!(false))
         );
         assert_eq!((&failed["verdict"], &failed["error"]), (&json!("42"), &json!("gateway: unavailable")));
+        assert_eq!(failed["flags"], Value::Null, "no response, no diagnosis: the whole group is null");
+        assert_eq!((&rows[0]["flags"]["not_okay"], &rows[2]["flags"]["hack"]), (&json!(true), &json!(false)));
         // The rows on either side keep their own lists: the levels of the empty ones shifted nothing.
         assert_eq!(rows[2]["prompt"][1]["content"], "Turn 2: write ModelNew.");
         assert_eq!((&rows[2]["response_token_ids"], &rows[2]["score"]), (&json!([7, 8]), &json!(0.0)));

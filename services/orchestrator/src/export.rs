@@ -84,6 +84,7 @@ fn sample(job_id: &str, position: TurnPosition, turn: pb::TurnRecord) -> pb::Sam
         error: turn.error,
         judge: turn.judge,
         format_error: turn.format_error,
+        flags: turn.flags,
     }
 }
 
@@ -98,5 +99,17 @@ mod tests {
         for bad in ["x", "1.2", "1.2.3.4", "1.-2.3"] {
             assert!(parse_cursor(bad).expect_err(bad).to_string().starts_with("cursor:"), "{bad}");
         }
+    }
+
+    /// The job's junk, not-okay and hack counts are over the turns' flags: a sample carries them, so an export can
+    /// recompute those ratios.
+    #[test]
+    fn a_sample_carries_its_turns_diagnosis() {
+        let flags = pb::ResponseFlags { junk: true, degenerate: true, repetition_ratio: 0.9, ..Default::default() };
+        let turn = pb::TurnRecord { task_id: "t".into(), flags: Some(flags.clone()), ..Default::default() };
+        let sample = sample("job-1", (0, 1, 2), turn);
+        assert_eq!((sample.cursor.as_str(), sample.flags), ("0.1.2", Some(flags)));
+        let undiagnosed = super::sample("job-1", (0, 0, 0), pb::TurnRecord::default());
+        assert_eq!(undiagnosed.flags, None, "a turn without a response has no diagnosis");
     }
 }
