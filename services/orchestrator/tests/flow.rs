@@ -698,13 +698,24 @@ async fn a_job_stopped_with_its_orchestrator_is_resumed_by_the_next_start_unless
     let job = submit(&mut first.client, spec(&["a"], 1, 3)).await.expect("submitted");
     held.recv().await.expect("held");
     first.shutdown().await;
-    let stored = kforge_orchestrator::store::Store::open(&store).await.expect("opens").job(&job.job_id).await;
-    let stored = stored.expect("read").expect("stored");
+    let opened = kforge_orchestrator::store::Store::open(&store).await.expect("opens");
+    let mut stored = opened.job(&job.job_id).await.expect("read").expect("stored");
     assert_eq!((stored.state(), stored.turns_done), (pb::JobState::Running, 1), "a stop is not a cancel");
+    // The first run's wall time, as its stop stored it, made long enough to tell from the second run's alone.
+    let metrics = stored.metrics.as_mut().expect("a stop stores the metrics");
+    assert!(metrics.wall_time_s > 0.0, "{metrics:?}");
+    metrics.wall_time_s = 1000.0;
+    opened.put_job(&stored).await.expect("stored");
+    drop(opened);
 
+    let resumed_at = std::time::Instant::now();
     let mut second = orchestrator(&peers, |c| c.store = store.clone()).await;
     let finished = last_job(&watch(&mut second.client, &job.job_id).await);
     assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 3));
+    // A resumed job's wall time is its runs' together: the first run's and the second's.
+    let wall_time_s = finished.metrics.as_ref().expect("metrics").wall_time_s;
+    let second_run_s = resumed_at.elapsed().as_secs_f64();
+    assert!((1000.0..=1000.0 + second_run_s).contains(&wall_time_s), "{wall_time_s} after {second_run_s} s");
     let (_, generated) = fakes.generate_counts();
     assert!((0..3).all(|turn| generated[&key("a", 0, turn)] == 1), "{generated:?}");
 

@@ -71,6 +71,9 @@ pub(super) struct Progress {
     pub(super) store: Store,
     updates: watch::Sender<pb::JobProgress>,
     started: Instant,
+    /// The seconds the job ran before this run (its stored `wall_time_s`; 0 for a new job): a resumed job's wall
+    /// time is the sum of its runs' spans, not the last run's alone.
+    before_s: f64,
     pub(super) in_flight: InFlight,
     /// The orchestrator's Prometheus metrics (every job's turns and stages count there too).
     pub(super) metrics: OrchestratorMetrics,
@@ -122,6 +125,9 @@ impl Progress {
         started: Instant,
         metrics: OrchestratorMetrics,
     ) -> Self {
+        // The stored snapshot's figure: exact for a run that stopped (a state change stores it), and at most the
+        // refresh period plus the time since its last recorded turn short for a run that was killed.
+        let before_s = job.metrics.as_ref().map_or(0.0, |m| m.wall_time_s).max(0.0);
         let opening_checked = crate::metrics::opening_checked(job.spec.as_ref());
         Self {
             job_id: job.job_id.clone(),
@@ -135,6 +141,7 @@ impl Progress {
             store,
             updates,
             started,
+            before_s,
             in_flight: InFlight::default(),
             metrics,
             opening_checked,
@@ -158,7 +165,7 @@ impl Progress {
 
     pub(super) async fn set_state(&self, state: pb::JobState, error: String) {
         let mut snapshot = self.job.lock().await;
-        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), true);
+        snapshot.refresh_metrics(self.wall_time_s(), true);
         let Snapshot { job, turns, .. } = &mut *snapshot;
         job.state = state.into();
         job.error = error;
@@ -177,7 +184,7 @@ impl Progress {
         let observed = snapshot.breaker.observe(&turn.error);
         self.log_failure(&turn, observed);
         snapshot.turns.push(turn.clone());
-        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), false);
+        snapshot.refresh_metrics(self.wall_time_s(), false);
         let Snapshot { job, turns, .. } = &mut *snapshot;
         job.turns_done = turns.len() as u64;
         job.updated_at = Some(crate::now());
@@ -231,19 +238,24 @@ impl Progress {
     /// Stores the snapshot as it is (the job stops here without a verdict, to be resumed).
     pub(super) async fn stopped(&self) {
         let mut snapshot = self.job.lock().await;
-        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), true);
+        snapshot.refresh_metrics(self.wall_time_s(), true);
         snapshot.job.updated_at = Some(crate::now());
         self.publish(&mut snapshot, None, true).await;
     }
 
     pub(super) async fn finish(&self, state: pb::JobState, error: String) {
         let mut snapshot = self.job.lock().await;
-        snapshot.refresh_metrics(self.started.elapsed().as_secs_f64(), true);
+        snapshot.refresh_metrics(self.wall_time_s(), true);
         let job = &mut snapshot.job;
         job.state = state.into();
         job.error = error;
         job.updated_at = Some(crate::now());
         self.publish(&mut snapshot, None, true).await;
+    }
+
+    /// The job's wall time: its earlier runs' and this one's so far.
+    fn wall_time_s(&self) -> f64 {
+        self.before_s + self.started.elapsed().as_secs_f64()
     }
 
     fn progress(&self, job: &pb::Job, recorded: Option<pb::TurnRecord>) -> pb::JobProgress {
