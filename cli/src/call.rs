@@ -1,4 +1,6 @@
-//! Calls any RPC of the kforge.v1 contract with proto3 JSON in and out, like grpcurl with the descriptors built in.
+//! Calls any RPC of the kforge.v1 contract with proto3 JSON in and out, like grpcurl with the descriptors built in;
+//! also the services every kforge server serves beside its own: `grpc.health.v1.Health` and
+//! `grpc.reflection.v1.ServerReflection` (their descriptors are tonic-health's and tonic-reflection's).
 //!
 //! Requests are read as a sequence of JSON objects (one for unary and server-streaming methods, any number for
 //! client-streaming ones); each response is printed as proto3 JSON. Messages are encoded and decoded dynamically
@@ -12,6 +14,8 @@ use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, MethodDes
 use tokio_stream::StreamExt;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::{Request, Status};
+
+use crate::mesh::Service;
 
 /// Largest request `kforge call` sends; servers apply their own, usually smaller, limit.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
@@ -45,16 +49,24 @@ impl From<Status> for CallError {
 
 pub use kforge_server::code_name;
 
-/// The contract's descriptors (kforge.v1 and its imports).
+/// The packages of the services a kforge server serves beside its own: `kforge call` reaches them too.
+pub const SERVER_PACKAGES: [&str; 2] = ["grpc.health.v1", "grpc.reflection.v1"];
+
+/// The contract's descriptors (kforge.v1 and its imports), and those of the health and reflection services.
 pub fn descriptors() -> &'static DescriptorPool {
     static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
-        DescriptorPool::decode(kforge_proto::FILE_DESCRIPTOR_SET)
-            .expect("the descriptor set is generated from the same protos at build time")
+        let mut pool = DescriptorPool::decode(kforge_proto::FILE_DESCRIPTOR_SET)
+            .expect("the descriptor set is generated from the same protos at build time");
+        for set in [tonic_health::pb::FILE_DESCRIPTOR_SET, tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET] {
+            pool.decode_file_descriptor_set(set).expect("tonic's descriptor sets are generated and import nothing");
+        }
+        pool
     });
     &POOL
 }
 
-/// Resolves `Service/Method`: the service by its short (`Reward`) or full (`kforge.v1.Reward`) name.
+/// Resolves `Service/Method`: the service by its short (`Reward`, `Health`) or full (`kforge.v1.Reward`,
+/// `grpc.health.v1.Health`) name.
 pub fn resolve(target: &str) -> Result<MethodDescriptor, CallError> {
     let (service, method) =
         target.trim_start_matches('/').split_once('/').ok_or_else(|| CallError::Syntax(target.into()))?;
@@ -62,11 +74,14 @@ pub fn resolve(target: &str) -> Result<MethodDescriptor, CallError> {
         return Err(CallError::Syntax(target.into()));
     }
     let pool = descriptors();
-    let kforge_services = || pool.services().filter(|s| s.package_name() == kforge_proto::PACKAGE);
-    let descriptor = kforge_services().find(|s| s.full_name() == service || s.name() == service).ok_or_else(|| {
+    let callable = || {
+        pool.services()
+            .filter(|s| s.package_name() == kforge_proto::PACKAGE || SERVER_PACKAGES.contains(&s.package_name()))
+    };
+    let descriptor = callable().find(|s| s.full_name() == service || s.name() == service).ok_or_else(|| {
         CallError::UnknownService {
             service: service.into(),
-            known: kforge_services().map(|s| s.name().to_owned()).collect::<Vec<_>>().join(", "),
+            known: callable().map(|s| s.name().to_owned()).collect::<Vec<_>>().join(", "),
         }
     })?;
     let found = descriptor.methods().find(|m| m.name() == method);
@@ -75,6 +90,20 @@ pub fn resolve(target: &str) -> Result<MethodDescriptor, CallError> {
         method: method.into(),
         known: descriptor.methods().map(|m| m.name().to_owned()).collect::<Vec<_>>().join(", "),
     })
+}
+
+/// The service to start in this process to answer `method` (`kforge call` without `--addr`): the method's own; for
+/// health and reflection, which every server serves, the server of the service a health check names
+/// (`{"service": "kforge.v1.Evaluator"}`), else the reward service's (it starts without peers or Python).
+pub fn in_process_service(method: &MethodDescriptor, requests: &[DynamicMessage]) -> Service {
+    if let Some(own) = Service::from_proto_name(method.parent_service().full_name()) {
+        return own;
+    }
+    let named = requests.first().and_then(|request| {
+        let value = request.get_field_by_name("service")?;
+        value.as_str().and_then(Service::from_proto_name)
+    });
+    named.unwrap_or(Service::Reward)
 }
 
 /// Parses the requests for `method` from `input`: a sequence of JSON objects. Empty input means one empty request
@@ -250,6 +279,31 @@ mod tests {
             }
         }
         assert_eq!(count, 3 + 5 + 5 + 4 + 11, "Evaluator, Profiler, Reward, Gateway, Orchestrator");
+    }
+
+    #[test]
+    fn the_health_and_reflection_services_resolve_by_short_and_full_name() {
+        for target in ["grpc.health.v1.Health/Check", "Health/Check", "/grpc.health.v1.Health/Check"] {
+            assert_eq!(resolve(target).expect(target).full_name(), "grpc.health.v1.Health.Check");
+        }
+        assert!(resolve("Health/Watch").expect("watch").is_server_streaming());
+        let reflection = resolve("ServerReflection/ServerReflectionInfo").expect("reflection");
+        assert_eq!(reflection.parent_service().full_name(), "grpc.reflection.v1.ServerReflection");
+        let err = resolve("Health/Probe").expect_err("unknown method").to_string();
+        assert!(err.contains("Check, Watch"), "{err}");
+        let err = resolve("Nope/Check").expect_err("unknown service").to_string();
+        assert!(err.contains("Health") && err.contains("ServerReflection"), "{err}");
+    }
+
+    #[test]
+    fn a_health_check_in_process_starts_the_service_it_names() {
+        let check = resolve("Health/Check").expect("resolves");
+        let requests = parse_requests(&check, r#"{"service": "kforge.v1.Evaluator"}"#).expect("parses");
+        assert_eq!(in_process_service(&check, &requests), Service::Evaluator);
+        let overall = parse_requests(&check, "").expect("parses");
+        assert_eq!(in_process_service(&check, &overall), Service::Reward);
+        let own = resolve("Orchestrator/GetJob").expect("resolves");
+        assert_eq!(in_process_service(&own, &[]), Service::Orchestrator);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! `kforge export JOB --out FILE`: a job's training samples (Orchestrator/ExportSamples) as JSONL, one proto3 JSON
 //! object (`kforge.v1.Sample`) per line, or as Parquet, one row per sample in the columns `export/parquet.rs`'s
-//! `SCHEMA` lists. Without `--addr`, an orchestrator runs in this process on the configured store (the default one
-//! `kforge run` writes to), resuming nothing.
+//! `SCHEMA` lists. Without `--addr`, an orchestrator runs in this process on the store `kforge run` would use
+//! (`--work-dir DIR`'s, else the configured one, else the default), resuming nothing; a job it does not hold is
+//! NOT_FOUND naming that store.
 
 mod parquet;
 
@@ -43,9 +44,13 @@ pub struct ExportArgs {
     /// cannot be appended to, so FILE is written anew and holds only the samples after the cursor.
     #[arg(long, value_name = "CURSOR")]
     after: Option<String>,
-    /// Address of a running orchestrator; without it one runs in this process on the configured store.
-    #[arg(long, value_name = "URL")]
+    /// Address of a running orchestrator; without it one runs in this process on the store `kforge run` uses.
+    #[arg(long, value_name = "URL", conflicts_with = "work_dir")]
     addr: Option<String>,
+    /// The store to read without --addr: DIR/orchestrator.db, as `kforge run --work-dir DIR` writes it; by default
+    /// the configured store, else ~/.local/state/kforge/orchestrator.db.
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<PathBuf>,
     /// File holding the bearer token to present.
     #[arg(long, value_name = "FILE", env = "KFORGE_TOKEN_FILE")]
     token_file: Option<PathBuf>,
@@ -77,17 +82,27 @@ pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()
         tls_domain: None,
         auth: AuthConfig { token_file: args.token_file.clone(), token_env: None },
     };
-    let (channel, mesh) = match &args.addr {
-        Some(addr) => (client::connect(addr, &client_config).await?, None),
+    let (channel, mesh, searched) = match &args.addr {
+        Some(addr) => (client::connect(addr, &client_config).await?, None, format!("the orchestrator at {addr}")),
         None => {
             let mut config = config.clone();
-            config.orchestrator.resume_on_start = false;
+            crate::run::store_for_run(&mut config, args.work_dir.as_deref());
+            let store = config.orchestrator.store_url();
+            let searched = format!("the store {}", redact_url(&store));
+            // A store file that is not there holds no job: say so rather than create an empty one.
+            if sqlite_file(&store).is_some_and(|file| !file.exists()) {
+                let missing = CallError::Rpc {
+                    code: kforge_server::code_name(tonic::Code::NotFound),
+                    message: format!("job `{}` not found in {searched} (no such file)", args.job_id),
+                };
+                return Err(anyhow::Error::new(missing).context("exporting the samples"));
+            }
             let mesh = Mesh::start(&[Service::Orchestrator], &config, true).await?;
             let address = mesh.address(Service::Orchestrator).context("the orchestrator runs")?.to_owned();
-            (client::connect(&address, &client_config).await?, Some(mesh))
+            (client::connect(&address, &client_config).await?, Some(mesh), searched)
         }
     };
-    let written = write(OrchestratorClient::new(channel), &args, format).await;
+    let written = write(OrchestratorClient::new(channel), &args, format, &searched).await;
     if let Some(mesh) = mesh {
         mesh.shutdown().await?;
     }
@@ -100,18 +115,24 @@ pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()
 /// threads (which serve the stream, and the orchestrator when it runs in this process).
 const BATCH: usize = 256;
 
+/// Writes the samples; `searched` names where a job that is not found was looked for.
 async fn write(
     mut client: OrchestratorClient<client::Channel>,
     args: &ExportArgs,
     format: Format,
+    searched: &str,
 ) -> anyhow::Result<(u64, String)> {
     let request = pb::ExportSamplesRequest {
         job_id: args.job_id.clone(),
         cursor: args.after.clone().unwrap_or_default(),
         limit: 0,
     };
-    let mut stream =
-        client.export_samples(request).await.map_err(CallError::from).context("exporting the samples")?.into_inner();
+    let mut stream = client
+        .export_samples(request)
+        .await
+        .map_err(|status| found_nowhere(status, searched))
+        .context("exporting the samples")?
+        .into_inner();
     let mut sink = Sink::open(&args.out, format, args.after.is_some())?;
     let (mut samples, mut cursor) = (0, String::new());
     let mut batch = Vec::with_capacity(BATCH);
@@ -137,9 +158,45 @@ async fn write(
     Ok((samples, cursor))
 }
 
+/// A call's error; NOT_FOUND (the job) says where it was looked for.
+fn found_nowhere(status: tonic::Status, searched: &str) -> CallError {
+    match CallError::from(status) {
+        CallError::Rpc { code, message } if code == kforge_server::code_name(tonic::Code::NotFound) => {
+            CallError::Rpc { code, message: format!("{message} in {searched}") }
+        }
+        other => other,
+    }
+}
+
+/// The SQLite file a store URL names (`sqlite://PATH`, `sqlite:PATH` or a bare path); `None` for PostgreSQL and
+/// in-memory stores.
+fn sqlite_file(store: &str) -> Option<&Path> {
+    if store.contains(":memory:") || store.starts_with("postgres://") || store.starts_with("postgresql://") {
+        return None;
+    }
+    let path = store.strip_prefix("sqlite://").or_else(|| store.strip_prefix("sqlite:")).unwrap_or(store);
+    // Connection options after the path (`sqlite://x.db?mode=ro`) are not part of it.
+    let path = path.split('?').next().unwrap_or(path);
+    (!path.is_empty()).then(|| Path::new(path))
+}
+
+/// A store URL as it may be shown: the password of `scheme://user:password@host/...` replaced by `***`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    // The user information ends at the last `@` before the path: a password may hold `@` or `/` only escaped.
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else { return url.to_owned() };
+    match rest[..at].split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+        None => url.to_owned(),
+    }
+}
+
 /// Where the samples go.
 enum Sink {
     Jsonl(Box<dyn Write + Send>),
+    /// JSONL on stdout: a reader that went away ends the export quietly (`crate::stdout`).
+    Stdout(BufWriter<std::io::Stdout>),
     // Boxed: the writer's buffers are large, and the sink moves to the writer thread and back for each batch.
     Parquet(Box<parquet::SampleWriter<BufWriter<File>>>, PartialFile),
 }
@@ -149,7 +206,7 @@ impl Sink {
     fn open(out: &Path, format: Format, append: bool) -> anyhow::Result<Self> {
         let cannot_write = || format!("cannot write {}", out.display());
         Ok(match format {
-            Format::Jsonl if out.as_os_str() == "-" => Self::Jsonl(Box::new(BufWriter::new(std::io::stdout()))),
+            Format::Jsonl if out.as_os_str() == "-" => Self::Stdout(BufWriter::new(std::io::stdout())),
             Format::Jsonl => {
                 let file = std::fs::OpenOptions::new()
                     .create(true)
@@ -172,6 +229,7 @@ impl Sink {
         for sample in samples {
             match self {
                 Self::Jsonl(out) => writeln!(out, "{}", sample_json(&sample)?)?,
+                Self::Stdout(out) => writeln!(out, "{}", sample_json(&sample)?).map_err(crate::stdout::written)?,
                 Self::Parquet(writer, _) => writer.write(sample)?,
             }
         }
@@ -181,6 +239,7 @@ impl Sink {
     fn finish(self) -> anyhow::Result<()> {
         match self {
             Self::Jsonl(mut out) => out.flush()?,
+            Self::Stdout(mut out) => out.flush().map_err(crate::stdout::written)?,
             Self::Parquet(writer, partial) => {
                 let file = writer.finish()?.into_inner().map_err(std::io::IntoInnerError::into_error)?;
                 file.sync_all()?;
@@ -240,4 +299,42 @@ fn message_json(name: &str, message: &impl prost::Message) -> anyhow::Result<Str
     let mut line = Vec::new();
     message.serialize_with_options(&mut serde_json::Serializer::new(&mut line), &options)?;
     Ok(String::from_utf8(line)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_url_is_shown_without_its_password() {
+        assert_eq!(
+            redact_url("postgres://kforge:s3cr@t@db.internal:5432/kforge?sslmode=require"),
+            "postgres://kforge:***@db.internal:5432/kforge?sslmode=require"
+        );
+        assert_eq!(redact_url("postgres://kforge@db/kforge"), "postgres://kforge@db/kforge", "no password");
+        assert_eq!(redact_url("postgres://db/kforge"), "postgres://db/kforge");
+        assert_eq!(
+            redact_url("/home/u/.local/state/kforge/orchestrator.db"),
+            "/home/u/.local/state/kforge/orchestrator.db"
+        );
+        assert_eq!(redact_url("sqlite:///tmp/a@b.db"), "sqlite:///tmp/a@b.db", "an @ in the path is not a user");
+    }
+
+    #[test]
+    fn the_sqlite_file_of_a_store_url() {
+        assert_eq!(sqlite_file("/w/orchestrator.db"), Some(Path::new("/w/orchestrator.db")));
+        assert_eq!(sqlite_file("sqlite:///w/o.db?mode=rwc"), Some(Path::new("/w/o.db")));
+        assert_eq!(sqlite_file("sqlite:o.db"), Some(Path::new("o.db")));
+        assert_eq!(sqlite_file("sqlite::memory:"), None);
+        assert_eq!(sqlite_file("postgres://u:p@db/k"), None);
+    }
+
+    #[test]
+    fn a_job_not_found_names_where_it_was_looked_for() {
+        let status = tonic::Status::not_found("job `job-9` not found");
+        let error = found_nowhere(status, "the store /w/orchestrator.db").to_string();
+        assert_eq!(error, "NOT_FOUND: job `job-9` not found in the store /w/orchestrator.db");
+        let other = found_nowhere(tonic::Status::unavailable("down"), "the store x").to_string();
+        assert_eq!(other, "UNAVAILABLE: down", "other codes are as the server said");
+    }
 }

@@ -44,7 +44,8 @@ enum Command {
         after_help = "Example:\n  echo '{\"method\":\"RETURN_METHOD_SUM\",\"gamma\":0.4,\"trajectories\":[{\"values\":[0.3,0,1.3]}]}' \\\n    | kforge call Reward/ComputeReturns"
     )]
     Call {
-        /// The RPC as Service/Method, e.g. Reward/ComputeAdvantages or kforge.v1.Evaluator/GetCapabilities.
+        /// The RPC as Service/Method, e.g. Reward/ComputeAdvantages, kforge.v1.Evaluator/GetCapabilities, or
+        /// Health/Check (grpc.health.v1) and ServerReflection/ServerReflectionInfo, which every server serves.
         target: String,
         /// The call's deadline in seconds, sent as its grpc-timeout: past it the server stops the work (a
         /// profile's or evaluation's processes are killed) and answers DEADLINE_EXCEEDED.
@@ -261,6 +262,8 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        // `kforge call ... | head`: the reader took what it wanted.
+        Err(error) if kforge::stdout::is_closed(&error) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kforge: {error:#}");
             ExitCode::FAILURE
@@ -279,8 +282,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Up => {
             let mesh = Mesh::start(&Service::ALL, &config, false).await?;
-            for (service, address) in mesh.addresses() {
-                println!("{:<13} {address}", service.name());
+            let listing: String = mesh
+                .addresses()
+                .iter()
+                .map(|(service, address)| format!("{:<13} {address}\n", service.name()))
+                .collect();
+            // The services are what `up` is for: a reader of the listing that went away does not stop them.
+            match kforge::stdout::print(&listing) {
+                Err(error) if !kforge::stdout::is_closed(&error) => return Err(error),
+                _ => {}
             }
             mesh.run_until(kforge_server::shutdown_signal()).await?;
         }
@@ -326,13 +336,12 @@ async fn call_command(config: &MeshConfig, target: &str, deadline: Option<f64>, 
     let mut input = String::new();
     std::io::stdin().read_to_string(&mut input).context("reading the request from stdin")?;
     let requests = call::parse_requests(&method, &input)?;
-    let service = Service::from_proto_name(method.parent_service().full_name())
-        .context("every kforge.v1 service is served by the mesh")?;
+    let service = call::in_process_service(&method, &requests);
     let (channel, mesh) = connect(config, &[service], service, remote).await?;
     let result = call::invoke(channel, &method, requests, deadline).await;
     drain(mesh).await?;
     for response in result? {
-        println!("{}", call::to_json(&response)?);
+        kforge::stdout::println(&call::to_json(&response)?)?;
     }
     Ok(())
 }
@@ -381,8 +390,12 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         strict_format: None,
     };
     let mut config = config.clone();
-    let scratch = std::env::temp_dir().join(format!("kforge-run-{}", std::process::id()));
+    // Where the embedded replay files go, removed when this run ends; the next run removes a killed one's.
+    let mut scratch = None;
     if args.remote.addr.is_none() {
+        let scratch = scratch.insert(
+            kforge::scratch::Scratch::create(&std::env::temp_dir()).context("making the run's scratch directory")?,
+        );
         kforge::run::store_for_run(&mut config, args.work_dir.as_deref());
         let (model, judge_model) = match &args.resume {
             Some(job_id) => {
@@ -406,8 +419,8 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
             eprintln!("{:<13} {routed} at {} ({}){note}", "model", server.url, server.kind.name());
         }
         for model in [model, judge_model] {
-            kforge::run::route_default_replay(&mut config, &model, &scratch)
-                .with_context(|| format!("writing the embedded replay file under {}", scratch.display()))?;
+            kforge::run::route_default_replay(&mut config, &model, scratch.path())
+                .with_context(|| format!("writing the embedded replay file under {}", scratch.path().display()))?;
         }
         kforge::run::evaluator_for_one_job(&mut config, args.compile_baseline);
     }
@@ -457,13 +470,17 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     }
     .await;
     drain(mesh).await?;
-    let _ = std::fs::remove_dir_all(&scratch);
+    drop(scratch);
     let (job, trajectories) = outcome?;
-    print!("{}", kforge::run::report(&job, &trajectories));
+    // A reader of the report that went away changes nothing else: the files are written, the job's outcome decides
+    // the status (a closed stdout alone ends quietly).
+    let printed = kforge::stdout::print(&kforge::run::report(&job, &trajectories));
     let dir = kforge::run::report_dir(&config, &job.job_id);
     let files = kforge::run::write_report(&dir, &job, &trajectories)
         .with_context(|| format!("writing the job's report under {}", dir.display()))?;
-    println!("report: {} ({})", files.html.display(), files.json.display());
+    let printed = printed.and_then(|()| {
+        kforge::stdout::println(&format!("report: {} ({})", files.html.display(), files.json.display()))
+    });
     if job.state != pb::JobState::Succeeded as i32 {
         bail!("job {} did not succeed", job.job_id);
     }
@@ -472,7 +489,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     if let Some(error) = kforge::run::every_turn_failed(&trajectories) {
         bail!("job {}: every turn failed before evaluation, the first with: {error}", job.job_id);
     }
-    Ok(())
+    printed
 }
 
 /// The servers `--model-url` and `--judge-model-url` name, checked before anything starts.
@@ -541,40 +558,55 @@ async fn eval_command(config: &MeshConfig, args: EvalArgs) -> anyhow::Result<()>
             method.output(),
             prost::Message::encode_to_vec(&response).as_slice(),
         )?;
-        println!("{}", call::to_json(&message)?);
+        kforge::stdout::println(&call::to_json(&message)?)?;
     } else {
-        let verdict = pb::Verdict::try_from(response.verdict).map_or("unknown", |v| v.as_str_name());
-        println!("verdict   {verdict}");
-        if response.speedup_eager > 0.0 {
-            println!("speedup   {:.3}x eager, {:.3}x torch.compile", response.speedup_eager, response.speedup_compile);
-        }
-        if let Some(m) = &response.mismatch {
-            println!(
-                "mismatch  trial {} output {} at {:?}: expected {}, got {} (max abs error {:.3e}, max rel error {:.3e}) {}",
-                m.trial, m.output_index, m.element_index, m.expected, m.got, m.max_abs_error, m.max_rel_error, m.detail
-            );
-        }
-        for finding in &response.findings {
-            println!("finding   {} (line {}): {}", finding.code, finding.line, finding.message);
-        }
-        if !response.compile_log.is_empty() {
-            println!(
-                "compile   {}",
-                response
-                    .compile_log
-                    .lines()
-                    .rev()
-                    .take(20)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect::<Vec<_>>()
-                    .join("\n          ")
-            );
-        }
-        if !response.error.is_empty() {
-            println!("error     {}", response.error);
-        }
+        kforge::stdout::print(&eval_summary(&response))?;
     }
     Ok(())
+}
+
+/// `kforge eval`'s summary of an evaluation: the verdict, the speedups, the mismatch, findings, the end of the
+/// compile log and the error, a line each.
+fn eval_summary(response: &pb::EvaluateResponse) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let verdict = pb::Verdict::try_from(response.verdict).map_or("unknown", |v| v.as_str_name());
+    let _ = writeln!(out, "verdict   {verdict}");
+    if response.speedup_eager > 0.0 {
+        let _ = writeln!(
+            out,
+            "speedup   {:.3}x eager, {:.3}x torch.compile",
+            response.speedup_eager, response.speedup_compile
+        );
+    }
+    if let Some(m) = &response.mismatch {
+        let _ = writeln!(
+            out,
+            "mismatch  trial {} output {} at {:?}: expected {}, got {} (max abs error {:.3e}, max rel error {:.3e}) {}",
+            m.trial, m.output_index, m.element_index, m.expected, m.got, m.max_abs_error, m.max_rel_error, m.detail
+        );
+    }
+    for finding in &response.findings {
+        let _ = writeln!(out, "finding   {} (line {}): {}", finding.code, finding.line, finding.message);
+    }
+    if !response.compile_log.is_empty() {
+        let _ = writeln!(
+            out,
+            "compile   {}",
+            response
+                .compile_log
+                .lines()
+                .rev()
+                .take(20)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n          ")
+        );
+    }
+    if !response.error.is_empty() {
+        let _ = writeln!(out, "error     {}", response.error);
+    }
+    out
 }

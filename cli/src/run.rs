@@ -255,9 +255,10 @@ pub const RUN_INSTANCE: &str = "kforge-run";
 pub async fn stored_spec(config: &MeshConfig, job_id: &str) -> anyhow::Result<pb::JobSpec> {
     use anyhow::Context as _;
     let url = config.orchestrator.store_url();
+    let shown = crate::export::redact_url(&url);
     let store =
-        kforge_orchestrator::store::Store::open(&url).await.with_context(|| format!("opening the store {url}"))?;
-    let job = store.job(job_id).await?.with_context(|| format!("job {job_id} is not in the store {url}"))?;
+        kforge_orchestrator::store::Store::open(&url).await.with_context(|| format!("opening the store {shown}"))?;
+    let job = store.job(job_id).await?.with_context(|| format!("job {job_id} is not in the store {shown}"))?;
     job.spec.with_context(|| format!("job {job_id} has no stored spec"))
 }
 

@@ -31,21 +31,23 @@ const WRONG: &str =
 const RIGHT: &str =
     "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n";
 
-/// relu/0: a wrong kernel, then the fix; relu/1: no kernel (not evaluated), then no record at all (the gateway's
-/// NOT_FOUND fails the turn: no response, no score, return or advantage). Four samples: values set and unset,
-/// prompts of one message pair and of two turns (Kevin's second prompt shows the first attempt).
+/// relu/0: a wrong kernel, then the fix; relu/1: no kernel (not evaluated) in a response that loops on one
+/// sentence and whose reasoning does not open with `Okay` (junk, degenerate and not-okay), then no record at all
+/// (the gateway's NOT_FOUND fails the turn: no response, no diagnosis, no score, return or advantage). Four samples:
+/// values set and unset, prompts of one message pair and of two turns (Kevin's second prompt shows the first
+/// attempt).
 fn replay_file(dir: &Path) -> PathBuf {
     let answers = [(0, 0, Some(WRONG)), (0, 1, Some(RIGHT)), (1, 0, None)];
     let lines: Vec<String> = answers
         .iter()
         .map(|(trajectory, turn, kernel)| {
-            let text = match kernel {
-                Some(kernel) => format!("Here is ModelNew.\n\n```python\n{kernel}```\n"),
-                None => "I am not sure how to write this.".to_owned(),
+            let (reasoning, text) = match kernel {
+                Some(kernel) => ("Okay, relu.", format!("Here is ModelNew.\n\n```python\n{kernel}```\n")),
+                None => ("Hmm, relu.", "I am not sure how to write this. ".repeat(30)),
             };
             json!({
                 "task_id": "examples/relu", "trajectory": trajectory, "turn": turn,
-                "completions": [{"reasoning": "Okay, relu.", "text": text}],
+                "completions": [{"reasoning": reasoning, "text": text}],
             })
             .to_string()
         })
@@ -121,7 +123,7 @@ async fn a_job_exports_as_parquet_with_the_rows_of_its_jsonl() {
         correctness_trials: 2,
         ..Default::default()
     };
-    let (job, _) = submit_and_follow(&mut orchestrator, spec).await;
+    let (job, trajectories) = submit_and_follow(&mut orchestrator, spec).await;
     assert_eq!((job.state, job.turns_done), (pb::JobState::Succeeded as i32, 4), "{job:#?}");
     let addr = mesh.address(Service::Orchestrator).expect("runs").to_owned();
     let export = |out: &Path, extra: &[&str]| {
@@ -144,9 +146,27 @@ async fn a_job_exports_as_parquet_with_the_rows_of_its_jsonl() {
     let cursor = lines[0]["cursor"].as_str().expect("a cursor").to_owned();
     let exported = export(&rest_path, &["--format", "parquet", "--after", &cursor]).await;
     assert!(exported.status.success(), "{}", String::from_utf8_lossy(&exported.stderr));
+    // To stdout, its reader gone before the first line: the export ends quietly (`kforge export ... | head`).
+    let args = vec![job.job_id.clone(), "--addr".into(), addr.clone(), "--out".into(), "-".into()];
+    let closed = tokio::task::spawn_blocking(move || {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kforge"))
+            .arg("export")
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("kforge runs");
+        drop(child.stdout.take());
+        child.wait_with_output().expect("kforge exits")
+    })
+    .await
+    .expect("joined");
+    let stderr = String::from_utf8_lossy(&closed.stderr);
+    assert!(closed.status.success() && !stderr.contains("panicked"), "{:?} {stderr}", closed.status);
     mesh.shutdown().await.expect("drains");
 
     assert_eq!(lines.len(), 4);
+    recompute_diagnosis(&lines, &job, &trajectories);
     let score_set: Vec<bool> = lines.iter().map(|l| l.get("score").is_some_and(Value::is_f64)).collect();
     assert!(score_set.contains(&true) && score_set.contains(&false), "scores set and unset: {lines:#?}");
     let magic = std::fs::read(&parquet_path).expect("written");
@@ -188,12 +208,83 @@ async fn a_job_exports_as_parquet_with_the_rows_of_its_jsonl() {
         assert_eq!((&row["response"], &row["reasoning"]), (&text("text"), &text("reasoning")), "{row:#}\n{line:#}");
         let evaluation = row["evaluation"].as_str().map(|e| serde_json::from_str::<Value>(e).expect("JSON"));
         assert_eq!(evaluation.unwrap_or(Value::Null), line["evaluation"], "the evaluation, as proto3 JSON");
+        // The Diagnose flags: a struct, null where the line has none.
+        let flags = ["truncated", "no_kernel", "degenerate", "junk", "not_okay", "hack", "repetition_ratio"];
+        match line.get("flags").filter(|f| !f.is_null()) {
+            Some(expected) => flags.iter().for_each(|key| assert_eq!(row["flags"][key], expected[key], "{key}")),
+            None => assert_eq!(row["flags"], Value::Null, "{row:#}"),
+        }
     }
+    assert_eq!(
+        rows.iter().filter(|r| r["flags"]["degenerate"] == true).count(),
+        1,
+        "the Parquet rows give the same ratios"
+    );
     let first_prompt = rows[0]["prompt"].as_array().expect("a list");
     assert!(first_prompt.iter().any(|m| m["role"] == "user"), "chat messages: {first_prompt:?}");
 
     let rest = read_with_pyarrow(&python, &rest_path);
     assert_eq!(cursors(rest["rows"].as_array().expect("rows")), cursors(&lines[1..]), "only the samples after it");
+}
+
+/// The job's junk and not-okay counts and ratios, recomputed from the exported samples alone, equal the job's
+/// metrics; the degenerate flags equal the stored turns' (the metrics have no degenerate count: it is a part of junk).
+fn recompute_diagnosis(lines: &[Value], job: &pb::Job, trajectories: &[pb::Trajectory]) {
+    let flag = |line: &Value, key: &str| line["flags"][key].as_bool().unwrap_or_else(|| panic!("{key}: {line:#}"));
+    // A sample without flags got no response: it is in no response ratio.
+    let responses: Vec<&Value> = lines.iter().filter(|l| l.get("flags").is_some_and(|f| !f.is_null())).collect();
+    let count = |key: &str| responses.iter().filter(|l| flag(l, key)).count() as u64;
+    let (junk, not_okay, degenerate) = (count("junk"), count("not_okay"), count("degenerate"));
+    let n = responses.len() as u64;
+    for line in &responses {
+        let parts = flag(line, "truncated") || flag(line, "no_kernel") || flag(line, "degenerate");
+        assert_eq!(flag(line, "junk"), parts, "junk is truncated, no kernel or degenerate: {line:#}");
+    }
+    assert_eq!((n, junk, not_okay, degenerate), (3, 1, 1, 1), "the replay's one looping answer: {lines:#?}");
+
+    let metrics = job.metrics.clone().expect("metrics");
+    assert_eq!((metrics.junk, metrics.not_okay), (junk, not_okay));
+    assert_eq!((metrics.junk_ratio, metrics.not_okay_ratio), (junk as f64 / n as f64, not_okay as f64 / n as f64));
+    let overall = metrics.overall.expect("overall rates");
+    let parts = |ratio: Option<pb::CountRatio>| ratio.map(|r| (r.numerator, r.denominator));
+    assert_eq!((parts(overall.junk), parts(overall.not_okay)), (Some((junk, n)), Some((not_okay, n))));
+    let stored: Vec<bool> = trajectories
+        .iter()
+        .flat_map(|t| &t.turns)
+        .filter_map(|turn| turn.flags.as_ref().map(|f| f.degenerate))
+        .collect();
+    let exported: Vec<bool> = responses.iter().map(|l| flag(l, "degenerate")).collect();
+    assert_eq!(exported, stored, "the degenerate flags, in the job's order");
+}
+
+/// A job that is not in the store: the error names the store searched, the one `--work-dir DIR` names, and a store
+/// file that is not there is not created.
+#[tokio::test]
+async fn a_missing_job_names_the_store_searched() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-export-not-found");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("test dir");
+    let store = dir.join("orchestrator.db");
+    let missing = |work_dir: &Path| {
+        let args = ["job-none", "--out", "-", "--work-dir"].map(str::to_owned);
+        kforge_export([args.as_slice(), &[work_dir.to_str().expect("utf-8").to_owned()]].concat())
+    };
+    let output = missing(&dir).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    let expected = format!("NOT_FOUND: job `job-none` not found in the store {} (no such file)", store.display());
+    assert!(stderr.contains(&expected), "{stderr}");
+    assert!(!store.exists(), "no empty store is made");
+
+    // A store that is there but holds no such job.
+    kforge_orchestrator::store::Store::open(store.to_str().expect("utf-8")).await.expect("a store");
+    let output = missing(&dir).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    let expected = format!("NOT_FOUND: job `job-none` not found in the store {}", store.display());
+    assert!(stderr.trim_end().ends_with(&expected), "{stderr}");
+    assert!(output.stdout.is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A Parquet file is read from its footer, written last: it cannot go to stdout, and the refusal comes before

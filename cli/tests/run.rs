@@ -474,18 +474,23 @@ fn kforge_run_on_the_embedded_default_reports_every_task() {
 }
 
 /// `kforge run` killed with SIGKILL after its first turn is recorded, then `kforge run --resume JOB` on the same
-/// work directory: the job finishes with both turns, once each; `kforge export` writes them as JSONL.
+/// work directory: the job finishes with both turns, once each, its wall time both runs'; the killed run's scratch
+/// directory is removed by the next run; `kforge export --work-dir` writes the turns as JSONL.
 #[test]
 fn a_killed_kforge_run_resumes_and_its_samples_export_as_jsonl() {
     use std::io::BufRead as _;
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-resume");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("work dir");
+    // The runs' temporary directory, where each makes its scratch directory: this process's, the runs inherit it
+    // (the sandbox's job users are shared through it by every kforge on the host: it is not to be changed here).
+    let tmp = std::env::temp_dir();
+    let store = dir.join("orchestrator.db");
     let kforge = |args: &[&str]| {
         let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
         command
             .args(args)
-            .env("KFORGE__ORCHESTRATOR__STORE", dir.join("orchestrator.db"))
+            .env("KFORGE__ORCHESTRATOR__STORE", &store)
             .env("KFORGE__EVALUATOR__PYTHON", python())
             .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("resume"))
             .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false");
@@ -509,21 +514,58 @@ fn a_killed_kforge_run_resumes_and_its_samples_export_as_jsonl() {
             break;
         }
     }
+    let killed_scratch = tmp.join(format!("kforge-run-{}", first.id()));
     first.kill().expect("SIGKILL");
     first.wait().expect("reaped");
     let job_id = job_id.unwrap_or_else(|| panic!("no job id in {seen:#?}"));
     assert!(seen.iter().any(|l| l.starts_with("[1/2 turns")), "killed after the first turn: {seen:#?}");
+    assert!(killed_scratch.join("replay.jsonl").exists(), "a killed run leaves its scratch: {killed_scratch:?}");
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    let stored_job = || {
+        runtime.block_on(async {
+            let store = kforge_orchestrator::store::Store::open(store.to_str().expect("utf-8")).await.expect("opens");
+            let job = store.job(&job_id).await.expect("read").expect("stored");
+            (job, store.turns(&job_id).await.expect("read"))
+        })
+    };
+    let first_run_s = stored_job().0.metrics.expect("metrics").wall_time_s;
+    assert!(first_run_s > 0.0, "the killed run's time, as its last snapshot stored it");
 
-    let resumed = kforge(&["run", "--resume", &job_id]).output().expect("kforge runs");
+    let resumed = kforge(&["run", "--resume", &job_id])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kforge runs");
+    let own_scratch = tmp.join(format!("kforge-run-{}", resumed.id()));
+    let resumed = resumed.wait_with_output().expect("kforge exits");
     let (stdout, stderr) = (String::from_utf8_lossy(&resumed.stdout), String::from_utf8_lossy(&resumed.stderr));
     assert!(resumed.status.success(), "{stdout}\n{stderr}");
     assert!(stderr.contains(&format!("job {job_id} resumed")), "{stderr}");
     assert!(stdout.starts_with(&format!("job {job_id} succeeded")), "{stdout}");
     assert!(stdout.contains("totals: 2 turns, 2 evaluated, 2 correct (100.0%)"), "{stdout}");
+    // The next run removed the killed run's scratch, and its own on its way out.
+    assert!(!killed_scratch.exists() && !own_scratch.exists(), "{killed_scratch:?} {own_scratch:?}");
+    // The wall time is both runs': the killed one's and the resumed one's, which ran the second turn.
+    let (job, turns) = stored_job();
+    let second_turn_s = turns.iter().find(|t| t.task_id == "examples/gelu_tanh").expect("recorded").wall_time_s;
+    let wall_time_s = job.metrics.expect("metrics").wall_time_s;
+    assert!(wall_time_s >= first_run_s + second_turn_s, "{wall_time_s} < {first_run_s} + {second_turn_s}");
+    let reported: f64 = stdout
+        .split(", wall ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|seconds| seconds.parse().ok())
+        .unwrap_or_else(|| panic!("a wall time in the totals: {stdout}"));
+    assert!((reported - wall_time_s).abs() <= 0.051, "the report's: {reported} against {wall_time_s}");
 
+    // `--work-dir` names the store, as `kforge run --work-dir` does (the variable is not read).
+    let export = |args: &[&str]| {
+        let mut command = kforge(&["export", &job_id, "--work-dir", dir.to_str().expect("utf-8")]);
+        command.args(args).env_remove("KFORGE__ORCHESTRATOR__STORE");
+        command.output().expect("kforge runs")
+    };
     let samples = dir.join("samples.jsonl");
-    let exported =
-        kforge(&["export", &job_id, "--out", samples.to_str().expect("utf-8")]).output().expect("kforge runs");
+    let exported = export(&["--out", samples.to_str().expect("utf-8")]);
     assert!(exported.status.success(), "{}", String::from_utf8_lossy(&exported.stderr));
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&samples)
         .expect("written")
@@ -543,9 +585,7 @@ fn a_killed_kforge_run_resumes_and_its_samples_export_as_jsonl() {
     // From the first sample's cursor, only the second follows (appended).
     let cursor = lines[0]["cursor"].as_str().expect("a cursor").to_owned();
     let rest = dir.join("rest.jsonl");
-    let exported = kforge(&["export", &job_id, "--out", rest.to_str().expect("utf-8"), "--after", &cursor])
-        .output()
-        .expect("kforge runs");
+    let exported = export(&["--out", rest.to_str().expect("utf-8"), "--after", &cursor]);
     assert!(exported.status.success(), "{}", String::from_utf8_lossy(&exported.stderr));
     let rest = std::fs::read_to_string(&rest).expect("written");
     assert_eq!(rest.lines().count(), 1, "{rest}");

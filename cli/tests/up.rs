@@ -102,7 +102,35 @@ async fn up_serves_health_and_reflection_on_all_five_then_drains_on_sigterm() {
         let mut health = HealthClient::new(channel(url).await);
         let status = health.check(HealthCheckRequest { service: String::new() }).await.expect("check").into_inner();
         assert_eq!(status.status, ServingStatus::Serving as i32);
+        // `kforge call` reaches the health service too, by its full and its short name.
+        let request = serde_json::json!({ "service": proto_service }).to_string();
+        for target in ["grpc.health.v1.Health/Check", "Health/Check"] {
+            let args = ["call", target, "--addr", url].map(str::to_owned);
+            let output = tokio::task::spawn_blocking({
+                let request = request.clone();
+                move || run_kforge(&args.each_ref().map(String::as_str), &request)
+            })
+            .await
+            .expect("joined");
+            assert!(output.status.success(), "{target}: {}", String::from_utf8_lossy(&output.stderr));
+            let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("proto3 json on stdout");
+            assert_eq!(json, serde_json::json!({"status": "SERVING"}), "{target} at {url}");
+        }
     }
+    // And reflection, a bidirectional stream: the services the server lists.
+    let args = ["call", "ServerReflection/ServerReflectionInfo", "--addr", &addresses[2].1].map(str::to_owned);
+    let listed = tokio::task::spawn_blocking(move || {
+        run_kforge(&args.each_ref().map(String::as_str), r#"{"listServices": ""}"#)
+    })
+    .await
+    .expect("joined");
+    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("proto3 json on stdout");
+    let names: Vec<&str> = json["listServicesResponse"]["service"]
+        .as_array()
+        .map(|services| services.iter().filter_map(|s| s["name"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(names.contains(&"kforge.v1.Reward") && names.contains(&"grpc.health.v1.Health"), "{json}");
 
     // Wait off the runtime: the clients' connections must keep running so that they can close when the server
     // sends GOAWAY, or the drain would wait for them until its timeout.
@@ -306,6 +334,53 @@ fn call_reaches_every_rpc_in_process() {
     }
     let models = run_kforge(&["call", "Gateway/ListModels"], "{}");
     assert!(models.status.success(), "{}", String::from_utf8_lossy(&models.stderr));
+
+    // The health service every server serves: in-process, the server of the service the check names (without one,
+    // the reward service's).
+    for request in ["", r#"{"service": "kforge.v1.Orchestrator"}"#, r#"{"service": "kforge.v1.Reward"}"#] {
+        let output = run_kforge(&["call", "Health/Check"], request);
+        assert!(output.status.success(), "{request}: {}", String::from_utf8_lossy(&output.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("proto3 json on stdout");
+        assert_eq!(json, serde_json::json!({"status": "SERVING"}), "{request}");
+    }
+    let unknown = run_kforge(&["call", "Health/Check"], r#"{"service": "kforge.v1.Nope"}"#);
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert!(!unknown.status.success() && stderr.contains("NOT_FOUND"), "{stderr}");
+}
+
+/// `kforge call ... | head`: the reader goes away before the response is printed. The command ends quietly, with
+/// status 0, not with a panic's backtrace.
+#[test]
+fn a_closed_stdout_ends_call_quietly() {
+    for (target, request) in [
+        (
+            "Reward/ComputeReturns",
+            r#"{"method":"RETURN_METHOD_SUM","gamma":0.4,"trajectories":[{"values":[0.3,0,1.3]}]}"#,
+        ),
+        ("Health/Check", ""),
+    ] {
+        let output = with_stdout_closed(Command::new(env!("CARGO_BIN_EXE_kforge")).args(["call", target]), request);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{target}: {:?} {stderr}", output.status);
+        assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{target}: {stderr}");
+    }
+}
+
+/// Runs `command` with `stdin` and its stdout a pipe whose reader is closed before the command writes to it.
+fn with_stdout_closed(command: &mut Command, stdin: &str) -> std::process::Output {
+    use std::io::Write;
+    let mut child = command
+        .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir())
+        .env("KFORGE__ORCHESTRATOR__STORE", "sqlite::memory:")
+        .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kforge runs");
+    drop(child.stdout.take().expect("stdout piped"));
+    child.stdin.take().expect("stdin piped").write_all(stdin.as_bytes()).expect("stdin written");
+    child.wait_with_output().expect("kforge exits")
 }
 
 fn run_kforge(args: &[&str], stdin: &str) -> std::process::Output {
@@ -367,6 +442,17 @@ fn eval_prints_a_summary_and_proto3_json() {
     let value: serde_json::Value = serde_json::from_slice(&json.stdout).expect("proto3 json");
     assert_eq!(value["verdict"], "VERDICT_INCORRECT");
     assert!(value["mismatch"]["maxAbsError"].as_f64().is_some_and(|e| e > 0.0), "{value}");
+    // `kforge eval --json | head -c 0`: the reader gone before the answer, the command ends quietly.
+    let mut closed = Command::new(env!("CARGO_BIN_EXE_kforge"));
+    closed
+        .args(["eval", "--json", "--backend", "cpu", "--task"])
+        .arg(&task)
+        .arg("--candidate")
+        .arg(&candidate)
+        .env("KFORGE__EVALUATOR__PYTHON", &python);
+    let output = with_stdout_closed(&mut closed, "");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success() && !stderr.contains("panicked"), "{:?} {stderr}", output.status);
     let _ = std::fs::remove_file(candidate);
 }
 
