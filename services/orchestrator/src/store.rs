@@ -122,6 +122,13 @@ pub struct Store {
 /// (bench/results/orchestrator-overhead-2026-11-25-dev).
 const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The write-ahead log's size past which a checkpoint waits for the writer and truncates the log. A PASSIVE
+/// checkpoint copies the log back but never shrinks the file, and the log starts over only when a checkpoint has
+/// caught up with it: turns committed back to back (peers that answer at once, every turn failing) never let it,
+/// and the log grew to 164 MB for 15,821 failed turns whose database was 30 MB
+/// (bench/results/orchestrator-store-growth-2026-11-28-dev). Crossing it costs the writers one wait for a checkpoint.
+const WAL_LIMIT_BYTES: u64 = 64 << 20;
+
 /// The checkpointing task; aborted with the last clone of its store.
 #[derive(Debug)]
 struct Checkpoints(tokio::task::JoinHandle<()>);
@@ -133,15 +140,19 @@ impl Drop for Checkpoints {
 }
 
 impl Checkpoints {
-    /// Checkpoints (PASSIVE: it never waits for the writer, nor makes it wait) every [`CHECKPOINT_EVERY`].
-    fn start(pool: SqlitePool) -> Self {
+    /// Checkpoints (PASSIVE: it never waits for the writer, nor makes it wait) every [`CHECKPOINT_EVERY`]; once the
+    /// log at `wal` is over [`WAL_LIMIT_BYTES`], a TRUNCATE checkpoint instead (it waits for the writer).
+    fn start(pool: SqlitePool, wal: std::path::PathBuf) -> Self {
         Self(tokio::spawn(async move {
             let mut every = tokio::time::interval(CHECKPOINT_EVERY);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 every.tick().await;
-                if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&pool).await {
-                    tracing::warn!(%error, "store checkpoint failed; the next one tries again");
+                // One stat of a local file: not worth a blocking thread.
+                let over = std::fs::metadata(&wal).is_ok_and(|m| m.len() > WAL_LIMIT_BYTES);
+                let mode = if over { "TRUNCATE" } else { "PASSIVE" };
+                if let Err(error) = sqlx::query(&format!("PRAGMA wal_checkpoint({mode})")).execute(&pool).await {
+                    tracing::warn!(%error, mode, "store checkpoint failed; the next one tries again");
                 }
             }
         }))
@@ -222,20 +233,27 @@ impl Store {
         let checkpoints = match memory {
             true => None,
             false => {
+                let mut wal = options.get_filename().as_os_str().to_owned();
+                wal.push("-wal");
                 let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-                Some(Arc::new(Checkpoints::start(checkpointer)))
+                Some(Arc::new(Checkpoints::start(checkpointer, wal.into())))
             }
         };
         Ok(Self { pool: Pool::Sqlite(pool), _checkpoints: checkpoints })
     }
 
     /// Copies a SQLite file's write-ahead log back into the database and truncates the log (waiting for the
-    /// writers; tooling, for a file's size to be read whole). A no-op on PostgreSQL and in memory.
-    pub async fn checkpoint(&self) -> Result<(), StoreError> {
-        if let Pool::Sqlite(pool) = &self.pool {
-            sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)").execute(pool).await?;
+    /// writers; tooling, for a file's size to be read whole): false when a reader kept it from finishing (try again).
+    /// Nothing to do on PostgreSQL.
+    pub async fn checkpoint(&self) -> Result<bool, StoreError> {
+        match &self.pool {
+            Pool::Sqlite(pool) => {
+                let (busy, _, _): (i64, i64, i64) =
+                    sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)").fetch_one(pool).await?;
+                Ok(busy == 0)
+            }
+            Pool::Postgres(_) => Ok(true),
         }
-        Ok(())
     }
 
     /// Which backend this store uses: `sqlite` or `postgres`.
@@ -761,6 +779,9 @@ mod tests {
             let store = Store::open(&url).await.expect("created with its directory");
             store.create_job(&job("j1"), "", "me", 0, &[]).await.expect("written");
             store.put_turn("j1", 0, Stage::Evaluated, &turn("t", 0, 0, "k")).await.expect("written");
+            assert!(store.checkpoint().await.expect("checkpointed"), "nothing else reads the file");
+            let wal = std::fs::metadata(dir.join("nested/kforge.db-wal")).expect("the log exists");
+            assert_eq!(wal.len(), 0, "a TRUNCATE checkpoint empties the log");
         }
         let store = Store::open(&format!("sqlite://{url}")).await.expect("reopened");
         assert_eq!(store.backend(), "sqlite");

@@ -1,0 +1,340 @@
+//! How much a job's turns make the orchestrator's SQLite store grow: a job of `--tasks` example tasks x
+//! `--trajectories` x `--turns` runs into a fresh SQLite file against peers in this process; the file's size (the
+//! database and its write-ahead log, after a TRUNCATE checkpoint) is read before and after, and the growth divided by
+//! the turns recorded. With the limits (`orchestrator.limits.total_turns`), this bounds a job's share of the disk.
+//!
+//! `--mode failing`: every generation fails as the replay model's does for a turn its file lacks (NOT_FOUND): the
+//! records are the prompt and the error, what a job whose turns all fail writes. `--mode answered`: every
+//! generation answers with the example task's source as a `ModelNew` in a reasoning-and-code response, and every
+//! evaluation is CORRECT with three timings of `--samples` timed calls each (the evaluator keeps every sample), stage
+//! times and findings shaped as the evaluator's (without a compile log: the evaluator's logs of failed compiles and
+//! runs add to a turn what they hold). The prompts are the recipe's,
+//! built from the example tasks' sources (`kevin`'s grow with each earlier attempt). Prints JSON: the turns, the
+//! store's bytes before and after, bytes per turn, the write-ahead log's bytes when the job ended (before the
+//! checkpoint), the mean proto-encoded turn record's bytes.
+//!
+//! ```text
+//! orchestrator-store-growth [--mode failing|answered] [--recipe single-turn] [--tasks 13] [--trajectories 8]
+//!                           [--turns 1] [--samples 200] [--dir DIR (kept)]
+//! ```
+
+use std::path::Path;
+
+use kforge_orchestrator::store::Store;
+use kforge_orchestrator::{BreakerConfig, OrchestratorConfig, PeersConfig};
+use kforge_proto::v1 as pb;
+use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use prost::Message as _;
+use serde_json::json;
+use tonic::{Request, Response, Status};
+
+/// What the fake peers answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Failing,
+    Answered,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Peers {
+    mode: Mode,
+    /// Timed calls in each timing (the evaluator keeps every sample: 50 to 1000 by its defaults).
+    samples: usize,
+}
+
+/// A response shaped as a model's: an opening, reasoning, a summary and the kernel in one fenced block.
+fn response(task_id: &str, turn: u32) -> String {
+    let candidate = kforge_evaluator::tasks::examples()
+        .into_iter()
+        .find(|t| t.id == task_id)
+        .map(|t| t.source.replace("class Model", "class ModelNew"))
+        .unwrap_or_default();
+    format!(
+        "Okay, turn {turn}: the reference computes its output with PyTorch operators; a kernel that fuses them \
+         reads the input once and writes the output once, so memory traffic halves. I keep the same signature and \
+         dtypes, launch one thread per element, and check the bounds.\n\nSummary: fused the element-wise work into \
+         one pass over the input.\n\n```python\n{candidate}```\n"
+    )
+}
+
+#[tonic::async_trait]
+impl pb::gateway_server::Gateway for Peers {
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
+        let keys = request.into_inner().keys.unwrap_or_default();
+        if self.mode == Mode::Failing {
+            return Err(Status::not_found(format!(
+                "replay file has no response for job {} task {} trajectory {} turn {}",
+                keys.job_id, keys.task_id, keys.trajectory, keys.turn
+            )));
+        }
+        Ok(Response::new(pb::GenerateResponse {
+            completions: vec![pb::Completion {
+                text: response(&keys.task_id, keys.turn),
+                reasoning: "Okay, let me look at what the reference does first.".into(),
+                finish_reason: "stop".into(),
+                ..Default::default()
+            }],
+            usage: Some(pb::Usage { prompt_tokens: 900, completion_tokens: 600, ..Default::default() }),
+            ..Default::default()
+        }))
+    }
+    type GenerateStreamStream = tonic::codegen::BoxStream<pb::GenerateStreamResponse>;
+    async fn generate_stream(
+        &self,
+        _: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn list_models(&self, _: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn control_backends(
+        &self,
+        _: Request<pb::ControlBackendsRequest>,
+    ) -> Result<Response<pb::ControlBackendsResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::evaluator_server::Evaluator for Peers {
+    async fn evaluate(&self, _: Request<pb::EvaluateRequest>) -> Result<Response<pb::EvaluateResponse>, Status> {
+        let samples = self.samples;
+        let timing = |median_ms: f64| {
+            Some(pb::TimingStats {
+                median_ms,
+                iqr_ms: median_ms * 0.04,
+                mean_ms: median_ms * 1.02,
+                stderr_ms: median_ms * 0.003,
+                // Distinct values, as measured ones are (a constant would pack no smaller, but be honest).
+                samples_ms: (0..samples).map(|i| median_ms * (0.95 + (i % 97) as f64 * 0.001)).collect(),
+            })
+        };
+        let stages = ["queue", "compile", "reference", "correctness", "timing", "baseline", "census", "recheck"];
+        let finding = |code: &str, message: &str| pb::Finding {
+            code: code.into(),
+            message: message.into(),
+            line: 12,
+            ..Default::default()
+        };
+        Ok(Response::new(pb::EvaluateResponse {
+            verdict: pb::Verdict::Correct.into(),
+            findings: vec![
+                finding("static.torch_fallback", "the candidate calls torch.relu inside forward"),
+                finding("runtime.low_profiling_ratio", "the candidate's own kernels ran 40% of its device time"),
+            ],
+            candidate_timing: timing(2.0),
+            eager_timing: timing(3.0),
+            compile_timing: timing(2.6),
+            speedup_eager: 1.5,
+            speedup_compile: 1.3,
+            stage_ms: stages.iter().enumerate().map(|(i, s)| ((*s).to_owned(), 100.0 * i as f64 + 3.25)).collect(),
+            device: "cpu".into(),
+            ..Default::default()
+        }))
+    }
+    type EvaluateStreamStream = tonic::codegen::BoxStream<pb::EvaluateResponse>;
+    async fn evaluate_stream(
+        &self,
+        _: Request<tonic::Streaming<pb::EvaluateRequest>>,
+    ) -> Result<Response<Self::EvaluateStreamStream>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn get_capabilities(
+        &self,
+        _: Request<pb::GetCapabilitiesRequest>,
+    ) -> Result<Response<pb::GetCapabilitiesResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::reward_server::Reward for Peers {
+    async fn score_kernels(
+        &self,
+        request: Request<pb::ScoreKernelsRequest>,
+    ) -> Result<Response<pb::ScoreKernelsResponse>, Status> {
+        let outcomes = request.into_inner().outcomes;
+        let scores = outcomes.iter().map(|o| pb::KernelScore {
+            score: 1.8,
+            speedup: o.speedup_eager.unwrap_or(0.0),
+            ..Default::default()
+        });
+        Ok(Response::new(pb::ScoreKernelsResponse { scores: scores.collect() }))
+    }
+    /// Returns as the rewards: each turn gets a return stored with it, as a real job's do.
+    async fn compute_returns(
+        &self,
+        request: Request<pb::ComputeReturnsRequest>,
+    ) -> Result<Response<pb::ComputeReturnsResponse>, Status> {
+        Ok(Response::new(pb::ComputeReturnsResponse { trajectories: request.into_inner().trajectories }))
+    }
+    /// Advantages as the returns.
+    async fn compute_advantages(
+        &self,
+        request: Request<pb::ComputeAdvantagesRequest>,
+    ) -> Result<Response<pb::ComputeAdvantagesResponse>, Status> {
+        Ok(Response::new(pb::ComputeAdvantagesResponse { groups: request.into_inner().groups }))
+    }
+    async fn rejection_sample(
+        &self,
+        _: Request<pb::RejectionSampleRequest>,
+    ) -> Result<Response<pb::RejectionSampleResponse>, Status> {
+        Err(Status::unimplemented("not used"))
+    }
+    async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::DiagnoseResponse>, Status> {
+        let flags = request.into_inner().responses.iter().map(|_| pb::ResponseFlags::default()).collect();
+        Ok(Response::new(pb::DiagnoseResponse { flags, ..Default::default() }))
+    }
+}
+
+fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
+}
+
+/// Checkpoints until the log is copied back whole and truncated (another connection's read can hold it up), at most
+/// for ten seconds.
+async fn checkpoint(store: &Store) {
+    for _ in 0..100 {
+        if store.checkpoint().await.expect("checkpointed") {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the write-ahead log was never checkpointed whole");
+}
+
+/// The store's bytes on disk: the database, its write-ahead log and its shared-memory index.
+fn store_bytes(path: &Path) -> u64 {
+    ["", "-wal", "-shm"]
+        .iter()
+        .map(|suffix| {
+            let mut name = path.as_os_str().to_owned();
+            name.push(suffix);
+            std::fs::metadata(&name).map_or(0, |m| m.len())
+        })
+        .sum()
+}
+
+#[tokio::main]
+async fn main() {
+    let mode = match arg("--mode", "answered").as_str() {
+        "failing" => Mode::Failing,
+        "answered" => Mode::Answered,
+        other => panic!("--mode: failing or answered, not {other}"),
+    };
+    let recipe = arg("--recipe", "single-turn");
+    let tasks: usize = arg("--tasks", "13").parse().expect("--tasks: a number");
+    let trajectories: u32 = arg("--trajectories", "8").parse().expect("--trajectories: a number");
+    let turns: u32 = arg("--turns", "1").parse().expect("--turns: a number");
+    let samples: usize = arg("--samples", "200").parse().expect("--samples: a number");
+    let default_dir = std::env::temp_dir().join(format!("kforge-store-growth-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(arg("--dir", &default_dir.display().to_string()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a fresh directory");
+    let path = dir.join("orchestrator.db");
+    let url = path.display().to_string();
+
+    // The empty store, migrated: what the job's turns are measured against.
+    let store = Store::open(&url).await.expect("the store opens");
+    checkpoint(&store).await;
+    let before = store_bytes(&path);
+
+    let peers = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let peers_url = format!("http://{}", peers.local_addr().expect("address"));
+    let fakes = Peers { mode, samples };
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::gateway_server::GatewayServer::new(fakes))
+            .add_service(pb::evaluator_server::EvaluatorServer::new(fakes))
+            .add_service(pb::reward_server::RewardServer::new(fakes))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(peers)),
+    );
+    let config = OrchestratorConfig {
+        store: url.clone(),
+        peers: PeersConfig {
+            gateway: peers_url.clone(),
+            evaluator: peers_url.clone(),
+            reward: peers_url.clone(),
+            profiler: peers_url,
+            client: Default::default(),
+        },
+        // Every turn of a failing job is recorded, as it was before the breaker.
+        breaker: BreakerConfig { failed_turns: 0 },
+        limits: kforge_orchestrator::LimitsConfig { tasks: 0, trajectories_per_task: 0, turns: 0, total_turns: 0 },
+        ..Default::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = format!("http://{}", listener.local_addr().expect("address"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(kforge_orchestrator::serve(config, listener, async {
+        let _ = stopped.await;
+    }));
+    let channel = loop {
+        if let Ok(channel) = tonic::transport::Endpoint::from_shared(address.clone()).expect("url").connect().await {
+            break channel;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let mut client = OrchestratorClient::new(channel).max_decoding_message_size(1 << 30);
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Rollout.into(),
+        recipe: recipe.clone(),
+        task_set: "examples".into(),
+        max_tasks: tasks as u32,
+        model: "replay".into(),
+        trajectories_per_task: trajectories,
+        turns,
+        ..Default::default()
+    };
+    let started = std::time::Instant::now();
+    let job = client
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec), idempotency_key: String::new() })
+        .await
+        .expect("submitted")
+        .into_inner();
+    let mut updates =
+        client.watch_job(pb::WatchJobRequest { job_id: job.job_id.clone() }).await.expect("watched").into_inner();
+    let mut last = None;
+    while let Some(update) = updates.message().await.expect("an update") {
+        last = update.job;
+    }
+    let wall_s = started.elapsed().as_secs_f64();
+    let finished = last.expect("the job's last state");
+    // The write-ahead log as the job left it: the background checkpoints (PASSIVE, every second) copy it back but
+    // never shrink it.
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    let wal_at_end = std::fs::metadata(&wal).map_or(0, |m| m.len());
+    let records = store.turns(&job.job_id).await.expect("the turns");
+    let record_bytes: usize = records.iter().map(|r| r.encoded_len()).sum();
+    let _ = stop.send(());
+    served.await.expect("joined").expect("the orchestrator stops");
+    checkpoint(&store).await;
+    let after = store_bytes(&path);
+    let recorded = records.len().max(1) as f64;
+    let growth = after.saturating_sub(before);
+    println!(
+        "{}",
+        json!({
+            "mode": format!("{mode:?}").to_lowercase(),
+            "samples_per_timing": if mode == Mode::Answered { samples } else { 0 },
+            "recipe": recipe,
+            "job_state": format!("{:?}", finished.state()),
+            "turns_total": job.turns_total,
+            "turns_recorded": records.len(),
+            "store_bytes_before": before,
+            "store_bytes_after": after,
+            "bytes_per_turn": (growth as f64 / recorded).round(),
+            "wal_bytes_at_end": wal_at_end,
+            "record_bytes_mean": (record_bytes as f64 / recorded).round(),
+            "wall_s": (wall_s * 10.0).round() / 10.0,
+        })
+    );
+    drop(store);
+    // A directory the command named is left for a look inside.
+    if dir == default_dir {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
