@@ -7,6 +7,8 @@
 #
 #   bench/timing/paired_cpu.sh OUT_DIR [N]      (after scripts/setup.sh; N defaults to 10)
 #
+# TASKS (default "relu layer_norm") names the example tasks; each is evaluated with its first candidate.
+#
 # Writes OUT_DIR/evaluations.jsonl (one line per evaluation), OUT_DIR/load.tsv, OUT_DIR/summary.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -64,7 +66,7 @@ done
 pids+=($!)
 sleep 20 # the second job under way: its first compiles
 
-for task in relu layer_norm row_softmax; do
+for task in ${TASKS:-relu layer_norm}; do
   candidate=$(ls examples/tasks/$task/candidates/*.py | head -n1)
   for i in $(seq "$n"); do
     for mode in paired unpaired; do
