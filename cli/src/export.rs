@@ -83,7 +83,10 @@ pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()
         auth: AuthConfig { token_file: args.token_file.clone(), token_env: None },
     };
     let (channel, mesh, searched) = match &args.addr {
-        Some(addr) => (client::connect(addr, &client_config).await?, None, format!("the orchestrator at {addr}")),
+        Some(addr) => {
+            let searched = format!("the orchestrator at {}", redact_url(addr));
+            (client::connect(addr, &client_config).await?, None, searched)
+        }
         None => {
             let mut config = config.clone();
             crate::run::store_for_run(&mut config, args.work_dir.as_deref());
