@@ -122,11 +122,11 @@ pub async fn generate(
             backend.cool_down_until(now + *retry_after);
         }
         let retry_allowed = error.retryable() && !sink.streamed() && attempts < retry.max_attempts;
-        if error.backend_fault() {
-            tracing::warn!(model, backend = %backend.label, attempts, %error, retry = retry_allowed, "upstream attempt failed");
-        } else {
-            tracing::info!(model, backend = %backend.label, attempts, %error, retry = retry_allowed, "upstream attempt refused");
-        }
+        // One line per attempt would be one per failed turn of a job whose every generation fails: attempts are
+        // DEBUG, counted by class in kforge_gateway_attempts_total; a request that finally fails is logged in
+        // proportion (`failures.rs`).
+        let fault = error.backend_fault();
+        tracing::debug!(model, backend = %backend.label, attempts, %error, fault, retry = retry_allowed, "upstream attempt failed");
         if !(retry_allowed && pool.budget.withdraw()) {
             return Err(GatewayError::Upstream { backend: backend.label.clone(), attempts, error });
         }

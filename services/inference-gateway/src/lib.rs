@@ -14,6 +14,7 @@ pub mod config;
 mod control;
 mod dispatch;
 mod error;
+mod failures;
 mod health;
 mod pool;
 mod request;

@@ -25,16 +25,22 @@ use crate::config::{GatewayConfig, RetryConfig};
 use crate::control::{self, Action};
 use crate::dispatch::{self, Served};
 use crate::error::{GatewayError, SetupError};
+use crate::failures::FailureLog;
 use crate::pool::Pool;
 use crate::request::{self, GenerateSpec, Input, InvalidField};
 
 /// What the handlers share.
+/// How often each kind of failed request is logged (`failures.rs`).
+const FAILURE_LOG_WINDOW: Duration = Duration::from_secs(60);
+
 #[derive(Debug)]
 struct State {
     pools: HashMap<String, Arc<Pool>>,
     order: Vec<String>,
     retry: RetryConfig,
     accounting: Accounting,
+    /// Failed requests, logged one line per kind per minute.
+    failures: FailureLog,
     /// Stops the health checks when the last handle goes; the set aborts any that did not stop.
     _stop: DropGuard,
     _health: Mutex<JoinSet<()>>,
@@ -81,6 +87,7 @@ impl GatewayService {
                 order,
                 retry: config.retry.clone(),
                 accounting,
+                failures: FailureLog::new(FAILURE_LOG_WINDOW),
                 _stop: stop.drop_guard(),
                 _health: Mutex::new(health),
             }),
@@ -118,7 +125,10 @@ impl GatewayService {
         let result = dispatch::generate(pool, &self.state.retry, accounting, spec, deadline, sink).await;
         let code = match &result {
             Ok(_) => "OK".to_owned(),
-            Err(error) => kforge_server::code_name(error.code()),
+            Err(error) => {
+                self.state.failures.failed(&pool.config.model, error);
+                kforge_server::code_name(error.code())
+            }
         };
         accounting.request(&pool.config.model, &code);
         Ok(respond(pool, spec, result?, received, accounting))
