@@ -188,6 +188,69 @@ fn values_reach_the_typed_config() {
 }
 
 #[test]
+fn named_callers_reach_the_services_clients_call_with_their_tokens_mounted() {
+    let Some((helm, python)) = tools() else { return };
+    let manifests = render(&helm, &python, Some(&repo().join("helm/kforge/ci/callers.yaml")));
+    let toml = |service: &str| {
+        find(&manifests, "ConfigMap", &format!("kforge-{service}-config")).expect("ConfigMap")["data"]["kforge.toml"]
+            .as_str()
+            .expect("kforge.toml")
+            .to_owned()
+    };
+    let orchestrator: OrchestratorConfig = load(&toml("orchestrator"), "callers");
+    assert_eq!((orchestrator.quotas.jobs_in_flight, orchestrator.quotas.turns_per_hour), (2, 20_000));
+    // Each named caller with its token's file, in the config of every service clients call; the mount that file
+    // is read from, from the caller's Secret and key, in each of their pods.
+    let secrets = [("team-a", "kforge-team-a", "token"), ("team-b", "kforge-callers", "team-b-token")];
+    for service in ["gateway", "orchestrator", "evaluator", "reward"] {
+        let server = match service {
+            "gateway" => load::<GatewayConfig>(&toml(service), "callers").server,
+            "orchestrator" => orchestrator.server.clone(),
+            "evaluator" => load::<EvaluatorConfig>(&toml(service), "callers").server,
+            "reward" => load::<RewardConfig>(&toml(service), "callers").server,
+            other => unreachable!("{other}"),
+        };
+        assert_eq!(server.auth.token_file.as_deref(), Some(Path::new("/var/run/kforge/token/token")), "{service}");
+        let callers: Vec<(&str, &Path)> =
+            server.callers.iter().map(|c| (c.name.as_str(), c.token_file.as_deref().expect("a token file"))).collect();
+        assert_eq!(
+            callers,
+            vec![
+                ("team-a", Path::new("/var/run/kforge/callers/team-a/token")),
+                ("team-b", Path::new("/var/run/kforge/callers/team-b/token"))
+            ],
+            "{service}"
+        );
+        let kind = if service == "orchestrator" { "StatefulSet" } else { "Deployment" };
+        let pod =
+            &find(&manifests, kind, &format!("kforge-{service}")).expect("a workload")["spec"]["template"]["spec"];
+        for (caller, (name, secret, key)) in server.callers.iter().zip(secrets) {
+            let dir =
+                caller.token_file.as_deref().and_then(Path::parent).expect("a directory").to_str().expect("utf-8");
+            let mounts = pod["containers"][0]["volumeMounts"].as_array().expect("mounts");
+            let mount = mounts.iter().find(|m| m["mountPath"] == dir).unwrap_or_else(|| panic!("{service}: {dir}"));
+            assert_eq!(mount["readOnly"], true);
+            let volumes = pod["volumes"].as_array().expect("volumes");
+            let volume = volumes.iter().find(|v| v["name"] == mount["name"]).expect("the mount's volume");
+            assert_eq!(volume["secret"]["secretName"], secret, "{service}: {name}");
+            assert_eq!(volume["secret"]["items"][0]["key"], key, "{service}: {name}");
+            assert_eq!(volume["secret"]["items"][0]["path"], "token", "{service}: {name}");
+        }
+    }
+    // The profiler is called by the orchestrator and the evaluator only, with the shared token.
+    let profiler: ProfilerConfig = load(&toml("profiler"), "callers");
+    assert!(profiler.server.callers.is_empty());
+    let pod = &find(&manifests, "Deployment", "kforge-profiler").expect("profiler")["spec"]["template"]["spec"];
+    assert!(
+        !pod["volumes"]
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .any(|v| v["name"].as_str().is_some_and(|n| n.starts_with("caller-")))
+    );
+}
+
+#[test]
 fn values_the_chart_cannot_honour_are_refused_with_a_reason() {
     let Some((helm, _)) = tools() else { return };
     let refused = |set: &str| {
@@ -207,4 +270,9 @@ fn values_the_chart_cannot_honour_are_refused_with_a_reason() {
     // values.schema.json.
     assert!(refused("evaluator.sandbox.profile=privileged").contains("/evaluator/sandbox/profile"));
     assert!(refused("evaluator.gpu.resourceName=amd.com/gpu").contains("/evaluator/gpu/resourceName"));
+    // Two callers of one name could not be told apart; a name is a directory of the pod.
+    let twice = "auth.callers[0].name=a,auth.callers[0].existingSecret=s,auth.callers[1].name=a,auth.callers[1].existingSecret=t";
+    assert!(refused(twice).contains("auth.callers: name `a` appears twice"));
+    assert!(refused("auth.callers[0].name=../x,auth.callers[0].existingSecret=s").contains("/auth/callers/0/name"));
+    assert!(refused("auth.callers[0].name=a").contains("existingSecret"));
 }

@@ -47,6 +47,17 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if .Values.orchestrator.discovery.enabled -}}true{{- end -}}
 {{- end -}}
 
+{{/* Whether a component accepts the named callers' tokens ("true" or ""): those clients may call
+     (networkPolicy.clients); the profiler is called by the orchestrator and the evaluator only. */}}
+{{- define "kforge.takesCallers" -}}
+{{- if has . (list "gateway" "orchestrator" "evaluator" "reward") -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where a named caller's token is mounted; argument: the caller's name. */}}
+{{- define "kforge.callerDir" -}}
+{{- printf "/var/run/kforge/callers/%s" . -}}
+{{- end -}}
+
 {{- define "kforge.tokenSecret" -}}
 {{- default (printf "%s-kforge-token" .Release.Name) .Values.auth.existingSecret -}}
 {{- end -}}
@@ -72,6 +83,19 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $server := dict "listen" (printf "0.0.0.0:%d" (int (index $root.Values $name).port)) "drain_timeout_secs" (include "kforge.drain" . | int) "auth" (dict "token_file" "/var/run/kforge/token/token") -}}
 {{- if $root.Values.tls.enabled -}}
 {{- $_ := set $server "tls" (dict "cert_file" "/var/run/kforge/tls/tls.crt" "key_file" "/var/run/kforge/tls/tls.key") -}}
+{{- end -}}
+{{- /* Named callers (auth.callers): each a token of its own, read from its Secret's mounted file. */ -}}
+{{- $callers := list -}}
+{{- $seen := dict -}}
+{{- range $caller := $root.Values.auth.callers -}}
+{{- if hasKey $seen $caller.name -}}
+{{- fail (printf "auth.callers: name `%s` appears twice" $caller.name) -}}
+{{- end -}}
+{{- $_ := set $seen $caller.name true -}}
+{{- $callers = append $callers (dict "name" $caller.name "token_file" (printf "%s/token" (include "kforge.callerDir" $caller.name))) -}}
+{{- end -}}
+{{- if and $callers (include "kforge.takesCallers" $name) -}}
+{{- $_ := set $server "callers" $callers -}}
 {{- end -}}
 {{- toJson $server -}}
 {{- end -}}
