@@ -262,7 +262,13 @@ async fn main() {
         },
         // Every turn of a failing job is recorded, as it was before the breaker.
         breaker: BreakerConfig { failed_turns: 0 },
-        limits: kforge_orchestrator::LimitsConfig { tasks: 0, trajectories_per_task: 0, turns: 0, total_turns: 0 },
+        limits: kforge_orchestrator::LimitsConfig {
+            tasks: 0,
+            trajectories_per_task: 0,
+            turns: 0,
+            total_turns: 0,
+            task_source_bytes: 0,
+        },
         ..Default::default()
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

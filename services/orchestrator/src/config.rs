@@ -69,11 +69,20 @@ pub struct LimitsConfig {
     pub turns: u64,
     /// Tasks x trajectories x turns. Default 100000.
     pub total_turns: u64,
+    /// Bytes of one task's source. Default 262144, the evaluator's default `max_source_bytes`: a larger source is
+    /// refused by the evaluator at every turn. Set both together.
+    pub task_source_bytes: u64,
 }
 
 impl Default for LimitsConfig {
     fn default() -> Self {
-        Self { tasks: 10_000, trajectories_per_task: 64, turns: 32, total_turns: 100_000 }
+        Self {
+            tasks: 10_000,
+            trajectories_per_task: 64,
+            turns: 32,
+            total_turns: 100_000,
+            task_source_bytes: 256 * 1024,
+        }
     }
 }
 

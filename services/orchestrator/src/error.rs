@@ -46,7 +46,7 @@ impl From<OrchestratorError> for Status {
             OrchestratorError::OverLimit { .. } => Code::InvalidArgument,
             OrchestratorError::OverQuota { .. } => Code::ResourceExhausted,
         };
-        let mut status = Status::new(code, error.to_string());
+        let mut status = Status::new(code, bounded(error.to_string()));
         // The evaluator's convention for a refusal that will pass later: `retry-after-ms` metadata.
         if let OrchestratorError::OverQuota { retry_after: Some(wait), .. } = &error
             && let Ok(value) = wait.as_millis().to_string().parse()
@@ -55,6 +55,25 @@ impl From<OrchestratorError> for Status {
         }
         status
     }
+}
+
+/// The longest status message sent, in bytes. A message quotes what it refuses (a path, an id), and travels in a
+/// response header: a request's megabyte-long field must not become a megabyte-long header.
+const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// `message`, cut to [`MAX_MESSAGE_BYTES`] at a character boundary, saying how much was left out.
+fn bounded(mut message: String) -> String {
+    if message.len() <= MAX_MESSAGE_BYTES {
+        return message;
+    }
+    let total = message.len();
+    let mut end = MAX_MESSAGE_BYTES - 64;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message.truncate(end);
+    message.push_str(&format!("... ({} more bytes)", total - end));
+    message
 }
 
 /// A store failure's gRPC code: UNAVAILABLE, except a stored record that no longer decodes (DATA_LOSS).
@@ -101,5 +120,14 @@ mod tests {
         );
         assert_eq!(status.metadata().get("retry-after-ms").map(|v| v.to_str().ok()), Some(Some("1500")));
         assert!(Status::from(quota(None)).metadata().get("retry-after-ms").is_none());
+    }
+
+    #[test]
+    fn a_message_quoting_a_huge_field_is_cut_at_a_character_boundary() {
+        let path = "é".repeat(1_000_000);
+        let status = Status::from(OrchestratorError::invalid("spec.task_set", format!("{path} is not a directory")));
+        assert!(status.message().starts_with("spec.task_set: éé"), "{}", &status.message()[..40]);
+        assert!(status.message().len() <= MAX_MESSAGE_BYTES, "{}", status.message().len());
+        assert!(status.message().ends_with(" more bytes)"), "{}", status.message());
     }
 }

@@ -25,14 +25,15 @@ impl Orchestrator for OrchestratorService {
         let caller = Caller::of(&request).map(|caller| caller.name().to_owned());
         let request = request.into_inner();
         let spec = request.spec.ok_or_else(|| OrchestratorError::invalid("spec", "required"))?;
+        check_key(&request.idempotency_key)?;
         if let Some(job) = self.store.job_by_key(&request.idempotency_key).await.map_err(store_status)? {
             return Ok(Response::new(job));
         }
         // A KernelBench directory or a JSONL file is read from disk, and every task parsed: off the async threads.
-        let plan = tokio::task::spawn_blocking(move || Plan::new(spec))
+        let limits = self.config.limits.clone();
+        let plan = tokio::task::spawn_blocking(move || Plan::submitted(spec, &limits))
             .await
             .map_err(|error| Status::internal(format!("resolving the task set panicked: {error}")))??;
-        plan.check_limits(&self.config.limits)?;
         let peers = self.connect(&plan).await?;
         // Held until the job is stored: the caller's next submission counts this one.
         let _admission = self.admit(caller.as_deref(), Submission::Job { turns: plan.turns_total() }).await?;
@@ -200,6 +201,7 @@ impl Orchestrator for OrchestratorService {
         let caller = Caller::of(&request).map(|caller| caller.name().to_owned());
         let request = request.into_inner();
         let task = request.task.ok_or_else(|| OrchestratorError::invalid("task", "required"))?;
+        check_key(&request.idempotency_key)?;
         let spec = pb::JobSpec {
             kind: pb::JobKind::Rollout.into(),
             recipe: request.recipe,
@@ -219,17 +221,15 @@ impl Orchestrator for OrchestratorService {
             "spec" => "turns".to_owned(),
             field => field.replace("spec.tasks[0]", "task").trim_start_matches("spec.").to_owned(),
         };
-        let plan = Plan::new(spec).and_then(|plan| plan.check_limits(&self.config.limits).map(|()| plan)).map_err(
-            |error| match error {
-                OrchestratorError::InvalidArgument { field, message } => {
-                    OrchestratorError::InvalidArgument { field: request_field(field), message }
-                }
-                OrchestratorError::OverLimit { field, value, unit, limit, key } => {
-                    OrchestratorError::OverLimit { field: request_field(field), value, unit, limit, key }
-                }
-                other => other,
-            },
-        )?;
+        let plan = Plan::submitted(spec, &self.config.limits).map_err(|error| match error {
+            OrchestratorError::InvalidArgument { field, message } => {
+                OrchestratorError::InvalidArgument { field: request_field(field), message }
+            }
+            OrchestratorError::OverLimit { field, value, unit, limit, key } => {
+                OrchestratorError::OverLimit { field: request_field(field), value, unit, limit, key }
+            }
+            other => other,
+        })?;
         if plan.recipe == recipe::Recipe::CudaForge {
             // Its Judge is a second model the orchestrator asks through the gateway; a stepped episode has one, the
             // trainer's.
@@ -285,9 +285,7 @@ impl Orchestrator for OrchestratorService {
 
     async fn step(&self, request: Request<pb::StepRequest>) -> Result<Response<pb::Observation>, Status> {
         let request = request.into_inner();
-        if request.episode_id.is_empty() {
-            return Err(OrchestratorError::invalid("episode_id", "required").into());
-        }
+        crate::service::check_job_id("episode_id", &request.episode_id)?;
         let completion = request.completion.ok_or_else(|| OrchestratorError::invalid("completion", "required"))?;
         if request.idempotency_key.is_empty() {
             return Err(
@@ -373,6 +371,23 @@ impl Orchestrator for OrchestratorService {
         }
         Ok(Response::new(pb::RejectMismatchedResponse { decisions: decided.decisions, kept: decided.kept }))
     }
+}
+
+/// The longest idempotency key accepted, in bytes: a key is an id the caller chose, stored with the job and looked
+/// up by equality.
+const MAX_KEY_BYTES: usize = 256;
+
+/// An idempotency key the store can keep and look up: at most [`MAX_KEY_BYTES`], no control characters (a NUL
+/// is not text to PostgreSQL).
+fn check_key(key: &str) -> Result<(), OrchestratorError> {
+    if key.len() > MAX_KEY_BYTES {
+        let message = format!("{} bytes, over the limit of {MAX_KEY_BYTES}", key.len());
+        return Err(OrchestratorError::invalid("idempotency_key", message));
+    }
+    if key.chars().any(char::is_control) {
+        return Err(OrchestratorError::invalid("idempotency_key", "contains a control character"));
+    }
+    Ok(())
 }
 
 /// Parses a page token or cursor this service wrote.

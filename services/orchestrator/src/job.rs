@@ -32,6 +32,7 @@ use tracing::Instrument as _;
 
 pub use peers::{Limits, Peers, RetryPolicy};
 pub use plan::Plan;
+pub(crate) use plan::unknown_enum;
 pub use step::{STEP_MODEL, StepError, Stepped, first_prompt, step};
 
 use crate::reward;

@@ -89,6 +89,34 @@ pub struct Credit {
     pub estimator: pb::AdvantageEstimator,
 }
 
+/// The formula's weights as the reward service checks them with every score (finite; Dr. Kernel's cap > 0): a job
+/// whose weights it would refuse is refused at submission, not at each turn.
+fn check_formula(formula: &Formula) -> Result<(), OrchestratorError> {
+    let finite = |field: &str, value: Option<f64>| match value {
+        Some(v) if !v.is_finite() => {
+            Err(OrchestratorError::invalid(format!("spec.reward.{field}"), format!("must be finite, got {v}")))
+        }
+        _ => Ok(()),
+    };
+    match formula {
+        Formula::Kevin(pb::KevinScore { correctness_weight }) => {
+            finite("kevin.correctness_weight", *correctness_weight)
+        }
+        Formula::Drkernel(pb::DrKernelReward { correctness_weight, speedup_weight, profiling_weight, speedup_cap }) => {
+            finite("drkernel.correctness_weight", *correctness_weight)?;
+            finite("drkernel.speedup_weight", *speedup_weight)?;
+            finite("drkernel.profiling_weight", *profiling_weight)?;
+            match speedup_cap {
+                Some(cap) if !(cap.is_finite() && *cap > 0.0) => Err(OrchestratorError::invalid(
+                    "spec.reward.drkernel.speedup_cap",
+                    format!("must be finite and > 0, got {cap}"),
+                )),
+                _ => Ok(()),
+            }
+        }
+    }
+}
+
 impl RewardPlan {
     /// The plan of `spec` for `recipe`, PRS seeded by `seed`; a gamma outside [0, 1] or rejection-sampling
     /// parameters the reward service would refuse are INVALID_ARGUMENT naming them (the reward service checks the
@@ -102,6 +130,23 @@ impl RewardPlan {
             (None, Recipe::DrKernel) => Formula::Drkernel(pb::DrKernelReward::default()),
             (None, _) => Formula::Kevin(pb::KevinScore::default()),
         };
+        check_formula(&formula)?;
+        if let Some(penalty) = spec.hack_penalty.filter(|p| !p.is_finite()) {
+            return Err(OrchestratorError::invalid(
+                "spec.reward.hack_penalty",
+                format!("must be finite, got {penalty}"),
+            ));
+        }
+        // Unknown values would read as unspecified: refused instead, as the reward service refuses them.
+        if pb::SpeedupBaseline::try_from(spec.baseline).is_err() {
+            return Err(crate::job::unknown_enum("spec.reward.baseline", spec.baseline));
+        }
+        if pb::ReturnMethod::try_from(spec.return_method).is_err() {
+            return Err(crate::job::unknown_enum("spec.reward.return_method", spec.return_method));
+        }
+        if pb::AdvantageEstimator::try_from(spec.estimator).is_err() {
+            return Err(crate::job::unknown_enum("spec.reward.estimator", spec.estimator));
+        }
         let baseline = match spec.baseline() {
             pb::SpeedupBaseline::Unspecified => pb::SpeedupBaseline::Eager,
             chosen => chosen,

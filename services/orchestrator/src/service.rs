@@ -200,9 +200,7 @@ impl OrchestratorService {
 
     /// The stored job `job_id` (INVALID_ARGUMENT when empty, NOT_FOUND when unknown).
     pub(crate) async fn job(&self, job_id: &str) -> Result<pb::Job, Status> {
-        if job_id.is_empty() {
-            return Err(OrchestratorError::invalid("job_id", "required").into());
-        }
+        check_job_id("job_id", job_id)?;
         let job = self.store.job(job_id).await.map_err(store_status)?;
         Ok(job.ok_or_else(|| OrchestratorError::JobNotFound(job_id.to_owned()))?)
     }
@@ -389,6 +387,25 @@ pub(crate) fn lease_until(lease: Duration) -> i64 {
 
 /// A job id unique across restarts and orchestrators sharing a store: the time, a per-process random part and a
 /// sequence.
+/// The longest job id looked up, in bytes; ids this service writes are about 30.
+const MAX_JOB_ID_BYTES: usize = 128;
+
+/// A job id worth looking up (`field` names where it came from): present, not longer than any id, and without
+/// control characters (a NUL is not text to PostgreSQL). Anything else that no job has is NOT_FOUND.
+pub(crate) fn check_job_id(field: &str, job_id: &str) -> Result<(), OrchestratorError> {
+    if job_id.is_empty() {
+        return Err(OrchestratorError::invalid(field, "required"));
+    }
+    if job_id.len() > MAX_JOB_ID_BYTES {
+        let message = format!("{} bytes, longer than any job id (at most {MAX_JOB_ID_BYTES})", job_id.len());
+        return Err(OrchestratorError::invalid(field, message));
+    }
+    if job_id.chars().any(char::is_control) {
+        return Err(OrchestratorError::invalid(field, "contains a control character"));
+    }
+    Ok(())
+}
+
 fn new_job_id(sequence: u64) -> String {
     use std::hash::{BuildHasher as _, Hasher as _};
     static PROCESS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();

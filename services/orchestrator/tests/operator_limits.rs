@@ -145,7 +145,13 @@ async fn jobs_over_the_limits_are_refused_naming_the_field_and_the_limit() {
     running.shutdown().await;
 
     let running = orchestrator(&peers, |c| {
-        c.limits = kforge_orchestrator::LimitsConfig { tasks: 2, trajectories_per_task: 4, turns: 3, total_turns: 10 };
+        c.limits = kforge_orchestrator::LimitsConfig {
+            tasks: 2,
+            trajectories_per_task: 4,
+            turns: 3,
+            total_turns: 10,
+            ..Default::default()
+        };
     })
     .await;
     let mut client = running.client(None);

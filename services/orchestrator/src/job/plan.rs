@@ -34,9 +34,26 @@ impl Plan {
         Self::checked(spec, Sources::Check)
     }
 
+    /// A submission's plan: what makes resolving costly checked first (inline tasks over `limits.tasks`, a task
+    /// source over `limits.task_source_bytes`), then the spec checked and resolved, then the resolved job against
+    /// the limits ([`Plan::check_limits`]).
+    pub fn submitted(spec: pb::JobSpec, limits: &LimitsConfig) -> Result<Self, OrchestratorError> {
+        check_inline_size(&spec, limits)?;
+        let plan = Self::new(spec)?;
+        plan.check_limits(limits)?;
+        Ok(plan)
+    }
+
     fn checked(spec: pb::JobSpec, sources: Sources) -> Result<Self, OrchestratorError> {
-        if spec.kind() == pb::JobKind::Unspecified {
-            return Err(OrchestratorError::invalid("spec.kind", "required: JOB_KIND_ROLLOUT or JOB_KIND_EVALUATION"));
+        match pb::JobKind::try_from(spec.kind) {
+            Ok(pb::JobKind::Rollout | pb::JobKind::Evaluation) => {}
+            Ok(pb::JobKind::Unspecified) => {
+                return Err(OrchestratorError::invalid(
+                    "spec.kind",
+                    "required: JOB_KIND_ROLLOUT or JOB_KIND_EVALUATION",
+                ));
+            }
+            Err(_) => return Err(unknown_enum("spec.kind", spec.kind)),
         }
         let recipe = Recipe::parse(&spec.recipe)?;
         if spec.model.is_empty() {
@@ -48,9 +65,30 @@ impl Plan {
         if spec.turns == 0 {
             return Err(OrchestratorError::invalid("spec.turns", "must be at least 1"));
         }
+        // Each evaluation would be refused: a job of them would fail every turn.
+        if pb::Backend::try_from(spec.backend).is_err() {
+            return Err(unknown_enum("spec.backend", spec.backend));
+        }
+        if spec.correctness_trials > MAX_CORRECTNESS_TRIALS {
+            return Err(OrchestratorError::invalid(
+                "spec.correctness_trials",
+                format!("{} is over the evaluator's limit of {MAX_CORRECTNESS_TRIALS}", spec.correctness_trials),
+            ));
+        }
+        if let Some(sampling) = &spec.sampling {
+            check_sampling(sampling)?;
+        }
         let prompt_dir = (!spec.prompt_dir.is_empty()).then(|| Path::new(&spec.prompt_dir));
         if let Some(dir) = prompt_dir.filter(|d| !d.is_dir()) {
             return Err(OrchestratorError::invalid("spec.prompt_dir", format!("{} is not a directory", dir.display())));
+        }
+        // Templates are read from `<prompt_dir>/<recipe>/`: a directory without it would override nothing, the
+        // job running on the built-ins while its owner believes otherwise.
+        if let Some(dir) = prompt_dir.filter(|d| !d.join(recipe.name()).is_dir()) {
+            return Err(OrchestratorError::invalid(
+                "spec.prompt_dir",
+                format!("{} has no `{}` directory of templates", dir.display(), recipe.name()),
+            ));
         }
         let mut templates = Templates::load(recipe, prompt_dir)?;
         if spec.context_window > 0 {
@@ -109,6 +147,15 @@ impl Plan {
             over("spec.trajectories_per_task", trajectories, String::new(), limits.trajectories_per_task, TRAJECTORIES),
             over("spec.turns", turns, String::new(), limits.turns, TURNS),
             over(tasks_field, tasks, tasks_unit, limits.tasks, TASKS),
+            self.tasks.iter().enumerate().find_map(|(i, task)| {
+                over(
+                    &source_field(spec, i),
+                    task.source.len() as u64,
+                    " bytes".into(),
+                    limits.task_source_bytes,
+                    SOURCE_BYTES,
+                )
+            }),
             over(
                 "spec",
                 self.turns_total(),
@@ -145,8 +192,12 @@ impl Plan {
     }
 }
 
+/// The most correctness trials the evaluator runs (its request check refuses more).
+const MAX_CORRECTNESS_TRIALS: u32 = 100;
+
 /// The config keys of the limits, as errors name them.
 const TASKS: &str = "orchestrator.limits.tasks";
+const SOURCE_BYTES: &str = "orchestrator.limits.task_source_bytes";
 const TRAJECTORIES: &str = "orchestrator.limits.trajectories_per_task";
 const TURNS: &str = "orchestrator.limits.turns";
 const TOTAL_TURNS: &str = "orchestrator.limits.total_turns";
@@ -156,6 +207,98 @@ const TOTAL_TURNS: &str = "orchestrator.limits.total_turns";
 enum Sources {
     Check,
     Trusted,
+}
+
+/// Where the source of the job's `index`th task comes from, as an error names it.
+fn source_field(spec: &pb::JobSpec, index: usize) -> String {
+    match spec.task_set.as_str() {
+        "inline" => format!("spec.tasks[{index}].source"),
+        _ => "spec.task_set".to_owned(),
+    }
+}
+
+/// What makes an inline task list costly to check (each source is parsed, each id compared), checked before it is:
+/// more tasks than `limits.tasks`, or a source over `limits.task_source_bytes` (the evaluator refuses a source
+/// over its `max_source_bytes` at every turn).
+fn check_inline_size(spec: &pb::JobSpec, limits: &LimitsConfig) -> Result<(), OrchestratorError> {
+    let tasks = spec.tasks.len() as u64;
+    if spec.task_set == "inline" && limits.tasks > 0 && tasks > limits.tasks {
+        let (field, unit) = ("spec.tasks".to_owned(), " tasks".to_owned());
+        return Err(OrchestratorError::OverLimit { field, value: tasks, unit, limit: limits.tasks, key: TASKS });
+    }
+    let limit = limits.task_source_bytes;
+    match spec.tasks.iter().position(|task| limit > 0 && task.source.len() as u64 > limit) {
+        Some(i) => Err(OrchestratorError::OverLimit {
+            field: format!("spec.tasks[{i}].source"),
+            value: spec.tasks[i].source.len() as u64,
+            unit: " bytes".into(),
+            limit,
+            key: SOURCE_BYTES,
+        }),
+        None => Ok(()),
+    }
+}
+
+pub(crate) fn unknown_enum(field: &str, value: i32) -> OrchestratorError {
+    OrchestratorError::invalid(field, format!("unknown value {value}"))
+}
+
+/// Sampling as the gateway would refuse it at every generation (its ranges, `gateway.proto`'s
+/// `SamplingParams`); the limits of the model's pool (`max_tokens`, `n`) are the gateway's to check.
+fn check_sampling(sampling: &pb::SamplingParams) -> Result<(), OrchestratorError> {
+    let pb::SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        max_tokens,
+        stop,
+        seed: _,
+        n,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        extra_body,
+    } = sampling;
+    let range = |field: &str, value: Option<f64>, lo: f64, hi: f64, lo_open: bool| match value {
+        Some(v) if !(v.is_finite() && (if lo_open { v > lo } else { v >= lo }) && v <= hi) => {
+            let open = if lo_open { "(" } else { "[" };
+            Err(OrchestratorError::invalid(
+                format!("spec.sampling.{field}"),
+                format!("must be in {open}{lo}, {hi}], got {v}"),
+            ))
+        }
+        _ => Ok(()),
+    };
+    range("temperature", *temperature, 0.0, 100.0, false)?;
+    range("top_p", *top_p, 0.0, 1.0, true)?;
+    range("min_p", *min_p, 0.0, 1.0, false)?;
+    range("presence_penalty", *presence_penalty, -2.0, 2.0, false)?;
+    range("frequency_penalty", *frequency_penalty, -2.0, 2.0, false)?;
+    range("repetition_penalty", *repetition_penalty, 0.0, 10.0, true)?;
+    if let Some(top_k) = top_k.filter(|k| !(*k == -1 || *k >= 1)) {
+        return Err(OrchestratorError::invalid(
+            "spec.sampling.top_k",
+            format!("must be -1 (off) or >= 1, got {top_k}"),
+        ));
+    }
+    if *max_tokens == Some(0) {
+        return Err(OrchestratorError::invalid("spec.sampling.max_tokens", "must be at least 1"));
+    }
+    if *n == Some(0) {
+        return Err(OrchestratorError::invalid("spec.sampling.n", "must be at least 1"));
+    }
+    if let Some(i) = stop.iter().position(String::is_empty) {
+        return Err(OrchestratorError::invalid(format!("spec.sampling.stop[{i}]"), "must not be empty"));
+    }
+    let reserved = ["model", "messages", "prompt", "stream", "stream_options"];
+    if let Some(key) = extra_body.iter().flat_map(|body| body.fields.keys()).find(|k| reserved.contains(&k.as_str())) {
+        return Err(OrchestratorError::invalid(
+            format!("spec.sampling.extra_body.{key}"),
+            "is set by the gateway and cannot be overridden",
+        ));
+    }
+    Ok(())
 }
 
 /// The job's diagnosis parameters, as the reward service would refuse them (INVALID_ARGUMENT naming the field).
@@ -189,11 +332,12 @@ fn resolve_tasks(spec: &pb::JobSpec, sources: Sources) -> Result<Vec<pb::Task>, 
             .map(|t| pb::Task { task_id: t.id, source: t.source })
             .collect(),
         "inline" => {
+            let mut ids = std::collections::HashSet::with_capacity(spec.tasks.len());
             for (i, task) in spec.tasks.iter().enumerate() {
                 if task.task_id.is_empty() || task.source.trim().is_empty() {
                     return Err(OrchestratorError::invalid(format!("spec.tasks[{i}]"), "needs a task_id and a source"));
                 }
-                if spec.tasks[..i].iter().any(|t| t.task_id == task.task_id) {
+                if !ids.insert(task.task_id.as_str()) {
                     return Err(OrchestratorError::invalid(
                         format!("spec.tasks[{i}]"),
                         format!("task_id `{}` appears twice", task.task_id),
@@ -254,6 +398,7 @@ fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| OrchestratorError::invalid(field, format!("cannot read {}: {e}", path.display())))?;
     let mut tasks: Vec<pb::Task> = Vec::new();
+    let mut ids = std::collections::HashSet::new();
     for (index, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let at = |message: String| {
             OrchestratorError::invalid(field, format!("{} line {}: {message}", path.display(), index + 1))
@@ -262,7 +407,7 @@ fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
         if task.task_id.is_empty() {
             return Err(at("task_id is empty".into()));
         }
-        if tasks.iter().any(|t| t.task_id == task.task_id) {
+        if !ids.insert(task.task_id.clone()) {
             return Err(at(format!("task_id `{}` appears twice", task.task_id)));
         }
         kforge_evaluator::static_checks::check_task(&task.source)
@@ -357,7 +502,8 @@ mod tests {
 
     #[test]
     fn limits_name_the_field_the_value_and_the_key() {
-        let limits = LimitsConfig { tasks: 5, trajectories_per_task: 4, turns: 3, total_turns: 20 };
+        let limits =
+            LimitsConfig { tasks: 5, trajectories_per_task: 4, turns: 3, total_turns: 20, ..LimitsConfig::default() };
         let refused = |spec: pb::JobSpec| {
             Plan::new(spec).expect("a valid spec").check_limits(&limits).expect_err("over a limit").to_string()
         };
@@ -389,7 +535,7 @@ mod tests {
             ..spec()
         };
         assert_eq!(refused(inline), "spec.tasks: 6 tasks is over the limit of 5 (orchestrator.limits.tasks)");
-        let none = LimitsConfig { tasks: 0, trajectories_per_task: 0, turns: 0, total_turns: 0 };
+        let none = LimitsConfig { tasks: 0, trajectories_per_task: 0, turns: 0, total_turns: 0, task_source_bytes: 0 };
         let huge = pb::JobSpec { trajectories_per_task: u32::MAX, turns: u32::MAX, ..spec() };
         assert_eq!(Plan::new(huge).expect("valid").check_limits(&none).ok(), Some(()));
         // The defaults take the default `kforge run` job (13 tasks x 1 x 1) and KernelBench x 16 x 8.
