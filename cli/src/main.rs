@@ -573,9 +573,13 @@ fn eval_summary(response: &pb::EvaluateResponse) -> String {
     let verdict = pb::Verdict::try_from(response.verdict).map_or("unknown", |v| v.as_str_name());
     let _ = writeln!(out, "verdict   {verdict}");
     if response.speedup_eager > 0.0 {
+        let basis = match response.speedup_basis() {
+            pb::SpeedupBasis::Paired => format!("paired rounds, spread {:.0}%", response.speedup_spread * 100.0),
+            _ => "cached baseline".to_owned(),
+        };
         let _ = writeln!(
             out,
-            "speedup   {:.3}x eager, {:.3}x torch.compile",
+            "speedup   {:.3}x eager ({basis}), {:.3}x torch.compile",
             response.speedup_eager, response.speedup_compile
         );
     }
