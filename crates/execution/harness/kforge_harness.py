@@ -1230,8 +1230,8 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
     spinning = device.type == "cuda" and set_sync(spin=True)
     waited_before, switches_before = thread_cpu_wait()
 
-    def step():
-        """One call, timed; warm-up calls are not recorded. Whether it was recorded."""
+    def step(record=True):
+        """One call, timed; warm-up calls (and `record` false) are not recorded. Whether it was recorded."""
         nonlocal call, output
         call += 1
         which = call % len(input_sets)
@@ -1242,7 +1242,7 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
                                                                cover_ms(launches, device_ms, timer.flush_ms))
         launches.append(launch)
         device_ms.append(elapsed)
-        if call < budget["warmup_runs"]:
+        if call < budget["warmup_runs"] or not record:
             return False
         samples.append(elapsed)
         host.append(host_elapsed)
@@ -1251,6 +1251,12 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
         return True
 
     rounds = []
+    # On a CPU both sides time with one torch thread: with a thread per core, a call waits for its slowest thread,
+    # and on a machine shared with other work that wait is the load's, not the kernel's (the same eager op read
+    # 0.05, 0.3 and 8 ms under one load, by how many of its threads found a free CPU).
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     with torch.no_grad():
         if budget.get("rounds"):
             rounds = paired_rounds(step, device, budget)
@@ -1271,9 +1277,14 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
                 if spent > budget["max_seconds"]:
                     break
     waited_after, switches_after = thread_cpu_wait()
+    # Code that gave itself more threads while it was timed is named (`runtime.threads_changed`).
+    threads_changed = device.type == "cpu" and torch.get_num_threads() != 1
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
     if spinning:
         set_sync(spin=False)
     cpu = {
+        "threads_changed": threads_changed,
         "spin_wait": spinning,
         "cpu_wait_ms": (waited_after - waited_before) / 1e6 if waited_before is not None else None,
         "involuntary_switches": switches_after - switches_before if switches_before is not None else None,
@@ -1292,26 +1303,30 @@ def measure(fn_for_inputs, input_sets, set_seeds, device, budget, sample=None):
 
 
 def paired_rounds(step, device, budget):
-    """Paired timing: `budget["rounds"]` rounds of `step`, each alone on the device in its turn (`Gate.round`), the
-    first opening with the warm-up calls. A round records at least its share of `min_runs` and `min_seconds`, and
-    stops at its share of `max_runs` or `max_seconds`. Returns the recorded calls' count in each round."""
+    """Paired timing: `budget["rounds"]` rounds of `step`, each alone on the device in its turn (`Gate.round`). The
+    first opens with the warm-up calls, each later one with one unrecorded call (the other side's round ran in
+    between, on the same caches). A round records at least one call, and at least its share of `min_runs` and
+    `min_seconds` unless its share of `max_seconds` has passed; at most its share of `max_runs`. Returns the
+    recorded calls' count in each round."""
     count = budget["rounds"]
     least_calls = max(1, math.ceil(budget["min_runs"] / count))
     most_calls = max(least_calls, budget["max_runs"] // count)
     least_seconds = budget.get("min_seconds", 0.0) / count
     most_seconds = max(least_seconds, budget["max_seconds"] / count)
     counts = []
-    for _ in range(count):
-        recorded, started = 0, None
+    for index in range(count):
+        recorded = 0
         with GATE.round(device):
+            if index > 0:
+                step(record=False)
+            started = _monotonic()
             while recorded < most_calls:
                 if not step():
+                    started = _monotonic()  # a warm-up call: the round's time starts after it
                     continue
-                if started is None:
-                    started = _monotonic()
                 recorded += 1
                 spent = _monotonic() - started
-                if (recorded >= least_calls and spent >= least_seconds) or spent > most_seconds:
+                if (recorded >= least_calls and spent >= least_seconds) or spent >= most_seconds:
                     break
         counts.append(recorded)
     return counts
@@ -2125,6 +2140,10 @@ def mode_candidate(spec):
             measured = timed()
         if measured is not None:
             (samples, host, last_call, output, cpu, rounds), sample = measured
+            if cpu.get("threads_changed"):
+                integrity.add("runtime.threads_changed",
+                              "the candidate changed torch's thread count while it was timed (timing on a CPU runs "
+                              "both sides with one thread)")
         if timing:
             with phase("timing"):
                 synchronize(device)

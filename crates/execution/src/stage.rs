@@ -449,22 +449,26 @@ async fn converse(
             b"round\n" => {
                 let Some(pair) = pair else { return Ended::Broken };
                 in_round = true;
-                // Held at its pause point while the other side's round runs, then alone for its own.
-                member.hold();
-                waiting
-                    .wait(control, async {
-                        pair.turn().await;
-                        member.alone().await
-                    })
-                    .await;
+                // Stopped, then held at its pause point while the other side's round runs; then alone for its own.
+                let turn = async {
+                    member.hold();
+                    pair.turn().await;
+                    member.alone().await;
+                };
+                waiting.wait(control, turn).await;
             }
             b"share\n" => {
-                if std::mem::take(&mut in_round) {
-                    // Held first, so the other side's round, next, finds this one paused.
-                    member.hold();
-                    pair.expect("a round runs only in a paired stage").end_turn();
-                }
-                waiting.wait(control, member.share()).await;
+                let ends_round = std::mem::take(&mut in_round);
+                // A round's end passes the turn once this stage is stopped and held: the other side's round, next,
+                // starts with this one paused.
+                let share = async {
+                    if let Some(pair) = pair.filter(|_| ends_round) {
+                        member.hold();
+                        pair.end_turn();
+                    }
+                    member.share().await;
+                };
+                waiting.wait(control, share).await;
             }
             b"pause\n" => {
                 if member.must_pause() {
@@ -721,6 +725,7 @@ impl Drop for Started {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::Side;
 
     #[test]
     fn a_stage_may_write_a_file_as_large_as_its_largest_device_s_memory() {
@@ -745,6 +750,16 @@ mod tests {
         gate: &Arc<Gate>,
         joining: Joining,
     ) -> (ShellStage, Arc<Mutex<Watch>>, PathBuf) {
+        paired_shell_stage(script, gate, joining, None)
+    }
+
+    /// [`watched_shell_stage`], as one side of a paired timing when `pair` is given.
+    fn paired_shell_stage(
+        script: &str,
+        gate: &Arc<Gate>,
+        joining: Joining,
+        pair: Option<PairSide>,
+    ) -> (ShellStage, Arc<Mutex<Watch>>, PathBuf) {
         let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("scratch");
@@ -768,7 +783,7 @@ mod tests {
             basis: "test".into(),
         };
         let spec = protocol::CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
-        let request = Request { spec, env: vec![], limits: Some(limits), pair: None };
+        let request = Request { spec, env: vec![], limits: Some(limits), pair };
         let gate = gate.clone();
         let watch = started.watch.clone();
         (tokio::spawn(async move { started.run(request, Some((&gate, joining))).await }), watch, dir)
@@ -835,6 +850,47 @@ mod tests {
             drop(outcome);
             tokio::time::timeout(Duration::from_secs(30), alone).await.expect("runs alone").expect("task");
         }
+    }
+
+    #[tokio::test]
+    async fn paired_stages_take_their_rounds_by_turns_candidate_first() {
+        let gate = Arc::new(Gate::default());
+        let pairing = crate::devices::Pairing::new();
+        let log = std::env::temp_dir().join(format!("kforge-pairing-{}.log", std::process::id()));
+        let _ = std::fs::remove_file(&log);
+        // Each side times three rounds, writing its name and the round into the shared log while it runs alone.
+        let script = |side: &str| {
+            format!(
+                "cat >/dev/null; for i in 0 1 2; do printf 'round\\n' >&3; head -c 3 <&3 >/dev/null; \
+                 echo \"{side} $i\" >> {log}; printf 'share\\n' >&3; head -c 3 <&3 >/dev/null; done; \
+                 printf '{{\"protocol\": {PROTOCOL_VERSION}, \"ok\": true}}' > result.json",
+                log = log.display()
+            )
+        };
+        // The baseline starts first, and still waits for the candidate's first round.
+        let (baseline, _, _) =
+            paired_shell_stage(&script("baseline"), &gate, SHARE, Some(pairing.side(Side::Baseline)));
+        members(&gate, 1).await;
+        let (candidate, _, _) =
+            paired_shell_stage(&script("candidate"), &gate, SHARE, Some(pairing.side(Side::Candidate)));
+        for stage in [candidate, baseline] {
+            let outcome = stage.await.expect("task").expect("the stage ran");
+            assert!(outcome.ok(), "{}", outcome.error_text());
+        }
+        let order = std::fs::read_to_string(&log).expect("the rounds' log");
+        let expected = "candidate 0\nbaseline 0\ncandidate 1\nbaseline 1\ncandidate 2\nbaseline 2\n";
+        assert_eq!(order, expected);
+        let _ = std::fs::remove_file(&log);
+    }
+
+    #[tokio::test]
+    async fn a_round_asked_for_outside_a_pair_ends_the_stage() {
+        let gate = Arc::new(Gate::default());
+        let script = "cat >/dev/null; printf 'round\\n' >&3; head -c 3 <&3 >/dev/null; : > answered; sleep 3600";
+        let (stage, _, dir) = watched_shell_stage(script, &gate, SHARE);
+        let outcome = stage.await.expect("task").expect("the stage ran");
+        assert_eq!(outcome.finished.exit, kforge_sandbox::Exit::Signal(9), "killed: {:?}", outcome.finished);
+        assert!(!dir.join("answered").exists(), "a stage without a pair is never let through a round");
     }
 
     #[tokio::test]

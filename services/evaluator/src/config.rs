@@ -250,11 +250,32 @@ pub struct PairedTimingConfig {
     /// `all` (GPU backends too, a baseline process per evaluation), or `off` (every speedup against the cached
     /// baseline).
     pub on: PairedOn,
-    /// Rounds per side: the timing budget (`timing`) is spread over them. Default 10.
+    /// Rounds per side, at most 100: the timing budget (`timing`) is spread over them. Default 10.
+    #[serde(deserialize_with = "rounds")]
     pub rounds: u32,
     /// The rounds' speedups spreading more than this (their interquartile range over their median) gets the
-    /// finding `timing.unsteady`. Default 0.2.
+    /// finding `timing.unsteady`; positive. Default 0.2.
+    #[serde(deserialize_with = "spread_bound")]
     pub spread_bound: f64,
+}
+
+/// Paired rounds per side: each takes a turn at the device, so thousands would time switching, not calls.
+const MOST_ROUNDS: u32 = 100;
+
+fn rounds<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+    let value = u32::deserialize(deserializer)?;
+    match value <= MOST_ROUNDS {
+        true => Ok(value),
+        false => Err(serde::de::Error::custom(format!("{value} rounds: at most {MOST_ROUNDS}"))),
+    }
+}
+
+fn spread_bound<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    let value = f64::deserialize(deserializer)?;
+    match value.is_finite() && value > 0.0 {
+        true => Ok(value),
+        false => Err(serde::de::Error::custom(format!("{value} is not a positive figure"))),
+    }
 }
 
 impl Default for PairedTimingConfig {
@@ -301,5 +322,20 @@ mod tests {
         let execution = config.execution();
         assert_eq!((execution.gpu_slots, execution.queue_capacity, execution.census_calls), (2, 7, 3));
         assert_eq!(EvaluatorConfig::default().execution(), ExecutionConfig::default());
+    }
+
+    #[test]
+    fn paired_timing_is_checked_as_it_loads() {
+        let parse = |json: &str| serde_json::from_str::<PairedTimingConfig>(json).map_err(|e| e.to_string());
+        let parsed = parse(r#"{"on": "all", "rounds": 4, "spread_bound": 0.5}"#).expect("valid");
+        assert_eq!(parsed, PairedTimingConfig { on: PairedOn::All, rounds: 4, spread_bound: 0.5 });
+        assert!(parse(r#"{"rounds": 101}"#).expect_err("too many").contains("at most 100"));
+        for bound in ["0.0", "-1.0"] {
+            let error = parse(&format!(r#"{{"spread_bound": {bound}}}"#)).expect_err(bound);
+            assert!(error.contains("not a positive figure"), "{bound}: {error}");
+        }
+        assert!(parse(r#"{"on": "gpu"}"#).is_err(), "an unknown place");
+        assert!(!PairedTimingConfig { rounds: 0, ..Default::default() }.applies(false), "0 rounds: unpaired");
+        assert!(PairedTimingConfig::default().applies(false) && !PairedTimingConfig::default().applies(true));
     }
 }

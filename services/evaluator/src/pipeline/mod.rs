@@ -42,7 +42,6 @@ mod setup;
 mod timing;
 mod verdict;
 
-use baseline::Baseline;
 use check::{Trial, Trials};
 use request::Evaluation;
 use timing::{set_speedups, timing_samples, wall_clock_mismatch};
@@ -389,16 +388,7 @@ impl Evaluator {
             };
             let cached = self.baseline(submission, &lane, init_seed, &timing_seeds, &baseline_dir, cancel).await?;
             // Paired: the eager samples are the paired baseline's, timed in the candidate's window.
-            let paired = paired_outcome.and_then(|outcome| paired::paired_eager(outcome.ok()?));
-            let paired_speedup = paired.as_ref().and_then(|(eager, _, rounds)| {
-                paired::paired_speedup((&measured.events, &result.rounds), (eager, rounds))
-            });
-            let baseline = match paired {
-                Some((eager, eager_host, _)) if paired_speedup.is_some() => {
-                    Baseline { eager, eager_host: Some(eager_host), compiled: cached.compiled.clone() }
-                }
-                _ => cached.clone(),
-            };
+            let (baseline, paired) = paired::reference(&cached, paired_outcome, (&measured.events, &result.rounds));
             if let Some(finding) = wall_clock_mismatch(&measured, &baseline) {
                 response.findings.push(finding);
                 return Ok(pb::Verdict::Hack);
@@ -411,21 +401,7 @@ impl Evaluator {
             response.compile_timing = baseline.compiled.clone().and_then(timing_stats);
             response.candidate_timing = timing_stats(measured.events.clone());
             set_speedups(response);
-            response.speedup_basis = pb::SpeedupBasis::CachedBaseline.into();
-            if let Some(paired) = paired_speedup {
-                response.speedup_eager = paired.speedup;
-                response.speedup_spread = paired.spread;
-                response.speedup_basis = pb::SpeedupBasis::Paired.into();
-                response.findings.extend(paired::unsteady(paired, inner.config.paired_timing.spread_bound));
-            } else if pairing.is_some() {
-                response.findings.push(pb::Finding {
-                    code: "timing.unpaired".into(),
-                    message: "paired timing was asked for, but the rounds did not pair (the paired baseline failed or                               timed other rounds): the speedup is against the cached baseline"
-                        .into(),
-                    line: 0,
-                    category: pb::FindingCategory::Notice as i32,
-                });
-            }
+            paired::record(response, paired, pairing.is_some(), inner.config.paired_timing.spread_bound);
             response.stage_ms.insert("timing".into(), ms(started.elapsed()));
 
             // An implausible speedup is measured again in a fresh process, on inputs the first never saw; the

@@ -14,6 +14,7 @@ use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
 use super::Evaluator;
+use super::baseline::Baseline;
 
 /// A paired speedup: the median of the rounds' ratios, and how widely they spread.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -63,8 +64,56 @@ impl Evaluator {
     }
 }
 
+/// The baseline the candidate's timing is compared with, and the paired speedup where there is one: the paired
+/// baseline's eager samples (torch.compile's stay the cached baseline's) where its rounds pair with the
+/// candidate's `(samples, rounds)`, else the cached baseline.
+pub(super) fn reference(
+    cached: &Baseline,
+    outcome: Option<Result<StageOutcome<BaselineResult>, InfraError>>,
+    candidate: (&[f64], &[u32]),
+) -> (Baseline, Option<PairedSpeedup>) {
+    let paired = outcome.and_then(|outcome| match outcome {
+        Ok(outcome) => paired_eager(outcome),
+        Err(error) => {
+            tracing::warn!(%error, "the paired baseline did not run: the cached baseline is used");
+            None
+        }
+    });
+    let Some((eager, eager_host, rounds)) = paired else { return (cached.clone(), None) };
+    match paired_speedup(candidate, (&eager, &rounds)) {
+        Some(speedup) => {
+            let baseline = Baseline { eager, eager_host: Some(eager_host), compiled: cached.compiled.clone() };
+            (baseline, Some(speedup))
+        }
+        None => (cached.clone(), None),
+    }
+}
+
+/// Records the speedup's basis in `response` (its speedups set from the medians): a paired speedup replaces the
+/// eager one, with its spread and, beyond `bound`, the notice `timing.unsteady`; pairing `asked` for that did not
+/// pair says so.
+pub(super) fn record(response: &mut pb::EvaluateResponse, paired: Option<PairedSpeedup>, asked: bool, bound: f64) {
+    response.speedup_basis = pb::SpeedupBasis::CachedBaseline.into();
+    if let Some(paired) = paired {
+        response.speedup_eager = paired.speedup;
+        response.speedup_spread = paired.spread;
+        response.speedup_basis = pb::SpeedupBasis::Paired.into();
+        response.findings.extend(unsteady(paired, bound));
+    } else if asked {
+        response.findings.push(pb::Finding {
+            code: "timing.unpaired".into(),
+            message: "paired timing was asked for, but the rounds did not pair (the paired baseline failed, or the \
+                      candidate ran again unpaired after running out of device memory): the speedup is against the \
+                      cached baseline"
+                .into(),
+            line: 0,
+            category: pb::FindingCategory::Notice as i32,
+        });
+    }
+}
+
 /// The paired baseline's eager samples (events, host clock) and their rounds, when it timed them.
-pub(super) fn paired_eager(outcome: StageOutcome<BaselineResult>) -> Option<(Vec<f64>, Vec<f64>, Vec<u32>)> {
+fn paired_eager(outcome: StageOutcome<BaselineResult>) -> Option<(Vec<f64>, Vec<f64>, Vec<u32>)> {
     if !outcome.ok() {
         tracing::warn!(error = %outcome.error_text(), "the paired baseline failed: the cached baseline is used");
         return None;
@@ -73,8 +122,12 @@ pub(super) fn paired_eager(outcome: StageOutcome<BaselineResult>) -> Option<(Vec
     Some((result.eager_ms?, result.eager_host_ms?, result.eager_rounds?))
 }
 
-/// The median over the rounds of each round's eager median / candidate median, and the ratios' spread. `None`
-/// unless both sides timed the same number of rounds, each with samples, whose counts add up to their samples.
+/// The median over the rounds of each round's ratio, eager / candidate, of the two sides' lower quartiles, and the
+/// ratios' spread. A call's time on a shared CPU is its own plus what the load makes it wait (for a CPU, for memory
+/// another process evicted from the caches), and a fast call and a memory-bound reference wait differently: the
+/// lower quartile of a round is the calls that met the least of it, and still a quarter of them (a candidate that
+/// skips its work on a few calls does not set it). `None` unless both sides timed the same number of rounds, each
+/// with samples, whose counts add up to their samples.
 pub(super) fn paired_speedup(candidate: (&[f64], &[u32]), eager: (&[f64], &[u32])) -> Option<PairedSpeedup> {
     let (candidate_rounds, eager_rounds) = (split(candidate)?, split(eager)?);
     if candidate_rounds.len() != eager_rounds.len() || candidate_rounds.is_empty() {
@@ -82,7 +135,7 @@ pub(super) fn paired_speedup(candidate: (&[f64], &[u32]), eager: (&[f64], &[u32]
     }
     let mut ratios = Vec::with_capacity(candidate_rounds.len());
     for (candidate, eager) in candidate_rounds.into_iter().zip(eager_rounds) {
-        let (candidate, eager) = (median(candidate)?, median(eager)?);
+        let (candidate, eager) = (lower_quartile(candidate)?, lower_quartile(eager)?);
         if !(candidate > 0.0 && eager > 0.0) {
             return None;
         }
@@ -130,10 +183,10 @@ fn split<'a>((samples, counts): (&'a [f64], &[u32])) -> Option<Vec<&'a [f64]>> {
     )
 }
 
-fn median(values: &[f64]) -> Option<f64> {
+fn lower_quartile(values: &[f64]) -> Option<f64> {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
-    (!sorted.is_empty()).then(|| quantile(&sorted, 0.5))
+    (!sorted.is_empty()).then(|| quantile(&sorted, 0.25))
 }
 
 /// The `q` quantile of sorted, non-empty `values`, interpolated linearly.
@@ -146,6 +199,16 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_round_compares_the_sides_lower_quartiles() {
+        // One round each: the candidate's calls 1-4 ms (lower quartile 1.75), the eager calls 2 ms but for one slow
+        // outlier and a burst of load (lower quartile 2.0).
+        let candidate = [4.0, 1.0, 3.0, 2.0];
+        let eager = [2.0, 9.0, 2.0, 6.0, 2.0];
+        let paired = paired_speedup((&candidate, &[4]), (&eager, &[5])).expect("paired");
+        assert_eq!(paired.speedup, 2.0 / 1.75);
+    }
 
     #[test]
     fn the_speedup_is_the_median_of_the_rounds_ratios() {
@@ -167,6 +230,27 @@ mod tests {
         assert_eq!(finding.code, "timing.unsteady");
         assert!(finding.message.contains("spread 60%"), "{}", finding.message);
         assert!(unsteady(paired, 0.6).is_none(), "at the bound");
+    }
+
+    #[test]
+    fn the_basis_says_how_the_speedup_was_taken() {
+        let codes = |response: &pb::EvaluateResponse| -> Vec<String> {
+            response.findings.iter().map(|finding| finding.code.clone()).collect()
+        };
+        let cached = || pb::EvaluateResponse { speedup_eager: 3.0, ..Default::default() };
+        let mut response = cached();
+        record(&mut response, Some(PairedSpeedup { speedup: 2.0, spread: 0.5 }), true, 0.2);
+        assert_eq!(response.speedup_basis(), pb::SpeedupBasis::Paired);
+        assert_eq!((response.speedup_eager, response.speedup_spread), (2.0, 0.5));
+        assert_eq!(codes(&response), ["timing.unsteady"]);
+        let mut response = cached();
+        record(&mut response, None, true, 0.2);
+        assert_eq!((response.speedup_basis(), response.speedup_eager), (pb::SpeedupBasis::CachedBaseline, 3.0));
+        assert_eq!(codes(&response), ["timing.unpaired"]);
+        assert!(!response.findings[0].message.contains("  "), "{}", response.findings[0].message);
+        let mut response = cached();
+        record(&mut response, None, false, 0.2);
+        assert!(response.findings.is_empty(), "unpaired as configured: nothing to say");
     }
 
     #[test]
