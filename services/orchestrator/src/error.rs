@@ -25,6 +25,9 @@ pub enum OrchestratorError {
     /// The request asks for more than a configured limit (`key`) allows; `field` names what to lower.
     #[error("{field}: {value}{unit} is over the limit of {limit} ({key})")]
     OverLimit { field: String, value: u64, unit: String, limit: u64, key: &'static str },
+    /// A named caller acted on a job another named caller submitted.
+    #[error("caller `{caller}` may not act on job `{job_id}`: another caller submitted it")]
+    NotOwner { caller: String, job_id: String },
     /// A named caller is over one of its quotas (`key`); `retry_after` when it is known when there will be room.
     #[error("caller `{caller}` is over its quota: {detail} ({key})")]
     OverQuota { caller: String, detail: String, key: &'static str, retry_after: Option<Duration> },
@@ -45,6 +48,7 @@ impl From<OrchestratorError> for Status {
             OrchestratorError::PeerUnavailable { .. } => Code::Unavailable,
             OrchestratorError::OverLimit { .. } => Code::InvalidArgument,
             OrchestratorError::OverQuota { .. } => Code::ResourceExhausted,
+            OrchestratorError::NotOwner { .. } => Code::PermissionDenied,
         };
         let mut status = Status::new(code, bounded(error.to_string()));
         // The evaluator's convention for a refusal that will pass later: `retry-after-ms` metadata.

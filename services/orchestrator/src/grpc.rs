@@ -114,11 +114,22 @@ impl Orchestrator for OrchestratorService {
     }
 
     async fn resume_job(&self, request: Request<pb::ResumeJobRequest>) -> Result<Response<pb::Job>, Status> {
-        Ok(Response::new(self.resume(&request.into_inner().job_id).await?))
+        let caller = Caller::of(&request).map(|caller| caller.name().to_owned());
+        let job = self.job(&request.into_inner().job_id).await?;
+        check_owner(caller.as_deref(), &job)?;
+        // A failed or cancelled job resumed is in flight again: it counts against its caller's jobs in flight (its
+        // turns counted when it was submitted). Held until it is stored as queued.
+        let _admission = match is_terminal(job.state) && job.state != pb::JobState::Succeeded as i32 {
+            true => self.admit(caller.as_deref(), Submission::Job { turns: 0 }).await?,
+            false => None,
+        };
+        Ok(Response::new(self.resume(&job.job_id).await?))
     }
 
     async fn cancel_job(&self, request: Request<pb::CancelJobRequest>) -> Result<Response<pb::Job>, Status> {
+        let caller = Caller::of(&request).map(|caller| caller.name().to_owned());
         let mut job = self.job(&request.into_inner().job_id).await?;
+        check_owner(caller.as_deref(), &job)?;
         if is_terminal(job.state) {
             return Ok(Response::new(job));
         }
@@ -399,6 +410,17 @@ fn token<T: std::str::FromStr>(field: &str, token: &str) -> Result<Option<T>, Or
 }
 
 /// Whether a job in `state` is over (succeeded, failed or cancelled).
+/// A named caller acts only on its own jobs. A job without a caller (submitted with the shared token, or without
+/// auth) is anyone's, and a request without one (the shared token: the operator's) may act on any job.
+fn check_owner(caller: Option<&str>, job: &pb::Job) -> Result<(), OrchestratorError> {
+    match caller {
+        Some(caller) if !job.caller.is_empty() && job.caller != caller => {
+            Err(OrchestratorError::NotOwner { caller: caller.to_owned(), job_id: job.job_id.clone() })
+        }
+        _ => Ok(()),
+    }
+}
+
 fn is_terminal(state: i32) -> bool {
     matches!(
         pb::JobState::try_from(state),

@@ -148,6 +148,32 @@ async fn a_busy_evaluator_and_retryable_infra_errors_are_retried_and_never_score
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsteady_timing_is_measured_again_before_it_is_scored() {
+    let (peers, fakes) = support::start_fakes().await;
+    // Turn 0: unsteady, then steady (the fakes' 1.5x) when measured again; turn 1: unsteady both times.
+    fakes.script(&key("a", 0, 0), [Answer::Unsteady { speedup: 9.0 }]);
+    fakes.script(&key("a", 0, 1), [Answer::Unsteady { speedup: 7.0 }]);
+    fakes.script(&format!("{}#retimed", key("a", 0, 1)), [Answer::Unsteady { speedup: 6.0 }]);
+    let mut running = orchestrator(&peers, |_| {}).await;
+    let job = submit(&mut running.client, spec(&["a"], 1, 2)).await.expect("submitted");
+    let finished = last_job(&watch(&mut running.client, &job.job_id).await);
+    assert_eq!(finished.state(), pb::JobState::Succeeded, "{finished:?}");
+    let turns = turns(&mut running.client, &job.job_id).await;
+    let speedups: Vec<f64> = turns.iter().map(|t| t.evaluation.as_ref().expect("evaluated").speedup_eager).collect();
+    assert_eq!(speedups, [1.5, 6.0], "the second measurement is the turn's");
+    let unsteady = |turn: &pb::TurnRecord| {
+        turn.evaluation.as_ref().expect("evaluated").findings.iter().any(|f| f.code == "timing.unsteady")
+    };
+    assert!(!unsteady(&turns[0]) && unsteady(&turns[1]), "a second unsteady answer keeps its notice");
+    let (received, _) = fakes.evaluate_counts();
+    for turn in 0..2 {
+        let key = key("a", 0, turn);
+        assert_eq!((received[&key], received[&format!("{key}#retimed")]), (1, 1), "{key}");
+    }
+    running.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_episode_is_recorded_and_the_job_goes_on() {
     let (peers, fakes) = support::start_fakes().await;
     fakes.fail_generation(&key("a", 0, 0));

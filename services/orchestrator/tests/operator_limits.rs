@@ -2,7 +2,8 @@
 //! and fake peers: a job over the configured limits refused naming the field and the limit (SubmitJob and
 //! StartEpisode alike), an inline task that is not a task refused at submission, the failing-turns breaker failing
 //! a job whose turns keep failing (and not one whose failures are interrupted, nor for infrastructure verdicts), and
-//! the named callers' quotas: one caller over its quota refused while another, and the shared token, go on.
+//! the named callers' quotas: one caller over its quota refused while another, and the shared token, go on; a
+//! caller acting on its own jobs only, a resumed job counted in flight again.
 
 mod support;
 
@@ -236,19 +237,32 @@ async fn the_breaker_fails_a_job_whose_turns_keep_failing_the_same_way() {
     let stored = client.get_job(pb::GetJobRequest { job_id: job.job_id.clone() }).await.expect("a job").into_inner();
     assert_eq!((stored.state(), stored.error), (pb::JobState::Failed, failed.error));
 
-    // Eight failures in two streaks of four broken by a turn that went through, then eight infrastructure verdicts
-    // (the evaluator answered: not a failed call) do not trip it.
+    // Eight failures in two streaks of four broken by a turn that went through, then four infrastructure verdicts,
+    // a correct turn and four more, do not trip it.
     for trajectory in [0, 1, 2, 3, 5, 6, 7, 8] {
         fakes.fail_generation(&key("b", trajectory, 0));
     }
-    for trajectory in 0..10 {
+    for trajectory in [0, 1, 2, 3, 5, 6, 7, 8] {
         fakes.script(&key("c", trajectory, 0), [Answer::Infra { retryable: false }]);
     }
     let job = submit(&mut client, spec(&["b", "c"], 10, 1)).await.expect("submitted");
     let finished = ended(&mut client, &job.job_id).await;
     assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 20), "{finished:?}");
     let metrics = finished.metrics.expect("metrics");
-    assert_eq!(metrics.infra_errors, 10, "{metrics:?}");
+    assert_eq!(metrics.infra_errors, 8, "{metrics:?}");
+
+    // An evaluator that fails every evaluation (retries spent or not retryable) fails the job too.
+    for trajectory in 0..10 {
+        fakes.script(&key("d", trajectory, 0), [Answer::Infra { retryable: false }]);
+    }
+    let job = submit(&mut client, spec(&["d"], 10, 1)).await.expect("submitted");
+    let failed = ended(&mut client, &job.job_id).await;
+    assert_eq!((failed.state(), failed.turns_done), (pb::JobState::Failed, 5), "{failed:?}");
+    assert_eq!(
+        failed.error,
+        "breaker: 5 consecutive turns failed with evaluator: INFRA_ERROR (the last: \"evaluator: INFRA_ERROR: device \
+         lost\")"
+    );
     running.shutdown().await;
 }
 
@@ -336,6 +350,52 @@ async fn a_caller_over_its_quota_is_refused_while_another_goes_on() {
     .await;
     let job = submit(&mut running.client(Some("alice-token")), spec(&["a"], 1, 1)).await.expect("no quotas");
     assert_eq!(job.caller, "alice");
+    running.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A named caller cancels and resumes only its own jobs, and a job it resumes counts against its jobs in flight
+/// again; the shared token (the operator's) may act on any job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_acts_on_its_own_jobs_and_a_resumed_job_is_in_flight_again() {
+    let (peers, fakes) = support::start_fakes().await;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("operator-limits-owners");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let caller = |name: &str| CallerConfig {
+        name: name.into(),
+        token_file: token_file(&dir, name, &format!("{name}-token")),
+        token_env: None,
+    };
+    let running = orchestrator(&peers, |c| {
+        c.server.auth.token_file = token_file(&dir, "shared", "shared-token");
+        c.server.callers = vec![caller("alice"), caller("bob")];
+        c.quotas = kforge_orchestrator::QuotasConfig { jobs_in_flight: 1, turns_per_hour: 0 };
+    })
+    .await;
+    let (mut alice, mut bob) = (running.client(Some("alice-token")), running.client(Some("bob-token")));
+    let mut shared = running.client(Some("shared-token"));
+    // Evaluations wait until the test lets them go: the jobs stay in flight.
+    let gate = fakes.gate_evaluations();
+    let first = submit(&mut alice, spec(&["a"], 1, 2)).await.expect("within alice's quota");
+    let cancel = |job_id: &str| pb::CancelJobRequest { job_id: job_id.into() };
+    let resume = |job_id: &str| pb::ResumeJobRequest { job_id: job_id.into() };
+    let not_his = format!("caller `bob` may not act on job `{}`: another caller submitted it", first.job_id);
+    assert_refused(bob.cancel_job(cancel(&first.job_id)).await, tonic::Code::PermissionDenied, &not_his);
+    assert_refused(bob.resume_job(resume(&first.job_id)).await, tonic::Code::PermissionDenied, &not_his);
+    alice.cancel_job(cancel(&first.job_id)).await.expect("her own job");
+    assert_eq!(ended(&mut alice, &first.job_id).await.state(), pb::JobState::Cancelled);
+    let second = submit(&mut alice, spec(&["b"], 1, 2)).await.expect("the cancelled job is not in flight");
+    assert_refused(
+        alice.resume_job(resume(&first.job_id)).await,
+        tonic::Code::ResourceExhausted,
+        "caller `alice` is over its quota: 1 jobs queued or running, the quota is 1 (orchestrator.quotas.jobs_in_flight)",
+    );
+    shared.cancel_job(cancel(&second.job_id)).await.expect("the operator may cancel any job");
+    assert_eq!(ended(&mut alice, &second.job_id).await.state(), pb::JobState::Cancelled);
+    alice.resume_job(resume(&first.job_id)).await.expect("room again: her job resumes");
+    gate.add_permits(1000);
+    assert_eq!(ended(&mut alice, &first.job_id).await.state(), pb::JobState::Succeeded);
     running.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

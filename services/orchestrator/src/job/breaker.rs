@@ -2,8 +2,17 @@
 //! that failed on a service call for the same reason, and says when there have been enough of them in a row to fail
 //! the job. A turn fails on a service call when its `error` is set (a peer refused or could not be reached: the
 //! episode ends there); what a model does wrong (a format error, a kernel that does not compile, an incorrect one)
-//! is a verdict, not an error, and resets the count like any turn without an error. So does an INFRA_ERROR verdict:
-//! it is retried already, and a candidate can cause one (a kernel that faults its device).
+//! is a verdict, not an error, and resets the count like any turn without an error. An evaluation that ended in
+//! VERDICT_INFRA_ERROR after its retries counts as a failure of the evaluator (`evaluator: INFRA_ERROR`): a kernel
+//! that faults its device causes one, but an evaluator that cannot run anything (its Python broken, its disk full)
+//! fails every turn so, and the job would otherwise run to its end.
+
+use std::borrow::Cow;
+
+use kforge_proto::v1 as pb;
+
+/// The most of the last failure's text that the job's error quotes (it is stored, and sent with every update).
+const LAST_ERROR_BYTES: usize = 512;
 
 /// A streak of turns that failed for the same reason.
 #[derive(Debug, Default)]
@@ -51,12 +60,38 @@ impl Breaker {
         };
         if self.threshold > 0 && self.failed >= self.threshold {
             return Observed::Tripped(format!(
-                "breaker: {} consecutive turns failed with {class} (the last: \"{error}\")",
-                self.failed
+                "breaker: {} consecutive turns failed with {class} (the last: \"{}\")",
+                self.failed,
+                head(error, LAST_ERROR_BYTES)
             ));
         }
         observed
     }
+}
+
+/// What a recorded turn failed on, for the breaker (empty: nothing): its error, or its evaluation's infrastructure
+/// error, as `evaluator: INFRA_ERROR: <its first line>`.
+pub(super) fn turn_failure(turn: &pb::TurnRecord) -> Cow<'_, str> {
+    match &turn.evaluation {
+        _ if !turn.error.is_empty() => Cow::Borrowed(&turn.error),
+        Some(evaluation) if evaluation.verdict() == pb::Verdict::InfraError => {
+            let line = evaluation.error.lines().next().unwrap_or_default();
+            Cow::Owned(format!("evaluator: INFRA_ERROR: {line}"))
+        }
+        _ => Cow::Borrowed(""),
+    }
+}
+
+/// The start of `text`, at most `limit` bytes at a character boundary, marked where cut.
+fn head(text: &str, limit: usize) -> Cow<'_, str> {
+    if text.len() <= limit {
+        return Cow::Borrowed(text);
+    }
+    let mut end = limit;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}[...]", &text[..end]))
 }
 
 /// A turn's failure without what differs from turn to turn: the peer and the status code of `peer: Code: message`
@@ -71,6 +106,33 @@ pub(super) fn failure_class(error: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_infrastructure_verdict_is_the_evaluator_s_failure() {
+        let evaluated = |verdict: pb::Verdict| pb::TurnRecord {
+            evaluation: Some(pb::EvaluateResponse {
+                verdict: verdict.into(),
+                error: "device lost\ntraceback".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let infra = evaluated(pb::Verdict::InfraError);
+        let failure = turn_failure(&infra);
+        assert_eq!(failure, "evaluator: INFRA_ERROR: device lost");
+        assert_eq!(failure_class(&failure), "evaluator: INFRA_ERROR");
+        assert_eq!(turn_failure(&evaluated(pb::Verdict::CompileError)), "", "the model's failure is a verdict");
+        let failed = pb::TurnRecord { error: "gateway: Unavailable: down".into(), ..Default::default() };
+        assert_eq!(turn_failure(&failed), "gateway: Unavailable: down");
+    }
+
+    #[test]
+    fn the_trip_quotes_the_last_failure_bounded() {
+        let mut breaker = Breaker::new(1);
+        let error = format!("gateway: Unknown: {}", "é".repeat(1000));
+        let Observed::Tripped(reason) = breaker.observe(&error) else { panic!("a threshold of one trips at once") };
+        assert!(reason.len() < 700 && reason.ends_with("[...]\")"), "{} bytes: {reason}", reason.len());
+    }
 
     #[test]
     fn a_failure_s_class_is_its_peer_and_code() {

@@ -83,11 +83,37 @@ pub(super) fn call_span(method: &'static str) -> tracing::Span {
     tracing::info_span!("call", otel.name = method, otel.kind = "client", rpc.method = method)
 }
 
+/// The notice of an evaluation whose paired timing spread beyond the evaluator's bound (docs/EVALUATOR.md,
+/// "Paired timing").
+const UNSTEADY: &str = "timing.unsteady";
+
+/// Evaluates as [`evaluate_once`] does. An answer whose timing the evaluator found unsteady (its machine's load
+/// moved faster than its paired rounds alternate) is not scored as it is: the evaluation runs once more, under a
+/// key of its own (`<key>#retimed`), and the second answer is the turn's, with its own notice if it is unsteady too.
+pub(super) async fn evaluate(
+    evaluators: &Arc<Balancer>,
+    limits: &Limits,
+    request: pb::EvaluateRequest,
+    cancel: &CancellationToken,
+) -> Result<pb::EvaluateResponse, tonic::Status> {
+    let first = evaluate_once(evaluators, limits, request.clone(), cancel).await?;
+    if !first.findings.iter().any(|finding| finding.code == UNSTEADY) || cancel.is_cancelled() {
+        return Ok(first);
+    }
+    tracing::info!(key = %request.idempotency_key, "unsteady timing: measuring again");
+    let again = pb::EvaluateRequest { idempotency_key: format!("{}#retimed", request.idempotency_key), ..request };
+    match evaluate_once(evaluators, limits, again, cancel).await {
+        Ok(second) if second.verdict() != pb::Verdict::InfraError => Ok(second),
+        // The second evaluation could not run: the first answer, with its notice, stands.
+        _ => Ok(first),
+    }
+}
+
 /// Evaluates, retrying with backoff while the evaluator is busy (RESOURCE_EXHAUSTED) or answers a retryable
 /// VERDICT_INFRA_ERROR, up to the policy's attempts; the last answer is returned either way (a final infra error
 /// is recorded, never scored). Retries reuse the idempotency key, so an evaluation the evaluator did finish is not
 /// run again.
-pub(super) async fn evaluate(
+async fn evaluate_once(
     evaluators: &Arc<Balancer>,
     limits: &Limits,
     request: pb::EvaluateRequest,

@@ -11,7 +11,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::breaker::{Breaker, Observed};
+use super::breaker::{Breaker, Observed, turn_failure};
 
 use crate::metrics::job_metrics;
 use crate::monitoring::OrchestratorMetrics;
@@ -179,10 +179,11 @@ impl Progress {
         // The write needs no lock: each (task, trajectory, turn) has one writer, its episode.
         self.store.put_turn(&self.job_id, position, Stage::Recorded, turn).await?;
         self.metrics.turn(turn, self.opening_checked);
+        let failure = turn_failure(turn);
         let turn = slim(turn);
         let mut snapshot = self.job.lock().await;
-        let observed = snapshot.breaker.observe(&turn.error);
-        self.log_failure(&turn, observed);
+        let observed = snapshot.breaker.observe(&failure);
+        self.log_failure(&turn, &failure, observed);
         snapshot.turns.push(turn.clone());
         snapshot.refresh_metrics(self.wall_time_s(), false);
         let Snapshot { job, turns, .. } = &mut *snapshot;
@@ -194,9 +195,9 @@ impl Progress {
 
     /// Logs a turn that failed on a service call: the first of a streak at WARN, the rest of it at DEBUG (a peer
     /// down fails every turn that reaches it, and the streak is bounded by the breaker), the breaker's trip at WARN.
-    fn log_failure(&self, turn: &pb::TurnRecord, observed: Observed) {
+    fn log_failure(&self, turn: &pb::TurnRecord, error: &str, observed: Observed) {
         let job_id = &self.job_id;
-        let (task_id, trajectory, turn_index, error) = (&turn.task_id, turn.trajectory, turn.turn, &turn.error);
+        let (task_id, trajectory, turn_index) = (&turn.task_id, turn.trajectory, turn.turn);
         match observed {
             Observed::Passed => {}
             Observed::NewStreak => tracing::warn!(%job_id, %task_id, trajectory, turn = turn_index, %error,

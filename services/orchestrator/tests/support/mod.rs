@@ -36,6 +36,8 @@ pub enum Answer {
     Busy,
     /// VERDICT_INFRA_ERROR, retryable or not.
     Infra { retryable: bool },
+    /// VERDICT_CORRECT at `speedup`, its paired timing unsteady (the notice `timing.unsteady`).
+    Unsteady { speedup: f64 },
 }
 
 #[derive(Debug, Default)]
@@ -260,6 +262,18 @@ impl pb::evaluator_server::Evaluator for Fakes {
                 verdict: pb::Verdict::InfraError.into(),
                 retryable,
                 error: "device lost".into(),
+                ..Default::default()
+            })),
+            Some(Answer::Unsteady { speedup }) => Ok(Response::new(pb::EvaluateResponse {
+                verdict: pb::Verdict::Correct.into(),
+                speedup_eager: speedup,
+                candidate_timing: timing(2.0),
+                eager_timing: timing(2.0 * speedup),
+                findings: vec![pb::Finding {
+                    code: "timing.unsteady".into(),
+                    category: pb::FindingCategory::Notice.into(),
+                    ..Default::default()
+                }],
                 ..Default::default()
             })),
             None => Ok(Response::new(pb::EvaluateResponse {
