@@ -43,8 +43,9 @@ pub fn unaccounted_host_ms(candidate: (&[f64], &[f64]), baseline: (&[f64], &[f64
     Some(gap(candidate)? - gap(baseline)?.max(0.0))
 }
 
-/// Linear interpolation between closest ranks (the common "type 7" definition).
-fn quantile(sorted: &[f64], q: f64) -> f64 {
+/// The `q` quantile of sorted, non-empty `sorted`: linear interpolation between closest ranks (the common "type 7"
+/// definition).
+pub(crate) fn quantile(sorted: &[f64], q: f64) -> f64 {
     let position = q * (sorted.len() - 1) as f64;
     let (low, high) = (position.floor() as usize, position.ceil() as usize);
     sorted[low] + (sorted[high] - sorted[low]) * (position - low as f64)

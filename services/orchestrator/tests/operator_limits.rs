@@ -273,17 +273,24 @@ fn token_file(dir: &Path, name: &str, token: &str) -> Option<PathBuf> {
     Some(path)
 }
 
+/// A fresh directory for a test's token files.
+fn token_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    dir
+}
+
+/// A named caller whose token, `<name>-token`, is in a file of its own under `dir`.
+fn named_caller(dir: &Path, name: &str) -> CallerConfig {
+    CallerConfig { name: name.into(), token_file: token_file(dir, name, &format!("{name}-token")), token_env: None }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_over_its_quota_is_refused_while_another_goes_on() {
     let (peers, fakes) = support::start_fakes().await;
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("operator-limits-quotas");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("dir");
-    let caller = |name: &str| CallerConfig {
-        name: name.into(),
-        token_file: token_file(&dir, name, &format!("{name}-token")),
-        token_env: None,
-    };
+    let dir = token_dir("operator-limits-quotas");
+    let caller = |name: &str| named_caller(&dir, name);
     let running = orchestrator(&peers, |c| {
         c.server.auth.token_file = token_file(&dir, "shared", "shared-token");
         c.server.callers = vec![caller("alice"), caller("bob")];
@@ -359,14 +366,8 @@ async fn a_caller_over_its_quota_is_refused_while_another_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_acts_on_its_own_jobs_and_a_resumed_job_is_in_flight_again() {
     let (peers, fakes) = support::start_fakes().await;
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("operator-limits-owners");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("dir");
-    let caller = |name: &str| CallerConfig {
-        name: name.into(),
-        token_file: token_file(&dir, name, &format!("{name}-token")),
-        token_env: None,
-    };
+    let dir = token_dir("operator-limits-owners");
+    let caller = |name: &str| named_caller(&dir, name);
     let running = orchestrator(&peers, |c| {
         c.server.auth.token_file = token_file(&dir, "shared", "shared-token");
         c.server.callers = vec![caller("alice"), caller("bob")];

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Evaluator;
 use super::baseline::Baseline;
+use crate::stats::quantile;
 
 /// A paired speedup: the median of the rounds' ratios, and how widely they spread.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -187,13 +188,6 @@ fn lower_quartile(values: &[f64]) -> Option<f64> {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     (!sorted.is_empty()).then(|| quantile(&sorted, 0.25))
-}
-
-/// The `q` quantile of sorted, non-empty `values`, interpolated linearly.
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    let position = q * (sorted.len() - 1) as f64;
-    let (low, high) = (position.floor() as usize, position.ceil() as usize);
-    sorted[low] + (sorted[high] - sorted[low]) * (position - low as f64)
 }
 
 #[cfg(test)]
