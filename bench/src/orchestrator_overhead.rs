@@ -235,7 +235,7 @@ async fn main() {
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = format!("http://{}", listener.local_addr().expect("address"));
-    tokio::spawn(kforge_orchestrator::serve(config, listener, std::future::pending()));
+    tokio::spawn(kforge_orchestrator::serve_with_http(config, listener, None, std::future::pending()));
     let channel = loop {
         if let Ok(channel) = tonic::transport::Endpoint::from_shared(address.clone()).expect("url").connect().await {
             break channel;

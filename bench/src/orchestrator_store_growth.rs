@@ -274,7 +274,7 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = format!("http://{}", listener.local_addr().expect("address"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(kforge_orchestrator::serve(config, listener, async {
+    let served = tokio::spawn(kforge_orchestrator::serve_with_http(config, listener, None, async {
         let _ = stopped.await;
     }));
     let channel = loop {

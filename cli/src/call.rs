@@ -9,10 +9,10 @@
 use std::str::FromStr;
 use std::sync::LazyLock;
 
+use kforge_server::dynamic::{self, DynamicCodec};
 use prost::Message as _;
-use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, MethodDescriptor, SerializeOptions};
+use prost_reflect::{DescriptorPool, DynamicMessage, MethodDescriptor, SerializeOptions};
 use tokio_stream::StreamExt;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::{Request, Status};
 
 use crate::mesh::Service;
@@ -114,15 +114,8 @@ pub fn parse_requests(method: &MethodDescriptor, input: &str) -> Result<Vec<Dyna
     for value in serde_json::Deserializer::from_str(input).into_iter::<serde_json::Value>() {
         let index = requests.len();
         let value = value.map_err(|e| CallError::Json { index, message: format!("malformed json: {e}") })?;
-        let mut track = serde_path_to_error::Track::new();
         let message =
-            DynamicMessage::deserialize(descriptor.clone(), serde_path_to_error::Deserializer::new(&value, &mut track))
-                .map_err(|error| {
-                    let path = track.path().to_string();
-                    let message =
-                        if path.is_empty() || path == "." { error.to_string() } else { format!("{path}: {error}") };
-                    CallError::Json { index, message }
-                })?;
+            dynamic::from_json(descriptor.clone(), &value).map_err(|message| CallError::Json { index, message })?;
         let size = message.encoded_len();
         if size > MAX_REQUEST_BYTES {
             return Err(CallError::TooLarge { index, size, limit: MAX_REQUEST_BYTES });
@@ -150,7 +143,7 @@ pub async fn invoke(
     let path =
         http::uri::PathAndQuery::from_str(&format!("/{}/{}", method.parent_service().full_name(), method.name()))
             .map_err(|e| CallError::Syntax(e.to_string()))?;
-    let codec = DynamicCodec { response: method.output() };
+    let codec = DynamicCodec::new(method.output());
     let mut grpc = tonic::client::Grpc::new(channel)
         .max_encoding_message_size(MAX_REQUEST_BYTES)
         .max_decoding_message_size(usize::MAX);
@@ -215,53 +208,6 @@ pub fn to_json(message: &DynamicMessage) -> Result<String, CallError> {
         .serialize_with_options(&mut serializer, &SerializeOptions::new())
         .map_err(|e| CallError::Output(e.to_string()))?;
     String::from_utf8(out).map_err(|e| CallError::Output(e.to_string()))
-}
-
-/// Encodes and decodes messages known only by descriptor.
-#[derive(Debug, Clone)]
-struct DynamicCodec {
-    response: MessageDescriptor,
-}
-
-impl Codec for DynamicCodec {
-    type Encode = DynamicMessage;
-    type Decode = DynamicMessage;
-    type Encoder = DynamicEncoder;
-    type Decoder = DynamicDecoder;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        DynamicEncoder
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        DynamicDecoder(self.response.clone())
-    }
-}
-
-#[derive(Debug)]
-struct DynamicEncoder;
-
-impl Encoder for DynamicEncoder {
-    type Item = DynamicMessage;
-    type Error = Status;
-
-    fn encode(&mut self, item: Self::Item, dst: &mut EncodeBuf<'_>) -> Result<(), Self::Error> {
-        item.encode(dst).map_err(|e| Status::internal(format!("encoding the request: {e}")))
-    }
-}
-
-#[derive(Debug)]
-struct DynamicDecoder(MessageDescriptor);
-
-impl Decoder for DynamicDecoder {
-    type Item = DynamicMessage;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Self::Item>, Self::Error> {
-        DynamicMessage::decode(self.0.clone(), src)
-            .map(Some)
-            .map_err(|e| Status::internal(format!("decoding the response: {e}")))
-    }
 }
 
 #[cfg(test)]

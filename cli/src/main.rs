@@ -286,6 +286,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .addresses()
                 .iter()
                 .map(|(service, address)| format!("{:<13} {address}\n", service.name()))
+                .chain(mesh.http_address().map(|address| format!("{:<13} {address}\n", "orchestrator-http")))
                 .collect();
             // The services are what `up` is for: a reader of the listing that went away does not stop them.
             match kforge::stdout::print(&listing) {

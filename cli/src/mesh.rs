@@ -98,11 +98,13 @@ impl MeshConfig {
     }
 }
 
-/// Serves `service` with its configuration until `shutdown` completes.
+/// Serves `service` with its configuration until `shutdown` completes; the orchestrator serves its HTTP port on
+/// `http` when given.
 pub async fn serve(
     service: Service,
     config: &MeshConfig,
     listener: TcpListener,
+    http: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     match service {
@@ -115,7 +117,9 @@ pub async fn serve(
         }
         Service::Reward => kforge_reward::serve(config.reward.clone(), listener, shutdown).await,
         Service::Gateway => kforge_inference_gateway::serve(config.gateway.clone(), listener, shutdown).await,
-        Service::Orchestrator => kforge_orchestrator::serve(config.orchestrator.clone(), listener, shutdown).await,
+        Service::Orchestrator => {
+            kforge_orchestrator::serve_with_http(config.orchestrator.clone(), listener, http, shutdown).await
+        }
     }
 }
 
@@ -123,13 +127,16 @@ pub async fn serve(
 #[derive(Debug)]
 pub struct Mesh {
     addresses: Vec<(Service, String)>,
+    /// The orchestrator's HTTP port (protocol faces and JSON), when it serves one.
+    http: Option<String>,
     stop: CancellationToken,
     tasks: JoinSet<(Service, Result<(), ServeError>)>,
 }
 
 impl Mesh {
     /// Binds every listener first (so a port conflict fails before anything serves), then starts each service.
-    /// With `ephemeral`, every service listens on a free loopback port instead of its configured address. An
+    /// With `ephemeral`, every service listens on a free loopback port instead of its configured address, the
+    /// orchestrator's HTTP port too (when `orchestrator.http.listen` names one). An
     /// orchestrator started here is handed the addresses of the gateway, evaluator and reward started with it.
     pub async fn start(services: &[Service], config: &MeshConfig, ephemeral: bool) -> Result<Self, ServeError> {
         let mut bound = Vec::with_capacity(services.len());
@@ -138,6 +145,17 @@ impl Mesh {
             let listener = TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })?;
             bound.push((service, listener));
         }
+        let mut http = None;
+        if services.contains(&Service::Orchestrator)
+            && let Some(configured) = kforge_orchestrator::http_address(&config.orchestrator.http)?
+        {
+            let addr = if ephemeral { SocketAddr::from(([127, 0, 0, 1], 0)) } else { configured };
+            http = Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })?);
+        }
+        let http_address = match &http {
+            Some(listener) => Some(format!("http://{}", listener.local_addr()?)),
+            None => None,
+        };
         let mut addresses = Vec::with_capacity(bound.len());
         for (service, listener) in &bound {
             let scheme = if config.tls(*service) { "https" } else { "http" };
@@ -160,14 +178,20 @@ impl Mesh {
         for (service, listener) in bound {
             let config = config.clone();
             let shutdown = stop.clone().cancelled_owned();
-            tasks.spawn(async move { (service, serve(service, &config, listener, shutdown).await) });
+            let http = if service == Service::Orchestrator { http.take() } else { None };
+            tasks.spawn(async move { (service, serve(service, &config, listener, http, shutdown).await) });
         }
-        Ok(Self { addresses, stop, tasks })
+        Ok(Self { addresses, http: http_address, stop, tasks })
     }
 
     /// The URL each service listens on, in start order.
     pub fn addresses(&self) -> &[(Service, String)] {
         &self.addresses
+    }
+
+    /// The URL of the orchestrator's HTTP port, if it serves one here.
+    pub fn http_address(&self) -> Option<&str> {
+        self.http.as_deref()
     }
 
     /// The URL of `service`, if it runs here.

@@ -149,30 +149,35 @@ impl RequireBearer {
     }
 }
 
-impl tonic::service::Interceptor for RequireBearer {
-    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+impl RequireBearer {
+    /// Checks an `authorization` value: `Ok(Some(caller))` for a named caller's token, `Ok(None)` for the shared
+    /// token (or when auth is off), UNAUTHENTICATED otherwise.
+    pub fn check(&self, authorization: Option<&[u8]>) -> Result<Option<Caller>, Status> {
         if !self.is_on() {
-            return Ok(request);
+            return Ok(None);
         }
-        let Some(value) = request.metadata().get("authorization") else {
+        let Some(header) = authorization else {
             return Err(Status::unauthenticated("missing `authorization: Bearer <token>` metadata"));
         };
-        let header = value.as_bytes();
         if self.token.as_ref().is_some_and(|token| token.matches_header(header)) {
-            return Ok(request);
+            return Ok(None);
         }
         // Every caller's token is compared, so the time taken does not tell which one came close.
         let caller = self.callers.iter().fold(None, |found, (caller, token)| {
             let matches = token.matches_header(header);
             found.or(matches.then(|| caller.clone()))
         });
-        match caller {
-            Some(caller) => {
-                request.extensions_mut().insert(caller);
-                Ok(request)
-            }
-            None => Err(Status::unauthenticated("bearer token does not match")),
+        caller.map(Some).ok_or_else(|| Status::unauthenticated("bearer token does not match"))
+    }
+}
+
+impl tonic::service::Interceptor for RequireBearer {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let header = request.metadata().get("authorization").map(|value| value.as_bytes());
+        if let Some(caller) = self.check(header)? {
+            request.extensions_mut().insert(caller);
         }
+        Ok(request)
     }
 }
 

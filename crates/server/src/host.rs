@@ -20,6 +20,8 @@ use tonic_health::server::HealthReporter;
 
 use crate::auth::{AuthError, RequireBearer, Token, resolve_callers};
 use crate::config::{ServerConfig, TlsConfig};
+use crate::inprocess::InProcess;
+use crate::json::{self, JsonError, JsonFace};
 use crate::metrics::{Metrics, MetricsLayer, render};
 
 /// Why a server could not start or stopped with an error.
@@ -56,7 +58,11 @@ pub enum ServeError {
 ///    services plus reflection behind the bearer-token interceptor (which names the caller of a named token in the
 ///    request's extensions, for the service's own checks);
 /// 7. each service's message size limit, set by the service on its generated server.
-#[derive(Debug)]
+///
+/// A JSON request (`Content-Type: application/json`) to a unary method is answered by the JSON face
+/// ([`crate::json`]) through an [`InProcess`] channel into step 6. A service may also serve HTTP routes of its own
+/// on a second, plain-HTTP port ([`Host::serve_http`]): they sit behind the same bearer check and call the
+/// services through the same channel.
 pub struct Host {
     service: &'static str,
     config: ServerConfig,
@@ -67,6 +73,20 @@ pub struct Host {
     health: HealthReporter,
     health_service: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
     readiness: Option<watch::Receiver<bool>>,
+    http: Option<(TcpListener, HttpRoutes)>,
+}
+
+/// Builds a service's HTTP routes, given the channel into its gRPC services.
+type HttpRoutes = Box<dyn FnOnce(InProcess) -> axum::Router + Send>;
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host")
+            .field("service", &self.service)
+            .field("names", &self.names)
+            .field("http", &self.http.as_ref().map(|(listener, _)| listener.local_addr().ok()))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Host {
@@ -93,6 +113,7 @@ impl Host {
             health,
             health_service,
             readiness: None,
+            http: None,
         })
     }
 
@@ -123,6 +144,18 @@ impl Host {
         self
     }
 
+    /// Serves `routes` (built from a channel into this host's services) on `listener` too: plain HTTP/1.1 with
+    /// upgrades (WebSocket), behind the same bearer check (`401` with a JSON body), with the JSON face at every
+    /// other path. It drains with the gRPC server.
+    pub fn serve_http(
+        &mut self,
+        listener: TcpListener,
+        routes: impl FnOnce(InProcess) -> axum::Router + Send + 'static,
+    ) -> &mut Self {
+        self.http = Some((listener, Box::new(routes)));
+        self
+    }
+
     /// The largest message a service should accept (apply with `max_decoding_message_size`).
     pub fn max_message_bytes(&self) -> usize {
         self.config.max_message_bytes
@@ -135,7 +168,8 @@ impl Host {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), ServeError> {
-        let Host { service, config, mut routes, names, mut registry, auth, health, health_service, readiness } = self;
+        let Host { service, config, mut routes, names, mut registry, auth, health, health_service, readiness, http } =
+            self;
         set_status(&health, &names, ServingStatus::NotServing).await;
 
         let reflection = tonic_reflection::server::Builder::configure()
@@ -145,12 +179,15 @@ impl Host {
         let reflection_alpha = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(kforge_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
-        routes.add_service(InterceptedService::new(reflection_alpha.build_v1alpha()?, auth));
+        routes.add_service(InterceptedService::new(reflection_alpha.build_v1alpha()?, auth.clone()));
         routes.add_service(health_service);
 
         let metrics = Arc::new(Metrics::register(&mut registry, &names));
         let registry = Arc::new(registry);
-        let router = routes.routes().into_axum_router().route(
+        let grpc = routes.routes().into_axum_router();
+        let channel = InProcess::new(grpc.clone(), metrics.clone(), Duration::from_secs(config.request_timeout_secs));
+        let face = JsonFace { channel: channel.clone(), max_body_bytes: config.max_message_bytes };
+        let router = grpc.layer(axum::middleware::from_fn_with_state(face.clone(), json::intercept)).route(
             "/metrics",
             axum::routing::get(move || {
                 let registry = registry.clone();
@@ -183,25 +220,96 @@ impl Host {
             let _ = stopped.await;
         }));
         tracing::info!(service, addr = %local, "serving");
+        let (stop_http, http_stopped) = watch::channel(false);
+        let mut http_server = match http {
+            Some((listener, routes)) => {
+                let addr = listener.local_addr()?;
+                let router = routes(channel)
+                    .fallback(move |request| json::fallback(face, request))
+                    .layer(axum::middleware::from_fn_with_state(auth, require_bearer))
+                    .layer(axum::middleware::from_fn_with_state(service, trace_http));
+                let mut stopped = http_stopped;
+                let serve = axum::serve(listener, router)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    })
+                    .into_future();
+                tracing::info!(service, %addr, "serving http");
+                Some(tokio::spawn(serve))
+            }
+            None => None,
+        };
+        let http_done = async {
+            match &mut http_server {
+                Some(task) => task.await,
+                None => std::future::pending().await,
+            }
+        };
 
         tokio::select! {
             result = &mut server => return Ok(result??),
+            result = http_done => return Ok(result??),
             () = shutdown => {}
             () = follow(&health, &names, readiness) => {}
         }
         tracing::info!(service, "draining");
         set_status(&health, &names, ServingStatus::NotServing).await;
         let _ = stop.send(());
-        match tokio::time::timeout(Duration::from_secs(config.drain_timeout_secs), &mut server).await {
-            Ok(result) => result??,
+        let _ = stop_http.send(true);
+        let drained = async {
+            let grpc = (&mut server).await;
+            if let Some(http) = &mut http_server {
+                http.await??;
+            }
+            grpc??;
+            Ok::<(), ServeError>(())
+        };
+        match tokio::time::timeout(Duration::from_secs(config.drain_timeout_secs), drained).await {
+            Ok(result) => result?,
             Err(_) => {
                 tracing::warn!(service, "drain timed out; dropping in-flight calls");
                 server.abort();
+                if let Some(http) = &http_server {
+                    http.abort();
+                }
             }
         }
         tracing::info!(service, "stopped");
         Ok(())
     }
+}
+
+/// The bearer check of the HTTP port: a request presenting none of the configured tokens gets `401` with a JSON
+/// body; a named caller's token puts its [`crate::auth::Caller`] in the request's extensions.
+async fn require_bearer(
+    axum::extract::State(auth): axum::extract::State<RequireBearer>,
+    mut request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let header = request.headers().get(http::header::AUTHORIZATION).map(|value| value.as_bytes());
+    match auth.check(header) {
+        Ok(caller) => {
+            if let Some(caller) = caller {
+                request.extensions_mut().insert(caller);
+            }
+            next.run(request).await
+        }
+        Err(status) => JsonError::from_status(&status).into_response(),
+    }
+}
+
+/// The request span of the HTTP port, continuing the caller's W3C trace as the gRPC port's does.
+async fn trace_http(
+    axum::extract::State(service): axum::extract::State<&'static str>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let mut head = http::Request::new(());
+    *head.uri_mut() = request.uri().clone();
+    *head.headers_mut() = request.headers().clone();
+    let span = kforge_telemetry::server_span(service, &head);
+    tracing::Instrument::instrument(next.run(request), span).await
 }
 
 /// Serving while `readiness` (if any) is true; never returns.

@@ -4,16 +4,22 @@
 //! - [`Host`]: one gRPC server with grpc.health.v1, reflection, optional TLS and bearer-token auth, request size
 //!   limits, deadlines, per-method Prometheus metrics at `/metrics`, and graceful drain.
 //! - [`client`]: channels for calling other services with the same auth, TLS and trace propagation.
+//! - [`json`]: every unary method as proto3 JSON over HTTP (the Connect protocol's unary shape), and the JSON error
+//!   body the protocol faces share; [`InProcess`]: the channel through which they reach the host's services.
 
 pub mod auth;
 pub mod binary;
 pub mod client;
 pub mod config;
+pub mod dynamic;
 mod host;
+mod inprocess;
+pub mod json;
 mod metrics;
 
 pub use config::{ConfigError, ServerConfig, ServiceConfig, TlsConfig, load_section};
 pub use host::{Host, ServeError, run_service, shutdown_signal};
+pub use inprocess::InProcess;
 pub use metrics::Metrics;
 
 /// The answer of an RPC whose behaviour has not landed yet: UNIMPLEMENTED, saying which capability brings it.

@@ -95,6 +95,12 @@ pub(crate) struct MetricsService<S> {
     metrics: Arc<Metrics>,
 }
 
+impl<S> MetricsService<S> {
+    pub(crate) fn new(inner: S, metrics: Arc<Metrics>) -> Self {
+        Self { inner, metrics }
+    }
+}
+
 impl<S, B, RB> tower::Service<http::Request<B>> for MetricsService<S>
 where
     S: tower::Service<http::Request<B>, Response = http::Response<RB>>,

@@ -53,6 +53,39 @@ pub struct OrchestratorConfig {
     pub quotas: QuotasConfig,
     /// When a job whose turns keep failing is failed (`[orchestrator.breaker]`).
     pub breaker: BreakerConfig,
+    /// The HTTP port and its protocol faces: KernelGym, OpenEnv, NeMo Gym, the Open Reward Standard
+    /// (`[orchestrator.http]`, docs/faces/).
+    pub http: HttpConfig,
+}
+
+/// The orchestrator's HTTP port: the protocol faces (each a thin layer over the step API and the evaluator) and
+/// the JSON face of every unary method, behind the same bearer tokens as the gRPC port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Address of the HTTP port; empty: no HTTP port. Default `127.0.0.1:50056`.
+    pub listen: String,
+    /// The tasks the faces offer (an OpenEnv reset, a NeMo Gym seed or an ORS task names one by its id or
+    /// index): `examples`, a KernelBench directory or a `.jsonl` file, as a job's `task_set`. Default `examples`.
+    pub task_set: String,
+    /// The recipe of a face's episodes: `single-turn`, `kevin` or `drkernel`. Default `kevin`.
+    pub recipe: String,
+    /// Turns of a face's episode (each submission of a kernel is one). Default 4.
+    pub turns: u32,
+    /// KernelGym evaluations remembered for `/status` and `/results`, the oldest forgotten first. Default 10000.
+    pub kernelgym_results: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:50056".into(),
+            task_set: "examples".into(),
+            recipe: "kevin".into(),
+            turns: 4,
+            kernelgym_results: 10_000,
+        }
+    }
 }
 
 /// The largest job SubmitJob and StartEpisode accept; a spec over one is INVALID_ARGUMENT naming its field and the
@@ -286,6 +319,7 @@ impl Default for OrchestratorConfig {
             limits: LimitsConfig::default(),
             quotas: QuotasConfig::default(),
             breaker: BreakerConfig::default(),
+            http: HttpConfig::default(),
         }
     }
 }

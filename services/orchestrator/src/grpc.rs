@@ -313,28 +313,44 @@ impl Orchestrator for OrchestratorService {
         let plan = Arc::new(Plan::resumed(spec, tasks)?);
         let peers = self.connect(&plan).await?;
         let episode_id = job.job_id.clone();
-        let stepped =
-            job::step(plan, job, peers, self.store.clone(), request.turn, completion, &request.idempotency_key)
-                .await
-                .map_err(|error| match error {
-                job::StepError::Store(error) => store_status(error),
-                job::StepError::Precondition(message) => OrchestratorError::Precondition(message).into(),
-                job::StepError::Credit(error) => Status::new(
-                    error.code(),
-                    format!("returns and advantages: {error} (the step is recorded: retry it with the same key)"),
-                ),
-            })?;
-        let record = stepped.record;
-        Ok(Response::new(pb::Observation {
-            episode_id,
-            turn: stepped.next_turn,
-            prompt: stepped.next_prompt,
-            reward: record.score.unwrap_or(0.0),
-            evaluation: record.evaluation.clone(),
-            done: stepped.done,
-            record: Some(pb::TurnRecord { prompt: Vec::new(), completion: None, evaluation: None, ..record }),
-            turns: stepped.turns,
-        }))
+        let stepped = job::step(
+            plan,
+            job,
+            peers,
+            self.store.clone(),
+            request.turn,
+            completion,
+            request.prompt_token_ids,
+            &request.idempotency_key,
+        )
+        .await
+        .map_err(|error| match error {
+            job::StepError::Store(error) => store_status(error),
+            job::StepError::Precondition(message) => OrchestratorError::Precondition(message).into(),
+            job::StepError::Credit(error) => Status::new(
+                error.code(),
+                format!("returns and advantages: {error} (the step is recorded: retry it with the same key)"),
+            ),
+        })?;
+        Ok(Response::new(stepped.observation(episode_id)))
+    }
+
+    async fn get_episode(&self, request: Request<pb::GetEpisodeRequest>) -> Result<Response<pb::Observation>, Status> {
+        let request = request.into_inner();
+        crate::service::check_job_id("episode_id", &request.episode_id)?;
+        let job = self.job(&request.episode_id).await?;
+        let spec = job.spec.clone().unwrap_or_default();
+        if spec.model != job::STEP_MODEL {
+            let message = format!("{} is a job, not a step-API episode", job.job_id);
+            return Err(OrchestratorError::Precondition(message).into());
+        }
+        let tasks = self.store.tasks(&job.job_id).await.map_err(store_status)?;
+        let plan = Plan::resumed(spec, tasks)?;
+        let observation = job::current(&plan, &self.store, &job.job_id).await.map_err(|error| match error {
+            job::StepError::Store(error) => store_status(error),
+            other => Status::internal(other.to_string()),
+        })?;
+        Ok(Response::new(observation))
     }
 
     async fn reject_mismatched(

@@ -30,10 +30,11 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+pub(crate) use peers::evaluate;
 pub use peers::{Limits, Peers, RetryPolicy};
-pub use plan::Plan;
 pub(crate) use plan::unknown_enum;
-pub use step::{STEP_MODEL, StepError, Stepped, first_prompt, step};
+pub use plan::{Plan, task_set};
+pub use step::{STEP_MODEL, StepError, Stepped, current, first_prompt, step};
 
 use crate::reward;
 use crate::store::Store;

@@ -17,6 +17,7 @@ pub mod balance;
 mod config;
 pub mod error;
 mod export;
+pub mod faces;
 mod grpc;
 pub mod job;
 pub mod judge;
@@ -34,7 +35,7 @@ use kforge_server::{Host, ServeError};
 use tokio::net::TcpListener;
 
 pub use config::{
-    BreakerConfig, DiscoveriesConfig, DiscoveryConfig, DiscoveryError, InFlightConfig, LimitsConfig,
+    BreakerConfig, DiscoveriesConfig, DiscoveryConfig, DiscoveryError, HttpConfig, InFlightConfig, LimitsConfig,
     OrchestratorConfig, PeersConfig, QuotasConfig, RetryConfig,
 };
 pub use error::OrchestratorError;
@@ -48,6 +49,31 @@ use store::Store;
 pub async fn serve(
     config: OrchestratorConfig,
     listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let http = match http_address(&config.http)? {
+        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })?),
+        None => None,
+    };
+    serve_with_http(config, listener, http, shutdown).await
+}
+
+/// Where `http.listen` says the HTTP port listens; `None` when it is empty (no HTTP port).
+pub fn http_address(http: &HttpConfig) -> Result<Option<std::net::SocketAddr>, ServeError> {
+    if http.listen.trim().is_empty() {
+        return Ok(None);
+    }
+    http.listen.trim().parse().map(Some).map_err(|error| ServeError::Setup {
+        service: "orchestrator",
+        message: format!("orchestrator.http.listen: `{}` is not an address: {error}", http.listen),
+    })
+}
+
+/// [`serve`], with the HTTP port (protocol faces and JSON) on `http` when given, whatever `http.listen` says.
+pub async fn serve_with_http(
+    config: OrchestratorConfig,
+    listener: TcpListener,
+    http: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let mut host = Host::new("orchestrator", &config.server)?;
@@ -68,7 +94,16 @@ pub async fn serve(
         Some(discovery) => Some(discovery.start("orchestrator.discovery.profiler").await.map_err(setup)?),
         None => None,
     };
+    let http_config = config.http.clone();
     let service = OrchestratorService::new(config, store, metrics).with_discovery(evaluators, profilers);
+    if let Some(listener) = http {
+        let tasks = job::task_set(&http_config.task_set).map_err(|error| ServeError::Setup {
+            service: "orchestrator",
+            message: format!("orchestrator.http.task_set: {error}"),
+        })?;
+        let face_service = service.clone();
+        host.serve_http(listener, move |channel| faces::router(channel, face_service, tasks, http_config));
+    }
     if resume {
         service.resume_unfinished().await;
     }

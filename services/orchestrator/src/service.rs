@@ -148,6 +148,13 @@ impl OrchestratorService {
         })
     }
 
+    /// Evaluates `request` on this orchestrator's evaluator pool, retrying a busy evaluator as a turn's call does
+    /// (the KernelGym face's evaluations).
+    pub async fn evaluate(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, Status> {
+        self.evaluators.check().await?;
+        crate::job::evaluate(&self.evaluators, &self.limits, request, &self.stop).await
+    }
+
     /// Checks a named caller's quotas for `submission` (RESOURCE_EXHAUSTED naming the quota, with `retry-after-ms`
     /// when the turns of the last hour leave room later) and returns the admission lock, to hold until the job is
     /// stored. Without a caller (the shared token, or no auth) or without quotas, nothing is checked.

@@ -53,7 +53,7 @@ async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -
     let address = format!("http://{host_port}");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
-        kforge_orchestrator::serve(config, listener, async {
+        kforge_orchestrator::serve_with_http(config, listener, None, async {
             let _ = stopped.await;
         })
         .await
@@ -599,8 +599,20 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
         completion: Some(completion),
         turn,
         idempotency_key: key.into(),
+        prompt_token_ids: vec![7, turn + 8],
     };
+    let current = |client: &mut OrchestratorClient<Channel>| {
+        let request = pb::GetEpisodeRequest { episode_id: first.episode_id.clone() };
+        let mut client = client.clone();
+        async move { client.get_episode(request).await.map(tonic::Response::into_inner) }
+    };
+    assert_eq!(current(&mut running.client).await.expect("the episode"), first, "before a step: the first observation");
     let stepped = running.client.step(step(0, kernel.clone(), "s0")).await.expect("stepped").into_inner();
+    assert_eq!(
+        current(&mut running.client).await.expect("the episode"),
+        stepped,
+        "a reconnecting trainer's observation"
+    );
     assert_eq!((stepped.turn, stepped.done, stepped.reward), (1, false, 1.8));
     assert_eq!(stepped.evaluation.as_ref().map(|e| e.verdict()), Some(pb::Verdict::Correct));
     let record = stepped.record.clone().expect("the record");
@@ -640,6 +652,12 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
     assert!(stepped.turns.is_empty(), "turns are credited when the episode ends");
     let last = running.client.step(step(2, kernel.clone(), "s2")).await.expect("stepped").into_inner();
     assert_eq!((last.turn, last.done, last.prompt.is_empty(), last.reward), (3, true, true, 1.8));
+    // Once done, the last step's record is read as credited (its return, advantage and keep).
+    let credited_last = pb::Observation { record: last.turns.last().cloned(), ..last.clone() };
+    assert_eq!(current(&mut running.client).await.expect("the episode"), credited_last, "and every credited turn");
+    let stored = turns(&mut running.client, &first.episode_id).await;
+    let prompt_ids: Vec<Vec<u32>> = stored.iter().map(|t| t.prompt_token_ids.clone()).collect();
+    assert_eq!(prompt_ids, [vec![7, 8], vec![7, 9], vec![7, 10]], "each step's prompt token ids are stored");
     // The end credits the episode's turns (the fake's returns are the scores, its advantages less their mean) and
     // decides PRS: the correct kernels' profiling ratio is under the bar; the unevaluated turn is kept.
     let credited: Vec<(f64, f64, Option<bool>)> = last
@@ -676,6 +694,9 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
     let keyless = pb::StepRequest { idempotency_key: String::new(), ..step(0, respond("x"), "") };
     let status = running.client.step(keyless).await.expect_err("no key");
     assert!(status.message().starts_with("idempotency_key: required"), "{status:?}");
+    let unknown = pb::GetEpisodeRequest { episode_id: "j-unknown".into() };
+    let status = running.client.get_episode(unknown).await.expect_err("no such episode");
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
     running.shutdown().await;
 }
 
@@ -695,6 +716,7 @@ async fn a_step_dropped_during_its_evaluation_is_finished_by_its_retry_with_one_
         completion: Some(pb::Completion { text: format!("```python\n{}```\n", support::KERNEL), ..Default::default() }),
         turn: 0,
         idempotency_key: "s0".into(),
+        prompt_token_ids: Vec::new(),
     };
     // The trainer gives up while the evaluation runs: its call, and the orchestrator's work on it, are dropped.
     let mut held = fakes.hold(Hold::Evaluate(key("a", 0, 0)));

@@ -471,7 +471,7 @@ async fn start(config: OrchestratorConfig) -> (Channel, tokio::sync::oneshot::Se
     let address = format!("http://{}", listener.local_addr().expect("address"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
-        kforge_orchestrator::serve(config, listener, async {
+        kforge_orchestrator::serve_with_http(config, listener, None, async {
             let _ = stopped.await;
         })
         .await

@@ -62,7 +62,7 @@ async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -
     let address = format!("http://{}", listener.local_addr().expect("address"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
-        kforge_orchestrator::serve(config, listener, async {
+        kforge_orchestrator::serve_with_http(config, listener, None, async {
             let _ = stopped.await;
         })
         .await

@@ -90,7 +90,7 @@ const UNSTEADY: &str = "timing.unsteady";
 /// Evaluates as [`evaluate_once`] does. An answer whose timing the evaluator found unsteady (its machine's load
 /// moved faster than its paired rounds alternate) is not scored as it is: the evaluation runs once more, under a
 /// key of its own (`<key>#retimed`), and the second answer is the turn's, with its own notice if it is unsteady too.
-pub(super) async fn evaluate(
+pub(crate) async fn evaluate(
     evaluators: &Arc<Balancer>,
     limits: &Limits,
     request: pb::EvaluateRequest,

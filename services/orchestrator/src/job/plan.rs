@@ -318,6 +318,11 @@ fn check_diagnose(params: &pb::DiagnoseParams) -> Result<(), OrchestratorError> 
     Ok(())
 }
 
+/// The tasks of a task set (`examples`, a KernelBench directory, a `.jsonl` file), as a job's `task_set` resolves.
+pub fn task_set(task_set: &str) -> Result<Vec<pb::Task>, OrchestratorError> {
+    resolve_tasks(&pb::JobSpec { task_set: task_set.to_owned(), ..Default::default() }, Sources::Check)
+}
+
 fn resolve_tasks(spec: &pb::JobSpec, sources: Sources) -> Result<Vec<pb::Task>, OrchestratorError> {
     let field = "spec.task_set";
     if !spec.tasks.is_empty() && spec.task_set != "inline" {

@@ -50,6 +50,23 @@ pub struct Stepped {
     pub turns: Vec<pb::TurnRecord>,
 }
 
+impl Stepped {
+    /// The observation a trainer gets for this step of `episode_id`.
+    pub fn observation(self, episode_id: String) -> pb::Observation {
+        let record = self.record;
+        pb::Observation {
+            episode_id,
+            turn: self.next_turn,
+            prompt: self.next_prompt,
+            reward: record.score.unwrap_or(0.0),
+            evaluation: record.evaluation.clone(),
+            done: self.done,
+            record: Some(pb::TurnRecord { prompt: Vec::new(), completion: None, evaluation: None, ..record }),
+            turns: self.turns,
+        }
+    }
+}
+
 /// The first observation's prompt of a step-API episode.
 pub fn first_prompt(plan: &Plan) -> Vec<pb::ChatMessage> {
     plan.tasks.first().map(|task| plan.templates.prompt(task, &[])).unwrap_or_default()
@@ -66,6 +83,7 @@ pub async fn step(
     store: Store,
     turn: u32,
     completion: pb::Completion,
+    prompt_token_ids: Vec<u32>,
     idempotency_key: &str,
 ) -> Result<Stepped, StepError> {
     let task = plan.tasks.first().cloned().ok_or_else(|| StepError::Precondition("the episode has no task".into()))?;
@@ -128,6 +146,7 @@ pub async fn step(
                 prompt: plan.templates.prompt(&task, &earlier),
                 task_id: task.task_id.clone(),
                 trajectory: 0,
+                prompt_token_ids,
                 ..Default::default()
             };
             let record = plan.read_completion(record, completion);
@@ -164,6 +183,44 @@ pub async fn step(
         progress.finish(pb::JobState::Succeeded, String::new()).await;
     }
     Ok(stepped)
+}
+
+/// Where a step-API episode stands, for a trainer (or a protocol face's session) that reconnects: its last step as
+/// recorded, or `None` before the first; the next turn and prompt; whether it is over, and then every turn as
+/// credited.
+pub async fn current(plan: &Plan, store: &Store, job_id: &str) -> Result<pb::Observation, StepError> {
+    let task = plan.tasks.first().ok_or_else(|| StepError::Precondition("the episode has no task".into()))?;
+    let recorded: Vec<pb::TurnRecord> = store
+        .trajectory(job_id, &task.task_id, 0)
+        .await?
+        .into_iter()
+        .filter_map(|(stage, record)| (stage == Stage::Recorded).then_some(record))
+        .collect();
+    let Some(last) = recorded.last().cloned() else {
+        return Ok(pb::Observation { episode_id: job_id.to_owned(), prompt: first_prompt(plan), ..Default::default() });
+    };
+    let done = recorded.len() as u32 >= plan.spec.turns || !last.error.is_empty();
+    let attempts: Vec<Attempt> = recorded
+        .iter()
+        .map(|r| Attempt {
+            kernel: r.kernel.clone(),
+            feedback: r.feedback.clone(),
+            score: r.score,
+            summary: recipe::change_summary(r.completion.as_ref()),
+        })
+        .collect();
+    let turns = if done {
+        store
+            .turns(job_id)
+            .await?
+            .into_iter()
+            .map(|turn| pb::TurnRecord { prompt: Vec::new(), completion: None, evaluation: None, ..turn })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let next_prompt = if done { Vec::new() } else { plan.templates.prompt(task, &attempts) };
+    Ok(Stepped { next_turn: last.turn + 1, next_prompt, done, record: last, turns }.observation(job_id.to_owned()))
 }
 
 /// Credits the turns of a step-API episode that has ended (again, for a retried last step: the same values) and
