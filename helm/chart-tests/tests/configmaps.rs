@@ -103,6 +103,7 @@ fn every_configmap_loads_through_its_service_config_type() {
                 .unwrap_or_else(|| panic!("{set}: no ConfigMap for {service}"));
             let toml = config["data"]["kforge.toml"].as_str().expect("kforge.toml in the ConfigMap");
             let mut queue_capacity = None;
+            let mut http_listen = None;
             let server = match service {
                 "gateway" => {
                     let gateway: GatewayConfig = load(toml, &set);
@@ -122,6 +123,7 @@ fn every_configmap_loads_through_its_service_config_type() {
                         "{set}: cudaforge jobs call the profiler"
                     );
                     assert!(orchestrator.peers.client.auth.token_file.is_some(), "{set}: peers get the token");
+                    http_listen = Some(orchestrator.http.listen.clone());
                     orchestrator.server
                 }
                 "reward" => load::<RewardConfig>(toml, &set).server,
@@ -148,6 +150,17 @@ fn every_configmap_loads_through_its_service_config_type() {
             let pod = &workload["spec"]["template"]["spec"];
             let container = &pod["containers"][0];
             assert_eq!(container["ports"][0]["containerPort"].as_u64(), Some(u64::from(server.listen.port())));
+            // The orchestrator's HTTP port (orchestrator.httpPort, 8080 in every value set) is the container's
+            // port `http`; no other service has one.
+            let http_port = container["ports"].as_array().expect("ports").iter().find(|p| p["name"] == "http");
+            assert_eq!(
+                http_listen,
+                http_port.map(|p| format!("0.0.0.0:{}", p["containerPort"].as_u64().expect("a port"))),
+                "{set}: {service}'s [http] listen and its port `http`"
+            );
+            if service == "orchestrator" {
+                assert_eq!(http_listen.as_deref(), Some("0.0.0.0:8080"), "{set}");
+            }
             assert_eq!(server.auth.token_file.as_deref(), Some(Path::new("/var/run/kforge/token/token")));
             let pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"].as_u64().expect("preStop sleep");
             assert_eq!(
@@ -250,6 +263,72 @@ fn named_callers_reach_the_services_clients_call_with_their_tokens_mounted() {
     );
 }
 
+/// The orchestrator's HTTP port (orchestrator.httpPort): `[orchestrator.http] listen`, the container's and the
+/// ClusterIP Service's port `http`, open in the NetworkPolicy to the gRPC port's callers; 0 renders none of them and
+/// an empty `listen`, which the orchestrator reads as no HTTP port.
+#[test]
+fn the_orchestrator_http_port_is_rendered_and_reachable_or_off() {
+    let Some((helm, python)) = tools() else { return };
+    let values = temp_path("values.yaml");
+    for (http_port, recipe) in [(8080, None), (9000, Some("drkernel")), (0, None)] {
+        let mut yaml = format!("orchestrator:\n  httpPort: {http_port}\n");
+        if let Some(recipe) = recipe {
+            yaml.push_str(&format!("  config:\n    http:\n      recipe: {recipe}\n      turns: 8\n"));
+        }
+        std::fs::write(&values, yaml).expect("write values");
+        let manifests = render(&helm, &python, Some(&values));
+        let set = format!("httpPort {http_port}");
+        let toml =
+            find(&manifests, "ConfigMap", "kforge-orchestrator-config").expect("ConfigMap")["data"]["kforge.toml"]
+                .as_str()
+                .expect("kforge.toml");
+        let orchestrator: OrchestratorConfig = load(toml, &set);
+        let on = http_port > 0;
+        let listen = if on { format!("0.0.0.0:{http_port}") } else { String::new() };
+        assert_eq!(orchestrator.http.listen, listen, "{set}");
+        assert_eq!(
+            kforge_orchestrator::http_address(&orchestrator.http).expect("an address").is_some(),
+            on,
+            "{set}: the orchestrator serves HTTP"
+        );
+        // The rest of the table comes from the values' config.
+        assert_eq!(orchestrator.http.recipe, recipe.unwrap_or("kevin"), "{set}");
+        assert_eq!(orchestrator.http.turns, if recipe.is_some() { 8 } else { 4 }, "{set}");
+        let named_http = |ports: &Value| -> Vec<Value> {
+            ports.as_array().expect("ports").iter().filter(|p| p["name"] == "http").cloned().collect()
+        };
+        let pod =
+            &find(&manifests, "StatefulSet", "kforge-orchestrator").expect("StatefulSet")["spec"]["template"]["spec"];
+        let container = named_http(&pod["containers"][0]["ports"]);
+        let service =
+            named_http(&find(&manifests, "Service", "kforge-orchestrator").expect("Service")["spec"]["ports"]);
+        let policy = &find(&manifests, "NetworkPolicy", "kforge-orchestrator").expect("NetworkPolicy")["spec"];
+        let ingress = &policy["ingress"][0];
+        let open: Vec<u64> =
+            ingress["ports"].as_array().expect("ports").iter().map(|p| p["port"].as_u64().expect("a port")).collect();
+        if on {
+            assert_eq!(container.len(), 1, "{set}");
+            assert_eq!(container[0]["containerPort"].as_u64(), Some(http_port), "{set}");
+            assert_eq!(service.len(), 1, "{set}");
+            assert_eq!(
+                (service[0]["port"].as_u64(), &service[0]["targetPort"], &service[0]["appProtocol"]),
+                (Some(http_port), &Value::from("http"), &Value::from("http")),
+                "{set}"
+            );
+            // The same rule, so the same callers, as the gRPC port.
+            assert_eq!(open, vec![50055, http_port], "{set}");
+        } else {
+            assert!(container.is_empty() && service.is_empty(), "{set}: no port `http`");
+            assert_eq!(open, vec![50055], "{set}");
+        }
+        assert!(ingress["from"].as_array().is_some_and(|from| !from.is_empty()), "{set}: the clients' rule");
+        // The headless Service is for the StatefulSet's names and balancing over gRPC: no HTTP port.
+        let headless = find(&manifests, "Service", "kforge-orchestrator-pods").expect("headless Service");
+        assert!(named_http(&headless["spec"]["ports"]).is_empty(), "{set}");
+    }
+    let _ = std::fs::remove_file(&values);
+}
+
 #[test]
 fn values_the_chart_cannot_honour_are_refused_with_a_reason() {
     let Some((helm, _)) = tools() else { return };
@@ -267,9 +346,13 @@ fn values_the_chart_cannot_honour_are_refused_with_a_reason() {
     // Keys the chart owns would be silently overridden; they are errors instead.
     assert!(refused("evaluator.config.work_dir=/data").contains("evaluator.config.work_dir is set by the chart"));
     assert!(refused("reward.config.server.listen=0.0.0.0:1").contains("reward.config.server is set by the chart"));
+    let http_listen = refused("orchestrator.config.http.listen=0.0.0.0:1");
+    assert!(http_listen.contains("orchestrator.config.http.listen is set by the chart"), "{http_listen}");
+    assert!(refused("orchestrator.httpPort=50055").contains("is the orchestrator's gRPC port"));
     // values.schema.json.
     assert!(refused("evaluator.sandbox.profile=privileged").contains("/evaluator/sandbox/profile"));
     assert!(refused("evaluator.gpu.resourceName=amd.com/gpu").contains("/evaluator/gpu/resourceName"));
+    assert!(refused("orchestrator.httpPort=70000").contains("/orchestrator/httpPort"));
     // Two callers of one name could not be told apart; a name is a directory of the pod.
     let twice = "auth.callers[0].name=a,auth.callers[0].existingSecret=s,auth.callers[1].name=a,auth.callers[1].existingSecret=t";
     assert!(refused(twice).contains("auth.callers: name `a` appears twice"));

@@ -127,6 +127,18 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if not $values.database.existingSecret -}}
 {{- $_ := set $table "store" "sqlite:///var/lib/kforge/orchestrator.db" -}}
 {{- end -}}
+{{- /* The plain-HTTP port (orchestrator.httpPort; 0: none, an empty listen). The rest of [orchestrator.http] (task_set,
+       recipe, turns, kernelgym_results) comes from the values' config. */ -}}
+{{- $http := $table.http | default dict -}}
+{{- if hasKey $http "listen" -}}
+{{- fail "orchestrator.config.http.listen is set by the chart (helm/kforge/README.md, \"Keys the chart sets\"); use orchestrator.httpPort instead" -}}
+{{- end -}}
+{{- $httpPort := int $values.httpPort -}}
+{{- if eq $httpPort (int $values.port) -}}
+{{- fail (printf "orchestrator.httpPort %d is the orchestrator's gRPC port: give it another (0: no HTTP port)" $httpPort) -}}
+{{- end -}}
+{{- $_ := set $http "listen" (ternary (printf "0.0.0.0:%d" $httpPort) "" (gt $httpPort 0)) -}}
+{{- $_ := set $table "http" $http -}}
 {{- if include "kforge.discovery" $root -}}
 {{- /* Each pool: its headless Service's EndpointSlices (port `grpc`) and exactly its pods, in the pod's own
        namespace. Evaluator pods advertise their queue_capacity (kforge.dev/capacity, workloads.yaml), also the

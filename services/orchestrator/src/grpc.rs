@@ -313,18 +313,13 @@ impl Orchestrator for OrchestratorService {
         let plan = Arc::new(Plan::resumed(spec, tasks)?);
         let peers = self.connect(&plan).await?;
         let episode_id = job.job_id.clone();
-        let stepped = job::step(
-            plan,
-            job,
-            peers,
-            self.store.clone(),
-            request.turn,
+        let answer = job::Answer {
+            turn: request.turn,
             completion,
-            request.prompt_token_ids,
-            &request.idempotency_key,
-        )
-        .await
-        .map_err(|error| match error {
+            prompt_token_ids: request.prompt_token_ids,
+            idempotency_key: request.idempotency_key,
+        };
+        let stepped = job::step(plan, job, peers, self.store.clone(), answer).await.map_err(|error| match error {
             job::StepError::Store(error) => store_status(error),
             job::StepError::Precondition(message) => OrchestratorError::Precondition(message).into(),
             job::StepError::Credit(error) => Status::new(

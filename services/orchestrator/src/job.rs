@@ -34,7 +34,7 @@ pub(crate) use peers::evaluate;
 pub use peers::{Limits, Peers, RetryPolicy};
 pub(crate) use plan::unknown_enum;
 pub use plan::{Plan, task_set};
-pub use step::{STEP_MODEL, StepError, Stepped, current, first_prompt, step};
+pub use step::{Answer, STEP_MODEL, StepError, Stepped, current, first_prompt, step};
 
 use crate::reward;
 use crate::store::Store;

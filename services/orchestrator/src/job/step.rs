@@ -72,6 +72,16 @@ pub fn first_prompt(plan: &Plan) -> Vec<pb::ChatMessage> {
     plan.tasks.first().map(|task| plan.templates.prompt(task, &[])).unwrap_or_default()
 }
 
+/// A trainer's answer to one turn of a step-API episode (a StepRequest, checked).
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub turn: u32,
+    pub completion: pb::Completion,
+    /// The trainer's tokenization of the prompt, stored with the turn.
+    pub prompt_token_ids: Vec<u32>,
+    pub idempotency_key: String,
+}
+
 /// Applies the trainer's `completion` as turn `turn` of a step-API episode (a job of one task, one trajectory):
 /// the response is stored, then evaluated, scored and diagnosed as a job's turn is, and recorded. The first
 /// `idempotency_key` to claim a turn owns it: a retry with it returns the recorded turn (or finishes a step
@@ -81,11 +91,10 @@ pub async fn step(
     job: pb::Job,
     peers: Peers,
     store: Store,
-    turn: u32,
-    completion: pb::Completion,
-    prompt_token_ids: Vec<u32>,
-    idempotency_key: &str,
+    answer: Answer,
 ) -> Result<Stepped, StepError> {
+    let Answer { turn, completion, prompt_token_ids, idempotency_key } = answer;
+    let idempotency_key = idempotency_key.as_str();
     let task = plan.tasks.first().cloned().ok_or_else(|| StepError::Precondition("the episode has no task".into()))?;
     let stored = store.trajectory(&job.job_id, &task.task_id, 0).await?;
     let mut recorded = Vec::new();
