@@ -32,3 +32,14 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --locked --no-fail-fast
 fi
+
+echo "==> python client: install with dev tools, ruff, mypy --strict, pytest against target/debug/kforge"
+cargo build -p kforge --bin kforge --locked
+.venv/bin/pip install --quiet --disable-pip-version-check "./clients/python[dev]"
+(
+  cd clients/python
+  ../../.venv/bin/ruff check .
+  ../../.venv/bin/ruff format --check .
+  ../../.venv/bin/mypy
+  KFORGE_BIN="$PWD/../../target/debug/kforge" ../../.venv/bin/pytest
+)
