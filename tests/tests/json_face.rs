@@ -149,3 +149,23 @@ async fn a_deadline_in_connect_timeout_ms_stops_the_call() {
     assert_eq!((status, body["code"].as_str()), (504, Some("deadline_exceeded")), "{body}");
     mesh.shutdown().await.expect("drains");
 }
+
+#[tokio::test]
+async fn the_http_port_takes_the_token_as_a_bearer_or_an_api_key() {
+    let dir = scratch("http-auth");
+    std::fs::write(dir.join("token"), "s3cret\n").expect("token file");
+    let mut config = MeshConfig::default();
+    config.orchestrator.server.auth = AuthConfig { token_file: Some(dir.join("token")), token_env: None };
+    let mesh = kforge_tests::start(&[Service::Orchestrator], &config).await;
+    let url = format!("{}/kforge.v1.Orchestrator/ListJobs", mesh.http_address().expect("the HTTP port"));
+    let (status, body, _) = post(&url, None, &[], "{}").await;
+    assert_eq!((status, body["code"].as_str()), (401, Some("unauthenticated")), "{body}");
+    let (status, body, _) = post(&url, None, &[("x-api-key", "guess")], "{}").await;
+    assert_eq!(status, 401, "{body}");
+    let (status, body, _) = post(&url, Some("s3cret"), &[], "{}").await;
+    assert_eq!(status, 200, "{body}");
+    // The key reaches the service the face calls as its bearer token.
+    let (status, body, _) = post(&url, None, &[("x-api-key", "s3cret")], "{}").await;
+    assert_eq!(status, 200, "{body}");
+    mesh.shutdown().await.expect("drains");
+}

@@ -279,14 +279,25 @@ impl Host {
     }
 }
 
-/// The bearer check of the HTTP port: a request presenting none of the configured tokens gets `401` with a JSON
-/// body; a named caller's token puts its [`crate::auth::Caller`] in the request's extensions.
+/// The bearer check of the HTTP port: a request presenting none of the configured tokens (as `Authorization: Bearer`
+/// or `X-API-Key`) gets `401` with a JSON body; a named caller's token puts its [`crate::auth::Caller`] in the
+/// request's extensions.
 async fn require_bearer(
     axum::extract::State(auth): axum::extract::State<RequireBearer>,
     mut request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use axum::response::IntoResponse as _;
+    // Clients of the Open Reward Standard present their key as `X-API-Key`: it counts as the bearer token, and is
+    // passed on as one to the services the faces call.
+    if !request.headers().contains_key(http::header::AUTHORIZATION)
+        && let Some(bearer) = request
+            .headers()
+            .get("x-api-key")
+            .and_then(|key| http::HeaderValue::from_bytes(&[b"Bearer ", key.as_bytes()].concat()).ok())
+    {
+        request.headers_mut().insert(http::header::AUTHORIZATION, bearer);
+    }
     let header = request.headers().get(http::header::AUTHORIZATION).map(|value| value.as_bytes());
     match auth.check(header) {
         Ok(caller) => {
