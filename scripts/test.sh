@@ -36,6 +36,10 @@ fi
 echo "==> python client: install with dev tools, ruff, mypy --strict, pytest against target/debug/kforge"
 cargo build -p kforge --bin kforge --locked
 .venv/bin/pip install --quiet --disable-pip-version-check "./clients/python[dev]"
+# The protocols' own clients, for the faces' tests: ors-sdk whole; openenv-core without its server's dependencies
+# (gradio, ...), its client needing websockets and its package importing fastmcp.
+.venv/bin/pip install --quiet --disable-pip-version-check ors-sdk==0.1.0 fastmcp==4.2.3 websockets==17.4
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps openenv-core==0.3.0
 (
   cd clients/python
   ../../.venv/bin/ruff check .
