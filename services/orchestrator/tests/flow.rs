@@ -634,6 +634,7 @@ async fn a_trainer_steps_an_episode_and_retried_steps_are_idempotent() {
     assert_eq!(fakes.evaluate_counts().1.get(&key("a", 0, 0)), Some(&1));
     let refused = [
         (step(0, kernel.clone(), "another"), "already stepped with another idempotency key"),
+        (step(0, respond("Another answer."), "s0"), "already stepped with another response"),
         (step(2, kernel.clone(), "s2"), "ahead of the episode"),
     ];
     for (request, expected) in refused {

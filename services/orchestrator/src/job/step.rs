@@ -135,6 +135,13 @@ pub async fn step(
     if !store.claim_step(&job.job_id, turn, idempotency_key).await? {
         return Err(StepError::Precondition(format!("turn {turn} was already stepped with another idempotency key")));
     }
+    // A retry carries the response the turn was taken with; another response for it is not a retry.
+    let taken = if turn < next { recorded.get(turn as usize) } else { pending.as_ref().map(|(_, record)| record) };
+    if let Some(taken) = taken.filter(|record| record.turn == turn)
+        && taken.completion.as_ref().map(|c| c.text.as_str()) != Some(completion.text.as_str())
+    {
+        return Err(StepError::Precondition(format!("turn {turn} was already stepped with another response")));
+    }
     if turn < next {
         let record = recorded[turn as usize].clone();
         let mut stepped = outcome(&recorded[..=turn as usize], record);
