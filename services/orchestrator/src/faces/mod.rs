@@ -162,6 +162,51 @@ pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Js
     })
 }
 
+/// A verdict's name without its prefix, lowercase (`correct`, `compile_error`); `None` when nothing was evaluated.
+pub(crate) fn verdict_name(verdict: i32) -> Option<String> {
+    match pb::Verdict::try_from(verdict) {
+        Ok(pb::Verdict::Unspecified) | Err(_) => None,
+        Ok(verdict) => Some(verdict.as_str_name().trim_start_matches("VERDICT_").to_ascii_lowercase()),
+    }
+}
+
+/// The request's `authorization` header alone: what a call made on the client's behalf presents.
+pub(crate) fn only_authorization(headers: &HeaderMap) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    if let Some(value) = headers.get(http::header::AUTHORIZATION) {
+        kept.insert(http::header::AUTHORIZATION, value.clone());
+    }
+    kept
+}
+
+/// A stable 128-bit fingerprint of `parts` (FNV-1a twice with different offsets, each part with its length): the
+/// same content gives the same key across builds and processes.
+pub(crate) fn fingerprint(parts: &[&[u8]]) -> String {
+    let mut halves = [0xcbf2_9ce4_8422_2325_u64, 0x6c62_272e_07bb_0142_u64];
+    for half in &mut halves {
+        for part in parts {
+            for byte in (part.len() as u64).to_le_bytes().iter().chain(part.iter()) {
+                *half ^= u64::from(*byte);
+                *half = half.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+    }
+    format!("{:016x}{:016x}", halves[0], halves[1])
+}
+
+/// A key no other request gets: for work that nothing identifies as a retry.
+pub(crate) fn unique_key() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    hasher.write_u128(now);
+    hasher.write_u32(std::process::id());
+    format!("{:016x}", hasher.finish())
+}
+
 /// A prompt as one text: each message's content, separated by a blank line (the faces whose observations are text).
 pub(crate) fn prompt_text(prompt: &[pb::ChatMessage]) -> String {
     prompt.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n\n")

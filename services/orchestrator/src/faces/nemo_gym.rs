@@ -24,7 +24,9 @@ use serde_json::{Map, Value, json};
 use tonic::Code;
 
 use super::{Faces, answer_with, parse, prompt_text};
-use wire::{KernelArgs, Row, Session, WithResponse, fingerprint, fresh};
+use wire::{KernelArgs, Row, Session, WithResponse};
+
+use super::{fingerprint, unique_key, verdict_name};
 
 /// The largest body: `/verify` carries a rollout's every output item, with token ids and log-probabilities.
 const BODY_BYTES: usize = 64 << 20;
@@ -87,7 +89,7 @@ async fn open(
     let (id, field) = row.task()?;
     let task = faces.task(&id, field)?.clone();
     let Some(identity) = row.identity(uri) else {
-        return faces.start(headers, task, &format!("nemo-gym/{}", fresh())).await;
+        return faces.start(headers, task, &format!("nemo-gym/{}", unique_key())).await;
     };
     // The row as seeded: `/verify` (which may open the session itself) adds the response.
     let mut content: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
@@ -103,7 +105,7 @@ async fn open(
     if current.record.is_none() && !current.done {
         return Ok(observation);
     }
-    faces.start(headers, task, &format!("{key}/{}", fresh())).await
+    faces.start(headers, task, &format!("{key}/{}", unique_key())).await
 }
 
 /// The episode's recorded turns, in order.
@@ -137,20 +139,13 @@ async fn take_step(
     Ok(observation)
 }
 
-fn verdict_name(verdict: pb::Verdict) -> String {
-    match verdict {
-        pb::Verdict::Unspecified => "not_evaluated".into(),
-        verdict => verdict.as_str_name().trim_start_matches("VERDICT_").to_ascii_lowercase(),
-    }
-}
-
 /// What the model reads after a step: the verdict, score, feedback and the next turn's prompt.
 fn step_result(observation: &pb::Observation) -> Value {
     let record = observation.record.clone().unwrap_or_default();
     let mut result = json!({
         "episode_id": observation.episode_id,
         "turn": record.turn,
-        "verdict": verdict_name(record.verdict()),
+        "verdict": verdict_name(record.verdict),
         "score": record.score,
         "reward": observation.reward,
         "speedup": record.speedup,
@@ -262,7 +257,7 @@ async fn verified(
     }
     let summary: Vec<Value> = turns
         .iter()
-        .map(|t| json!({"turn": t.turn, "verdict": verdict_name(t.verdict()), "score": t.score, "speedup": t.speedup}))
+        .map(|t| json!({"turn": t.turn, "verdict": verdict_name(t.verdict), "score": t.score, "speedup": t.speedup}))
         .collect();
     object.insert("kforge".into(), json!({"episode_id": session.episode, "turns": summary}));
     Ok(echo)

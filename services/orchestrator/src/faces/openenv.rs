@@ -15,6 +15,7 @@
 mod session;
 mod wire;
 
+use crate::faces::only_authorization;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -259,15 +260,6 @@ fn tail(message: &str) -> &str {
         Some(field) => message[field.len()..].trim_start_matches(": "),
         None => message,
     }
-}
-
-/// The request's `authorization` header alone: what a call made on the client's behalf presents.
-fn only_authorization(headers: &HeaderMap) -> HeaderMap {
-    let mut kept = HeaderMap::new();
-    if let Some(value) = headers.get(http::header::AUTHORIZATION) {
-        kept.insert(http::header::AUTHORIZATION, value.clone());
-    }
-    kept
 }
 
 /// The value of `key` in a URL's query (`a=1&episode_id=job-1`), percent-decoded.

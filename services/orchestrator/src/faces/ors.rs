@@ -13,6 +13,7 @@
 
 mod calls;
 
+use crate::faces::only_authorization;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -426,13 +427,4 @@ async fn call(State(ors): State<Arc<Ors>>, env: Option<Path<String>>, headers: H
         let _turn = turns.lock_owned().await;
         calls::run(&faces, &headers, &episode, &call.name, &call.input).await
     })
-}
-
-/// The request's `authorization` header alone: what a call made on the client's behalf presents.
-fn only_authorization(headers: &HeaderMap) -> HeaderMap {
-    let mut kept = HeaderMap::new();
-    if let Some(value) = headers.get(http::header::AUTHORIZATION) {
-        kept.insert(http::header::AUTHORIZATION, value.clone());
-    }
-    kept
 }

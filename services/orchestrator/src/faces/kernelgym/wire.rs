@@ -152,7 +152,7 @@ pub(super) fn check(request: &EvaluationRequest, prefix: &str) -> Result<Checked
     evaluation.idempotency_key = format!("kernelgym/{}", fingerprint(&evaluation));
     if force_refresh {
         // The evaluator would answer the same key and content with its first result: a refresh evaluates again.
-        evaluation.idempotency_key.push_str(&format!("/refresh-{}", nonce()));
+        evaluation.idempotency_key.push_str(&format!("/refresh-{}", super::super::unique_key()));
     }
     Ok(Checked { task_id: request.task_id.clone(), force_refresh, evaluation, backend, baseline, perf_trials })
 }
@@ -161,7 +161,7 @@ pub(super) fn check(request: &EvaluationRequest, prefix: &str) -> Result<Checked
 /// and content evaluate once).
 fn fingerprint(request: &pb::EvaluateRequest) -> String {
     let task = request.task.as_ref();
-    let parts: [&[u8]; 8] = [
+    super::super::fingerprint(&[
         task.map_or(&b""[..], |t| t.task_id.as_bytes()),
         task.map_or(&b""[..], |t| t.source.as_bytes()),
         request.candidate_source.as_bytes(),
@@ -170,28 +170,7 @@ fn fingerprint(request: &pb::EvaluateRequest) -> String {
         &[u8::from(request.measure_performance), u8::from(request.census)],
         &request.priority.to_le_bytes(),
         request.policy.as_bytes(),
-    ];
-    // FNV-1a over each part and its length, twice with different offsets: 128 bits, stable across builds.
-    let mut halves = [0xcbf2_9ce4_8422_2325_u64, 0x6c62_272e_07bb_0142_u64];
-    for half in &mut halves {
-        for part in parts {
-            for byte in (part.len() as u64).to_le_bytes().iter().chain(part) {
-                *half ^= u64::from(*byte);
-                *half = half.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        }
-    }
-    format!("{:016x}{:016x}", halves[0], halves[1])
-}
-
-/// A value no other request gets.
-fn nonce() -> String {
-    use std::hash::{BuildHasher as _, Hasher as _};
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-    hasher.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-    format!("{:016x}", hasher.finish())
+    ])
 }
 
 /// KernelGym's `EvaluationResponse`; absent values are `null`, as FastAPI writes them.
@@ -246,11 +225,6 @@ impl EvaluationResponse {
     pub(super) fn failed(&self) -> bool {
         self.status != "completed"
     }
-}
-
-/// The verdict's name without its prefix, lowercase: `compile_error`.
-pub(crate) fn verdict_name(verdict: pb::Verdict) -> String {
-    verdict.as_str_name().trim_start_matches("VERDICT_").to_ascii_lowercase()
 }
 
 /// kforge's evaluation as KernelGym's result. A compile error, a wrong answer, a crash, a timeout or a policy
@@ -367,7 +341,7 @@ fn metadata(checked: &Checked, response: &pb::EvaluateResponse) -> Map<String, V
     put("gpu_name", response.device.clone().into());
     put("num_correct_trials", checked.evaluation.correctness_trials.into());
     put("num_perf_trials", checked.perf_trials.into());
-    put("verdict", verdict_name(response.verdict()).into());
+    put("verdict", super::super::verdict_name(response.verdict).into());
     let findings: Vec<Value> = response
         .findings
         .iter()

@@ -2,10 +2,6 @@
 //! `/step` carry (the model's last message, its `submit_kernel` calls, the token-in/token-out fields on its output
 //! items), the session cookie, and the keys of a row's episode.
 
-use std::hash::{BuildHasher as _, Hasher as _};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use http::{HeaderMap, HeaderValue, Uri, header};
 use kforge_proto::v1 as pb;
 use kforge_server::json::JsonError;
@@ -305,30 +301,6 @@ impl Session {
         };
         HeaderValue::from_str(&format!("{COOKIE}={value}; Path=/; HttpOnly; SameSite=Lax")).ok()
     }
-}
-
-/// A stable 128-bit fingerprint of `parts` (FNV-1a twice, each part with its length).
-pub(super) fn fingerprint(parts: &[&[u8]]) -> String {
-    let mut halves = [0xcbf2_9ce4_8422_2325_u64, 0x6c62_272e_07bb_0142_u64];
-    for half in &mut halves {
-        for part in parts {
-            for byte in (part.len() as u64).to_le_bytes().iter().chain(part.iter()) {
-                *half ^= u64::from(*byte);
-                *half = half.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        }
-    }
-    format!("{:016x}{:016x}", halves[0], halves[1])
-}
-
-/// A key no other request has: for an episode nothing identifies as a retry.
-pub(super) fn fresh() -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    hasher.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-    hasher.write_u32(std::process::id());
-    format!("{:016x}", hasher.finish())
 }
 
 #[cfg(test)]

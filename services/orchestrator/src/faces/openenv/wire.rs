@@ -1,5 +1,6 @@
 //! The OpenEnv face's JSON: actions read, observations and states written, and their schemas.
 
+use crate::faces::verdict_name;
 use kforge_proto::v1 as pb;
 use kforge_server::json::JsonError;
 use serde_json::{Map, Value, json};
@@ -93,14 +94,6 @@ pub(super) fn kind(value: &Value) -> &'static str {
     }
 }
 
-/// A verdict's name (`correct`, `compile_error`); `None` when nothing was evaluated.
-fn verdict(verdict: i32) -> Option<String> {
-    match pb::Verdict::try_from(verdict) {
-        Ok(pb::Verdict::Unspecified) | Err(_) => None,
-        Ok(verdict) => Some(verdict.as_str_name().trim_start_matches("VERDICT_").to_ascii_lowercase()),
-    }
-}
-
 /// Upstream's `{"observation", "reward", "done"}` of an episode's observation. The reward is `null` before the
 /// first step (a new or resumed episode that has none), as upstream's reset's.
 pub(super) fn observation(observation: &pb::Observation, episode: &Episode) -> Value {
@@ -116,7 +109,7 @@ pub(super) fn observation(observation: &pb::Observation, episode: &Episode) -> V
         "prompt": prompt_text(&observation.prompt),
         "messages": messages,
         "feedback": text(|r| &r.feedback),
-        "verdict": record.and_then(|r| verdict(r.verdict)),
+        "verdict": record.and_then(|r| verdict_name(r.verdict)),
         "speedup": record.and_then(|r| r.speedup),
         "score": record.and_then(|r| r.score),
         "kernel": text(|r| &r.kernel),
@@ -135,7 +128,7 @@ pub(super) fn observation(observation: &pb::Observation, episode: &Episode) -> V
 fn turn(record: &pb::TurnRecord) -> Value {
     json!({
         "turn": record.turn,
-        "verdict": verdict(record.verdict),
+        "verdict": verdict_name(record.verdict),
         "score": record.score,
         "speedup": record.speedup,
         "return": record.return_value,

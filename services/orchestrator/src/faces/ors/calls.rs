@@ -3,6 +3,7 @@
 //! an `end`) can be dropped by a client and asked for again with the `task_id`, which re-attaches to the running or
 //! finished call instead of running it again.
 
+use crate::faces::verdict_name;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -224,15 +225,11 @@ fn output(observation: &pb::Observation) -> Value {
     if observation.done {
         text.push_str("\n\nThe episode is over: that was the last turn.");
     }
-    let verdict = |verdict: i32| match pb::Verdict::try_from(verdict) {
-        Ok(pb::Verdict::Unspecified) | Err(_) => None,
-        Ok(verdict) => Some(verdict.as_str_name().trim_start_matches("VERDICT_").to_ascii_lowercase()),
-    };
     let turns: Vec<Value> = observation
         .turns
         .iter()
         .map(|t| {
-            json!({"turn": t.turn, "verdict": verdict(t.verdict), "score": t.score, "speedup": t.speedup,
+            json!({"turn": t.turn, "verdict": verdict_name(t.verdict), "score": t.score, "speedup": t.speedup,
                    "return": t.return_value, "advantage": t.advantage})
         })
         .collect();
@@ -240,7 +237,7 @@ fn output(observation: &pb::Observation) -> Value {
         "episode_id": observation.episode_id,
         "task_id": record.task_id,
         "turn": record.turn,
-        "verdict": verdict(record.verdict),
+        "verdict": verdict_name(record.verdict),
         "speedup": record.speedup,
         "score": record.score,
         "error": record.error,
