@@ -29,7 +29,8 @@ impl Drop for Guard {
     }
 }
 
-fn start_up() -> (Guard, Vec<(String, String)>) {
+/// `kforge up` on free ports: the child, each service's `name url`, and the orchestrator's HTTP port.
+fn start_up() -> (Guard, Vec<(String, String)>, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_kforge"));
     command
         .env("NO_COLOR", "1")
@@ -40,6 +41,7 @@ fn start_up() -> (Guard, Vec<(String, String)>) {
     for (section, _) in SECTIONS {
         command.env(format!("KFORGE__{}__SERVER__LISTEN", section.to_uppercase()), "127.0.0.1:0");
     }
+    command.env("KFORGE__ORCHESTRATOR__HTTP__LISTEN", "127.0.0.1:0");
     let mut child = command.spawn().expect("kforge binary runs");
     let stdout = child.stdout.take().expect("stdout is piped");
     let mut lines = BufReader::new(stdout).lines();
@@ -49,7 +51,23 @@ fn start_up() -> (Guard, Vec<(String, String)>) {
         let (name, url) = line.split_once(char::is_whitespace).expect("`name url` line");
         addresses.push((name.to_owned(), url.trim().to_owned()));
     }
-    (Guard(child), addresses)
+    // Then the orchestrator's HTTP port.
+    let line = lines.next().expect("kforge up prints the HTTP port").expect("utf-8 line");
+    let (name, url) = line.split_once(char::is_whitespace).expect("`name url` line");
+    assert_eq!(name, "orchestrator-http", "{line}");
+    (Guard(child), addresses, url.trim().to_owned())
+}
+
+/// A plain HTTP/1.1 GET of `path` at `url` (`http://host:port`): the status and the body.
+fn http_get(url: &str, path: &str) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let host = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(host).expect("the HTTP port accepts");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").expect("request sent");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response read");
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("a status line");
+    (status, response)
 }
 
 async fn channel(url: &str) -> kforge_server::client::Channel {
@@ -88,9 +106,10 @@ async fn reflected_services(url: &str) -> Vec<String> {
 
 #[tokio::test]
 async fn up_serves_health_and_reflection_on_all_five_then_drains_on_sigterm() {
-    let (mut child, addresses) = start_up();
+    let (mut child, addresses, http) = start_up();
     let names: Vec<&str> = addresses.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, SECTIONS.map(|(s, _)| s));
+    assert_eq!(http_get(&http, "/kernelgym/health").0, 200, "the HTTP port serves the faces");
 
     for ((_, url), (_, proto_service)) in addresses.iter().zip(SECTIONS) {
         wait_serving(url, "").await;
