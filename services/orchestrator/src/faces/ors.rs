@@ -45,6 +45,9 @@ const IDLE: Duration = Duration::from_secs(900);
 const SWEEP: Duration = Duration::from_secs(5);
 /// The longest a session id may be.
 const MAX_SID_BYTES: usize = 200;
+/// Sessions remembered at once: a new one past it is RESOURCE_EXHAUSTED until idle ones are forgotten (each
+/// created one's episode stays in the store, reachable again by `POST /create` with its sid).
+const MAX_SESSIONS: usize = 10_000;
 
 pub(super) fn router(faces: Faces) -> Router {
     let ors = Arc::new(Ors { faces, sessions: Mutex::new(Sessions::default()), calls: Calls::default() });
@@ -134,9 +137,16 @@ impl Ors {
         }
     }
 
-    /// Remembers session `sid` (with its episode, once created).
-    fn remember(&self, sid: &str, episode: Option<String>) {
+    /// Remembers session `sid` (with its episode, once created); a new one past [`MAX_SESSIONS`] is refused.
+    fn remember(&self, sid: &str, episode: Option<String>) -> Result<(), JsonError> {
         self.sessions(|sessions| {
+            if sessions.len() >= MAX_SESSIONS && !sessions.contains_key(sid) {
+                let message = format!(
+                    "{MAX_SESSIONS} sessions are open: one is forgotten after {} s without a call",
+                    IDLE.as_secs()
+                );
+                return Err(JsonError::new(Code::ResourceExhausted, message, None));
+            }
             let session = sessions.entry(sid.to_owned()).or_insert_with(|| Session {
                 episode: None,
                 seen: Instant::now(),
@@ -146,7 +156,8 @@ impl Ors {
             if episode.is_some() {
                 session.episode = episode;
             }
-        });
+            Ok(())
+        })
     }
 }
 
@@ -193,8 +204,10 @@ fn respond(result: Result<Value, JsonError>) -> Response {
 
 async fn create_session(State(ors): State<Arc<Ors>>) -> Response {
     let sid = calls::random_id();
-    ors.remember(&sid, None);
-    calls::session_created(&sid)
+    match ors.remember(&sid, None) {
+        Ok(()) => calls::session_created(&sid),
+        Err(error) => error.into_response(),
+    }
 }
 
 /// `POST /create`: which task the session's episode is of. Other keys (`secrets`, `toolset_name`) are ignored.
@@ -228,7 +241,7 @@ async fn create(State(ors): State<Arc<Ors>>, headers: HeaderMap, body: Bytes) ->
             (None, None) => return Err(invalid("task_spec", "required: a task_spec, or a split and an index")),
         };
         let observation = ors.faces.start(&headers, task, &format!("ors/{sid}")).await?;
-        ors.remember(&sid, Some(observation.episode_id));
+        ors.remember(&sid, Some(observation.episode_id))?;
         Ok(json!({"sid": sid}))
     };
     respond(result.await)
