@@ -3,10 +3,9 @@
 //! (`POST {server_url}/evaluate`, then `/status/{id}` until a terminal status, then `/results/{id}`), with
 //! `server_url` = `http://host:port/kernelgym`.
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge::mesh::{Mesh, Service};
 use serde_json::{Value, json};
 
 const TASK: &str = include_str!("../../examples/tasks/relu/task.py");
@@ -15,10 +14,6 @@ const KERNEL: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop
 const TERMINAL: [&str; 4] = ["completed", "failed", "timeout", "cancelled"];
 /// A bound on each wait: a few CPU evaluations on a 2-core machine shared with builds.
 const PATIENCE: Duration = Duration::from_secs(300);
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// A kernel whose C++ source does not compile (a statement without its semicolon).
 fn broken_kernel() -> String {
@@ -29,17 +24,7 @@ fn broken_kernel() -> String {
 
 /// The evaluator (CPU) and the orchestrator with its HTTP port; the face's base URL.
 async fn mesh(name: &str) -> (Mesh, String) {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    let mut config = MeshConfig::default();
-    config.evaluator.python = python;
-    config.evaluator.work_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("faces-kernelgym").join(name);
-    kforge::run::evaluator_for_one_job(&mut config, false);
-    // Short timing: these tests check the fields, not the figures.
-    config.evaluator.timing.warmup_runs = 2;
-    config.evaluator.timing.min_runs = 5;
-    config.evaluator.timing.max_seconds = 0.5;
-    config.evaluator.paired_timing.rounds = 4;
+    let config = kforge_tests::cpu_evaluator_config(&format!("faces-kernelgym/{name}"));
     let mesh = kforge_tests::start(&[Service::Evaluator, Service::Orchestrator], &config).await;
     let base = format!("{}/kernelgym", mesh.http_address().expect("the orchestrator serves its HTTP port"));
     (mesh, base)

@@ -3,9 +3,7 @@
 //! response and sent with the next request, the dataset row sent whole to `/seed_session` and `/verify`, the
 //! model's Responses-API output (with its token-in/token-out fields on the turn's last item) in `/verify`.
 
-use std::path::{Path, PathBuf};
-
-use kforge::mesh::{Mesh, MeshConfig, Service};
+use kforge::mesh::{Mesh, Service};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use reqwest::header::{COOKIE, HeaderMap, SET_COOKIE};
@@ -14,10 +12,6 @@ use serde_json::{Value, json};
 const KERNEL: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
 const TASK_ID: &str = "examples/relu";
 const NAME: &str = "kforge_nemo_gym";
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// A kernel whose C++ source does not compile.
 fn broken_kernel() -> String {
@@ -28,16 +22,7 @@ fn broken_kernel() -> String {
 
 /// The services a step needs, and the HTTP port's URL.
 async fn mesh(name: &str) -> (Mesh, String) {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    let mut config = MeshConfig::default();
-    config.evaluator.python = python;
-    config.evaluator.work_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("faces-nemo-gym").join(name);
-    kforge::run::evaluator_for_one_job(&mut config, false);
-    config.evaluator.timing.warmup_runs = 2;
-    config.evaluator.timing.min_runs = 5;
-    config.evaluator.timing.max_seconds = 0.5;
-    config.evaluator.paired_timing.rounds = 4;
+    let config = kforge_tests::cpu_evaluator_config(&format!("faces-nemo-gym/{name}"));
     let services = [Service::Gateway, Service::Evaluator, Service::Reward, Service::Orchestrator];
     let mesh = kforge_tests::start(&services, &config).await;
     let base = mesh.http_address().expect("the orchestrator serves its HTTP port").to_owned();

@@ -3,8 +3,6 @@
 //! `/openenv/ws`, and the HTTP routes beside it. One episode of the `relu` example runs to its end across a
 //! disconnect in the middle of a step.
 
-use std::path::{Path, PathBuf};
-
 use futures_util::{SinkExt as _, StreamExt as _};
 use kforge::mesh::{MeshConfig, Service};
 use serde_json::{Value, json};
@@ -13,10 +11,6 @@ use tokio_tungstenite::tungstenite::Message;
 const RELU: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
 
 type Socket = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 async fn connect(http: &str) -> Socket {
     let url = format!("{}/openenv/ws", http.replacen("http://", "ws://", 1));
@@ -56,17 +50,7 @@ fn assert_error(reply: &Value, code: &str, field: Option<&str>) {
 }
 
 fn mesh_config(turns: u32) -> MeshConfig {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    let mut config = MeshConfig::default();
-    config.evaluator.python = python;
-    config.evaluator.work_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("faces-openenv-evaluator");
-    kforge::run::evaluator_for_one_job(&mut config, false);
-    // Short timing: the test checks the protocol, not the figures.
-    config.evaluator.timing.warmup_runs = 2;
-    config.evaluator.timing.min_runs = 5;
-    config.evaluator.timing.max_seconds = 0.5;
-    config.evaluator.paired_timing.rounds = 4;
+    let mut config = kforge_tests::cpu_evaluator_config("faces-openenv");
     config.orchestrator.http.turns = turns;
     config
 }

@@ -4,17 +4,12 @@
 //! streams as the clients read them (the data of every `chunk` and the `end`, concatenated), one of them dropped
 //! after its `task_id` and re-attached.
 
-use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use kforge::mesh::{MeshConfig, Service};
 use serde_json::{Value, json};
 
 const RELU: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// A server-sent event stream, read as the ORS clients read it: `field: value` lines (one leading space of the
 /// value dropped), `:` comments, an event at each blank line.
@@ -96,17 +91,7 @@ impl Events {
 }
 
 fn mesh_config() -> MeshConfig {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    let mut config = MeshConfig::default();
-    config.evaluator.python = python;
-    config.evaluator.work_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("faces-ors-evaluator");
-    kforge::run::evaluator_for_one_job(&mut config, false);
-    // Short timing: the test checks the protocol, not the figures.
-    config.evaluator.timing.warmup_runs = 2;
-    config.evaluator.timing.min_runs = 5;
-    config.evaluator.timing.max_seconds = 0.5;
-    config.evaluator.paired_timing.rounds = 4;
+    let mut config = kforge_tests::cpu_evaluator_config("faces-ors");
     // One turn: the first submission finishes the episode.
     config.orchestrator.http.turns = 1;
     config

@@ -111,6 +111,18 @@ pub struct Attempt {
     pub summary: String,
 }
 
+impl Attempt {
+    /// A recorded turn as the next prompt shows it.
+    pub fn of(record: &pb::TurnRecord) -> Self {
+        Self {
+            kernel: record.kernel.clone(),
+            feedback: record.feedback.clone(),
+            score: record.score,
+            summary: change_summary(record.completion.as_ref()),
+        }
+    }
+}
+
 /// The longest change summary a prompt shows, in characters.
 const SUMMARY_CHARS: usize = 600;
 

@@ -11,7 +11,7 @@ use tracing::Instrument as _;
 use super::peers::Peers;
 use super::plan::Plan;
 use super::progress::Progress;
-use crate::recipe::{self, Attempt};
+use crate::recipe::Attempt;
 use crate::store::{Stage, StoreError};
 
 /// One trajectory of one task.
@@ -43,12 +43,7 @@ impl Episode {
             if stage == Stage::Recorded {
                 ended |= !record.error.is_empty();
                 first = record.turn + 1;
-                earlier.push(Attempt {
-                    summary: recipe::change_summary(record.completion.as_ref()),
-                    kernel: record.kernel,
-                    feedback: record.feedback,
-                    score: record.score,
-                });
+                earlier.push(Attempt::of(&record));
             } else if record.turn == first {
                 pending = Some((stage, record));
             }
@@ -66,12 +61,7 @@ impl Episode {
                 };
                 self.progress.record(self.position, &record).await?;
                 let failed = !record.error.is_empty();
-                earlier.push(Attempt {
-                    summary: recipe::change_summary(record.completion.as_ref()),
-                    kernel: record.kernel,
-                    feedback: record.feedback,
-                    score: record.score,
-                });
+                earlier.push(Attempt::of(&record));
                 if failed {
                     break;
                 }

@@ -16,7 +16,7 @@ use super::episode::Episode;
 use super::peers::Peers;
 use super::plan::Plan;
 use super::progress::{Progress, slim};
-use crate::recipe::{self, Attempt};
+use crate::recipe::Attempt;
 use crate::reward;
 use crate::store::{Stage, Store, StoreError};
 
@@ -106,17 +106,7 @@ pub async fn step(
             pending = Some((stage, record));
         }
     }
-    let attempts = |records: &[pb::TurnRecord]| -> Vec<Attempt> {
-        records
-            .iter()
-            .map(|r| Attempt {
-                kernel: r.kernel.clone(),
-                feedback: r.feedback.clone(),
-                score: r.score,
-                summary: recipe::change_summary(r.completion.as_ref()),
-            })
-            .collect()
-    };
+    let attempts = |records: &[pb::TurnRecord]| -> Vec<Attempt> { records.iter().map(Attempt::of).collect() };
     let outcome = |records: &[pb::TurnRecord], record: pb::TurnRecord| {
         let done = records.len() as u32 >= plan.spec.turns || !record.error.is_empty();
         Stepped {
@@ -216,15 +206,7 @@ pub async fn current(plan: &Plan, store: &Store, job_id: &str) -> Result<pb::Obs
         return Ok(pb::Observation { episode_id: job_id.to_owned(), prompt: first_prompt(plan), ..Default::default() });
     };
     let done = recorded.len() as u32 >= plan.spec.turns || !last.error.is_empty();
-    let attempts: Vec<Attempt> = recorded
-        .iter()
-        .map(|r| Attempt {
-            kernel: r.kernel.clone(),
-            feedback: r.feedback.clone(),
-            score: r.score,
-            summary: recipe::change_summary(r.completion.as_ref()),
-        })
-        .collect();
+    let attempts: Vec<Attempt> = recorded.iter().map(Attempt::of).collect();
     let turns = if done {
         store
             .turns(job_id)
