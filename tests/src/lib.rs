@@ -1,12 +1,32 @@
 //! Helpers for kforge's cross-service tests: start services in this process on ephemeral ports and wait until
 //! they are ready through grpc.health.v1, never by sleeping.
 
+
 use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge_proto::v1::reward_client::RewardClient;
 use kforge_server::client::{self, Channel, ClientConfig};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+
+/// A configuration whose evaluator runs one job's candidates on the CPU with the repository's `.venv` Python and
+/// short timing (for tests that check what flows, not the figures), its files under `target/tmp/<work_dir>`. A
+/// missing `.venv` fails the test: `scripts/setup.sh --test` makes it.
+pub fn cpu_evaluator_config(work_dir: &str) -> MeshConfig {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join(".venv/bin/python");
+    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let mut config = MeshConfig::default();
+    config.evaluator.python = python;
+    // Kept between runs (the compile cache makes a second run quicker), under the workspace's target directory.
+    config.evaluator.work_dir = root.join("target/tmp").join(work_dir);
+    kforge::run::evaluator_for_one_job(&mut config, false);
+    config.evaluator.timing.warmup_runs = 2;
+    config.evaluator.timing.min_runs = 5;
+    config.evaluator.timing.max_seconds = 0.5;
+    config.evaluator.paired_timing.rounds = 4;
+    config
+}
 
 /// Starts `services` with `config` on ephemeral loopback ports and waits until each reports SERVING.
 pub async fn start(services: &[Service], config: &MeshConfig) -> Mesh {
