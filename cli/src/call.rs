@@ -224,7 +224,7 @@ mod tests {
                 count += 1;
             }
         }
-        assert_eq!(count, 3 + 5 + 5 + 4 + 11, "Evaluator, Profiler, Reward, Gateway, Orchestrator");
+        assert_eq!(count, 3 + 5 + 5 + 4 + 12, "Evaluator, Profiler, Reward, Gateway, Orchestrator");
     }
 
     #[test]
