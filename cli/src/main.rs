@@ -103,6 +103,9 @@ enum ServerArg {
     Sglang,
     /// A hosted OpenAI-compatible API: only the standard fields are sent, and no health route is checked.
     Openai,
+    /// llama.cpp's OpenAI-compatible server (`python -m llama_cpp.server`, `llama-server`): llama.cpp's names for
+    /// the extra sampling fields, one completion per request.
+    Llamacpp,
 }
 
 impl ServerArg {
@@ -111,6 +114,7 @@ impl ServerArg {
             None | Some(Self::Vllm) => BackendKind::Vllm,
             Some(Self::Sglang) => BackendKind::Sglang,
             Some(Self::Openai) => BackendKind::Openai,
+            Some(Self::Llamacpp) => BackendKind::Llamacpp,
         }
     }
 }
@@ -160,7 +164,8 @@ struct RunArgs {
     /// the config keeps its settings and gets this server as its only backend.
     #[arg(long, value_name = "URL")]
     model_url: Option<String>,
-    /// What serves --model-url (default vllm); openai: a hosted API (standard fields only, no health checks).
+    /// What serves --model-url (default vllm); openai: a hosted API (standard fields only, no health checks);
+    /// llamacpp: llama.cpp's server.
     #[arg(long, value_enum, value_name = "KIND", requires = "model_url")]
     model_server: Option<ServerArg>,
     /// Environment variable holding --model-url's API key, sent as `Authorization: Bearer` (a variable, so that

@@ -1,6 +1,7 @@
 //! Helpers for kforge's cross-service tests: start services in this process on ephemeral ports and wait until
 //! they are ready through grpc.health.v1, never by sleeping.
 
+pub mod model_server;
 
 use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge_proto::v1::reward_client::RewardClient;

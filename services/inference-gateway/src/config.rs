@@ -80,6 +80,10 @@ pub enum BackendKind {
     Sglang,
     /// A hosted OpenAI-compatible API: only the standard fields are sent; no control routes.
     Openai,
+    /// llama.cpp's OpenAI-compatible server (llama-cpp-python's `python -m llama_cpp.server`, or llama.cpp's
+    /// `llama-server`): llama.cpp's names for the extra sampling fields (`repeat_penalty`), one completion per
+    /// request, text prompts only; `/health`, where a 404 counts as healthy; no control routes.
+    Llamacpp,
     /// Recorded responses from a JSONL file, keyed by (task, trajectory, turn).
     Replay,
 }
@@ -90,14 +94,17 @@ impl BackendKind {
             Self::Vllm => "vllm",
             Self::Sglang => "sglang",
             Self::Openai => "openai",
+            Self::Llamacpp => "llamacpp",
             Self::Replay => "replay",
         }
     }
 
-    /// The health route checked when none is configured; hosted APIs get none (passive checks only).
+    /// The health route checked when none is configured; hosted APIs get none (passive checks only). llama.cpp:
+    /// `llama-server`'s `/health`; llama-cpp-python's server has none and its 404 counts as healthy
+    /// (`OpenAiBackend::check_health`).
     fn default_health_path(self) -> Option<&'static str> {
         match self {
-            Self::Vllm | Self::Sglang => Some("/health"),
+            Self::Vllm | Self::Sglang | Self::Llamacpp => Some("/health"),
             Self::Openai | Self::Replay => None,
         }
     }
@@ -119,8 +126,8 @@ pub struct BackendConfig {
     pub api_key_file: Option<PathBuf>,
     /// Requests in flight at most; more wait for a slot. 0: unlimited. Default 0.
     pub max_concurrency: u32,
-    /// Route of the active health check (a 2xx is healthy). Default `/health` for vLLM and SGLang, none for
-    /// hosted APIs; `""` turns the check off.
+    /// Route of the active health check (a 2xx is healthy; for llama.cpp a 404 too). Default `/health` for vLLM,
+    /// SGLang and llama.cpp, none for hosted APIs; `""` turns the check off.
     pub health_path: Option<String>,
     /// Prompts given as token ids use the server's token-in-token-out route (vLLM `/inference/v1/generate`,
     /// SGLang `/generate` with `input_ids` and `return_logprob`) instead of `/v1/completions`. Default false.
@@ -357,7 +364,7 @@ impl GatewayConfig {
                             return Err(ConfigError::ReplayFileUnset { pool: i, backend: j });
                         }
                     }
-                    BackendKind::Vllm | BackendKind::Sglang | BackendKind::Openai => {
+                    BackendKind::Vllm | BackendKind::Sglang | BackendKind::Openai | BackendKind::Llamacpp => {
                         if !(backend.url.starts_with("http://") || backend.url.starts_with("https://")) {
                             return Err(ConfigError::NotHttpUrl { pool: i, backend: j, url: backend.url.clone() });
                         }

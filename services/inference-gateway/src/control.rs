@@ -129,10 +129,11 @@ fn route(kind: BackendKind, action: &Action) -> Result<Option<Route>, String> {
         (BackendKind::Sglang, Action::SetWeightVersion { version, model_path: None }) => {
             Ok(Some(("/update_weight_version".into(), Some(json!({"new_version": version})))))
         }
-        (BackendKind::Openai | BackendKind::Replay, Action::SetWeightVersion { model_path: Some(_), .. }) => {
-            Err(format!("a {} backend cannot load weights", kind.name()))
-        }
-        (BackendKind::Openai | BackendKind::Replay, _) => Ok(None),
+        (
+            BackendKind::Openai | BackendKind::Llamacpp | BackendKind::Replay,
+            Action::SetWeightVersion { model_path: Some(_), .. },
+        ) => Err(format!("a {} backend cannot load weights", kind.name())),
+        (BackendKind::Openai | BackendKind::Llamacpp | BackendKind::Replay, _) => Ok(None),
     }
 }
 

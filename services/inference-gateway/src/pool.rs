@@ -47,7 +47,7 @@ impl Backend {
                 let file = config.file.as_deref().ok_or(BackendError::ReplayFileUnset)?;
                 BackendClient::Replay(ReplayBackend::load(file)?)
             }
-            BackendKind::Vllm | BackendKind::Sglang | BackendKind::Openai => {
+            BackendKind::Vllm | BackendKind::Sglang | BackendKind::Openai | BackendKind::Llamacpp => {
                 BackendClient::OpenAi(OpenAiBackend::new(config, http.clone())?)
             }
         };

@@ -5,7 +5,7 @@
 use kforge_proto::v1 as pb;
 use serde_json::{Map, Value};
 
-use crate::config::PoolConfig;
+use crate::config::{BackendKind, PoolConfig};
 
 /// A request field that violates its contract. Displays as `field: reason`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -145,6 +145,7 @@ pub fn validate(request: pb::GenerateRequest, pool: &PoolConfig) -> Result<Gener
         }
     };
     let sampling = sampling_of(sampling.unwrap_or_default(), pool)?;
+    one_completion_of_text(pool, &input, &sampling)?;
     let keys = keys.map_or_else(Keys::default, |k| Keys {
         job_id: k.job_id,
         episode_id: k.episode_id,
@@ -153,6 +154,32 @@ pub fn validate(request: pb::GenerateRequest, pool: &PoolConfig) -> Result<Gener
         turn: k.turn,
     });
     Ok(GenerateSpec { model, input, sampling, return_token_ids, return_logprobs, keys })
+}
+
+/// llama.cpp's servers give one completion per request and take prompts as text: llama-cpp-python answers one
+/// choice whatever `n` asks, and a token-id prompt with a 500. A pool with such a backend refuses both here, naming
+/// the field, instead of the server dropping what was asked for or the gateway retrying a request that cannot pass.
+fn one_completion_of_text(pool: &PoolConfig, input: &Input, sampling: &Sampling) -> Result<(), InvalidField> {
+    if !pool.backends.iter().any(|b| b.kind == BackendKind::Llamacpp) {
+        return Ok(());
+    }
+    if sampling.n > 1 {
+        return Err(InvalidField::new(
+            "sampling.n",
+            format!(
+                "must be 1 for a pool with a llamacpp backend (llama.cpp's server gives one completion per request), \
+                 got {}",
+                sampling.n
+            ),
+        ));
+    }
+    if matches!(input, Input::PromptTokens(_)) {
+        return Err(InvalidField::new(
+            "prompt_token_ids",
+            "a pool with a llamacpp backend takes text (chat or prompt): llama.cpp's OpenAI server has no token prompts",
+        ));
+    }
+    Ok(())
 }
 
 fn sampling_of(params: pb::SamplingParams, pool: &PoolConfig) -> Result<Sampling, InvalidField> {
@@ -314,6 +341,39 @@ mod tests {
         assert_eq!(
             field_of(with(pb::SamplingParams { extra_body: Some(extra), ..Default::default() })),
             "sampling.extra_body.stream"
+        );
+    }
+
+    #[test]
+    fn a_pool_with_a_llamacpp_backend_refuses_n_and_token_prompts() {
+        let llamacpp = crate::config::BackendConfig {
+            kind: BackendKind::Llamacpp,
+            url: "http://127.0.0.1:8000/v1".into(),
+            ..Default::default()
+        };
+        let pool = PoolConfig { backends: vec![llamacpp], ..PoolConfig::default() };
+        let two = pb::GenerateRequest {
+            sampling: Some(pb::SamplingParams { n: Some(2), ..Default::default() }),
+            ..chat("hi")
+        };
+        let error = validate(two, &pool).expect_err("n = 2");
+        assert_eq!(error.field, "sampling.n");
+        assert!(error.reason.contains("one completion per request"), "{error}");
+        let tokens = pb::GenerateRequest {
+            input: Some(pb::generate_request::Input::PromptTokenIds(pb::TokenIds { ids: vec![1, 2] })),
+            ..chat("")
+        };
+        assert_eq!(validate(tokens, &pool).expect_err("token prompt").field, "prompt_token_ids");
+        assert!(validate(chat("hi"), &pool).is_ok());
+        assert!(
+            validate(
+                pb::GenerateRequest {
+                    sampling: Some(pb::SamplingParams { n: Some(2), ..Default::default() }),
+                    ..chat("hi")
+                },
+                &PoolConfig::default()
+            )
+            .is_ok()
         );
     }
 

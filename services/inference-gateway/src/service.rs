@@ -20,8 +20,8 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::accounting::{Accounting, cost_usd};
-use crate::backends::{DeltaSink, UsageOut};
-use crate::config::{GatewayConfig, RetryConfig};
+use crate::backends::{CompletionOut, DeltaSink, Generation, UsageOut};
+use crate::config::{BackendKind, GatewayConfig, RetryConfig};
 use crate::control::{self, Action};
 use crate::dispatch::{self, Served};
 use crate::error::{GatewayError, SetupError};
@@ -144,6 +144,8 @@ fn respond(
     accounting: &Accounting,
 ) -> pb::GenerateResponse {
     let Served { generation, backend, attempts } = served;
+    let unsupported =
+        if backend.client.is_replay() { Vec::new() } else { unsupported(spec, backend.kind, &generation) };
     let now = Instant::now();
     let millis = |at: Option<Instant>| at.unwrap_or(now).saturating_duration_since(received).as_secs_f64() * 1e3;
     let n = generation.completions.len().max(1) as u64;
@@ -211,7 +213,42 @@ fn respond(
         prompt_token_ids,
         attempts,
         model: pool.config.model.clone(),
+        unsupported,
     }
+}
+
+/// What `spec` asked for that a live backend of `kind` did not give or was not sent (`GenerateResponse.unsupported`).
+fn unsupported(spec: &GenerateSpec, kind: BackendKind, generation: &Generation) -> Vec<String> {
+    let mut missing = Vec::new();
+    if !generation.usage_reported {
+        missing.push("usage");
+    }
+    // A completion that produced nothing has no token to give a log-probability or an id for.
+    let produced = |c: &&CompletionOut| !c.text.is_empty() || !c.reasoning.is_empty();
+    if spec.return_logprobs && generation.completions.iter().filter(produced).any(|c| c.logprobs.is_empty()) {
+        missing.push("logprobs");
+    }
+    if spec.return_token_ids {
+        if generation.completions.iter().filter(produced).any(|c| c.token_ids.is_empty()) {
+            missing.push("token_ids");
+        }
+        if generation.prompt_token_ids.is_empty() && !matches!(spec.input, Input::PromptTokens(_)) {
+            missing.push("prompt_token_ids");
+        }
+    }
+    if kind == BackendKind::Openai {
+        let s = &spec.sampling;
+        for (field, neutral) in [
+            ("sampling.top_k", s.top_k == -1),
+            ("sampling.min_p", s.min_p == 0.0),
+            ("sampling.repetition_penalty", s.repetition_penalty == 1.0),
+        ] {
+            if !neutral {
+                missing.push(field);
+            }
+        }
+    }
+    missing.into_iter().map(str::to_owned).collect()
 }
 
 /// The caller's deadline from `grpc-timeout`, a little early so the gateway answers DEADLINE_EXCEEDED naming the
@@ -381,5 +418,34 @@ mod tests {
         assert_eq!(deadline, now + Duration::from_millis(1980));
         metadata.insert("grpc-timeout", "bogus".parse().expect("ascii"));
         assert_eq!(deadline_of(&metadata, now), None);
+    }
+
+    #[test]
+    fn what_the_backend_left_out_or_was_not_sent_is_named() {
+        let request = pb::GenerateRequest {
+            model: "m".into(),
+            input: Some(pb::generate_request::Input::Prompt("hi".into())),
+            sampling: Some(pb::SamplingParams { top_k: Some(20), ..Default::default() }),
+            return_token_ids: true,
+            return_logprobs: true,
+            ..Default::default()
+        };
+        let spec = request::validate(request, &crate::config::PoolConfig::default()).expect("valid");
+        let answered = CompletionOut { text: "hello".into(), ..Default::default() };
+        let bare = Generation { completions: vec![answered.clone()], ..Default::default() };
+        assert_eq!(
+            unsupported(&spec, BackendKind::Openai, &bare),
+            ["usage", "logprobs", "token_ids", "prompt_token_ids", "sampling.top_k"]
+        );
+        let full = Generation {
+            completions: vec![CompletionOut { token_ids: vec![1], logprobs: vec![-0.5], ..answered }],
+            prompt_token_ids: vec![7],
+            usage_reported: true,
+            ..Default::default()
+        };
+        assert!(unsupported(&spec, BackendKind::Vllm, &full).is_empty());
+        // An empty completion has no token to give anything for.
+        let empty = Generation { completions: vec![CompletionOut::default()], usage_reported: true, ..full };
+        assert!(unsupported(&spec, BackendKind::Vllm, &empty).is_empty());
     }
 }

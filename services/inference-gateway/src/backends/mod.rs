@@ -46,6 +46,9 @@ pub struct Generation {
     pub completions: Vec<CompletionOut>,
     pub prompt_token_ids: Vec<u32>,
     pub usage: UsageOut,
+    /// Whether the backend reported `usage` at all (llama-cpp-python's server streams none): without it the counts
+    /// are the gateway's own, and the response says so.
+    pub usage_reported: bool,
 }
 
 /// New text of one completion.

@@ -120,10 +120,15 @@ impl OpenAiBackend {
         }
     }
 
-    /// `GET {root}{path}`: whether it answered 2xx within `timeout`.
+    /// `GET {root}{path}`: whether it answered 2xx within `timeout`. A llama.cpp server may also answer 404:
+    /// llama-cpp-python's has no health route (and its `/v1/models` waits behind the generation in progress), but it
+    /// serves only once its model is loaded, so any answer says it is up; llama.cpp's `llama-server` answers
+    /// `/health` with 200, or 503 while it loads.
     pub async fn check_health(&self, path: &str, timeout: Duration) -> bool {
         let request = self.authorized(self.http.get(format!("{}{path}", self.root))).timeout(timeout);
-        matches!(request.send().await, Ok(response) if response.status().is_success())
+        let Ok(response) = request.send().await else { return false };
+        let status = response.status();
+        status.is_success() || (self.kind == BackendKind::Llamacpp && status == reqwest::StatusCode::NOT_FOUND)
     }
 
     /// One attempt: the request built for this backend's kind, streamed and parsed.
@@ -236,6 +241,13 @@ pub fn request_body(kind: BackendKind, spec: &GenerateSpec, upstream_model: &str
             body.insert("top_k".into(), json!(s.top_k));
             body.insert("min_p".into(), json!(s.min_p));
             body.insert("repetition_penalty".into(), json!(s.repetition_penalty));
+        }
+        BackendKind::Llamacpp => {
+            // llama.cpp turns top-k off with 0 (llama-cpp-python refuses a negative value) and calls the
+            // repetition penalty `repeat_penalty`; its own default is 1.1, so it is always sent.
+            body.insert("top_k".into(), json!(s.top_k.max(0)));
+            body.insert("min_p".into(), json!(s.min_p));
+            body.insert("repeat_penalty".into(), json!(s.repetition_penalty));
         }
         BackendKind::Openai | BackendKind::Replay => {}
     }
@@ -423,6 +435,7 @@ impl Accumulator {
         Ok(Generation {
             completions: self.choices,
             prompt_token_ids: self.prompt_token_ids,
+            usage_reported: self.usage.is_some(),
             usage: self.usage.unwrap_or_default(),
         })
     }
@@ -618,6 +631,28 @@ mod tests {
             assert!(body.get(key).is_none(), "{key} must not be sent to a hosted api");
         }
         assert_eq!(body["max_completion_tokens"], json!(64));
+    }
+
+    #[test]
+    fn llamacpp_gets_llama_cpps_names_and_top_k_off_as_zero() {
+        let chat = Input::Chat(vec![Message { role: "user".into(), content: "hi".into() }]);
+        let mut spec = spec(chat);
+        spec.sampling.top_k = -1;
+        let (route, body) = request_body(BackendKind::Llamacpp, &spec, "smollm2");
+        assert_eq!(route, "/chat/completions");
+        for (key, value) in [
+            ("max_tokens", json!(64)),
+            ("top_k", json!(0)),
+            ("min_p", json!(0.05)),
+            ("repeat_penalty", json!(1.1)),
+            ("logprobs", json!(true)),
+            ("top_logprobs", json!(0)),
+        ] {
+            assert_eq!(body[key], value, "{key}");
+        }
+        for key in ["repetition_penalty", "return_token_ids", "max_completion_tokens"] {
+            assert!(body.get(key).is_none(), "{key} is not llama.cpp's");
+        }
     }
 
     #[test]

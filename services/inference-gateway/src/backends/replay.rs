@@ -138,8 +138,10 @@ impl ReplayBackend {
                 finished_at: Some(now),
             });
         }
+        let usage_reported = record.usage.is_some();
         let usage = record.usage.unwrap_or_default();
         Ok(Generation {
+            usage_reported,
             completions,
             prompt_token_ids: if spec.return_token_ids { record.prompt_token_ids.clone() } else { Vec::new() },
             usage: UsageOut {

@@ -75,7 +75,7 @@ pub fn request(kind: BackendKind, spec: &GenerateSpec, upstream_model: &str) -> 
             body.insert("stream".into(), json!(false));
             Answer::SglangNative
         }
-        BackendKind::Openai | BackendKind::Replay => return None,
+        BackendKind::Openai | BackendKind::Llamacpp | BackendKind::Replay => return None,
     };
     body.insert("sampling_params".into(), Value::Object(sampling));
     for (key, value) in &s.extra_body {
@@ -152,7 +152,7 @@ pub fn sglang_generation(body: &[u8], n: u32, at: Instant) -> Result<Generation,
             finished_at: Some(at),
         });
     }
-    Ok(Generation { completions, prompt_token_ids: Vec::new(), usage })
+    Ok(Generation { completions, prompt_token_ids: Vec::new(), usage, usage_reported: true })
 }
 
 #[cfg(test)]
