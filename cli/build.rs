@@ -19,7 +19,9 @@ const TURNS: usize = 4;
 const GENERIC_REVIEW: &str = r#"{"critical_issue": "(replayed review) the evaluation above names the failure", "why_it_matters": "(replayed review) the outputs must match the reference", "minimal_fix_hint": "(replayed review) fix what the evaluation names and keep the rest", "bottleneck": "(replayed review) the diagnosis above names it", "optimisation_method": "(replayed review) act on the diagnosis above", "modification_plan": "(replayed review) change one thing, keep the outputs exact, measure again"}"#;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tasks");
+    // Read when the script runs, not baked in when it is compiled: a checkout elsewhere sharing the target
+    // directory reuses the compiled script with its own path.
+    let examples = Path::new(&std::env::var("CARGO_MANIFEST_DIR")?).join("../examples/tasks");
     println!("cargo:rerun-if-changed={}", examples.display());
     let mut tasks = files(&examples, |p| p.join("task.py").is_file())?;
     tasks.sort();
