@@ -82,6 +82,7 @@ fn rates(r: &Rates) -> Value {
         "junk": ratio(&r.junk),
         "no_kernel": ratio(&r.no_kernel),
         "not_okay": r.not_okay.as_ref().map(ratio),
+        "format_error": r.format_error.as_ref().map(ratio),
         "fast_p": r.fast_p.iter().map(|f| json!({
             "threshold": f.threshold, "eager": ratio(&f.eager), "compile": ratio(&f.compile),
         })).collect::<Vec<_>>(),
