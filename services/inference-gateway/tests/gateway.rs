@@ -3,6 +3,7 @@
 //! cancellation reaching the upstream, routing, control fan-out, replay, bad input and metrics.
 
 mod fake_upstream;
+mod running;
 
 use std::time::Duration;
 
@@ -12,32 +13,10 @@ use kforge_inference_gateway::config::{
 };
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::gateway_client::GatewayClient;
-use tokio::net::TcpListener;
+use running::start;
 use tokio::sync::oneshot;
 use tonic::Code;
 use tonic::transport::Channel;
-
-/// A gateway serving on a loopback port, stopped when dropped.
-struct Gateway {
-    client: GatewayClient<Channel>,
-    addr: String,
-    _stop: oneshot::Sender<()>,
-}
-
-async fn start(config: GatewayConfig) -> Gateway {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = format!("http://{}", listener.local_addr().expect("addr"));
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        kforge_inference_gateway::serve(config, listener, async {
-            let _ = stopped.await;
-        })
-        .await
-        .expect("the gateway serves");
-    });
-    let client = GatewayClient::connect(addr.clone()).await.expect("connect");
-    Gateway { client, addr, _stop: stop }
-}
 
 fn vllm(fake: &FakeUpstream) -> BackendConfig {
     BackendConfig { kind: BackendKind::Vllm, url: fake.url(), ..BackendConfig::default() }

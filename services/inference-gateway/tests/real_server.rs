@@ -12,6 +12,7 @@
 #[path = "../../../tests/src/model_server.rs"]
 #[allow(dead_code)] // each test crate uses part of it
 mod model_server;
+mod running;
 
 use std::time::{Duration, Instant};
 
@@ -19,13 +20,10 @@ use kforge_inference_gateway::config::{
     BackendConfig, BackendKind, GatewayConfig, HealthConfig, PoolConfig, RetryConfig,
 };
 use kforge_proto::v1 as pb;
-use kforge_proto::v1::gateway_client::GatewayClient;
 use model_server::{ModelServer, ModelSetup, ServerOptions};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use running::Gateway;
 use tokio_stream::StreamExt;
 use tonic::Code;
-use tonic::transport::Channel;
 
 /// Every call's deadline: a call that hangs fails the test instead.
 const CALL_TIMEOUT: Duration = Duration::from_secs(120);
@@ -35,11 +33,6 @@ fn root() -> std::path::PathBuf {
 }
 
 /// A gateway on a loopback port routing `smollm2` to one llama.cpp server; stopped when dropped.
-struct Gateway {
-    client: GatewayClient<Channel>,
-    _stop: oneshot::Sender<()>,
-}
-
 async fn gateway(server: &ModelServer) -> Gateway {
     let config = GatewayConfig {
         pools: vec![PoolConfig {
@@ -51,18 +44,7 @@ async fn gateway(server: &ModelServer) -> Gateway {
         health: HealthConfig { interval_ms: 100, timeout_ms: 2000 },
         ..GatewayConfig::default()
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = format!("http://{}", listener.local_addr().expect("addr"));
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        kforge_inference_gateway::serve(config, listener, async {
-            let _ = stopped.await;
-        })
-        .await
-        .expect("the gateway serves");
-    });
-    let client = GatewayClient::connect(addr).await.expect("connect");
-    Gateway { client, _stop: stop }
+    running::start(config).await
 }
 
 /// The server and a gateway in front of it, or `None` after a `SKIP:` line.
