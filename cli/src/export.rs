@@ -90,6 +90,8 @@ pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()
         None => {
             let mut config = config.clone();
             crate::run::store_for_run(&mut config, args.work_dir.as_deref());
+            // The in-command orchestrator serves this export alone: no HTTP port.
+            config.orchestrator.http.listen.clear();
             let store = config.orchestrator.store_url();
             let searched = format!("the store {}", redact_url(&store));
             // A store file that is not there holds no job: say so rather than create an empty one.

@@ -319,9 +319,10 @@ async fn connect(
     if let Some(addr) = &remote.addr {
         return Ok((client::connect(addr, &client_config).await?, None));
     }
-    // A one-shot command's orchestrator serves its call; it resumes no stored job.
+    // A one-shot command's orchestrator serves its call: it resumes no stored job and opens no HTTP port.
     let mut config = config.clone();
     config.orchestrator.resume_on_start = false;
+    config.orchestrator.http.listen.clear();
     let mesh = Mesh::start(services, &config, true).await?;
     let address = mesh.address(target).context("the in-process mesh runs the target service")?.to_owned();
     Ok((client::connect(&address, &client_config).await?, Some(mesh)))

@@ -136,7 +136,7 @@ pub struct Mesh {
 impl Mesh {
     /// Binds every listener first (so a port conflict fails before anything serves), then starts each service.
     /// With `ephemeral`, every service listens on a free loopback port instead of its configured address, the
-    /// orchestrator's HTTP port too (when `orchestrator.http.listen` names one). An
+    /// orchestrator's HTTP port too (when `orchestrator.http.listen` names one; one-shot commands clear it). An
     /// orchestrator started here is handed the addresses of the gateway, evaluator and reward started with it.
     pub async fn start(services: &[Service], config: &MeshConfig, ephemeral: bool) -> Result<Self, ServeError> {
         let mut bound = Vec::with_capacity(services.len());
