@@ -3,7 +3,7 @@
 //! recorded, not fatal; evaluations in flight bounded across episodes), bad input named by field or line, a
 //! missing peer named, and the job API (ListJobs, WatchJob's stages, ExportSamples' cursor, ResumeJob).
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

@@ -12,7 +12,7 @@ use kforge_proto::v1 as pb;
 use serde_json::{Value, json};
 use support::{python, start_mesh, submit_and_follow};
 
-mod support;
+use crate::support;
 
 /// Whether the venv has pyarrow (scripts/setup.sh --test installs it). Without it, reading the Parquet file back
 /// is a visible `SKIP:`, or a failure under `KFORGE_CI=1`.

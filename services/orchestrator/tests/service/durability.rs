@@ -5,7 +5,7 @@
 //! after a restart, and so is an evaluation stored before its scoring. Runs on SQLite, and on PostgreSQL in a
 //! throwaway cluster (a visible SKIP where its binaries are missing; a failure under KFORGE_CI=1).
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -5,7 +5,7 @@
 //! the named callers' quotas: one caller over its quota refused while another, and the shared token, go on; a
 //! caller acting on its own jobs only, a resumed job counted in flight again.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 

@@ -4,7 +4,7 @@
 //! INVALID_ARGUMENT (RESOURCE_EXHAUSTED where a named caller's quota applies) with a message naming the field, and
 //! nothing stored. Then every call that names a job, with ids that no job has: empty, 1 MB, odd characters.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

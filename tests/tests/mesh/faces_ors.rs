@@ -9,7 +9,7 @@ use std::time::Instant;
 use kforge::mesh::{MeshConfig, Service};
 use serde_json::{Value, json};
 
-const RELU: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
+const RELU: &str = include_str!("../../../examples/tasks/relu/candidates/cpu_loop.py");
 
 /// A server-sent event stream, read as the ORS clients read it: `field: value` lines (one leading space of the
 /// value dropped), `:` comments, an event at each blank line.

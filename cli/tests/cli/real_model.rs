@@ -8,9 +8,7 @@
 //! `kforge export` gives back, and each turn's flags recomputed from its response text. About 1 to 3 minutes on 2
 //! cores, nearly all of it generation (4 turns of at most 256 tokens) and, when the model wrote a kernel, evaluation.
 
-#[path = "../../tests/src/model_server.rs"]
-#[allow(dead_code)] // each test crate uses part of it
-mod model_server;
+use crate::model_server;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

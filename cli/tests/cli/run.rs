@@ -11,7 +11,7 @@ use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use support::{python, start_mesh, submit_and_follow};
 
-mod support;
+use crate::support;
 
 /// The evaluator's caches for one test, under cargo's target directory.
 fn evaluator_work_dir(test: &str) -> PathBuf {
@@ -22,7 +22,7 @@ const RELU_TIMES_TWO: &str =
     "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n";
 const RELU_TORCH: &str =
     "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n";
-const GELU_TANH: &str = include_str!("../../examples/tasks/gelu_tanh/candidates/builtin.py");
+const GELU_TANH: &str = include_str!("../../../examples/tasks/gelu_tanh/candidates/builtin.py");
 
 /// A replay record: (task, trajectory, turn) answered with `reasoning` and `text`.
 fn record(task: &str, trajectory: u32, turn: u32, reasoning: &str, text: &str) -> String {

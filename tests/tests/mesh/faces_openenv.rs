@@ -8,7 +8,7 @@ use kforge::mesh::{MeshConfig, Service};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
 
-const RELU: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
+const RELU: &str = include_str!("../../../examples/tasks/relu/candidates/cpu_loop.py");
 
 type Socket = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 

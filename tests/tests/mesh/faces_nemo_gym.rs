@@ -9,7 +9,7 @@ use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use reqwest::header::{COOKIE, HeaderMap, SET_COOKIE};
 use serde_json::{Value, json};
 
-const KERNEL: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
+const KERNEL: &str = include_str!("../../../examples/tasks/relu/candidates/cpu_loop.py");
 const TASK_ID: &str = "examples/relu";
 const NAME: &str = "kforge_nemo_gym";
 

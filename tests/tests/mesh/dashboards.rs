@@ -27,7 +27,7 @@ use kforge_server::client::ClientConfig;
 use serde_json::{Value, json};
 
 const TASK_ID: &str = "examples/relu";
-const TASK: &str = include_str!("../../examples/tasks/relu/task.py");
+const TASK: &str = include_str!("../../../examples/tasks/relu/task.py");
 const NAMESPACE: &str = "kforge-dashboards";
 const SERVICES: [(Service, &str); 4] = [
     (Service::Gateway, "kforge-gateway"),

@@ -8,8 +8,8 @@ use std::time::Duration;
 use kforge::mesh::{Mesh, Service};
 use serde_json::{Value, json};
 
-const TASK: &str = include_str!("../../examples/tasks/relu/task.py");
-const KERNEL: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
+const TASK: &str = include_str!("../../../examples/tasks/relu/task.py");
+const KERNEL: &str = include_str!("../../../examples/tasks/relu/candidates/cpu_loop.py");
 /// Statuses after which KernelGym's client stops polling.
 const TERMINAL: [&str; 4] = ["completed", "failed", "timeout", "cancelled"];
 /// A bound on each wait: a few CPU evaluations on a 2-core machine shared with builds.
