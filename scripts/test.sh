@@ -3,9 +3,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Disk, at each stage: the build, the venv and the tests' work directories take tens of GB together
+# (docs/DEPENDENCIES.md, "Build profile and disk").
+disk() { printf '    disk: %s free; target %s, .venv %s\n' "$(df -h --output=avail . | tail -n1 | tr -d ' ')" \
+  "$(du -sh target 2>/dev/null | cut -f1)" "$(du -sh .venv 2>/dev/null | cut -f1)"; }
+disk
+
 scripts/setup.sh --test
+disk
 # Set-up installed every tool the tests use, so a test that finds one missing fails instead of skipping.
 export KFORGE_CI=1
+# One build from clean: incremental compilation's caches would roughly double the workspace crates' share of
+# target/ and speed nothing up.
+export CARGO_INCREMENTAL=0
 
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
@@ -26,12 +36,16 @@ done
 # The images' Dockerfiles.
 .venv/bin/hadolint docker/*.Dockerfile
 
+disk
 echo "==> tests"
+status=0
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --locked --no-fail-fast
+  cargo nextest run --workspace --locked --no-fail-fast || status=$?
 else
-  cargo test --workspace --locked --no-fail-fast
+  cargo test --workspace --locked --no-fail-fast || status=$?
 fi
+disk
+[[ $status -eq 0 ]] || exit "$status"
 
 echo "==> python client: install with dev tools, ruff, mypy --strict, pytest against target/debug/kforge"
 cargo build -p kforge --bin kforge --locked
@@ -47,3 +61,4 @@ cargo build -p kforge --bin kforge --locked
   ../../.venv/bin/mypy
   KFORGE_BIN="$PWD/../../target/debug/kforge" ../../.venv/bin/pytest
 )
+disk
