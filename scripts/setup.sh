@@ -19,7 +19,7 @@ say() { printf '==> %s\n' "$*"; }
 
 command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (https://rustup.rs) first" >&2; exit 1; }
 
-# The evaluator runs each job as a user of its own where it is root (docs/EVALUATOR.md, "Sandbox"), so the
+# The evaluator runs each job as a user of its own where it is root (docs/evaluator/SANDBOX.md, "Job users"), so the
 # environment's interpreter must be one every user can run: the system's where it has venv, rather than one under
 # a private home directory (pyenv's, in /root). With another, job users are reported off and jobs run as root.
 base_python=python3

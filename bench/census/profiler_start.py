@@ -1,5 +1,5 @@
 """What the census's profiler costs to start, stop and read, on one GPU: the numbers behind the census's
-`census_start` phase (docs/EVALUATOR.md, "Throughput and the performance model").
+`census_start` phase (docs/evaluator/DEVICES.md, "Throughput and the performance model").
 
     python bench/census/profiler_start.py
 

@@ -1,5 +1,5 @@
 """How close a candidate's outputs sit to the evaluator's tolerance, over many input seeds, with and without the
-part of the tolerance relative to the output's mean |value| (`scale_rtol`, docs/EVALUATOR.md "Tolerances").
+part of the tolerance relative to the output's mean |value| (`scale_rtol`, docs/evaluator/OUTPUTS.md "Tolerances").
 
     python3 bench/kernelbench/tolerance_margin.py TASK.py CANDIDATE.py [--seeds 40]
 

@@ -203,7 +203,7 @@ impl Default for CacheLimits {
 }
 
 /// The error allowed per element of one dtype's outputs: `atol * min(1, peak) + rtol * |expected| + scale_rtol *
-/// typical`, `peak` and `typical` being the output's largest and mean finite `|expected|` (docs/EVALUATOR.md,
+/// typical`, `peak` and `typical` being the output's largest and mean finite `|expected|` (docs/evaluator/OUTPUTS.md,
 /// "Tolerances").
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

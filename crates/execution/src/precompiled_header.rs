@@ -2,7 +2,7 @@
 //!
 //! Every load_inline extension compiles a `main.cpp` that starts with `#include <torch/extension.h>` and declares
 //! the candidate's functions to Python. Reading that header is most of the file's cost (on the 2-core machine, 38 s
-//! of a 38 s compile without optimisation; 13 s with the header precompiled: docs/EVALUATOR.md). At start, the
+//! of a 38 s compile without optimisation; 13 s with the header precompiled: docs/evaluator/COMPILE.md). At start, the
 //! engine precompiles it in a trusted stage (harness mode `bindings_pch`: no candidate code) with the flags
 //! torch gives the bindings, for each set of extra flags in [`VARIANTS`], into a cache entry (`work_dir/pch/`,
 //! bounded by `cache_limits.bindings_pch_bytes`), beside a stub `torch/extension.h` that includes torch's own.

@@ -21,7 +21,7 @@ pub struct EvaluatorConfig {
     /// Caches (compiled artifacts, reference outputs, baselines) and per-evaluation scratch space.
     pub work_dir: PathBuf,
     /// Concurrent compiles; 0 means one per CPU core. (One per two cores, since a CUDA build now keeps about two
-    /// compilers busy, was measured on the H200 and showed no gain within run-to-run noise: docs/EVALUATOR.md.)
+    /// compilers busy, was measured on the H200 and showed no gain within run-to-run noise: docs/evaluator/COMPILE.md.)
     pub compile_workers: usize,
     /// Evaluations on one GPU at once. They share it for everything but timed work (timing loops and the census's
     /// recorded calls), which runs with every other process on the GPU stopped at a synchronised pause point.
@@ -33,7 +33,7 @@ pub struct EvaluatorConfig {
     pub gpu_stage_threads: usize,
     /// Memory-aware admission: each GPU's budget is its total memory times this fraction, and an evaluation whose
     /// task's footprint is known takes a slot only where it fits beside the footprints already there (or where
-    /// none is; docs/EVALUATOR.md, "Memory-aware admission"). The rest is left to what no footprint counts
+    /// none is; docs/evaluator/DEVICES.md, "Memory-aware admission"). The rest is left to what no footprint counts
     /// (the baseline computed ahead, allocator slack). 0: admission by slots alone.
     pub gpu_memory_fraction: f64,
     /// Evaluations admitted at once (queued or running); more get RESOURCE_EXHAUSTED with a retry hint.
@@ -51,15 +51,15 @@ pub struct EvaluatorConfig {
     pub sensitivity_check: bool,
     /// The most bytes of outputs one evaluation saves for its check, per side (candidate and reference): a task
     /// whose outputs are larger than this over all its trials keeps as many trials as fit, at least two (trial 0
-    /// and the sensitivity trial; docs/EVALUATOR.md, "Large outputs"). 0: every trial, whatever its size.
+    /// and the sensitivity trial; docs/evaluator/OUTPUTS.md, "Large outputs"). 0: every trial, whatever its size.
     pub output_bytes_budget: u64,
     /// Bytes of disk the evaluations' files may take at once (outputs on both sides and new reference entries);
-    /// each GPU evaluation reserves its share before its candidate starts (docs/EVALUATOR.md, "Disk"). 0: 60% of
-    /// the space available in `work_dir` when the evaluator starts.
+    /// each GPU evaluation reserves its share before its candidate starts (docs/evaluator/OUTPUTS.md, "Disk budget").
+    /// 0: 60% of the space available in `work_dir` when the evaluator starts.
     pub disk_budget_bytes: u64,
     /// A memory-backed directory (tmpfs) where a GPU evaluation's candidate outputs files go, when they fit, instead
-    /// of the disk (docs/EVALUATOR.md, "Outputs in memory"); empty, not memory-backed, or commands without job users
-    /// of their own: the disk.
+    /// of the disk (docs/evaluator/OUTPUTS.md, "Outputs in memory"); empty, not memory-backed, or commands without
+    /// job users of their own: the disk.
     pub memory_files_dir: PathBuf,
     /// Bytes those files may take in memory at once; 0: half the smaller of the directory's free room and the host's
     /// available memory when the evaluator starts.
@@ -80,7 +80,7 @@ pub struct EvaluatorConfig {
     /// How long and how precisely to time.
     pub timing: TimingBudget,
     /// With at least four CPUs per GPU: keep one CPU per GPU for the thread that launches its timed work; every
-    /// stage starts on the others (docs/EVALUATOR.md, "Timing").
+    /// stage starts on the others (docs/evaluator/TIMING.md, "Nothing competes for the launching CPU").
     pub reserve_timing_cpu: bool,
     /// A candidate faster than eager by more than this factor is timed again in a fresh process and the slower
     /// measurement counts; 0 turns the re-measurement off.
@@ -88,13 +88,13 @@ pub struct EvaluatorConfig {
     /// Whether baselines include torch.compile (it needs a C compiler and minutes per task on first use).
     pub baseline_torch_compile: bool,
     /// Which evaluations time the candidate and a fresh eager baseline in alternating rounds
-    /// (`[evaluator.paired_timing]`; docs/EVALUATOR.md, "Paired timing").
+    /// (`[evaluator.paired_timing]`; docs/evaluator/TIMING.md, "Paired timing").
     pub paired_timing: PairedTimingConfig,
     /// Whether a GPU evaluation starts its task's baseline when it arrives, beside its compile and outside the
     /// device's slots, rather than on its slot after the checks (off: the serial design).
     pub baselines_ahead: bool,
     /// How candidates' extensions are built: `kforge` (the light header, kforge's nvcc, and torch's extension header
-    /// precompiled for the bindings: docs/EVALUATOR.md, "Compile") or `stock` (exactly as load_inline builds them:
+    /// precompiled for the bindings: docs/evaluator/COMPILE.md) or `stock` (exactly as load_inline builds them:
     /// the serial design the benchmark compares with, and a way back should the recipe misjudge a new torch).
     pub build_recipe: BuildRecipe,
     /// With kforge's recipe: precompile torch's extension header for the bindings at start (about 0.8 GB per flag

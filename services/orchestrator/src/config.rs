@@ -90,7 +90,7 @@ impl Default for HttpConfig {
 
 /// The largest job SubmitJob and StartEpisode accept; a spec over one is INVALID_ARGUMENT naming its field and the
 /// key. Each bounds what one job can make the orchestrator do and store: with the measured size of a turn in the
-/// store, `total_turns` bounds a job's share of the disk (docs/ORCHESTRATOR.md, "Limits and quotas"). 0: no limit.
+/// store, `total_turns` bounds a job's share of the disk (docs/orchestrator/LIMITS.md, "Limits"). 0: no limit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {

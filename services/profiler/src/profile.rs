@@ -91,7 +91,8 @@ impl Profiling {
             readable: ncu.installation.clone(),
             // CUDA names its threads through /proc/self/task/*/comm. The sandbox grants a job its own /proc/<pid>,
             // but under Nsight Compute the interpreter is the job's child, which only a rule on /proc covers
-            // (without it: CUDA error 304 at initialisation, measured on the H100 machine). docs/THREAT_MODEL.md.
+            // (without it: CUDA error 304 at initialisation, measured on the H100 machine).
+            // docs/threat_model/KNOWN_LIMITS.md.
             writable: vec![dir.path.clone(), PathBuf::from("/proc")],
             // Nsight Compute writes its settings under HOME and a lock under TMPDIR.
             env: vec![("HOME".into(), dir.path.join("home").into()), ("TMPDIR".into(), dir.path.join("tmp").into())],

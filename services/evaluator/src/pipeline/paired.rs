@@ -1,4 +1,4 @@
-//! Paired timing (docs/EVALUATOR.md, "Paired timing"): a fresh baseline process, started beside the candidate's,
+//! Paired timing (docs/evaluator/TIMING.md, "Paired timing"): a fresh baseline process, started beside the candidate's,
 //! times the reference eagerly in rounds that alternate with the candidate's timing rounds (`devices::pairing`),
 //! and the speedup is the median over the rounds of each round's ratio. Load that comes and goes on a shared
 //! machine slows both sides of a pair of rounds alike, so the ratio keeps to the kernel; the cached baseline, timed

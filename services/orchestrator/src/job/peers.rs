@@ -83,7 +83,7 @@ pub(super) fn call_span(method: &'static str) -> tracing::Span {
     tracing::info_span!("call", otel.name = method, otel.kind = "client", rpc.method = method)
 }
 
-/// The notice of an evaluation whose paired timing spread beyond the evaluator's bound (docs/EVALUATOR.md,
+/// The notice of an evaluation whose paired timing spread beyond the evaluator's bound (docs/evaluator/TIMING.md,
 /// "Paired timing").
 const UNSTEADY: &str = "timing.unsteady";
 
