@@ -11,7 +11,7 @@
 #
 # llama.cpp is built for a portable x86-64 CPU: AVX2, FMA, F16C and BMI2, but no AVX-512, AVX-VNNI or AMX code,
 # and no -march=native (a native build died with "Illegal instruction" at the first completion on these machines).
-# The build takes 5 to 14 minutes on 2 cores (9.6 min of CPU), once: pip keeps the wheel in its cache
+# The build takes 3.5 to 5.5 minutes on 2 cores (9 min of CPU), once: pip keeps the wheel in its cache
 # (~/.cache/pip/wheels, 20 MB), and installing from there takes 3 s. pip's cache key is the version, not CMAKE_ARGS:
 # a wheel built by hand with other flags is reused as it is; `.venv/bin/pip cache remove llama_cpp_python` forgets it.
 # Idempotent: a second run only checks (1 s), and prints only the path.
