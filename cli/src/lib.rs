@@ -4,10 +4,12 @@
 //! - [`run`]: the main job's embedded default (the replay model), its progress and its report.
 //! - [`call`]: call any RPC of the contract with proto3 JSON in and out, through reflection-free descriptors.
 //! - [`export`]: a job's training samples as JSONL or Parquet.
+//! - [`doctor`]: what this machine can do for kforge, and how to fix what it cannot.
 //! - [`scratch`]: `kforge run`'s scratch directory, and the removal of those killed runs left behind.
 //! - [`stdout`]: writing a command's output, where a reader that went away ends the command quietly.
 
 pub mod call;
+pub mod doctor;
 pub mod export;
 pub mod mesh;
 pub mod run;

@@ -61,6 +61,14 @@ enum Command {
     Eval(EvalArgs),
     /// Write a job's training samples as JSONL or Parquet, one sample per recorded turn.
     Export(kforge::export::ExportArgs),
+    /// What this machine can do for kforge and, where it cannot, why and how to fix it: the evaluator's
+    /// interpreter, GPUs and driver, compilers, Nsight Compute and its counters, the sandbox, disk, /dev/shm and the
+    /// configured ports. Exits with 1 where the evaluator cannot run candidates.
+    Doctor {
+        /// Print the checks as JSON (`{"evaluator_can_run", "checks": [{"name", "state", "detail", "fix"}]}`).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Where a command's RPCs go.
@@ -279,7 +287,10 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let config = MeshConfig::load(cli.config.as_deref())?;
     // Servers log at info; commands whose stdout is the product stay quiet unless RUST_LOG says otherwise.
-    let quiet = matches!(cli.command, Command::Call { .. } | Command::Eval(_) | Command::Run(_) | Command::Export(_));
+    let quiet = matches!(
+        cli.command,
+        Command::Call { .. } | Command::Eval(_) | Command::Run(_) | Command::Export(_) | Command::Doctor { .. }
+    );
     let _telemetry = kforge_telemetry::init("kforge", if quiet { "warn" } else { "info" })?;
     match cli.command {
         Command::Serve { service } => {
@@ -304,6 +315,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) => run_command(&config, *args).await?,
         Command::Eval(args) => eval_command(&config, args).await?,
         Command::Export(args) => kforge::export::command(&config, args).await?,
+        Command::Doctor { json } => doctor_command(&config, json).await?,
     }
     Ok(())
 }
@@ -349,6 +361,20 @@ async fn call_command(config: &MeshConfig, target: &str, deadline: Option<f64>, 
     drain(mesh).await?;
     for response in result? {
         kforge::stdout::println(&call::to_json(&response)?)?;
+    }
+    Ok(())
+}
+
+async fn doctor_command(config: &MeshConfig, json: bool) -> anyhow::Result<()> {
+    let evidence = kforge::doctor::gather(config).await;
+    let report = kforge::doctor::Report::new(kforge::doctor::checks(&evidence));
+    if json {
+        kforge::stdout::println(&serde_json::to_string_pretty(&report)?)?;
+    } else {
+        kforge::stdout::print(&report.render())?;
+    }
+    if !report.evaluator_can_run {
+        bail!("the evaluator cannot run candidates here");
     }
     Ok(())
 }

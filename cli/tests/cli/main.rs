@@ -2,6 +2,7 @@
 //! runs each test in a process of its own).
 
 mod contract;
+mod doctor;
 mod export;
 mod gateway;
 #[path = "../../../tests/src/model_server.rs"]

@@ -101,6 +101,12 @@ pub fn available_bytes(path: &Path) -> Option<u64> {
     Some(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
+/// The size in bytes of the filesystem holding `path`.
+pub fn total_bytes(path: &Path) -> Option<u64> {
+    let stat = rustix::fs::statvfs(path).ok()?;
+    Some(stat.f_blocks.saturating_mul(stat.f_frsize))
+}
+
 /// The disk budget shared by every run of this engine, and each task's sizes once known.
 ///
 /// Waiters are served in order, so a large reservation at the head is never starved, but then every evaluation

@@ -208,6 +208,12 @@ impl Engine {
             sandbox,
             versions,
             queue_capacity: inner.config.queue_capacity as u32,
+            python: match &inner.python {
+                Ok(env) => env.python.display().to_string(),
+                Err(reason) => reason.to_string(),
+            },
+            disk_budget_bytes: inner.disk.capacity(),
+            memory_files_bytes: inner.memory_files.as_ref().map_or(0, |files| files.budget().capacity()),
         }
     }
 
