@@ -269,7 +269,8 @@ fn sandbox_check(protection: &pb::SandboxProtection, has_gpu: bool) -> Check {
         "process_limit" => Some("a pids cgroup the evaluator may write (cgroup v1 pids, or a delegated v2 subtree)"),
         "network_namespace" => Some("unprivileged user namespaces, or the evaluator run as root"),
         "device_health_probe" => Some(
-            "build it beside kforge: `cargo build --release --locked -p kforge-evaluator --bin kforge-device-probe`",
+            "build it beside kforge: `cargo build --locked --bin kforge-device-probe` (with `--release` beside \
+                 target/release/kforge)",
         ),
         _ => None,
     };
