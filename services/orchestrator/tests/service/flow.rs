@@ -10,58 +10,12 @@ use std::path::Path;
 use kforge_orchestrator::OrchestratorConfig;
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
-use support::{Answer, Hold, key};
+use support::{Answer, Hold, key, orchestrator};
 use tonic::transport::Channel;
 
 /// A valid KernelBench-format task.
 const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
                     def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
-
-struct Running {
-    client: OrchestratorClient<Channel>,
-    /// `host:port` the orchestrator serves on (gRPC and `/metrics`).
-    address: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    served: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    async fn shutdown(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        (&mut self.served).await.expect("the orchestrator stops");
-    }
-}
-
-async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -> Running {
-    let mut config = OrchestratorConfig {
-        store: "sqlite::memory:".into(),
-        peers: kforge_orchestrator::PeersConfig {
-            gateway: peers.into(),
-            evaluator: peers.into(),
-            reward: peers.into(),
-            profiler: peers.into(),
-            client: Default::default(),
-        },
-        retry: kforge_orchestrator::RetryConfig { attempts: 8, initial_backoff_ms: 1, max_backoff_ms: 4 },
-        ..Default::default()
-    };
-    tune(&mut config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let host_port = listener.local_addr().expect("address").to_string();
-    let address = format!("http://{host_port}");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(async move {
-        kforge_orchestrator::serve_with_http(config, listener, None, async {
-            let _ = stopped.await;
-        })
-        .await
-        .expect("serves");
-    });
-    let channel = support::wait_ready(&address, std::time::Duration::from_secs(30)).await;
-    Running { client: OrchestratorClient::new(channel), address: host_port, stop: Some(stop), served }
-}
 
 fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
     pb::JobSpec {

@@ -8,7 +8,6 @@ use crate::support;
 
 use std::path::Path;
 
-use kforge_orchestrator::OrchestratorConfig;
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use kforge_server::auth::{Outbound, Token};
@@ -100,22 +99,17 @@ async fn hostile_submissions_are_refused_naming_the_field_and_nothing_is_stored(
     let empty_dir = dir.join("prompts-of-nothing");
     std::fs::create_dir_all(&empty_dir).expect("a directory");
 
-    let mut config = OrchestratorConfig {
-        store: "sqlite::memory:".into(),
-        peers: kforge_orchestrator::PeersConfig {
-            gateway: peers.clone(),
-            evaluator: peers.clone(),
-            reward: peers.clone(),
-            profiler: peers.clone(),
-            client: Default::default(),
-        },
-        ..Default::default()
-    };
-    config.server.auth.token_file = Some(dir.join("shared.token"));
-    std::fs::write(dir.join("shared.token"), "shared-token").expect("a token");
-    config.server.callers = vec![CallerConfig { name: "alice".into(), token_file: Some(token_file), token_env: None }];
-    config.quotas = kforge_orchestrator::QuotasConfig { jobs_in_flight: 1, turns_per_hour: 40 };
-    let (channel, stop, served) = start(config).await;
+    let shared_token = dir.join("shared.token");
+    std::fs::write(&shared_token, "shared-token").expect("a token");
+    let running = support::orchestrator(&peers, |config| {
+        config.retry = Default::default();
+        config.server.auth.token_file = Some(shared_token);
+        config.server.callers =
+            vec![CallerConfig { name: "alice".into(), token_file: Some(token_file), token_env: None }];
+        config.quotas = kforge_orchestrator::QuotasConfig { jobs_in_flight: 1, turns_per_hour: 40 };
+    })
+    .await;
+    let channel = running.channel.clone();
     let mut alice: Client =
         OrchestratorClient::with_interceptor(channel.clone(), Outbound::new(Some(Token::new("alice-token"))))
             .max_decoding_message_size(64 * MB)
@@ -451,8 +445,7 @@ async fn hostile_submissions_are_refused_naming_the_field_and_nothing_is_stored(
     );
     assert_eq!(alice.list_jobs(pb::ListJobsRequest::default()).await.expect("listed").into_inner().jobs.len(), 1);
 
-    let _ = stop.send(());
-    served.await.expect("the orchestrator stops without a panic");
+    running.shutdown().await;
 }
 
 fn job(spec: pb::JobSpec) -> pb::SubmitJobRequest {
@@ -464,18 +457,4 @@ async fn first<T>(
     response: Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>,
 ) -> Result<Option<T>, tonic::Status> {
     response?.into_inner().message().await
-}
-
-async fn start(config: OrchestratorConfig) -> (Channel, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = format!("http://{}", listener.local_addr().expect("address"));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(async move {
-        kforge_orchestrator::serve_with_http(config, listener, None, async {
-            let _ = stopped.await;
-        })
-        .await
-        .expect("serves");
-    });
-    (support::wait_ready(&address, std::time::Duration::from_secs(30)).await, stop, served)
 }

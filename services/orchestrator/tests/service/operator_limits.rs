@@ -24,52 +24,18 @@ const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forwa
 
 type Client = OrchestratorClient<InterceptedService<Channel, Outbound>>;
 
-struct Running {
-    channel: Channel,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    served: tokio::task::JoinHandle<()>,
+/// A client of `running` presenting `token` (none: no `authorization` metadata).
+fn with_token(running: &support::Running, token: Option<&str>) -> Client {
+    OrchestratorClient::with_interceptor(running.channel.clone(), Outbound::new(token.map(Token::new)))
 }
 
-impl Running {
-    /// A client presenting `token` (none: no `authorization` metadata).
-    fn client(&self, token: Option<&str>) -> Client {
-        OrchestratorClient::with_interceptor(self.channel.clone(), Outbound::new(token.map(Token::new)))
-    }
-
-    async fn shutdown(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        (&mut self.served).await.expect("the orchestrator stops");
-    }
-}
-
-async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -> Running {
-    let mut config = OrchestratorConfig {
-        store: "sqlite::memory:".into(),
-        peers: kforge_orchestrator::PeersConfig {
-            gateway: peers.into(),
-            evaluator: peers.into(),
-            reward: peers.into(),
-            profiler: peers.into(),
-            client: Default::default(),
-        },
-        retry: kforge_orchestrator::RetryConfig { attempts: 2, initial_backoff_ms: 1, max_backoff_ms: 2 },
-        ..Default::default()
-    };
-    tune(&mut config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = format!("http://{}", listener.local_addr().expect("address"));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(async move {
-        kforge_orchestrator::serve_with_http(config, listener, None, async {
-            let _ = stopped.await;
-        })
-        .await
-        .expect("serves");
-    });
-    let channel = support::wait_ready(&address, std::time::Duration::from_secs(30)).await;
-    Running { channel, stop: Some(stop), served }
+/// The orchestrator with two quick attempts per call, so that a failing peer fails its turn at once.
+async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -> support::Running {
+    support::orchestrator(peers, |config| {
+        config.retry = kforge_orchestrator::RetryConfig { attempts: 2, initial_backoff_ms: 1, max_backoff_ms: 2 };
+        tune(config);
+    })
+    .await
 }
 
 fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
@@ -124,7 +90,7 @@ fn assert_refused(result: Result<impl std::fmt::Debug, tonic::Status>, code: ton
 async fn jobs_over_the_limits_are_refused_naming_the_field_and_the_limit() {
     let (peers, fakes) = support::start_fakes().await;
     let running = orchestrator(&peers, |_| {}).await;
-    let mut client = running.client(None);
+    let mut client = with_token(&running, None);
     let invalid = tonic::Code::InvalidArgument;
     // The defaults: the submissions that were once accepted and flooded the store.
     assert_refused(
@@ -155,7 +121,7 @@ async fn jobs_over_the_limits_are_refused_naming_the_field_and_the_limit() {
         };
     })
     .await;
-    let mut client = running.client(None);
+    let mut client = with_token(&running, None);
     assert_refused(
         submit(&mut client, spec(&["a", "b", "c"], 1, 1)).await,
         invalid,
@@ -186,7 +152,7 @@ async fn jobs_over_the_limits_are_refused_naming_the_field_and_the_limit() {
 async fn an_inline_task_that_is_not_python_is_refused_at_submission() {
     let (peers, fakes) = support::start_fakes().await;
     let running = orchestrator(&peers, |_| {}).await;
-    let mut client = running.client(None);
+    let mut client = with_token(&running, None);
     let cuda = "#include <cuda_runtime.h>\n__global__ void relu(float* x) { x[threadIdx.x] = 0; }\n";
     let mut job = spec(&["good", "cuda"], 1, 1);
     job.tasks[1].source = cuda.into();
@@ -219,7 +185,7 @@ async fn the_breaker_fails_a_job_whose_turns_keep_failing_the_same_way() {
         c.max_concurrent_episodes = 1;
     })
     .await;
-    let mut client = running.client(None);
+    let mut client = with_token(&running, None);
     for trajectory in 0..64 {
         fakes.fail_generation(&key("a", trajectory, 0));
     }
@@ -297,9 +263,9 @@ async fn a_caller_over_its_quota_is_refused_while_another_goes_on() {
         c.quotas = kforge_orchestrator::QuotasConfig { jobs_in_flight: 1, turns_per_hour: 10 };
     })
     .await;
-    let (mut alice, mut bob) = (running.client(Some("alice-token")), running.client(Some("bob-token")));
-    let mut shared = running.client(Some("shared-token"));
-    let status = submit(&mut running.client(None), spec(&["a"], 1, 1)).await.expect_err("no token");
+    let (mut alice, mut bob) = (with_token(&running, Some("alice-token")), with_token(&running, Some("bob-token")));
+    let mut shared = with_token(&running, Some("shared-token"));
+    let status = submit(&mut with_token(&running, None), spec(&["a"], 1, 1)).await.expect_err("no token");
     assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
     // Evaluations wait until the test lets them go: the jobs stay in flight.
     let gate = fakes.gate_evaluations();
@@ -355,7 +321,7 @@ async fn a_caller_over_its_quota_is_refused_while_another_goes_on() {
         c.server.callers = vec![caller("alice")];
     })
     .await;
-    let job = submit(&mut running.client(Some("alice-token")), spec(&["a"], 1, 1)).await.expect("no quotas");
+    let job = submit(&mut with_token(&running, Some("alice-token")), spec(&["a"], 1, 1)).await.expect("no quotas");
     assert_eq!(job.caller, "alice");
     running.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -374,8 +340,8 @@ async fn a_caller_acts_on_its_own_jobs_and_a_resumed_job_is_in_flight_again() {
         c.quotas = kforge_orchestrator::QuotasConfig { jobs_in_flight: 1, turns_per_hour: 0 };
     })
     .await;
-    let (mut alice, mut bob) = (running.client(Some("alice-token")), running.client(Some("bob-token")));
-    let mut shared = running.client(Some("shared-token"));
+    let (mut alice, mut bob) = (with_token(&running, Some("alice-token")), with_token(&running, Some("bob-token")));
+    let mut shared = with_token(&running, Some("shared-token"));
     // Evaluations wait until the test lets them go: the jobs stay in flight.
     let gate = fakes.gate_evaluations();
     let first = submit(&mut alice, spec(&["a"], 1, 2)).await.expect("within alice's quota");
