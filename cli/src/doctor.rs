@@ -152,8 +152,8 @@ pub fn checks(evidence: &Evidence) -> Vec<Check> {
     if let Ok(caps) = &evidence.evaluator
         && !caps.versions.is_empty()
     {
-        let versions: Vec<String> = caps.versions.iter().map(|(name, version)| format!("{name} {version}")).collect();
-        let mut versions = versions;
+        let mut versions: Vec<String> =
+            caps.versions.iter().map(|(name, version)| format!("{name} {version}")).collect();
         versions.sort();
         checks.push(Check::new("versions", State::Ok, versions.join(", ")));
     }
@@ -338,9 +338,7 @@ fn port_check(port: &Port) -> Check {
 /// evaluator's and the profiler's capabilities from instances started in this process, then the host.
 pub async fn gather(config: &MeshConfig) -> Evidence {
     let ports = configured_ports(config);
-    let mut config = config.clone();
-    config.orchestrator.http.listen.clear();
-    let (evaluator, profiler) = match Mesh::start(&[Service::Evaluator, Service::Profiler], &config, true).await {
+    let (evaluator, profiler) = match Mesh::start(&[Service::Evaluator, Service::Profiler], config, true).await {
         Ok(mesh) => {
             let evaluator = evaluator_capabilities(&mesh).await;
             let profiler = profiler_capabilities(&mesh).await;
