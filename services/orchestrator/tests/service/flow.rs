@@ -3,7 +3,7 @@
 //! recorded, not fatal; evaluations in flight bounded across episodes), bad input named by field or line, a
 //! missing peer named, and the job API (ListJobs, WatchJob's stages, ExportSamples' cursor, ResumeJob).
 
-use crate::support;
+use crate::support::{self, TASK, spec};
 
 use std::path::Path;
 
@@ -12,23 +12,6 @@ use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use support::{Answer, Hold, key, orchestrator};
 use tonic::transport::Channel;
-
-/// A valid KernelBench-format task.
-const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
-                    def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
-
-fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
-    pb::JobSpec {
-        kind: pb::JobKind::Rollout.into(),
-        recipe: "single-turn".into(),
-        task_set: "inline".into(),
-        tasks: tasks.iter().map(|id| pb::Task { task_id: (*id).into(), source: TASK.into() }).collect(),
-        model: "fake".into(),
-        trajectories_per_task: trajectories,
-        turns,
-        ..Default::default()
-    }
-}
 
 async fn submit(client: &mut OrchestratorClient<Channel>, spec: pb::JobSpec) -> Result<pb::Job, tonic::Status> {
     client

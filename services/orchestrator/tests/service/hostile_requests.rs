@@ -4,7 +4,7 @@
 //! INVALID_ARGUMENT (RESOURCE_EXHAUSTED where a named caller's quota applies) with a message naming the field, and
 //! nothing stored. Then every call that names a job, with ids that no job has: empty, 1 MB, odd characters.
 
-use crate::support;
+use crate::support::{self, TASK};
 
 use std::path::Path;
 
@@ -15,10 +15,6 @@ use kforge_server::config::CallerConfig;
 use tonic::Code;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
-
-/// A valid KernelBench-format task.
-const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
-                    def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
 
 const MB: usize = 1024 * 1024;
 

@@ -5,7 +5,7 @@
 //! the named callers' quotas: one caller over its quota refused while another, and the shared token, go on; a
 //! caller acting on its own jobs only, a resumed job counted in flight again.
 
-use crate::support;
+use crate::support::{self, TASK, spec};
 
 use std::path::{Path, PathBuf};
 
@@ -17,10 +17,6 @@ use kforge_server::config::CallerConfig;
 use support::{Answer, key};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
-
-/// A valid KernelBench-format task.
-const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
-                    def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
 
 type Client = OrchestratorClient<InterceptedService<Channel, Outbound>>;
 
@@ -36,19 +32,6 @@ async fn orchestrator(peers: &str, tune: impl FnOnce(&mut OrchestratorConfig)) -
         tune(config);
     })
     .await
-}
-
-fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
-    pb::JobSpec {
-        kind: pb::JobKind::Rollout.into(),
-        recipe: "single-turn".into(),
-        task_set: "inline".into(),
-        tasks: tasks.iter().map(|id| pb::Task { task_id: (*id).into(), source: TASK.into() }).collect(),
-        model: "fake".into(),
-        trajectories_per_task: trajectories,
-        turns,
-        ..Default::default()
-    }
 }
 
 async fn submit(client: &mut Client, spec: pb::JobSpec) -> Result<pb::Job, tonic::Status> {

@@ -444,6 +444,24 @@ pub async fn start_fakes() -> (String, Arc<State>) {
     (format!("http://{address}"), state)
 }
 
+/// A valid KernelBench-format task.
+pub const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
+                    def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
+
+/// A single-turn rollout over inline copies of [`TASK`] named `tasks`, for the `fake` model.
+pub fn spec(tasks: &[&str], trajectories: u32, turns: u32) -> pb::JobSpec {
+    pb::JobSpec {
+        kind: pb::JobKind::Rollout.into(),
+        recipe: "single-turn".into(),
+        task_set: "inline".into(),
+        tasks: tasks.iter().map(|id| pb::Task { task_id: (*id).into(), source: TASK.into() }).collect(),
+        model: "fake".into(),
+        trajectories_per_task: trajectories,
+        turns,
+        ..Default::default()
+    }
+}
+
 /// The orchestrator in this process: its real `serve_with_http` on an ephemeral port, an in-memory SQLite store,
 /// every peer at `peers`, eight attempts per call with a backoff of 1-4 ms; `tune` changes the configuration first.
 pub async fn orchestrator(peers: &str, tune: impl FnOnce(&mut kforge_orchestrator::OrchestratorConfig)) -> Running {
