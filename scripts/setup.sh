@@ -105,7 +105,7 @@ if $want_test_tools; then
 fi
 
 # The dev profile by default: a cold build takes a third of a release build's time on 2 cores, and a job's time is
-# the candidates' Python, not kforge's code (bench/results/setup-time-2026-11-28). The tests build their own.
+# the candidates' Python, not kforge's code (bench/results/setup-time/2026-11-28). The tests build their own.
 if ! $want_test_tools; then
   # On a machine with an NVIDIA driver, also the evaluator's device health probe, which kforge runs from beside
   # itself after a device fault (`kforge doctor` reports it missing otherwise).

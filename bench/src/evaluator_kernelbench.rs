@@ -21,75 +21,62 @@ use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics};
 use kforge_proto::v1 as pb;
 use serde_json::json;
 
+/// Evaluates kforge's own candidates for KernelBench tasks through the evaluator library and writes one JSON line
+/// per result.
+#[derive(clap::Parser)]
+#[command(name = "evaluator-kernelbench")]
 struct Args {
+    /// KernelBench's tasks (the folder holding level1/, level2/, level3/).
+    #[arg(long)]
     kernelbench: PathBuf,
+    /// The candidates and their manifest.json, as `bench/kernelbench/make_candidates.py` writes them.
+    #[arg(long)]
     candidates: PathBuf,
+    /// The Python that runs the candidates.
+    #[arg(long, default_value = "python3")]
     python: PathBuf,
+    /// The evaluator's work directory.
+    #[arg(long, default_value = ".kforge/bench-evaluator")]
     work: PathBuf,
+    /// The file the JSON lines go to, one per result (none without it; the table goes to standard output).
+    #[arg(long)]
     out: Option<PathBuf>,
+    /// Leaves torch.compile out of the baselines.
+    #[arg(long = "no-torch-compile", action = clap::ArgAction::SetFalse)]
     torch_compile: bool,
+    /// Correctness trials per evaluation.
+    #[arg(long, default_value_t = 5)]
     trials: u32,
+    /// Evaluates only the candidates whose task contains this string.
+    #[arg(long)]
     only: Option<String>,
+    /// The evaluator's `gpu_slots` (default: the evaluator's default).
+    #[arg(long)]
     gpu_slots: Option<usize>,
+    /// How many evaluations are submitted at once (default: all of them).
+    #[arg(long)]
     in_flight: Option<usize>,
+    /// Runs the jobs without Landlock.
+    #[arg(long = "no-landlock", action = clap::ArgAction::SetFalse)]
     landlock: bool,
+    /// Runs the jobs without a network namespace.
+    #[arg(long = "no-network-namespace", action = clap::ArgAction::SetFalse)]
     network_namespace: bool,
+    /// Evaluates each candidate a second time as soon as its first evaluation ends (`pass`: `cold`, then `warm`).
+    #[arg(long)]
     again: bool,
+    /// The evaluator's `memory_files_dir` ("" keeps the outputs files on the disk; default `/dev/shm`).
+    #[arg(long, value_parser = any_path)]
     memory_files_dir: Option<PathBuf>,
 }
 
-fn args() -> Result<Args, String> {
-    let mut args = Args {
-        kernelbench: PathBuf::new(),
-        candidates: PathBuf::new(),
-        python: PathBuf::from("python3"),
-        work: PathBuf::from(".kforge/bench-evaluator"),
-        out: None,
-        torch_compile: true,
-        trials: 5,
-        only: None,
-        gpu_slots: None,
-        in_flight: None,
-        landlock: true,
-        network_namespace: true,
-        again: false,
-        memory_files_dir: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--kernelbench" => args.kernelbench = value()?.into(),
-            "--candidates" => args.candidates = value()?.into(),
-            "--python" => args.python = value()?.into(),
-            "--work" => args.work = value()?.into(),
-            "--out" => args.out = Some(value()?.into()),
-            "--trials" => args.trials = value()?.parse().map_err(|e| format!("--trials: {e}"))?,
-            "--only" => args.only = Some(value()?),
-            "--in-flight" => args.in_flight = Some(value()?.parse().map_err(|e| format!("--in-flight: {e}"))?),
-            "--gpu-slots" => args.gpu_slots = Some(value()?.parse().map_err(|e| format!("--gpu-slots: {e}"))?),
-            "--no-torch-compile" => args.torch_compile = false,
-            "--no-landlock" => args.landlock = false,
-            "--no-network-namespace" => args.network_namespace = false,
-            "--again" => args.again = true,
-            "--memory-files-dir" => args.memory_files_dir = Some(value()?.into()),
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if args.kernelbench.as_os_str().is_empty() || args.candidates.as_os_str().is_empty() {
-        return Err("--kernelbench and --candidates are required".into());
-    }
-    Ok(args)
+/// A path, the empty one included (clap's own path parser refuses it).
+fn any_path(text: &str) -> Result<PathBuf, std::convert::Infallible> {
+    Ok(PathBuf::from(text))
 }
 
 fn main() -> std::process::ExitCode {
-    let args = match args() {
-        Ok(args) => args,
-        Err(message) => {
-            eprintln!("evaluator-kernelbench: {message}");
-            return std::process::ExitCode::from(2);
-        }
-    };
+    let args = <Args as clap::Parser>::parse();
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(run(args))
 }

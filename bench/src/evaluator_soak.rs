@@ -27,60 +27,53 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-#[derive(Debug)]
+/// Soak: many evaluations, a share of them hostile or crashing, through one evaluator process.
+#[derive(Debug, clap::Parser)]
+#[command(name = "evaluator-soak")]
 struct Args {
+    /// The evaluator binary (`kforge-evaluator`) to start, once for the clean run and once for the soak.
+    #[arg(long)]
     evaluator: PathBuf,
+    /// The Python that runs the candidates (default: the evaluator's default).
+    #[arg(long)]
     python: Option<PathBuf>,
+    /// The work directory; the clean run and the soak use its `clean/` and `soak/`.
+    #[arg(long, default_value = ".kforge/bench-soak")]
     work: PathBuf,
+    /// The backend the candidates are evaluated on: cpu or cuda.
+    #[arg(long, default_value = "cpu", value_parser = backend)]
     backend: pb::Backend,
+    /// Requests sent to the soak's evaluator.
+    #[arg(long, default_value_t = 200)]
     count: usize,
+    /// The share of the requests that are exploits and failure fixtures, in [0, 1].
+    #[arg(long, default_value_t = 0.3)]
     hostile: f64,
+    /// Requests in flight at once (at least 1).
+    #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// The evaluator's run timeout, in seconds.
+    #[arg(long, default_value_t = 40)]
     run_timeout: u64,
+    /// Checks correctness only: no timing, no census.
+    #[arg(long = "correctness-only", action = clap::ArgAction::SetFalse)]
     measure: bool,
+    /// Where the soak's JSON lines go.
+    #[arg(long)]
     out: Option<PathBuf>,
 }
 
+fn backend(text: &str) -> Result<pb::Backend, String> {
+    match text {
+        "cpu" => Ok(pb::Backend::Cpu),
+        "cuda" => Ok(pb::Backend::Cuda),
+        other => Err(format!("{other} (cpu or cuda)")),
+    }
+}
+
 fn args() -> Result<Args, String> {
-    let mut args = Args {
-        evaluator: PathBuf::new(),
-        python: None,
-        work: PathBuf::from(".kforge/bench-soak"),
-        backend: pb::Backend::Cpu,
-        count: 200,
-        hostile: 0.3,
-        concurrency: 8,
-        run_timeout: 40,
-        measure: true,
-        out: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
-        let number = |text: String| text.parse::<f64>().map_err(|e| format!("{arg}: {e}"));
-        match arg.as_str() {
-            "--evaluator" => args.evaluator = value()?.into(),
-            "--python" => args.python = Some(value()?.into()),
-            "--work" => args.work = value()?.into(),
-            "--backend" => {
-                args.backend = match value()?.as_str() {
-                    "cpu" => pb::Backend::Cpu,
-                    "cuda" => pb::Backend::Cuda,
-                    other => return Err(format!("--backend: {other} (cpu or cuda)")),
-                }
-            }
-            "--count" => args.count = number(value()?)? as usize,
-            "--hostile" => args.hostile = number(value()?)?,
-            "--concurrency" => args.concurrency = (number(value()?)? as usize).max(1),
-            "--run-timeout" => args.run_timeout = number(value()?)? as u64,
-            "--out" => args.out = Some(value()?.into()),
-            "--correctness-only" => args.measure = false,
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if args.evaluator.as_os_str().is_empty() {
-        return Err("--evaluator BIN is required".into());
-    }
+    let mut args = <Args as clap::Parser>::parse();
+    args.concurrency = args.concurrency.max(1);
     if !(0.0..=1.0).contains(&args.hostile) {
         return Err("--hostile is a fraction in [0, 1]".into());
     }

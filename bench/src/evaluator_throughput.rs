@@ -45,67 +45,52 @@ use kforge_execution::devices::GateAccount;
 use kforge_proto::v1 as pb;
 use serde_json::{Value, json};
 
+/// Evaluations per hour of kforge's pipeline against a serial evaluator, side by side, on one machine.
+#[derive(clap::Parser)]
+#[command(name = "evaluator-throughput")]
 struct Args {
+    /// KernelBench's tasks (the folder holding level1/, level2/, level3/).
+    #[arg(long)]
     kernelbench: PathBuf,
+    /// The candidates and their manifest.json, as `bench/kernelbench/make_candidates.py --mixed` writes them.
+    #[arg(long)]
     candidates: PathBuf,
+    /// The Python that runs the candidates.
+    #[arg(long, default_value = "python3")]
     python: PathBuf,
+    /// The evaluators' work directory.
+    #[arg(long, default_value = ".kforge/bench-throughput")]
     work: PathBuf,
+    /// Where the report (summary.json) and the pipeline's evaluations.jsonl go.
+    #[arg(long)]
     out: Option<PathBuf>,
+    /// Evaluates the manifest's first N candidates in turn through the serial design.
+    #[arg(long, default_value_t = 4)]
     serial: usize,
+    /// Evaluates N candidates again through the pipeline's warm evaluator (compile cache hits).
+    #[arg(long, default_value_t = 4)]
     repeat: usize,
+    /// Compiles N CUDA candidates one at a time through the warm pipeline (`compile_alone_s`).
+    #[arg(long, default_value_t = 0)]
     alone: usize,
+    /// Runs the jobs without Landlock.
+    #[arg(long = "no-landlock", action = clap::ArgAction::SetFalse)]
     landlock: bool,
+    /// Takes the pipeline's evaluations from an earlier run's evaluations.jsonl instead of running it.
+    #[arg(long)]
     pipeline_from: Option<PathBuf>,
+    /// Keeps the manifest's first N candidates (default: all).
+    #[arg(long, default_value_t = usize::MAX, hide_default_value = true)]
     limit: usize,
+    /// The pipeline evaluator's `gpu_slots` (default: the evaluator's default).
+    #[arg(long)]
     gpu_slots: Option<usize>,
+    /// The pipeline evaluator's `compile_workers` (0: the evaluator's default).
+    #[arg(long, default_value_t = 0)]
     compile_workers: usize,
+    /// How the serial design builds extensions: stock (as load_inline builds them) or kforge (kforge's recipe).
+    #[arg(long, default_value = "stock")]
     serial_builds: BuildRecipe,
-}
-
-fn args() -> Result<Args, String> {
-    let mut args = Args {
-        kernelbench: PathBuf::new(),
-        candidates: PathBuf::new(),
-        python: PathBuf::from("python3"),
-        work: PathBuf::from(".kforge/bench-throughput"),
-        out: None,
-        serial: 4,
-        repeat: 4,
-        alone: 0,
-        landlock: true,
-        pipeline_from: None,
-        limit: usize::MAX,
-        gpu_slots: None,
-        compile_workers: 0,
-        serial_builds: BuildRecipe::Stock,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or(format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--kernelbench" => args.kernelbench = value()?.into(),
-            "--candidates" => args.candidates = value()?.into(),
-            "--python" => args.python = value()?.into(),
-            "--work" => args.work = value()?.into(),
-            "--out" => args.out = Some(value()?.into()),
-            "--serial" => args.serial = value()?.parse().map_err(|e| format!("--serial: {e}"))?,
-            "--repeat" => args.repeat = value()?.parse().map_err(|e| format!("--repeat: {e}"))?,
-            "--alone" => args.alone = value()?.parse().map_err(|e| format!("--alone: {e}"))?,
-            "--no-landlock" => args.landlock = false,
-            "--pipeline-from" => args.pipeline_from = Some(value()?.into()),
-            "--limit" => args.limit = value()?.parse().map_err(|e| format!("--limit: {e}"))?,
-            "--gpu-slots" => args.gpu_slots = Some(value()?.parse().map_err(|e| format!("--gpu-slots: {e}"))?),
-            "--serial-builds" => args.serial_builds = value()?.parse().map_err(|e| format!("--serial-builds: {e}"))?,
-            "--compile-workers" => {
-                args.compile_workers = value()?.parse().map_err(|e| format!("--compile-workers: {e}"))?
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if args.kernelbench.as_os_str().is_empty() || args.candidates.as_os_str().is_empty() {
-        return Err("--kernelbench and --candidates are required".into());
-    }
-    Ok(args)
 }
 
 /// One candidate of the manifest, with its sources read.
@@ -328,13 +313,7 @@ fn summary(outcomes: &[Outcome], makespan_s: f64) -> Value {
 }
 
 fn main() -> std::process::ExitCode {
-    let args = match args() {
-        Ok(args) => args,
-        Err(message) => {
-            eprintln!("evaluator-throughput: {message}");
-            return std::process::ExitCode::from(2);
-        }
-    };
+    let args = <Args as clap::Parser>::parse();
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(run(args))
 }

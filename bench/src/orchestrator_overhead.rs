@@ -166,9 +166,39 @@ impl pb::reward_server::Reward for Instant_ {
     }
 }
 
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
+/// The orchestrator's own cost per turn, with many trajectories in flight against peers that take time.
+#[derive(clap::Parser)]
+#[command(name = "orchestrator-overhead")]
+struct Args {
+    /// Trajectories in the job, all in flight at once.
+    #[arg(long, default_value_t = 1000)]
+    trajectories: u32,
+    /// Turns per trajectory.
+    #[arg(long, default_value_t = 3)]
+    turns: u32,
+    /// The job's recipe.
+    #[arg(long, default_value = "kevin")]
+    recipe: String,
+    /// A generation's mean time in the fake gateway, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    generate_ms: u64,
+    /// An evaluation's mean time in the fake evaluator, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    evaluate_ms: u64,
+    /// The store: a SQLite file's path or `sqlite::memory:` (default: a file in a fresh temporary directory).
+    #[arg(long)]
+    store: Option<String>,
+    /// The store's durability: process or power_loss.
+    #[arg(long, default_value = "process", value_parser = durability)]
+    durability: Durability,
+}
+
+fn durability(text: &str) -> Result<Durability, String> {
+    match text {
+        "process" => Ok(Durability::Process),
+        "power_loss" => Ok(Durability::PowerLoss),
+        other => Err(format!("process or power_loss, not {other}")),
+    }
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {
@@ -177,19 +207,12 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 
 #[tokio::main]
 async fn main() {
-    let trajectories: u32 = arg("--trajectories", "1000").parse().expect("--trajectories: a number");
-    let turns: u32 = arg("--turns", "3").parse().expect("--turns: a number");
-    let recipe = arg("--recipe", "kevin");
-    let ms = |name, default| std::time::Duration::from_millis(arg(name, default).parse().expect("milliseconds"));
-    let peer = Instant_ { generate: ms("--generate-ms", "2000"), evaluate: ms("--evaluate-ms", "2000") };
+    let Args { trajectories, turns, recipe, generate_ms, evaluate_ms, store, durability } = clap::Parser::parse();
+    let ms = std::time::Duration::from_millis;
+    let peer = Instant_ { generate: ms(generate_ms), evaluate: ms(evaluate_ms) };
     let dir = std::env::temp_dir().join(format!("kforge-orchestrator-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temporary directory");
-    let store = arg("--store", &dir.join("orchestrator.db").display().to_string());
-    let durability = match arg("--durability", "process").as_str() {
-        "process" => Durability::Process,
-        "power_loss" => Durability::PowerLoss,
-        other => panic!("--durability: process or power_loss, not {other}"),
-    };
+    let store = store.unwrap_or_else(|| dir.join("orchestrator.db").display().to_string());
 
     // The fakes run on a runtime of their own (one thread), apart from the orchestrator's workers.
     let peers = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");

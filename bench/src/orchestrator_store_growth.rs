@@ -188,9 +188,39 @@ impl pb::reward_server::Reward for Peers {
     }
 }
 
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
+/// How much a job's turns make the orchestrator's SQLite store grow.
+#[derive(clap::Parser)]
+#[command(name = "orchestrator-store-growth")]
+struct Args {
+    /// What the fake peers answer: failing (every generation fails) or answered (every evaluation CORRECT).
+    #[arg(long, default_value = "answered", value_parser = mode)]
+    mode: Mode,
+    /// The job's recipe.
+    #[arg(long, default_value = "single-turn")]
+    recipe: String,
+    /// Example tasks in the job.
+    #[arg(long, default_value_t = 13)]
+    tasks: usize,
+    /// Trajectories per task.
+    #[arg(long, default_value_t = 8)]
+    trajectories: u32,
+    /// Turns per trajectory.
+    #[arg(long, default_value_t = 1)]
+    turns: u32,
+    /// Timed calls per timing in an answered evaluation.
+    #[arg(long, default_value_t = 200)]
+    samples: usize,
+    /// The directory of the store, emptied first and kept (default: a fresh temporary directory).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+}
+
+fn mode(text: &str) -> Result<Mode, String> {
+    match text {
+        "failing" => Ok(Mode::Failing),
+        "answered" => Ok(Mode::Answered),
+        other => Err(format!("failing or answered, not {other}")),
+    }
 }
 
 /// Checkpoints until the log is copied back whole and truncated (another connection's read can hold it up), at most
@@ -219,18 +249,9 @@ fn store_bytes(path: &Path) -> u64 {
 
 #[tokio::main]
 async fn main() {
-    let mode = match arg("--mode", "answered").as_str() {
-        "failing" => Mode::Failing,
-        "answered" => Mode::Answered,
-        other => panic!("--mode: failing or answered, not {other}"),
-    };
-    let recipe = arg("--recipe", "single-turn");
-    let tasks: usize = arg("--tasks", "13").parse().expect("--tasks: a number");
-    let trajectories: u32 = arg("--trajectories", "8").parse().expect("--trajectories: a number");
-    let turns: u32 = arg("--turns", "1").parse().expect("--turns: a number");
-    let samples: usize = arg("--samples", "200").parse().expect("--samples: a number");
+    let Args { mode, recipe, tasks, trajectories, turns, samples, dir } = clap::Parser::parse();
     let default_dir = std::env::temp_dir().join(format!("kforge-store-growth-{}", std::process::id()));
-    let dir = std::path::PathBuf::from(arg("--dir", &default_dir.display().to_string()));
+    let dir = dir.unwrap_or_else(|| default_dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a fresh directory");
     let path = dir.join("orchestrator.db");

@@ -43,7 +43,14 @@ fn time<T>(mut f: impl FnMut() -> T) -> (Duration, Duration) {
     (median(samples), min)
 }
 
+/// ComputeAdvantages over one million turn-samples, in-process and through the Reward RPC on loopback. It takes no
+/// flags: the batch and the number of runs are fixed.
+#[derive(clap::Parser)]
+#[command(name = "reward-advantages")]
+struct Args {}
+
 fn main() {
+    let Args {} = clap::Parser::parse();
     let groups = batch();
     let samples: usize = groups.iter().flatten().map(Vec::len).sum();
     println!(

@@ -2,7 +2,7 @@
 raw samples: for calls with two cost levels (a host wait mid-call) the median jumps between levels with the share of
 calls in each, a low quantile much less.
 
-    python3 bench/timing/level_statistics.py bench/results/timing-host-sync-*/**/results.jsonl
+    python3 bench/timing/level_statistics.py bench/results/timing-host-sync/*/**/results.jsonl
 
 Per (results folder, model, timer): each statistic's value per process, and its spread across processes ((max -
 min) / median, in %).

@@ -71,27 +71,23 @@ impl Sample {
     }
 }
 
+/// The gateway's overhead on a real inference server (llama.cpp serving SmolLM2-135M on the CPU), in alternating
+/// pairs of requests straight to the server and through the gateway.
+#[derive(clap::Parser)]
+#[command(name = "real-model-gateway")]
 struct Args {
+    /// Pairs of requests (one direct, one through the gateway).
+    #[arg(long, default_value_t = 30)]
     pairs: usize,
+    /// The most tokens a request generates.
+    #[arg(long, default_value_t = 128)]
     max_tokens: u32,
+    /// The inference server's threads.
+    #[arg(long, default_value_t = 2)]
     threads: u32,
+    /// Where raw.jsonl and summary.json go.
+    #[arg(long, default_value = "real-model-gateway")]
     out: PathBuf,
-}
-
-fn args() -> Args {
-    let mut args = Args { pairs: 30, max_tokens: 128, threads: 2, out: PathBuf::from("real-model-gateway") };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        match flag.as_str() {
-            "--pairs" => args.pairs = value().parse().expect("--pairs N"),
-            "--max-tokens" => args.max_tokens = value().parse().expect("--max-tokens N"),
-            "--threads" => args.threads = value().parse().expect("--threads N"),
-            "--out" => args.out = PathBuf::from(value()),
-            other => panic!("unknown flag {other}; flags: --pairs N --max-tokens N --threads N --out DIR"),
-        }
-    }
-    args
 }
 
 /// The body the gateway's `llamacpp` backend sends for a greedy chat request (`backends/openai.rs`).
@@ -207,7 +203,7 @@ fn stats(values: &[f64]) -> Value {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args = args();
+    let args: Args = clap::Parser::parse();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let setup = ModelSetup::find(&root).expect("llama-cpp-python and the model: run scripts/setup_model.sh");
     let server = setup.start(ServerOptions { logits_all: false, threads: args.threads, ..ServerOptions::default() });

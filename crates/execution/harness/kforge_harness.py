@@ -672,7 +672,7 @@ def as_written(value):
 
 # On a memory filesystem, a device tensor larger than a sixteenth of this goes to its file through pinned staging
 # buffers of this size (two, made once per process); a smaller one is copied to host memory at once. Measured on H100
-# and H200 hosts (bench/results/evaluator-outputs-io-2026-11-27): a 4 GiB output written to /dev/shm took 3.4-3.9 s
+# and H200 hosts (bench/results/evaluator-outputs-io/2026-11-27): a 4 GiB output written to /dev/shm took 3.4-3.9 s
 # mapped (one page fault per 4 KiB, the driver's pageable copy) and 1.4-1.7 s staged; to a disk's page cache,
 # 1.1 s mapped and 0.9-2.8 s staged.
 STAGING_BYTES = 64 << 20
@@ -1493,7 +1493,7 @@ def poison_free_memory(device):
 # How kforge builds load_inline extensions. A .cu source includes torch/types.h where it asked for
 # torch/extension.h: nvcc parses every header three times (the host front end, the device front end, the host
 # compiler), and torch/extension.h adds the C++ frontend and the Python bindings, which kernels and their launchers
-# do not use. Device code is unchanged (the same SASS: bench/results/evaluator-throughput-*). A source that needs
+# do not use. Device code is unchanged (the same SASS: bench/results/evaluator-throughput/). A source that needs
 # the full header fails its light build with errors naming torch's API, and is built again as written. The choice
 # is recorded per extension next to the builds, so the run stage loads exactly what the compile stage built.
 FULL_HEADER = re.compile(r'^([ \t]*#[ \t]*include[ \t]*)[<"]torch/extension\.h[>"]', re.MULTILINE)
@@ -1752,12 +1752,12 @@ class Census:
         # Kineto leaves CUPTI attached after a session unless told to finalise it (it then does, from a thread of
         # its own, at the next CUDA call: the timed loop's warm-up), and an attached CUPTI adds host time to every
         # launch after: the timed loop would launch slower than the baselines' stages, which run no census
-        # (bench/results/timing-fidelity-2026-11-27d). An explicit "0" (torch.compile's CUDA graphs on CUDA before
+        # (bench/results/timing-fidelity/2026-11-27d). An explicit "0" (torch.compile's CUDA graphs on CUDA before
         # 12.6, where the teardown crashed them) is kept.
         if os.environ.get("TEARDOWN_CUPTI") != "0":
             os.environ["TEARDOWN_CUPTI"] = "1"
         # torch's autograd profiler, which `torch.profiler.profile` wraps: the wrapper's first start imports
-        # torch._inductor (7-8 s on the H100 machine, bench/results/profiler-p50-*), which the census never uses.
+        # torch._inductor (7-8 s on the H100 machine, bench/results/profiler-p50/), which the census never uses.
         self.profiler = profiler.profile(use_device="cuda" if device.type == "cuda" else None, use_kineto=True)
         self.profiler.__enter__()
 

@@ -9,7 +9,7 @@ both derive from the source and can each write (`--gen_module_id_file`). So this
 (`--dryrun`, into a private temporary directory), runs the host chain and the device chain at once, checks that
 both wrote the same module id, and then runs the host compiler. The commands are nvcc's, unchanged but for the
 module id file's name; the object is the one nvcc builds (the same bytes but for the temporary file names nvcc
-itself varies per run; bench/results/compile-*). A build that fails prints what nvcc would have printed: the host
+itself varies per run; bench/results/compile/). A build that fails prints what nvcc would have printed: the host
 chain's output first, and the device chain's only when the host chain succeeded.
 
 When the include path has ATen's headers, ATen/Functions.h is read with only the operator headers the translation
@@ -17,7 +17,7 @@ unit names (AtenOverlay, below): the host preprocessor first runs with none of t
 looked up among the operators' names, and both chains then run with an ATen/Functions.h that includes what was
 found, written beside the object. A build that fails so and quotes a left-out operator's name in its messages is
 built again with every header; `KFORGE_ALL_OPERATORS=1` always does. The object is the same, byte for byte but for
-nvcc's temporary file names (bench/results/compile-*).
+nvcc's temporary file names (bench/results/compile/).
 
 With $KFORGE_HOST_PCH (HostPch, below), the host compile starts from a precompiled start of cudafe++'s output when
 that output begins with it, and the operator probe runs beside chains already started with the start's operators.

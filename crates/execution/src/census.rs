@@ -299,7 +299,7 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
 /// torch makes blocking unless asked not to (`float()`, `.item()` or `.cpu()` of a device tensor, `torch.tensor(...)`
 /// onto the device). The device runs dry while the host wakes and launches the rest, and that cost comes in two
 /// levels that switch within a process: such a call has no single time to within a few percent, under kforge's timer
-/// or do_bench (bench/results/timing-host-sync-2026-11-26-*). Named so that a reward built on its speedup knows.
+/// or do_bench (bench/results/timing-host-sync/2026-11-26-*). Named so that a reward built on its speedup knows.
 /// Approximate: a copy asked to be asynchronous (`non_blocking=True`) is named too, and a bare
 /// `torch.cuda.synchronize()`, which makes no copy, is not seen.
 fn host_waits(records: &[Record], calls: u32, mode: &str) -> Option<Finding> {

@@ -223,7 +223,7 @@ pub struct Tolerances {
     pub bfloat16: Tolerance,
     /// atol and rtol 1e-3: tight enough that an fp16 shortcut on an fp32 task fails it. scale_rtol 1e-5: legitimate
     /// 8192-term row sums with a mean |value| of about 2.5e3 are off by up to 2.2e-3 on elements near zero
-    /// (level2/14 on an H200, rejected by 1e-3 alone in 2 of 4 evaluations; bench/results/timing-fidelity-2026-11-27).
+    /// (level2/14 on an H200, rejected by 1e-3 alone in 2 of 4 evaluations; bench/results/timing-fidelity/2026-11-27).
     pub float32: Tolerance,
     pub float64: Tolerance,
 }

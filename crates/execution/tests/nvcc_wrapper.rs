@@ -1,7 +1,7 @@
 //! kforge's nvcc (harness/kforge_nvcc.py) against a stand-in nvcc whose dry run names stand-in tools: the host and
 //! device chains run at once, the object comes from nvcc's own final step, the dependency file is written, a
 //! failing front end stops the other and prints what nvcc would, and anything unrecognised goes to nvcc as it is.
-//! The real nvcc is exercised on a GPU machine (bench/results/compile-*).
+//! The real nvcc is exercised on a GPU machine (bench/results/compile/).
 
 mod support;
 

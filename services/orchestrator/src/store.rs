@@ -95,7 +95,7 @@ pub enum Durability {
     #[default]
     Process,
     /// Power loss too: every commit waits for its fsync (`synchronous = FULL`; slower: on the GPU machine's disk,
-    /// p99 per turn 40 ms against 36 ms pinned to two cores, bench/results/orchestrator-overhead-2026-11-25-dev).
+    /// p99 per turn 40 ms against 36 ms pinned to two cores, bench/results/orchestrator-overhead/2026-11-25-dev).
     PowerLoss,
 }
 
@@ -119,14 +119,14 @@ pub struct Store {
 /// How often a SQLite file's write-ahead log is copied back into the database, off the writers' connection. SQLite's
 /// automatic checkpoint runs inside the commit that crosses 1000 pages of log, and every turn queued behind that
 /// commit: the orchestrator's p99 overhead per turn was 6.7 ms with it and 3.5-4.0 ms without
-/// (bench/results/orchestrator-overhead-2026-11-25-dev).
+/// (bench/results/orchestrator-overhead/2026-11-25-dev).
 const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The write-ahead log's size past which a checkpoint waits for the writer and truncates the log. A PASSIVE
 /// checkpoint copies the log back but never shrinks the file, and the log starts over only when a checkpoint has
 /// caught up with it: turns committed back to back (peers that answer at once, every turn failing) never let it,
 /// and the log grew to 164 MB for 15,821 failed turns whose database was 30 MB
-/// (bench/results/orchestrator-store-growth-2026-11-28-dev). Crossing it costs the writers one wait for a checkpoint.
+/// (bench/results/orchestrator-store-growth/2026-11-28-dev). Crossing it costs the writers one wait for a checkpoint.
 const WAL_LIMIT_BYTES: u64 = 64 << 20;
 
 /// The checkpointing task; aborted with the last clone of its store.
@@ -201,7 +201,7 @@ impl Store {
         } else {
             // One connection: this process's writers queue here, in order, instead of meeting SQLite's lock on
             // several connections, whose busy handler sleeps in steps of up to 100 ms (turns waited 30-40 ms at
-            // p99 with four connections; bench/results/orchestrator-overhead-2026-11-23-dev). Other processes on
+            // p99 with four connections; bench/results/orchestrator-overhead/2026-11-23-dev). Other processes on
             // the same file still wait through `busy_timeout`.
             SqlitePoolOptions::new().max_connections(1)
         };

@@ -219,7 +219,7 @@ impl Lanes {
     /// A healthy GPU, outside its slots: for work the evaluator does for itself beside the evaluations (a
     /// baseline computed ahead). The healthy GPUs take turns: on the first alone, every baseline's timed work made
     /// GPU 0 run alone 43-44% of the time against 12-24% on the three others (KernelBench sweep on four H200s,
-    /// bench/results/evaluator-kernelbench-sweep-2026-11-27b). Its stages share the device through the gate like
+    /// bench/results/evaluator-kernelbench-sweep/2026-11-27b). Its stages share the device through the gate like
     /// any slot's; nothing is reserved, and nothing is released when it is dropped. None without a healthy GPU.
     pub fn outside_slots(self: &Arc<Self>) -> Option<Lane> {
         let healthy: Vec<usize> = (self.quarantined.lock().expect("lane lock is never poisoned").iter().enumerate())

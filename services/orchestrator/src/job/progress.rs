@@ -101,7 +101,7 @@ struct Snapshot {
 /// How often a running job's metrics and its stored snapshot are refreshed; exactly at every state change and at
 /// the end. Each computation is over every recorded turn, under the lock every turn's record takes: recomputed at
 /// each turn, a thousand trajectories finishing their turns together queued behind it (p99 overhead per turn 5.4 ms
-/// against 3 ms; bench/results/orchestrator-overhead-2026-11-25-dev). The snapshot in the store is for readers in
+/// against 3 ms; bench/results/orchestrator-overhead/2026-11-25-dev). The snapshot in the store is for readers in
 /// other processes: the turns are the record, and a resumed job recomputes everything from them; watchers and
 /// GetJob here see every recorded turn at once, and the metrics within this period.
 const REFRESH_EVERY: Duration = Duration::from_secs(1);
