@@ -1,11 +1,11 @@
 //! A job's metrics from its recorded turns. The figures are reward-core's (`kforge_reward_core::job_metrics`,
 //! pure and property-tested, definitions in docs/REWARDS.md); this module only turns records into its samples
-//! (through `kforge_reward::metrics`, which also converts the result to the message) and names each task's
+//! (through `kforge_reward_proto`, which also converts the result to the message) and names each task's
 //! KernelBench level. Recomputed over every recorded turn as turns arrive.
 
 use kforge_proto::v1 as pb;
-use kforge_reward::metrics::{Checked, job_metrics_to_proto, turn_sample};
 use kforge_reward_core::{MetricsParams, TurnSample};
+use kforge_reward_proto::{Checked, job_metrics_to_proto, turn_sample};
 
 /// Metrics over `turns` of a job of `spec`, with `wall_time_s` since the job started as measured by the caller.
 pub fn job_metrics(spec: Option<&pb::JobSpec>, turns: &[pb::TurnRecord], wall_time_s: f64) -> pb::JobMetrics {

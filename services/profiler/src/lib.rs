@@ -4,10 +4,11 @@
 //! service, the same engine) under Nsight Compute ([`nsight`]), reads the raw page ([`ncu`]) and diagnoses each
 //! launch ([`diagnosis`]);
 //! `SelectMetrics` ([`selection`]), `GetDeviceSpec` ([`device`], [`spec`]), `StreamReport` and `GetCapabilities`
-//! complete it.
+//! complete it. Every failure is a [`ProfilerError`], given its gRPC code in one place ([`error`]).
 
 pub mod device;
 pub mod diagnosis;
+pub mod error;
 pub mod ncu;
 pub mod nsight;
 pub mod pipeline;
@@ -29,6 +30,7 @@ use tokio::net::TcpListener;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use error::ProfilerError;
 use profile::{Profiling, Reports};
 
 /// Metrics each task contributes to a selection when the request does not say (CudaForge's 24).
@@ -115,7 +117,7 @@ const CHUNK_BYTES: usize = 1 << 20;
 #[tonic::async_trait]
 impl Profiler for ProfilerService {
     async fn profile(&self, request: Request<pb::ProfileRequest>) -> Result<Response<pb::ProfileResponse>, Status> {
-        self.profiling.profile(request.into_inner()).await.map(Response::new)
+        self.profiling.profile(request.into_inner()).await.map(Response::new).map_err(Status::from)
     }
 
     type StreamReportStream = Pin<Box<dyn Stream<Item = Result<pb::ReportChunk, Status>> + Send>>;
@@ -126,12 +128,8 @@ impl Profiler for ProfilerService {
     ) -> Result<Response<Self::StreamReportStream>, Status> {
         use std::io::Read;
         let id = request.into_inner().report_id;
-        let path = self
-            .profiling
-            .reports
-            .path(&id)
-            .ok_or_else(|| Status::not_found(format!("report_id: no kept report `{id}`")))?;
-        let mut file = std::fs::File::open(&path).map_err(|e| Status::not_found(format!("report: {e}")))?;
+        let path = self.profiling.reports.path(&id).ok_or_else(|| ProfilerError::NoReport { id: id.clone() })?;
+        let mut file = std::fs::File::open(&path).map_err(ProfilerError::ReportOpen)?;
         let (send, receive) = tokio::sync::mpsc::channel(4);
         tokio::task::spawn_blocking(move || {
             loop {
@@ -142,7 +140,7 @@ impl Profiler for ProfilerService {
                         data.truncate(n);
                         Ok(pb::ReportChunk { data })
                     }
-                    Err(error) => Err(Status::internal(format!("reading the report: {error}"))),
+                    Err(error) => Err(ProfilerError::ReportRead(error).into()),
                 };
                 let failed = chunk.is_err();
                 if send.blocking_send(chunk).is_err() || failed {
@@ -178,7 +176,7 @@ impl Profiler for ProfilerService {
         &self,
         request: Request<pb::SelectMetricsRequest>,
     ) -> Result<Response<pb::SelectMetricsResponse>, Status> {
-        select_metrics(request.into_inner()).map(Response::new)
+        select_metrics(request.into_inner()).map(Response::new).map_err(Status::from)
     }
 
     async fn get_device_spec(
@@ -188,24 +186,25 @@ impl Profiler for ProfilerService {
         device_spec(request.into_inner().device)
             .await
             .map(|spec| Response::new(pb::GetDeviceSpecResponse { spec: Some(spec) }))
+            .map_err(Status::from)
     }
 }
 
 /// `SelectMetrics`: the request checked, then [`selection::select`].
-fn select_metrics(request: pb::SelectMetricsRequest) -> Result<pb::SelectMetricsResponse, Status> {
+fn select_metrics(request: pb::SelectMetricsRequest) -> Result<pb::SelectMetricsResponse, ProfilerError> {
     let mut samples = Vec::with_capacity(request.samples.len());
     for (index, sample) in request.samples.into_iter().enumerate() {
         if sample.task.is_empty() {
-            return Err(Status::invalid_argument(format!("samples[{index}].task is required")));
+            return Err(ProfilerError::invalid(format!("samples[{index}].task"), "required"));
         }
         if !(sample.runtime_ms.is_finite() && sample.runtime_ms > 0.0) {
-            return Err(Status::invalid_argument(format!(
-                "samples[{index}].runtime_ms must be finite and positive, not {}",
-                sample.runtime_ms
-            )));
+            return Err(ProfilerError::invalid(
+                format!("samples[{index}].runtime_ms"),
+                format!("must be finite and positive, not {}", sample.runtime_ms),
+            ));
         }
         if let Some((name, _)) = sample.metrics.iter().find(|(_, value)| !value.is_finite()) {
-            return Err(Status::invalid_argument(format!("samples[{index}].metrics[{name}] is not finite")));
+            return Err(ProfilerError::invalid(format!("samples[{index}].metrics[{name}]"), "not finite"));
         }
         samples.push(selection::Sample {
             task: sample.task,
@@ -218,10 +217,10 @@ fn select_metrics(request: pb::SelectMetricsRequest) -> Result<pb::SelectMetrics
         *per_task.entry(sample.task.as_str()).or_default() += 1;
     }
     if !per_task.values().any(|count| *count >= selection::MIN_SAMPLES) {
-        return Err(Status::invalid_argument(format!(
-            "samples: no task has {} or more samples to correlate",
-            selection::MIN_SAMPLES
-        )));
+        return Err(ProfilerError::invalid(
+            "samples",
+            format!("no task has {} or more samples to correlate", selection::MIN_SAMPLES),
+        ));
     }
     let top_k = match request.top_k {
         0 => DEFAULT_TOP_K,
@@ -235,15 +234,9 @@ fn select_metrics(request: pb::SelectMetricsRequest) -> Result<pb::SelectMetrics
 }
 
 /// `GetDeviceSpec`: device `ordinal` read from the driver.
-async fn device_spec(ordinal: u32) -> Result<pb::DeviceSpec, Status> {
-    let spec = tokio::task::spawn_blocking(move || device::read(ordinal))
-        .await
-        .map_err(|error| Status::internal(format!("reading the device: {error}")))?;
-    match spec {
-        Ok(spec) => Ok(spec),
-        Err(error @ device::DeviceError::NoDriver) => Err(Status::failed_precondition(error.to_string())),
-        Err(error @ device::DeviceError::Driver { .. }) => Err(Status::invalid_argument(error.to_string())),
-    }
+async fn device_spec(ordinal: u32) -> Result<pb::DeviceSpec, ProfilerError> {
+    let spec = tokio::task::spawn_blocking(move || device::read(ordinal)).await.map_err(ProfilerError::DeviceRead)?;
+    Ok(spec?)
 }
 
 #[cfg(test)]
@@ -260,7 +253,8 @@ mod tests {
             Ok(spec) => {
                 assert!(spec.sm_count > 0 && spec.peak_memory_bandwidth_gbps > 0.0, "{spec:?}");
             }
-            Err(status) => {
+            Err(error) => {
+                let status = Status::from(error);
                 assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
                 assert!(status.message().contains("no CUDA driver library (libcuda)"), "{}", status.message());
             }
@@ -282,8 +276,8 @@ mod tests {
             (samples[..2].to_vec(), "no task has 3"),
         ];
         for (samples, named) in cases {
-            let status = select_metrics(pb::SelectMetricsRequest { samples, top_k: 0 });
-            let status = status.expect_err("invalid");
+            let error = select_metrics(pb::SelectMetricsRequest { samples, top_k: 0 }).expect_err("invalid");
+            let status = Status::from(error);
             assert_eq!(status.code(), tonic::Code::InvalidArgument);
             assert!(status.message().contains(named), "{}", status.message());
         }

@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kforge_execution::{Engine, RequestError};
+use kforge_execution::Engine;
 use kforge_proto::v1 as pb;
-use tonic::Status;
 
 use crate::diagnosis::{self, Bottleneck};
+use crate::error::ProfilerError;
 use crate::nsight::{self, Metrics, Ncu};
 use crate::pipeline::{self, Launcher, ProfileRun};
 use crate::{ProfilerConfig, device, ncu};
@@ -22,7 +22,7 @@ const DURATION: &str = "gpu__time_duration.sum";
 /// Profiled launches when the request does not say, and at most. Each launch is replayed once per metric pass:
 /// with CudaForge's 24 the profiled calls of three launches took 1.6 s (a 0.04 ms kernel) to 2.0 s (a 15 ms one)
 /// on the H100, and three give a median that one odd launch does not move
-/// (bench/results/profiler-cudaforge-2026-11-26).
+/// (bench/results/profiler-cudaforge/2026-11-26).
 pub const DEFAULT_LAUNCHES: u32 = 3;
 pub const MAX_LAUNCHES: u32 = 100;
 
@@ -39,13 +39,13 @@ pub struct Profiling {
 
 impl Profiling {
     /// Profiles one request (see the module's documentation).
-    pub async fn profile(self: &Arc<Self>, request: pb::ProfileRequest) -> Result<pb::ProfileResponse, Status> {
+    pub async fn profile(self: &Arc<Self>, request: pb::ProfileRequest) -> Result<pb::ProfileResponse, ProfilerError> {
         // The caller's mistakes first, then what this host lacks.
         if request.task.as_ref().is_none_or(|task| task.source.trim().is_empty()) {
-            return Err(Status::invalid_argument("task: required"));
+            return Err(ProfilerError::invalid("task", "required"));
         }
         if request.candidate_source.trim().is_empty() {
-            return Err(Status::invalid_argument("candidate_source: required"));
+            return Err(ProfilerError::invalid("candidate_source", "required"));
         }
         let metrics = match pb::MetricSet::try_from(request.metric_set) {
             Ok(pb::MetricSet::Unspecified | pb::MetricSet::Cudaforge) => {
@@ -54,33 +54,33 @@ impl Profiling {
             Ok(pb::MetricSet::Full) => Metrics::Full,
             Ok(pb::MetricSet::List) => {
                 if request.metrics.is_empty() {
-                    return Err(Status::invalid_argument("metrics: required with METRIC_SET_LIST"));
+                    return Err(ProfilerError::invalid("metrics", "required with METRIC_SET_LIST"));
                 }
                 if let Some(bad) = request.metrics.iter().find(|m| !nsight::valid_metric_name(m)) {
-                    return Err(Status::invalid_argument(format!("metrics: `{bad}` is not a metric name")));
+                    return Err(ProfilerError::invalid("metrics", format!("`{bad}` is not a metric name")));
                 }
                 Metrics::List(request.metrics.clone())
             }
             Err(_) => {
-                return Err(Status::invalid_argument(format!("metric_set: unknown value {}", request.metric_set)));
+                return Err(ProfilerError::invalid("metric_set", format!("unknown value {}", request.metric_set)));
             }
         };
         if request.metric_set != pb::MetricSet::List as i32 && !request.metrics.is_empty() {
-            return Err(Status::invalid_argument("metrics: only with METRIC_SET_LIST"));
+            return Err(ProfilerError::invalid("metrics", "only with METRIC_SET_LIST"));
         }
         let launch_limit = match request.launch_limit {
             0 => DEFAULT_LAUNCHES,
             n if n > MAX_LAUNCHES => {
-                return Err(Status::invalid_argument(format!("launch_limit: {n} is over the limit of {MAX_LAUNCHES}")));
+                return Err(ProfilerError::invalid("launch_limit", format!("{n} is over the limit of {MAX_LAUNCHES}")));
             }
             n => n,
         };
-        let ncu = self.ncu.as_ref().map_err(|error| Status::unavailable(error.to_string()))?;
+        let ncu = self.ncu.as_ref().map_err(|unusable| ProfilerError::NcuUnusable(unusable.clone()))?;
         let (permitted, why) = nsight::counters_permitted();
         if !permitted {
-            return Err(Status::failed_precondition(format!("GPU performance counters: {why}")));
+            return Err(ProfilerError::CountersClosed { why });
         }
-        let dir = self.reports.create().map_err(|error| Status::internal(format!("report directory: {error}")))?;
+        let dir = self.reports.create().map_err(ProfilerError::ReportDir)?;
         let argv = {
             let (ncu, metrics, lock_clocks, path) =
                 (ncu.clone(), metrics.clone(), request.lock_clocks, dir.path.clone());
@@ -109,11 +109,7 @@ impl Profiling {
             wall: Duration::from_secs(self.config.timeout_secs),
             launcher,
         };
-        let profiled = pipeline::profile(&self.engine, run).await.map_err(|error| match error {
-            RequestError::Invalid { .. } => Status::invalid_argument(error.to_string()),
-            RequestError::QueueFull { .. } => Status::resource_exhausted(error.to_string()),
-            RequestError::Unavailable(_) => Status::unavailable(error.to_string()),
-        })?;
+        let profiled = pipeline::profile(&self.engine, run).await?;
         let mut response = profiled.response;
         if let Some(gpu) = profiled.gpu {
             response.device = self.spec(gpu).await;
@@ -131,7 +127,7 @@ impl Profiling {
         }
         let log = std::fs::read_to_string(dir.path.join(nsight::LOG)).unwrap_or_default();
         match nsight::failure(&log) {
-            Some(nsight::Failure::CounterPermission(text)) => return Err(Status::failed_precondition(text)),
+            Some(nsight::Failure::CounterPermission(text)) => return Err(ProfilerError::CountersRefused(text)),
             Some(nsight::Failure::Profiler(text)) if response.verdict == pb::Verdict::Correct as i32 => {
                 response.verdict = pb::Verdict::InfraError as i32;
                 response.error = format!("Nsight Compute: {text}");

@@ -5,19 +5,11 @@ use kforge_proto::v1 as pb;
 use kforge_reward_core::{self as core, InvalidInput};
 
 fn verdict(value: i32, path: &str) -> Result<core::Verdict, InvalidInput> {
-    use pb::Verdict as V;
-    Ok(match V::try_from(value) {
-        Ok(V::Correct) => core::Verdict::Correct,
-        Ok(V::Incorrect) => core::Verdict::Incorrect,
-        Ok(V::CompileError) => core::Verdict::CompileError,
-        Ok(V::RuntimeError) => core::Verdict::RuntimeError,
-        Ok(V::Timeout) => core::Verdict::Timeout,
-        Ok(V::Rejected) => core::Verdict::Rejected,
-        Ok(V::Hack) => core::Verdict::Hack,
-        Ok(V::InfraError) => core::Verdict::InfraError,
-        Ok(V::Unspecified) => return Err(InvalidInput::new(format!("{path}.verdict"), "must be specified")),
-        Err(_) => return Err(InvalidInput::new(format!("{path}.verdict"), format!("unknown value {value}"))),
-    })
+    let field = || format!("{path}.verdict");
+    match pb::Verdict::try_from(value) {
+        Ok(wire) => kforge_reward_proto::verdict(wire).ok_or_else(|| InvalidInput::new(field(), "must be specified")),
+        Err(_) => Err(InvalidInput::new(field(), format!("unknown value {value}"))),
+    }
 }
 
 fn outcome(outcome: pb::KernelOutcome, path: &str) -> Result<core::Outcome, InvalidInput> {
@@ -256,4 +248,18 @@ pub(crate) fn diagnose(request: pb::DiagnoseRequest) -> Result<pb::DiagnoseRespo
             })
             .collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_is_read_with_the_shared_mapping_and_an_unset_or_unknown_one_is_refused_naming_it() {
+        assert_eq!(verdict(pb::Verdict::Hack as i32, "outcomes[0]"), Ok(core::Verdict::Hack));
+        let unset = verdict(pb::Verdict::Unspecified as i32, "outcomes[1]").expect_err("unset");
+        assert_eq!(unset.to_string(), "outcomes[1].verdict: must be specified");
+        let unknown = verdict(99, "outcomes[2]").expect_err("unknown");
+        assert_eq!(unknown.to_string(), "outcomes[2].verdict: unknown value 99");
+    }
 }

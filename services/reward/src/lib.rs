@@ -2,11 +2,10 @@
 //!
 //! Each handler converts the request to domain types (failing with INVALID_ARGUMENT that names the field), runs
 //! the pure function on the blocking pool (a million-sample batch is CPU work the async workers should not hold),
-//! and converts the result back. Nothing here decides a number; `kforge-reward-core` does. [`metrics`] converts
-//! the job metrics the orchestrator computes with reward-core to their wire form.
+//! and converts the result back. Nothing here decides a number; `kforge-reward-core` does. Verdicts are read with
+//! `kforge-reward-proto`'s mapping, the one the orchestrator's job metrics use.
 
 mod convert;
-pub mod metrics;
 
 use std::future::Future;
 

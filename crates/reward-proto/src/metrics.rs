@@ -19,7 +19,8 @@ pub struct Checked {
 /// The sample of one stored turn. `level` is the task's KernelBench level (0 for none), `wall_time_s` the turn's
 /// duration.
 pub fn turn_sample(record: &pb::TurnRecord, level: u32, wall_time_s: f64, checked: Checked) -> core::TurnSample {
-    let verdict = verdict(record.verdict);
+    // A value this build does not know reads as no verdict, as an unevaluated turn does: the record is kept.
+    let verdict = pb::Verdict::try_from(record.verdict).ok().and_then(crate::verdict);
     let evaluation = record.evaluation.as_ref();
     let positive = |v: f64| (v > 0.0).then_some(v);
     let correct = verdict == Some(core::Verdict::Correct);
@@ -53,21 +54,6 @@ pub fn turn_sample(record: &pb::TurnRecord, level: u32, wall_time_s: f64, checke
         }),
         wall_time_s,
         usage,
-    }
-}
-
-fn verdict(value: i32) -> Option<core::Verdict> {
-    use pb::Verdict as V;
-    match V::try_from(value).ok()? {
-        V::Unspecified => None,
-        V::Correct => Some(core::Verdict::Correct),
-        V::Incorrect => Some(core::Verdict::Incorrect),
-        V::CompileError => Some(core::Verdict::CompileError),
-        V::RuntimeError => Some(core::Verdict::RuntimeError),
-        V::Timeout => Some(core::Verdict::Timeout),
-        V::Rejected => Some(core::Verdict::Rejected),
-        V::Hack => Some(core::Verdict::Hack),
-        V::InfraError => Some(core::Verdict::InfraError),
     }
 }
 
