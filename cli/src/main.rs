@@ -149,18 +149,19 @@ impl BackendArg {
 
 #[derive(Debug, Args)]
 struct RunArgs {
-    /// Recipe: single-turn, kevin, cudaforge or drkernel.
-    #[arg(long, default_value = "single-turn")]
+    /// Recipe: kevin, single-turn, cudaforge or drkernel.
+    #[arg(long, default_value = "kevin")]
     recipe: String,
-    /// Task set: `examples` (built in), a KernelBench directory (level1/, level2/, ...) or a JSONL file (one
+    /// Task set: `tour` (built in: the example tasks whose replayed answers tell a multi-turn story), `examples`
+    /// (built in: all 13 example tasks), a KernelBench directory (level1/, level2/, ...) or a JSONL file (one
     /// {"task_id", "source"} object per line).
-    #[arg(long, default_value = "examples")]
+    #[arg(long, default_value = "tour")]
     tasks: String,
     /// KernelBench levels to take from a KernelBench directory, e.g. `--levels 1,2` (default: all).
     #[arg(long, value_delimiter = ',')]
     levels: Vec<u32>,
-    /// Model name as routed by the gateway; `replay` with no such pool configured replays the embedded responses
-    /// (per example task and candidate, turns 0-3: failures, fixes and speed-ups on two tasks).
+    /// Model name as routed by the gateway; `replay` with no such pool configured replays the embedded answers
+    /// (per example task, trajectories 0-1 and turns 0-3; the tour's tell its stories) at example prices.
     #[arg(long, default_value = kforge::run::DEFAULT_MODEL)]
     model: String,
     /// cudaforge: the Judge's model (default: `replay-judge`, the embedded reviews, with the `replay` model; else
@@ -208,9 +209,9 @@ struct RunArgs {
     /// No not-okay check, for a model without a fixed opening.
     #[arg(long)]
     no_not_okay: bool,
-    /// Parallel trajectories per task (m).
-    #[arg(long, default_value_t = 1)]
-    trajectories: u32,
+    /// Parallel trajectories per task (m); default 1 for single-turn, 2 for the multi-turn recipes.
+    #[arg(long)]
+    trajectories: Option<u32>,
     /// Refinement turns per trajectory (n); default 1 for single-turn, 3 for the multi-turn recipes.
     #[arg(long)]
     turns: Option<u32>,
@@ -403,7 +404,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
             not_okay_off: args.no_not_okay,
         }),
         reward: None,
-        trajectories_per_task: args.trajectories,
+        trajectories_per_task: args.trajectories.unwrap_or(if multi_turn { 2 } else { 1 }),
         turns: args.turns.unwrap_or(if multi_turn { 3 } else { 1 }),
         backend: BackendArg::proto(args.backend).into(),
         prompt_dir: String::new(),
@@ -509,8 +510,13 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     // the status (a closed stdout alone ends quietly).
     let printed = kforge::stdout::print(&kforge::run::report(&job, &trajectories));
     let dir = kforge::run::report_dir(&config, &job.job_id);
-    let files = kforge::run::write_report(&dir, &job, &trajectories)
+    let pricing = kforge::run::pricing(&config, job.spec.as_ref().map_or("", |spec| spec.model.as_str()));
+    let files = kforge::run::write_report(&dir, &job, &trajectories, &pricing)
         .with_context(|| format!("writing the job's report under {}", dir.display()))?;
+    let printed = printed.and_then(|()| match pricing.as_str() {
+        "" => Ok(()),
+        pricing => kforge::stdout::println(&format!("priced at {pricing}")),
+    });
     let printed = printed.and_then(|()| {
         kforge::stdout::println(&format!("report: {} ({})", files.html.display(), files.json.display()))
     });

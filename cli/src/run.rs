@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig, Price};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use kforge_server::client::Channel;
@@ -20,14 +20,20 @@ pub const DEFAULT_MODEL: &str = "replay";
 /// The cudaforge Judge's model name of the embedded default.
 pub const DEFAULT_JUDGE_MODEL: &str = "replay-judge";
 
-/// Records of turns 0-3 per example task and candidate (trajectory = the candidate's index; cli/build.rs).
+/// Records of trajectories 0-1 and turns 0-3 per example task (cli/build.rs).
 pub const DEFAULT_REPLAY: &str = include_str!(concat!(env!("OUT_DIR"), "/default_replay.jsonl"));
 
 /// The Judge's reviews of the same keys (cli/build.rs).
 pub const DEFAULT_JUDGE_REPLAY: &str = include_str!(concat!(env!("OUT_DIR"), "/default_judge_replay.jsonl"));
 
+/// The prices of the embedded replay's pools, in US dollars per million tokens: examples, about what a hosted open
+/// model of middling size costs, so that the report's cost panels have figures to show. A pool's
+/// `[gateway.pools.price]` sets real ones.
+pub const EXAMPLE_PRICE: Price = Price { input_per_mtok: 0.5, cached_input_per_mtok: None, output_per_mtok: 1.5 };
+
 /// When `model` is [`DEFAULT_MODEL`] or [`DEFAULT_JUDGE_MODEL`] and the config routes no pool of that name, writes
-/// its embedded replay file into `dir` and routes the model to it. Returns the file written, if any.
+/// its embedded replay file into `dir` and routes the model to it, priced at [`EXAMPLE_PRICE`]. Returns the file
+/// written, if any.
 pub fn route_default_replay(config: &mut MeshConfig, model: &str, dir: &Path) -> std::io::Result<Option<PathBuf>> {
     let replay = match model {
         DEFAULT_MODEL => DEFAULT_REPLAY,
@@ -43,9 +49,30 @@ pub fn route_default_replay(config: &mut MeshConfig, model: &str, dir: &Path) ->
     config.gateway.pools.push(PoolConfig {
         model: model.to_owned(),
         backends: vec![BackendConfig { kind: BackendKind::Replay, file: Some(file.clone()), ..Default::default() }],
+        price: EXAMPLE_PRICE,
         ..Default::default()
     });
     Ok(Some(file))
+}
+
+/// What the job's cost is priced at, as the report says it: the prices of the gateway pool of `model` in `config`,
+/// labelled as examples where they are the embedded replay's. Empty where the config has no such pool (a remote
+/// mesh's pools are its own).
+pub fn pricing(config: &MeshConfig, model: &str) -> String {
+    let Some(pool) = config.gateway.pools.iter().find(|pool| pool.model == model) else {
+        return String::new();
+    };
+    let price = &pool.price;
+    let figures =
+        format!("${} / ${} per million prompt / completion tokens", price.input_per_mtok, price.output_per_mtok);
+    let replayed = pool.backends.iter().all(|backend| backend.kind == BackendKind::Replay);
+    if replayed && *price == EXAMPLE_PRICE {
+        format!("example prices: {figures}, set for the embedded replay; a pool's [gateway.pools.price] sets real ones")
+    } else if *price == Price::default() {
+        format!("unpriced: the gateway pool `{model}` sets no [gateway.pools.price]")
+    } else {
+        format!("the gateway pool `{model}`'s prices: {figures}")
+    }
 }
 
 /// Which model of the job a server named on the command line serves: the messages name that model's flags.
@@ -231,6 +258,7 @@ pub fn write_report(
     dir: &Path,
     job: &pb::Job,
     trajectories: &[pb::Trajectory],
+    pricing: &str,
 ) -> anyhow::Result<kforge_report::ReportFiles> {
     let turns: Vec<pb::TurnRecord> = trajectories.iter().flat_map(|t| t.turns.iter().cloned()).collect();
     let samples = kforge_orchestrator::metrics::samples(job.spec.as_ref(), &turns);
@@ -242,6 +270,7 @@ pub fn write_report(
         recipe: spec.recipe,
         model: spec.model,
         task_set: spec.task_set,
+        pricing: pricing.to_owned(),
         generated_at: httpdate::fmt_http_date(std::time::SystemTime::now()),
     };
     Ok(kforge_report::write_report(dir, &meta, &metrics, &samples)?)
@@ -437,6 +466,12 @@ pub fn report(job: &pb::Job, trajectories: &[pb::Trajectory]) -> String {
         m.infra_errors,
         m.wall_time_s,
     );
+    let usage = m.usage.unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "tokens: {} prompt, {} completion ({} reasoning), cost ${:.4}",
+        usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens, usage.cost_usd
+    );
     if !job.error.is_empty() {
         let _ = writeln!(out, "error: {}", job.error);
     }
@@ -473,10 +508,10 @@ mod tests {
     }
 
     #[test]
-    fn the_embedded_replay_answers_every_example_candidate_at_turn_0() {
+    fn the_embedded_replay_answers_every_example_task_with_its_candidate_at_turn_0() {
         let records: Vec<serde_json::Value> =
             DEFAULT_REPLAY.lines().map(|l| serde_json::from_str(l).expect("a json line")).collect();
-        assert_eq!(records.len(), 13 * 4, "one candidate per example task today, four turns each");
+        assert_eq!(records.len(), 13 * 2 * 4, "13 example tasks, two trajectories of four turns each");
         let relu = records.iter().find(|r| r["task_id"] == "examples/relu").expect("relu is answered");
         assert_eq!((relu["trajectory"].as_u64(), relu["turn"].as_u64()), (Some(0), Some(0)));
         let completion = &relu["completions"][0];
@@ -484,25 +519,45 @@ mod tests {
         let text = completion["text"].as_str().expect("text");
         let kernel = kforge_model_text::extract_kernel(text).expect("the orchestrator finds the kernel");
         assert_eq!(kernel.trim_end(), include_str!("../../examples/tasks/relu/candidates/cpu_loop.py").trim_end());
+        // Every record carries its usage: the answer's tokens at four characters per token; the prompt's are the
+        // gateway's to count.
+        let usage = &relu["usage"];
+        let chars = text.chars().count() + completion["reasoning"].as_str().expect("reasoning").chars().count();
+        let tokens = usage["completion_tokens"].as_u64().expect("completion tokens");
+        assert!(tokens.abs_diff(chars as u64 / 4) <= 2, "{tokens} for {chars} characters");
+        assert!(usage.get("prompt_tokens").is_none(), "{usage}");
     }
 
     #[test]
-    fn the_embedded_story_turns_and_reviews_follow_the_examples_turns_folders() {
+    fn the_embedded_stories_and_reviews_follow_the_examples_story_folders() {
         let parse = |text: &str| -> Vec<serde_json::Value> {
             text.lines().map(|l| serde_json::from_str(l).expect("a json line")).collect()
         };
         let (coder, judge) = (parse(DEFAULT_REPLAY), parse(DEFAULT_JUDGE_REPLAY));
-        let text = |records: &[serde_json::Value], task: &str, turn: u64| {
-            let found = records.iter().find(|r| r["task_id"] == task && r["turn"] == turn && r["trajectory"] == 0);
+        let answer = |records: &[serde_json::Value], task: &str, trajectory: u64, turn: u64| {
+            let found =
+                records.iter().find(|r| r["task_id"] == task && r["turn"] == turn && r["trajectory"] == trajectory);
             found.expect("recorded")["completions"][0]["text"].as_str().expect("text").to_owned()
         };
-        let kernel = |turn| {
-            kforge_model_text::extract_kernel(&text(&coder, "examples/relu", turn)).expect("a kernel").to_owned()
+        let text = |records: &[serde_json::Value], task: &str, turn: u64| answer(records, task, 0, turn);
+        let kernel = |task: &str, trajectory: u64, turn: u64| {
+            kforge_model_text::extract_kernel(&answer(&coder, task, trajectory, turn)).map(str::to_owned)
         };
-        assert_eq!(kernel(1).trim_end(), include_str!("../../examples/tasks/relu/turns/1_unrolled_typo.py").trim_end());
-        assert_eq!(kernel(2).trim_end(), include_str!("../../examples/tasks/relu/turns/2_unrolled.py").trim_end());
-        assert_eq!(kernel(3), kernel(2), "a turn with no file keeps the last kernel");
+        let relu = |turn| kernel("examples/relu", 0, turn).expect("a kernel");
+        assert_eq!(relu(1).trim_end(), include_str!("../../examples/tasks/relu/story/0/1_unrolled_typo.py").trim_end());
+        assert_eq!(relu(2).trim_end(), include_str!("../../examples/tasks/relu/story/0/2_unrolled.py").trim_end());
+        assert_eq!(relu(3), relu(2), "a turn with no file keeps the last kernel");
         assert!(text(&coder, "examples/relu", 3).starts_with("No change"));
+        assert_eq!(kernel("examples/relu", 1, 2), Some(relu(0)), "a trajectory without a story keeps its candidate");
+        // A `.txt` turn is the answer as written: the tour's junk answer has no kernel; the next turn's file does.
+        let junk = answer(&coder, "examples/gelu_tanh", 1, 0);
+        assert_eq!(junk, include_str!("../../examples/tasks/gelu_tanh/story/1/0_looping.txt"));
+        assert_eq!(kernel("examples/gelu_tanh", 1, 0), None);
+        let fixed = kernel("examples/gelu_tanh", 1, 2).expect("a kernel");
+        assert_eq!(fixed.trim_end(), include_str!("../../examples/tasks/gelu_tanh/story/1/2_in_place.py").trim_end());
+        // Turn 0 of a story without a turn-0 file is the task's candidate.
+        let candidate = include_str!("../../examples/tasks/scaled_add/candidates/add_alpha.py");
+        assert_eq!(kernel("examples/scaled_add", 1, 0).expect("a kernel").trim_end(), candidate.trim_end());
         let review = text(&judge, "examples/relu", 1);
         assert!(review.contains("`len`"), "the story's review of turn 1: {review}");
         assert_eq!(judge.len(), coder.len(), "every key has a review");

@@ -142,7 +142,8 @@ fn a_kevin_job_against_a_real_model_reports_ratios_that_recount_from_its_turns()
     #[rustfmt::skip]
     let run = kforge(
         &["run", "--model", server.alias(), "--model-url", &url, "--model-server", "llamacpp",
-          "--recipe", "kevin", "--turns", "2", "--max-tasks", "2", "--max-tokens", "256", "--seed", "7",
+          "--recipe", "kevin", "--tasks", "examples", "--trajectories", "1", "--turns", "2", "--max-tasks", "2",
+          "--max-tokens", "256", "--seed", "7",
           "--no-not-okay", "--work-dir", &work_arg],
         &[],
         None,

@@ -347,7 +347,8 @@ fn kforge_run_cudaforge_on_the_embedded_default() {
             .output()
             .expect("kforge runs")
     };
-    let output = kforge(&["run", "--recipe", "cudaforge", "--max-tasks", "1", "--backend", "cpu"]);
+    let one_relu_trajectory = ["--tasks", "examples", "--trajectories", "1", "--max-tasks", "1"];
+    let output = kforge(&[&["run", "--recipe", "cudaforge", "--backend", "cpu"], &one_relu_trajectory[..]].concat());
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "{stdout}\n{stderr}");
     assert!(stderr.contains("[3/3 turns, 1/1 episodes]"), "{stderr}");
@@ -433,44 +434,78 @@ async fn bad_jobs_are_refused_naming_the_field() {
     mesh.shutdown().await.expect("drains");
 }
 
-/// `kforge run` as a new user runs it (two example tasks to keep the test short): the embedded replay through
-/// every service, a progress line per turn, the report on stdout, exit 0.
+/// `kforge run` as a new user runs it: the tour (kevin, two trajectories of three turns over two example tasks)
+/// through every service, a progress line per turn, the report on stdout and in report.json and report.html, exit
+/// 0. Each turn of the stories gets the verdict its story tells (a kernel made faster, a junk answer, a compile
+/// error fixed, a wrong answer corrected, a hack caught), the report's figures follow from the stored turns, and
+/// the replay's tokens are priced at the labelled example prices.
 #[test]
-fn kforge_run_on_the_embedded_default_reports_every_task() {
-    let output = Command::new(env!("CARGO_BIN_EXE_kforge"))
-        .args(["run", "--max-tasks", "2", "--backend", "cpu"])
-        .arg("--work-dir")
-        .arg(Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-binary"))
-        .env("KFORGE__EVALUATOR__PYTHON", python())
-        .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
-        .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
-        .output()
-        .expect("kforge runs");
+fn kforge_run_on_the_embedded_default_tells_the_tour() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-binary");
+    let _ = std::fs::remove_dir_all(&dir);
+    let kforge = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kforge"))
+            .args(args)
+            .env("KFORGE__ORCHESTRATOR__STORE", dir.join("orchestrator.db"))
+            .env("KFORGE__EVALUATOR__PYTHON", python())
+            .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
+            .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
+            .output()
+            .expect("kforge runs")
+    };
+    let output = kforge(&["run", "--backend", "cpu"]);
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("[2/2 turns, 2/2 episodes] correct 2/2 evaluated"), "{stderr}");
-    assert!(
-        stdout.starts_with("job job-") && stdout.lines().next().is_some_and(|l| l.ends_with(" succeeded")),
-        "{stdout}"
-    );
-    for task in ["examples/relu", "examples/gelu_tanh"] {
-        let row = stdout.lines().find(|l| l.starts_with(task)).unwrap_or_else(|| panic!("no row for {task}: {stdout}"));
-        assert!(row.contains(" correct "), "{row}");
-        // The kept kernel: its speedup and where it is (trajectory 0, turn 0 of a one-turn job).
-        assert!(row.trim_end().ends_with("x @0/0"), "a best speedup and its turn: {row}");
-    }
-    assert!(stdout.contains("totals: 2 turns, 2 evaluated, 2 correct (100.0%)"), "{stdout}");
-    // The report beside the store: report.html plots and report.json holds the job's metrics.
+    assert!(stderr.contains("[12/12 turns, 4/4 episodes] correct 8/11 evaluated"), "{stderr}");
+    let first = stdout.lines().next().unwrap_or_default();
+    let job_id = first.strip_prefix("job ").and_then(|l| l.strip_suffix(" succeeded"));
+    let job_id = job_id.unwrap_or_else(|| panic!("the report opens with the job: {stdout}")).to_owned();
+    let row = |task: &str| stdout.lines().find(|l| l.starts_with(task)).unwrap_or_else(|| panic!("{task}: {stdout}"));
+    // Trajectory 0 gets faster turn by turn; trajectory 1 answers with junk (no kernel), then a syntax error, then
+    // the fix.
+    assert!(row("examples/gelu_tanh").contains("correct,correct,correct | -,compile_error,correct"), "{stdout}");
+    // Trajectory 0 corrects a wrong answer; trajectory 1 writes into its input, is caught, and goes back.
+    assert!(row("examples/scaled_add").contains("incorrect,correct,correct | correct,hack,correct"), "{stdout}");
+    assert!(stdout.contains("totals: 12 turns, 11 evaluated, 8 correct (72.7%)"), "{stdout}");
+    assert!(stdout.contains("hacks 1, junk 1, not-okay 0, no kernel 1, infra errors 0"), "{stdout}");
+    assert!(stdout.contains("priced at example prices: $0.5 / $1.5 per million"), "{stdout}");
+
+    // The report's figures are the stored turns': the samples exported from the store, counted here.
+    let samples_file = dir.join("samples.jsonl");
+    let exported = kforge(&["export", &job_id, "--out", samples_file.to_str().expect("utf-8")]);
+    assert!(exported.status.success(), "{}", String::from_utf8_lossy(&exported.stderr));
+    let samples: Vec<serde_json::Value> = std::fs::read_to_string(&samples_file)
+        .expect("written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one json object per line"))
+        .collect();
+    assert_eq!(samples.len(), 12);
     let line = stdout.lines().find_map(|l| l.strip_prefix("report: ")).unwrap_or_else(|| panic!("{stdout}"));
-    let html = line.split(" (").next().expect("the html path");
-    assert!(html.contains("cli-run-binary/reports/job-") && html.ends_with("report.html"), "{line}");
+    let html = Path::new(line.split(" (").next().expect("the html path"));
+    assert!(html.starts_with(dir.join("reports")) && html.ends_with("report.html"), "{line}");
     let page = std::fs::read_to_string(html).expect("report.html written");
     assert!(page.contains("<svg") && !page.contains("<script src"), "a self-contained page with plots");
-    let json: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(Path::new(html).with_file_name("report.json")).expect("report.json written"),
-    )
-    .expect("report.json is JSON");
-    assert!(json.to_string().contains("examples/gelu_tanh"), "{json}");
+    assert!(page.contains("Priced at example prices"), "the cost panel names its prices as examples");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(html.with_file_name("report.json")).expect("report.json written"))
+            .expect("report.json is JSON");
+    let by_turn = report["metrics"]["by_turn"].as_array().expect("by_turn");
+    assert_eq!(by_turn.len(), 3, "a point per turn: {by_turn:?}");
+    for (turn, rates) in by_turn.iter().enumerate() {
+        let of_turn: Vec<&serde_json::Value> = samples.iter().filter(|s| s["turn"] == turn).collect();
+        let correct = of_turn.iter().filter(|s| s["verdict"] == "VERDICT_CORRECT").count();
+        assert_eq!(rates["rates"]["correct"]["numerator"].as_u64(), Some(correct as u64), "turn {turn}: {rates}");
+    }
+    // Tokens: the replay's counts for the answers, the prompts counted as sent; kevin's later prompts hold the
+    // earlier attempts, so they are longer. The cost is the example prices' on those counts.
+    let usage = report["usage_by_turn"].as_array().expect("usage_by_turn");
+    let prompt = |turn: usize| usage[turn]["prompt_tokens"].as_u64().expect("prompt tokens");
+    assert!(prompt(0) > 0 && prompt(2) > prompt(0), "{usage:?}");
+    let cost = &report["metrics"]["cost"];
+    let tokens = |key: &str| cost[key].as_f64().expect("a count");
+    let priced = (tokens("prompt_tokens") * 0.5 + tokens("completion_tokens") * 1.5) / 1e6;
+    let cost_usd = cost["cost_usd"].as_f64().expect("cost");
+    assert!(cost_usd > 0.0 && (cost_usd - priced).abs() < 1e-9, "{cost_usd} against {priced}: {cost}");
 }
 
 /// `kforge run` killed with SIGKILL after its first turn is recorded, then `kforge run --resume JOB` on the same
@@ -496,7 +531,8 @@ fn a_killed_kforge_run_resumes_and_its_samples_export_as_jsonl() {
             .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false");
         command
     };
-    let mut first = kforge(&["run", "--max-tasks", "2", "--backend", "cpu", "--concurrency", "1"])
+    let single_turn = ["--recipe", "single-turn", "--tasks", "examples", "--max-tasks", "2"];
+    let mut first = kforge(&[&["run"], &single_turn[..], &["--backend", "cpu", "--concurrency", "1"]].concat())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -672,7 +708,8 @@ fn kforge_run_against_a_model_url_evaluates_its_kernel() {
         &Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-model-url"),
         &["--model", "fake-model", "--model-url", &url, "--api-key-env", "KFORGE_FAKE_MODEL_KEY"],
     )
-    .args(["--max-tasks", "1", "--backend", "cpu", "--temperature", "0.6", "--max-tokens", "2048"])
+    .args(["--recipe", "single-turn", "--tasks", "examples", "--max-tasks", "1", "--backend", "cpu"])
+    .args(["--temperature", "0.6", "--max-tokens", "2048"])
     .env("KFORGE_FAKE_MODEL_KEY", "sk-fake-test")
     .output()
     .expect("kforge runs");
@@ -748,10 +785,10 @@ fn kforge_run_cudaforge_with_a_judge_model_url() {
     let (coder_url, judge_url) = (format!("http://{coder}/v1"), format!("http://{judge}"));
     let output = kforge_run(
         &Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-judge-model-url"),
-        &["--recipe", "cudaforge", "--turns", "2", "--max-tasks", "1", "--backend", "cpu"],
+        &["--recipe", "cudaforge", "--tasks", "examples", "--trajectories", "1", "--turns", "2", "--max-tasks", "1"],
     )
-    .args(["--model", "coder", "--model-url", &coder_url, "--judge-model", "judge", "--judge-model-url", &judge_url])
-    .args(["--judge-api-key-env", "KFORGE_FAKE_JUDGE_KEY"])
+    .args(["--backend", "cpu", "--model", "coder", "--model-url", &coder_url])
+    .args(["--judge-model", "judge", "--judge-model-url", &judge_url, "--judge-api-key-env", "KFORGE_FAKE_JUDGE_KEY"])
     .env("KFORGE_FAKE_JUDGE_KEY", "sk-judge")
     .output()
     .expect("kforge runs");

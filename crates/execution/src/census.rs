@@ -6,9 +6,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use kforge_proto::v1 as pb;
+use kforge_static_checks::{Category, Finding, Policy};
 use serde::Deserialize;
-
-use crate::static_checks::{Category, Finding, Policy};
 
 /// One mode's raw records, as the harness reports them.
 #[derive(Debug, Clone, Deserialize)]
@@ -134,14 +133,14 @@ pub fn own_kernels(source: &str, compiled: Option<&Result<Vec<String>, String>>,
         Some(Ok(names)) => own.names.extend(names.iter().cloned()),
         Some(Err(why)) => {
             own.from_source.push(format!("the build's kernels: {why}"));
-            own.names.extend(crate::static_checks::cuda_kernel_names(source));
+            own.names.extend(kforge_static_checks::cuda_kernel_names(source));
         }
-        None => own.names.extend(crate::static_checks::cuda_kernel_names(source)),
+        None => own.names.extend(kforge_static_checks::cuda_kernel_names(source)),
     }
     match jit {
         Some(names) => own.names.extend(names.iter().cloned()),
         None => {
-            let named = crate::static_checks::triton_kernel_names(source);
+            let named = kforge_static_checks::triton_kernel_names(source);
             if !named.is_empty() {
                 own.from_source.push("the Triton kernels: the run did not report them".to_owned());
             }

@@ -4,9 +4,13 @@
 //! in the sandbox ([`stage`], speaking the typed [`protocol`] with the harness in `harness/`), the artifact cache
 //! ([`cache`], compiled through [`Engine::build`]) with torch's extension header precompiled for the bindings
 //! ([`precompiled_header`]), the device lanes and their gate, admission and health ([`devices`]), the disk
-//! budget ([`disk`]) and the memory candidates' outputs are handed over in ([`handoff`]). The static checks ([`static_checks`]) and the kernel census ([`census`]) define what a
-//! candidate may do and which kernels are its own, for both services. A service keeps its gRPC face and its own
-//! pipeline: the evaluator's checks and timing, the profiler's Nsight Compute run.
+//! budget ([`disk`]) and the memory candidates' outputs are handed over in ([`handoff`]). The static checks
+//! (`kforge-static-checks`, below this crate) and the kernel census ([`census`]) define what a candidate may do and
+//! which kernels are its own, for both services. A service keeps its gRPC face and its own pipeline: the
+//! evaluator's checks and timing, the profiler's Nsight Compute run.
+//!
+//! The crate's one binary, `kforge-device-probe`, is the GPU health probe the device lanes launch after a fault
+//! (`src/bin/kforge-device-probe.rs`); it is built with the engine that runs it.
 
 pub mod cache;
 pub mod census;
@@ -20,7 +24,6 @@ pub mod precompiled_header;
 pub mod protocol;
 pub mod python;
 pub mod stage;
-pub mod static_checks;
 
 pub use config::ExecutionConfig;
 pub use engine::{Engine, InfraError, RequestError, Submission, SubmissionRequest};

@@ -47,7 +47,7 @@ pub fn report_html(meta: &ReportMeta, metrics: &JobMetrics, samples: &[TurnSampl
     summary(&mut page, metrics);
     turn_plots(&mut page, metrics);
     speedup_plot(&mut page, metrics, samples);
-    cost_plot(&mut page, metrics, samples);
+    cost_plot(&mut page, meta, metrics, samples);
     tables(&mut page, metrics, samples);
     let _ = writeln!(page, "<script>{SCRIPT}</script></body></html>");
     page
@@ -341,8 +341,11 @@ fn speedup_plot(page: &mut String, m: &JobMetrics, samples: &[TurnSample]) {
     page.push_str("</table>");
 }
 
-fn cost_plot(page: &mut String, m: &JobMetrics, samples: &[TurnSample]) {
+fn cost_plot(page: &mut String, meta: &ReportMeta, m: &JobMetrics, samples: &[TurnSample]) {
     page.push_str("<h2>Cost</h2>");
+    if !meta.pricing.is_empty() {
+        let _ = write!(page, "<p class=\"note\" id=\"pricing\">Priced at {}.</p>", escape(&meta.pricing));
+    }
     let usage = usage_by_turn(samples);
     let labels: Vec<String> = usage.iter().map(|(turn, ..)| format!("turn {turn}")).collect();
     let series = [

@@ -23,6 +23,7 @@ pub fn report_json(meta: &ReportMeta, metrics: &JobMetrics, samples: &[TurnSampl
             "model": meta.model,
             "task_set": meta.task_set,
             "generated_at": meta.generated_at,
+            "pricing": meta.pricing,
         },
         "metrics": {
             "tasks": metrics.tasks,

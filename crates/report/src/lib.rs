@@ -26,6 +26,8 @@ pub struct ReportMeta {
     pub recipe: String,
     pub model: String,
     pub task_set: String,
+    /// What the cost is priced at (`example prices: ...`), shown with the cost; empty: nothing to say.
+    pub pricing: String,
     /// When the report was made, as the caller prints it (the report itself reads no clock).
     pub generated_at: String,
 }

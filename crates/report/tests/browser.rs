@@ -59,6 +59,7 @@ fn report(name: &str) -> (PathBuf, JobMetrics) {
         recipe: "kevin".into(),
         model: "replay <examples>".into(),
         task_set: "examples".into(),
+        pricing: "example prices: $0.5 / $1.5 per million prompt / completion tokens".into(),
         generated_at: "2026-01-01 00:00 UTC".into(),
     };
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
@@ -75,6 +76,7 @@ fn the_page_needs_nothing_from_outside() {
         assert!(!page.contains(outside), "the page refers outside itself: {outside}");
     }
     assert!(page.contains("replay &lt;examples&gt;"), "text is escaped");
+    assert!(page.contains("<p class=\"note\" id=\"pricing\">Priced at example prices: $0.5"), "the prices are named");
 }
 
 #[test]
@@ -96,6 +98,7 @@ fn report_json_holds_the_metrics_with_their_denominators() {
         .sum();
     assert_eq!(eager, metrics.speedup_eager.count);
     assert_eq!(json["tasks"][1]["best_speedup_eager"], 5.0);
+    assert!(json["job"]["pricing"].as_str().is_some_and(|p| p.starts_with("example prices")), "{}", json["job"]);
 }
 
 fn chromium() -> Option<PathBuf> {

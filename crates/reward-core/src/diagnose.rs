@@ -218,7 +218,7 @@ mod tests {
     fn ordinary_code_is_not_degenerate() {
         // Python with repeated idioms, C++/CUDA with long identifiers and literals, and this crate's own Rust.
         let sources = [
-            include_str!("../../../examples/tasks/relu/turns/2_unrolled.py"),
+            include_str!("../../../examples/tasks/relu/story/0/2_unrolled.py"),
             include_str!("../../../examples/tasks/relu/candidates/cpu_loop.py"),
             include_str!("diagnose.rs"),
             include_str!("metrics.rs"),

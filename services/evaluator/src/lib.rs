@@ -9,10 +9,6 @@ pub mod config;
 pub mod metrics;
 pub mod pipeline;
 pub mod stats;
-pub mod tasks;
-
-/// The static checks the evaluator applies (the engine's): a task is checked with them before any job runs it.
-pub use kforge_execution::static_checks;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

@@ -119,7 +119,7 @@ impl GatewayService {
         sink: &mut DeltaSink,
     ) -> Result<pb::GenerateResponse, GatewayError> {
         let accounting = &self.state.accounting;
-        if pool.config.price != crate::config::Price::default() && !pool.backends.iter().all(|b| b.client.is_replay()) {
+        if pool.config.price != crate::config::Price::default() {
             accounting.job_request(&pool.config.model, &spec.keys.job_id);
         }
         let result = dispatch::generate(pool, &self.state.retry, accounting, spec, deadline, sink).await;
@@ -196,7 +196,9 @@ fn respond(
     if !spec.return_token_ids {
         prompt_token_ids.clear();
     }
-    let cost = if backend.client.is_replay() { 0.0 } else { cost_usd(&pool.config.price, &usage) };
+    // A replayed answer is priced like any other: a pool prices what it serves (a recorded run replayed at its
+    // model's prices, or the embedded default's example prices).
+    let cost = cost_usd(&pool.config.price, &usage);
     accounting.served(&pool.config.model, &backend.label, &spec.keys.job_id, &usage, &timings, cost);
     pb::GenerateResponse {
         completions,

@@ -675,7 +675,9 @@ async fn replay_answers_from_its_file_and_says_so() {
     let completion = &response.completions[0];
     assert_eq!((completion.reasoning.as_str(), completion.token_ids.clone()), ("Okay.", vec![4, 5]));
     assert!(completion.text.starts_with("```python"), "{}", completion.text);
-    assert_eq!(response.usage.expect("usage").cost_usd, 0.0, "replay costs nothing");
+    // 9 prompt and 2 completion tokens at $1 per million each: a replayed answer is priced at its pool's prices.
+    let cost = response.usage.expect("usage").cost_usd;
+    assert!((cost - 11e-6).abs() < 1e-12, "{cost}");
 
     let mut missing = chat_request("x");
     missing.keys.as_mut().expect("keys").turn = 5;

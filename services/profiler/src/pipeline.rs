@@ -20,7 +20,7 @@ use kforge_execution::engine::{
 };
 use kforge_execution::protocol::CandidateRun;
 use kforge_execution::stage::{CallLimits, Started};
-use kforge_execution::static_checks::{self, Category};
+use kforge_static_checks::{self as static_checks, Category};
 
 /// The launcher's command line for the candidate's own kernels (by function name): the program and its arguments,
 /// before the interpreter (`ncu ... -o DIR/report`).

@@ -2,8 +2,9 @@
 //! decides whether a device that faulted can go on serving.
 //!
 //! After a CUDA-level fault on a GPU (an illegal address, a launch failure, a kernel killed at its time limit, a
-//! crash) the device is probed before anything else runs on it: `kforge-device-probe`, a short-lived process that
-//! creates a context, runs a tiny kernel and checks its result, under a timeout. What a failed probe does to the
+//! crash) the device is probed before anything else runs on it: `kforge-device-probe` (this crate's binary,
+//! `src/bin/kforge-device-probe.rs`), a short-lived process that creates a context, runs a tiny kernel and checks
+//! its result, under a timeout. What a failed probe does to the
 //! device's lane (quarantine, and probes again until it passes) is the lanes' part (`super::lanes`).
 
 use std::path::{Path, PathBuf};

@@ -1,8 +1,7 @@
 //! Findings in their proto form: the static checks' and the census's, and those seen at run time (all hacks).
 
 use kforge_proto::v1 as pb;
-
-use crate::static_checks::{Category, Finding};
+use kforge_static_checks::{Category, Finding};
 
 /// A run-time finding of category hack.
 pub fn hack_finding(code: impl Into<String>, message: impl Into<String>) -> pb::Finding {

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use kforge_proto::v1 as pb;
 use kforge_sandbox::Sandbox;
+use kforge_static_checks::Policy;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -32,7 +33,6 @@ use crate::metrics::ExecutionMetrics;
 use crate::protocol::{Report, StageSpec};
 use crate::python::{PythonEnv, PythonUnavailable};
 use crate::stage::{self, Joining, Request, Stage, StageError, StageOutcome, Started};
-use crate::static_checks::Policy;
 
 mod candidate;
 mod compile;

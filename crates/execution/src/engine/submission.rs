@@ -2,9 +2,9 @@
 //! [`Submission`].
 
 use kforge_proto::v1 as pb;
+use kforge_static_checks::{self as static_checks, Policy};
 
 use super::Engine;
-use crate::static_checks::{self, Policy};
 
 /// Why a request was refused before anything ran (a verdict is never an error).
 #[derive(Debug, thiserror::Error)]

@@ -25,8 +25,8 @@ use kforge_execution::engine::{
 };
 use kforge_execution::handoff;
 use kforge_execution::protocol::{CandidateRun, KeepTimed, Sensitivity, TimingSpec};
-use kforge_execution::static_checks::{self, Category};
 use kforge_proto::v1 as pb;
+use kforge_static_checks::{self as static_checks, Category};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::EvaluatorConfig;

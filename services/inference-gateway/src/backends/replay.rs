@@ -9,7 +9,10 @@
 //!  "prompt_token_ids": [], "usage": {"prompt_tokens": 0, "completion_tokens": 0}}
 //! ```
 //!
-//! Only `task_id`, `trajectory`, `turn` and `completions[].text` are required. The file is read once at start-up;
+//! Only `task_id`, `trajectory`, `turn` and `completions[].text` are required. A record whose `usage` leaves out
+//! `prompt_tokens` has them counted from the prompt it is sent, at [`CHARS_PER_TOKEN`] characters per token (a
+//! recorded prompt's length would not follow the prompt that earlier turns' evaluations make). The file is read once
+//! at start-up;
 //! a malformed line or a key recorded twice fails the start with the line's number. Every response served from
 //! it is labelled `replay` on the wire.
 
@@ -20,7 +23,7 @@ use std::time::Instant;
 use serde::Deserialize;
 
 use super::{AttemptError, BackendError, CompletionOut, Delta, DeltaSink, Generation, UsageOut};
-use crate::request::GenerateSpec;
+use crate::request::{GenerateSpec, Input};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -56,10 +59,25 @@ fn stop() -> String {
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RecordedUsage {
-    prompt_tokens: u64,
+    /// None: counted from the prompt sent.
+    prompt_tokens: Option<u64>,
     completion_tokens: u64,
     cached_prompt_tokens: u64,
     reasoning_tokens: u64,
+}
+
+/// Characters per token where a record's usage leaves the prompt's tokens to be counted: the rough rate of a BPE
+/// tokenizer on English and code.
+pub const CHARS_PER_TOKEN: u64 = 4;
+
+/// The tokens of `input` at [`CHARS_PER_TOKEN`], rounded up; token ids count as they are.
+fn prompt_tokens(input: &Input) -> u64 {
+    let chars: usize = match input {
+        Input::Chat(messages) => messages.iter().map(|m| m.content.chars().count()).sum(),
+        Input::Prompt(text) => text.chars().count(),
+        Input::PromptTokens(ids) => return ids.len() as u64,
+    };
+    (chars as u64).div_ceil(CHARS_PER_TOKEN)
 }
 
 type Key = (String, u32, u32);
@@ -145,7 +163,12 @@ impl ReplayBackend {
             completions,
             prompt_token_ids: if spec.return_token_ids { record.prompt_token_ids.clone() } else { Vec::new() },
             usage: UsageOut {
-                prompt_tokens: usage.prompt_tokens,
+                // No usage recorded: none reported, as a server that reports none.
+                prompt_tokens: if usage_reported {
+                    usage.prompt_tokens.unwrap_or_else(|| prompt_tokens(&spec.input))
+                } else {
+                    0
+                },
                 completion_tokens: usage.completion_tokens,
                 cached_prompt_tokens: usage.cached_prompt_tokens,
                 reasoning_tokens: usage.reasoning_tokens,
@@ -180,5 +203,16 @@ mod tests {
         let error = ReplayBackend::load(&twice).expect_err("duplicate");
         assert!(matches!(error, BackendError::ReplayDuplicate { line: 2, trajectory: 0, turn: 0, .. }), "{error}");
         assert!(error.to_string().contains("recorded twice"), "{error}");
+    }
+
+    #[test]
+    fn a_prompt_without_recorded_tokens_is_counted_at_four_characters_per_token() {
+        let usage: RecordedUsage = serde_json::from_str(r#"{"completion_tokens": 7}"#).expect("parses");
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (None, 7));
+        let message = |content: &str| crate::request::Message { role: "user".into(), content: content.into() };
+        let chat = Input::Chat(vec![message("four"), message("and five!")]);
+        assert_eq!(prompt_tokens(&chat), 4, "13 characters: 4 tokens, rounded up");
+        assert_eq!(prompt_tokens(&Input::Prompt("éééé".into())), 1, "characters, not bytes");
+        assert_eq!(prompt_tokens(&Input::PromptTokens(vec![1, 2, 3])), 3, "ids count as they are");
     }
 }

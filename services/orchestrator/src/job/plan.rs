@@ -330,12 +330,15 @@ fn resolve_tasks(spec: &pb::JobSpec, sources: Sources) -> Result<Vec<pb::Task>, 
     }
     let tasks: Vec<pb::Task> = match spec.task_set.as_str() {
         "" => {
-            return Err(OrchestratorError::invalid(field, "required: `examples`, `inline` or a KernelBench directory"));
+            return Err(OrchestratorError::invalid(
+                field,
+                "required: `tour`, `examples`, `inline`, a KernelBench directory or a JSONL file",
+            ));
         }
-        "examples" => kforge_evaluator::tasks::examples()
-            .into_iter()
-            .map(|t| pb::Task { task_id: t.id, source: t.source })
-            .collect(),
+        name @ ("examples" | "tour") => {
+            let tasks = if name == "tour" { kforge_tasks::tour() } else { kforge_tasks::examples() };
+            tasks.into_iter().map(|t| pb::Task { task_id: t.id, source: t.source }).collect()
+        }
         "inline" => {
             let mut ids = std::collections::HashSet::with_capacity(spec.tasks.len());
             for (i, task) in spec.tasks.iter().enumerate() {
@@ -351,7 +354,7 @@ fn resolve_tasks(spec: &pb::JobSpec, sources: Sources) -> Result<Vec<pb::Task>, 
                 // The evaluator's own check of a task (it parses as Python and defines Model, get_inputs and
                 // get_init_inputs): a source it would refuse at every turn is refused once, here.
                 if sources == Sources::Check
-                    && let Err(reason) = kforge_evaluator::static_checks::check_task(&task.source)
+                    && let Err(reason) = kforge_static_checks::check_task(&task.source)
                 {
                     return Err(OrchestratorError::invalid(
                         format!("spec.tasks[{i}].source"),
@@ -370,8 +373,8 @@ fn resolve_tasks(spec: &pb::JobSpec, sources: Sources) -> Result<Vec<pb::Task>, 
                     format!("{path} is not a directory (a KernelBench directory) or a .jsonl file"),
                 ));
             }
-            let (tasks, _rejected) = kforge_evaluator::tasks::import_kernelbench(dir)
-                .map_err(|e| OrchestratorError::invalid(field, e.to_string()))?;
+            let (tasks, _rejected) =
+                kforge_tasks::import_kernelbench(dir).map_err(|e| OrchestratorError::invalid(field, e.to_string()))?;
             tasks
                 .into_iter()
                 .filter(|t| {
@@ -415,7 +418,7 @@ fn jsonl_tasks(path: &Path) -> Result<Vec<pb::Task>, OrchestratorError> {
         if !ids.insert(task.task_id.clone()) {
             return Err(at(format!("task_id `{}` appears twice", task.task_id)));
         }
-        kforge_evaluator::static_checks::check_task(&task.source)
+        kforge_static_checks::check_task(&task.source)
             .map_err(|reason| at(format!("source is not a task: {reason}")))?;
         tasks.push(pb::Task { task_id: task.task_id, source: task.source });
     }

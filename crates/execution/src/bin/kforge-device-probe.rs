@@ -1,7 +1,7 @@
-//! `kforge-device-probe`: is this GPU healthy? The evaluator runs it in a short-lived process after a CUDA-level
-//! fault (and again while a device is quarantined): it creates a context on the device, runs a tiny kernel
-//! (`out[i] = 3 i + 7` over a million elements, loaded from PTX so no compiler is needed), copies the result back
-//! and checks every element.
+//! `kforge-device-probe`: is this GPU healthy? The engine's device lanes run it (`devices/health.rs`) in a
+//! short-lived process after a CUDA-level fault (and again while a device is quarantined): it creates a context on
+//! the device, runs a tiny kernel (`out[i] = 3 i + 7` over a million elements, loaded from PTX so no compiler is
+//! needed), copies the result back and checks every element.
 //!
 //! Prints one JSON object on stdout and exits 0 when the device passed, 1 when it failed, 2 when there is no CUDA
 //! driver to probe. The device is `--ordinal N` (default 0) among those `CUDA_VISIBLE_DEVICES` leaves visible.

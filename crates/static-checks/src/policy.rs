@@ -57,9 +57,9 @@ impl Policy {
         self.min_profiling_ratio
     }
 
-    /// The same policy with decoys relaxed to notices (no shipped policy does this).
-    #[cfg(test)]
-    pub(crate) fn relaxing_unlaunched_kernels(mut self) -> Policy {
+    /// The same policy with decoys relaxed to notices (no shipped policy does this; for tests, feature `test-util`).
+    #[cfg(feature = "test-util")]
+    pub fn relaxing_unlaunched_kernels(mut self) -> Policy {
         self.unlaunched_kernels_allowed = true;
         self
     }

@@ -1,8 +1,10 @@
-//! Task sets: kforge's own example tasks (embedded in the binary) and an importer for a KernelBench directory.
+//! Task sets: kforge's own example tasks (embedded in the binary from `examples/tasks/<name>/task.py`), the tour, and
+//! an importer for a KernelBench directory. An imported file is checked as the evaluator checks a task
+//! (`kforge_static_checks::check_task`): one that is not a task comes back rejected, with the reason.
 
 use std::path::{Path, PathBuf};
 
-use kforge_execution::static_checks;
+use kforge_static_checks::check_task;
 
 /// A task in KernelBench format.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,12 +54,22 @@ const EXAMPLES: &[(&str, &str)] = examples![
     "tuple_outputs",
 ];
 
+/// The example tasks of the tour, the default job's task set: each has a replayed story per trajectory
+/// (`examples/tasks/<name>/story/`) in which a kernel gets faster turn by turn, a compile error and a wrong answer are
+/// fixed, a hack is caught and a junk answer scores nothing.
+const TOUR: &[&str] = &["gelu_tanh", "scaled_add"];
+
 /// kforge's own example tasks.
 pub fn examples() -> Vec<TaskSource> {
     EXAMPLES
         .iter()
         .map(|(name, source)| TaskSource { id: format!("examples/{name}"), source: (*source).to_owned() })
         .collect()
+}
+
+/// The tour: the example tasks whose replayed answers tell a multi-turn story, in the examples' order.
+pub fn tour() -> Vec<TaskSource> {
+    examples().into_iter().filter(|task| TOUR.iter().any(|name| task.id == format!("examples/{name}"))).collect()
 }
 
 /// Reads every `level*/<n>_<name>.py` under `dir`, ordered by level and then task number. Files that do not parse
@@ -89,7 +101,7 @@ pub fn import_kernelbench(dir: &Path) -> Result<(Vec<TaskSource>, Vec<Rejected>)
         for (_, stem, file) in files {
             let source =
                 std::fs::read_to_string(&file).map_err(|source| ImportError::Read { path: file.clone(), source })?;
-            match static_checks::check_task(&source) {
+            match check_task(&source) {
                 Ok(()) => tasks.push(TaskSource { id: format!("level{level}/{stem}"), source }),
                 Err(reason) => rejected.push(Rejected { path: file, reason: reason.to_string() }),
             }
@@ -112,9 +124,11 @@ mod tests {
         let examples = examples();
         assert!(examples.len() >= 12);
         for task in &examples {
-            assert_eq!(static_checks::check_task(&task.source), Ok(()), "{}", task.id);
+            assert_eq!(check_task(&task.source), Ok(()), "{}", task.id);
         }
         assert_eq!(examples[0].id, "examples/relu");
+        let tour: Vec<String> = tour().into_iter().map(|task| task.id).collect();
+        assert_eq!(tour, ["examples/gelu_tanh", "examples/scaled_add"], "every name of TOUR is an example");
     }
 
     #[test]

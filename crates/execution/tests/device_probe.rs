@@ -1,4 +1,4 @@
-//! The device health probe as the evaluator runs it: one JSON report on stdout and an exit code that agrees with
+//! The device health probe as the engine runs it: one JSON report on stdout and an exit code that agrees with
 //! it, on any host. Without a CUDA driver (CI) it says so rather than panicking; on a GPU host it checks the device.
 
 use std::process::Command;

@@ -1,4 +1,7 @@
 //! Static checks of candidate and task sources over a real Python parse (tree-sitter), never regular expressions.
+//! Pure: no engine, no I/O. The evaluator and the profiler check candidates with it, and the engine
+//! (`kforge-execution`) checks a request's task and reads a candidate's kernel names and policy for its census; the
+//! orchestrator and `kforge-tasks` check tasks.
 //!
 //! A candidate is checked against a named, versioned policy; each problem is a [`Finding`] with a stable code, a
 //! message and a line. Findings of category hack or policy reject the candidate (`VERDICT_REJECTED`); notices do
