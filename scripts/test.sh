@@ -61,4 +61,15 @@ cargo build -p kforge --bin kforge --locked
   ../../.venv/bin/mypy
   KFORGE_BIN="$PWD/../../target/debug/kforge" ../../.venv/bin/pytest
 )
+
+# The evaluator's harness (the Python beside candidates): ruff as above, pyright with the .venv's torch, and its
+# tests (crates/execution/harness/pyproject.toml). pyright is told not to ask PyPI for a newer version.
+echo "==> harness: ruff, pyright, pytest (crates/execution/harness)"
+(
+  cd crates/execution/harness
+  ../../../.venv/bin/ruff check .
+  ../../../.venv/bin/ruff format --check .
+  PYRIGHT_PYTHON_IGNORE_WARNINGS=1 ../../../.venv/bin/pyright --pythonpath ../../../.venv/bin/python
+  ../../../.venv/bin/pytest
+)
 disk

@@ -33,7 +33,7 @@ import argparse, json, os, subprocess, sys, tempfile, time  # noqa: E401
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
-import kforge_harness as harness  # noqa: E402
+from kforge_harness import process  # noqa: E402
 
 WORKLOADS = ["hang", "hang_after_compile", "hang_polling_thread", "autotune_cold:mid", "autotune_warm:mid",
              "autotune_cold:slow", "autotune_warm:slow", "autotune_cold:compute", "autotune_warm:compute",
@@ -47,7 +47,7 @@ WINDOW_S = 3.0
 
 def child(workload):
     """Runs one workload; prints `call` as the call starts and `done` as it ends."""
-    harness.BLOCKING_SYNC = harness.blocking_sync()
+    process.BLOCKING_SYNC = process.blocking_sync()
     import torch
     import triton
     import triton.language as tl

@@ -64,7 +64,7 @@ from pathlib import Path
 
 # The harness's own sizing of the cover before each timed call (stdlib at import: torch loads where used).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
-from kforge_harness import cover_ms  # noqa: E402
+from kforge_harness.timing import cover_ms  # noqa: E402
 
 CONFIGS = ["dobench", "kf_spin", "kf_block", "kf_default", "kf_nocover", "kf_pinned"]
 MODELS = ["eager", "hostsync", "synconly", "scalar"]
@@ -388,7 +388,7 @@ def one(spec, out, nvml_period_ms=2.0):
     cu.cuDeviceGet(ctypes.byref(dev), 0)
     blocking = config not in ("dobench", "kf_default")
     rec = {"model": model_name, "config": config, "pid": os.getpid(), "torch": torch.__version__}
-    if blocking:  # before torch creates the primary context, as kforge_harness.blocking_sync
+    if blocking:  # before torch creates the primary context, as kforge_harness.process.blocking_sync
         rec["primary_set_rc"] = cu.cuDevicePrimaryCtxSetFlags_v2(dev, 4)
     if not torch.cuda.is_available():
         print("no CUDA: torch.cuda.is_available() is False; nothing measured")
@@ -453,7 +453,7 @@ def one(spec, out, nvml_period_ms=2.0):
 
 
 def kforge_loop(torch, cu, model, x, config, blocking, rec, clock):
-    """kforge_harness.measure + Timer.time_ms for one input set, with the config's variations. Fills clock: the host
+    """kforge_harness.timing.measure + Timer.time_ms for one input set, with the config's variations. Fills clock: the host
     times (perf_counter_ns) of the timed part's begin and end and, per sample, right after its synchronize."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     flush = torch.empty(max(2 * l2, 1 << 20), dtype=torch.uint8, device="cuda")
@@ -477,7 +477,7 @@ def kforge_loop(torch, cu, model, x, config, blocking, rec, clock):
         if call == WARMUP:
             s0 = thread_stats()
             clock["begin"] = time.perf_counter_ns()
-        g = torch.Generator().manual_seed(call)  # kforge_harness.perturb: 4 elements take others' values
+        g = torch.Generator().manual_seed(call)  # kforge_harness.inputs.perturb: 4 elements take others' values
         positions = torch.randint(x.numel(), (2, 4), generator=g).to(x.device)
         x.view(-1)[positions[0]] = x.view(-1)[positions[1]].clone()
         cover = 0.0 if config == "kf_nocover" else cover_ms(launches, device_ms)

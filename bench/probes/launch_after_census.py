@@ -27,7 +27,7 @@ import argparse, json, os, statistics, subprocess, sys, time  # noqa: E401
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
-import kforge_harness as harness  # noqa: E402
+from kforge_harness import process, timing  # noqa: E402
 
 MODELS = ["relu", "triton_relu", "hostsync", "graph_relu", "graph_lazy"]
 CONFIGS = ["plain", "census", "teardown"]
@@ -104,7 +104,7 @@ def model_fn(name, torch):
 
 def child(model, config, calls):
     os.environ.pop("TEARDOWN_CUPTI", None)  # set (below) only by the teardown configuration
-    harness.BLOCKING_SYNC = harness.blocking_sync()
+    process.BLOCKING_SYNC = process.blocking_sync()
     import torch
 
     device = torch.device("cuda")
@@ -133,24 +133,24 @@ def child(model, config, calls):
             session.__exit__(None, None, None)
             close_ms = (time.perf_counter() - began) * 1e3
             _ = session.function_events
-        timer = harness.Timer(device)
-        spinning = harness.set_sync(spin=True)
+        timer = timing.Timer(device)
+        spinning = process.set_sync(spin=True)
         events, launches, device_ms = [], [], []
         for call in range(calls + 25):
-            elapsed, _, launch, _ = timer.time_ms(fn, harness.cover_ms(launches, device_ms))
+            elapsed, _, launch, _ = timer.time_ms(fn, timing.cover_ms(launches, device_ms))
             launches.append(launch)
             device_ms.append(elapsed)
             if call >= 25:
                 events.append(elapsed)
         if spinning:
-            harness.set_sync(spin=False)
+            process.set_sync(spin=False)
 
     def pct(values, q):
         ordered = sorted(values)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     return {"model": model, "config": config, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-            "spin": spinning, "close_ms": close_ms, "cover_ms": harness.cover_ms(launches, device_ms),
+            "spin": spinning, "close_ms": close_ms, "cover_ms": timing.cover_ms(launches, device_ms),
             "event_median_ms": statistics.median(events), "event_p90_ms": pct(events, 0.9),
             "launch_median_ms": statistics.median(launches[25:]), "launch_p90_ms": pct(launches[25:], 0.9),
             "events_ms": events, "launches_ms": launches[25:]}

@@ -6,8 +6,8 @@ part of the tolerance relative to the output's mean |value| (`scale_rtol`, docs/
 Per seed: inputs from torch.manual_seed(seed) and get_inputs(), parameters from seed 0 for both models (as the
 evaluator builds them from one init seed); the reference (Model) and the candidate (ModelNew) called once on the
 device; per output, the largest |got - expected| / allowed, allowed as the harness computes it
-(`kforge_harness.allowed_error`) from the evaluator's default tolerances, with scale_rtol as configured and at 0.
-A ratio above 1 fails the check.
+(`kforge_harness.compare.allowed_error`) from the evaluator's default tolerances, with scale_rtol as configured and
+at 0. A ratio above 1 fails the check.
 """
 
 import argparse
@@ -17,7 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "crates" / "execution" / "harness"))
 
-import kforge_harness as harness  # noqa: E402
+from kforge_harness import compare  # noqa: E402
+from kforge_harness.inputs import load_module  # noqa: E402
 
 # The evaluator's defaults (crates/execution/src/config.rs, `Tolerances::default`).
 DEFAULTS = {"float16": (1e-2, 1e-2, 1e-4), "bfloat16": (2e-2, 2e-2, 2e-4), "float32": (1e-3, 1e-3, 1e-5),
@@ -38,8 +39,8 @@ def worst_ratio(expected, got, tol):
     import torch
 
     a, b = expected.reshape(-1).to(torch.float64), got.reshape(-1).to(torch.float64)
-    scales = harness.finite_scales(expected.reshape(-1))
-    allowed = harness.allowed_error(a, scales, *tol)
+    scales = compare.finite_scales(expected.reshape(-1))
+    allowed = compare.allowed_error(a, scales, *tol)
     return float(((a - b).abs() / allowed).max()), scales[1]
 
 
@@ -53,8 +54,8 @@ def main():
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    task = harness.load_module(args.task, "margin_task")
-    candidate = harness.load_module(args.candidate, "margin_candidate")
+    task = load_module(args.task, "margin_task")
+    candidate = load_module(args.candidate, "margin_candidate")
     torch.manual_seed(0)
     reference = task.Model(*to_device(list(task.get_init_inputs()), device)).to(device)
     torch.manual_seed(0)

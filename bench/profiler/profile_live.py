@@ -275,7 +275,7 @@ def main():
                 "scale_rows(torch::Tensor d, torch::Tensor b)", "scale_rows(torch::Tensor d, torch::Tensor b, int64_t spin)").replace(
                 "ext.scale_rows(A, B)", "ext.scale_rows(A, B, SPIN)").replace(
                 "kforge_bench_diag_scale", "kforge_bench_hang_profiled")
-            harnesses = lambda: len(subprocess.run(["pgrep", "-f", "kforge_harness.py"], capture_output=True,
+            harnesses = lambda: len(subprocess.run(["pgrep", "-f", "harness/kforge_harness"], capture_output=True,
                                                    text=True).stdout.split())
             before = harnesses()
             for case, source, deadline in [("everywhere", everywhere, None), ("everywhere", everywhere, args.hang_deadline),

@@ -1,11 +1,12 @@
-//! The protocol between the engine and its harness (harness/kforge_harness.py): what a stage is asked, and
-//! what it answers, one request type and one result type per [`Mode`].
+//! The protocol between the engine and its harness (`harness/kforge_harness/`, its `protocol` module): what a stage
+//! is asked, and what it answers, one request type and one result type per [`Mode`].
 //!
 //! A stage reads one request from stdin, `{"protocol", "mode", "spec", "env"}`, and writes one result, a JSON
 //! object, to `spec.result_path`. Both carry [`PROTOCOL_VERSION`]: the harness refuses a request of another
 //! version (it writes a result saying so and exits with [`REFUSED_EXIT`]), and the engine refuses a result of
-//! another version ([`Decoded::Version`]). The Python side validates requests against the same field lists
-//! (`SPECS` in the harness; a test compares them with these types).
+//! another version ([`Decoded::Version`]). The Python side reads each mode's spec into a frozen dataclass and
+//! writes each mode's result from one (`SPECS` and `RESULTS` in the harness's `protocol` module); tests compare both
+//! lists of fields with these types, in both directions ([`spec_fields`], [`result_fields`]).
 //!
 //! Results are read as leniently as they always were: a field of the wrong type reads as absent, so a result
 //! half-written or forged by candidate code is judged by what it lacks, never fails to parse as a whole.
@@ -504,8 +505,8 @@ pub fn encode<S: StageSpec>(spec: &S, result_path: &Path, gate: GateRole, env: &
     serde_json::to_vec(&message).expect("a request always serialises: string keys, finite or absent numbers")
 }
 
-/// What every result has, and the mode's own fields.
-#[derive(Debug, Default, Deserialize)]
+/// What every result has, and the mode's own fields. (Serialize only lists the fields: see [`result_fields`].)
+#[derive(Debug, Default, Deserialize, Serialize)]
 pub struct Report<R> {
     /// Whether the stage did what it was asked (a candidate may still have failed checks).
     #[serde(default, deserialize_with = "lenient")]
@@ -692,6 +693,66 @@ fn json<S: StageSpec>(spec: &S) -> serde_json::Value {
     serde_json::to_value(spec).expect("specs serialise")
 }
 
+/// The field names of each mode's result as this side reads them: `protocol` (read by [`decode`]), the fields every
+/// [`Report`] has, and the mode's own (its spec's [`StageSpec::Result`]). What the harness's result types write for
+/// the evaluator, no more and no less (checked by a test that asks the harness); what it writes for the record only
+/// is listed apart on its side.
+pub fn result_fields() -> BTreeMap<&'static str, Vec<String>> {
+    /// A report with no fields of its own: those every result has.
+    #[derive(Default, Serialize)]
+    struct NoBody {}
+    let report = serde_json::to_value(Report::<NoBody>::default()).expect("a report serialises");
+    let mut common = vec!["protocol".to_owned()];
+    common.extend(report.as_object().into_iter().flat_map(|fields| fields.keys().cloned()));
+    let with = |body: &[&str]| -> Vec<String> {
+        let mut names: Vec<String> = common.iter().cloned().chain(body.iter().map(|&name| name.to_owned())).collect();
+        names.sort();
+        names.dedup();
+        names
+    };
+    BTreeMap::from([
+        (Mode::Compile.name(), with(struct_fields::<<CompileSpec as StageSpec>::Result>())),
+        (Mode::Candidate.name(), with(struct_fields::<<CandidateSpec as StageSpec>::Result>())),
+        (Mode::Reference.name(), with(struct_fields::<<CompareSpec as StageSpec>::Result>())),
+        (Mode::Check.name(), with(struct_fields::<<CompareSpec as StageSpec>::Result>())),
+        (Mode::Baseline.name(), with(struct_fields::<<BaselineSpec as StageSpec>::Result>())),
+        (Mode::BindingsPch.name(), with(struct_fields::<<BindingsPchSpec as StageSpec>::Result>())),
+    ])
+}
+
+/// The fields a struct's derived `Deserialize` reads: the names it hands to `deserialize_struct`, taken there
+/// before anything is read.
+fn struct_fields<T: DeserializeOwned>() -> &'static [&'static str] {
+    struct Names<'a>(&'a mut &'static [&'static str]);
+
+    impl<'de> Deserializer<'de> for Names<'_> {
+        type Error = serde::de::value::Error;
+
+        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(serde::de::Error::custom("not a struct: no fields to list"))
+        }
+
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(serde::de::Error::custom("the fields are listed, nothing is read"))
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf option unit
+            unit_struct newtype_struct seq tuple tuple_struct map enum identifier ignored_any
+        }
+    }
+
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(Names(&mut fields));
+    fields
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -816,6 +877,21 @@ mod tests {
         assert!(matched.body.mismatch.is_none());
         let odd: Report<CompareResult> = report(serde_json::json!({ "ok": true, "mismatch": "x" }));
         assert!(odd.body.mismatch.is_some_and(|m| m.trial.is_none()), "not null: a mismatch of the timed call");
+    }
+
+    #[test]
+    fn every_mode_has_its_result_fields() {
+        let fields = result_fields();
+        assert_eq!(fields.len(), 6);
+        let common = ["cpu_ms", "error", "error_type", "ok", "phase", "phases_ms", "protocol"];
+        for (mode, names) in &fields {
+            assert!(common.iter().all(|name| names.contains(&(*name).to_owned())), "{mode}: {names:?}");
+        }
+        assert!(fields["compile"].contains(&"kernels_unread".to_owned()));
+        assert!(fields["candidate"].contains(&"timed_outputs".to_owned()));
+        assert!(fields["baseline"].contains(&"eager_rounds".to_owned()));
+        assert_eq!(fields["reference"], fields["check"], "one result type for both");
+        assert!(struct_fields::<Vec<u8>>().is_empty(), "not a struct");
     }
 
     #[test]

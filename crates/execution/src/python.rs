@@ -13,19 +13,43 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::BuildRecipe;
 
-/// The files written to the work directory's `harness/` at start, embedded so that the binary is self-contained:
-/// the harness, and kforge's nvcc (the host and device front ends side by side), which builds name in
-/// `PYTORCH_NVCC`.
-pub const HARNESS_FILES: [(&str, &str); 2] = [
-    ("kforge_harness.py", include_str!("../harness/kforge_harness.py")),
-    ("kforge_nvcc.py", include_str!("../harness/kforge_nvcc.py")),
+/// The files written to the work directory's `harness/` at start, by path under it, embedded so that the binary
+/// is self-contained: the harness package (`kforge_harness/`, every module of it; a stage runs
+/// `python harness/kforge_harness`), and kforge's nvcc (the host and device front ends side by side), which builds
+/// name in `PYTORCH_NVCC`.
+pub const HARNESS_FILES: &[(&str, &str)] = &[
+    ("kforge_harness/__init__.py", include_str!("../harness/kforge_harness/__init__.py")),
+    ("kforge_harness/__main__.py", include_str!("../harness/kforge_harness/__main__.py")),
+    ("kforge_harness/build.py", include_str!("../harness/kforge_harness/build.py")),
+    ("kforge_harness/census.py", include_str!("../harness/kforge_harness/census.py")),
+    ("kforge_harness/compare.py", include_str!("../harness/kforge_harness/compare.py")),
+    ("kforge_harness/gate.py", include_str!("../harness/kforge_harness/gate.py")),
+    ("kforge_harness/inputs.py", include_str!("../harness/kforge_harness/inputs.py")),
+    ("kforge_harness/integrity.py", include_str!("../harness/kforge_harness/integrity.py")),
+    ("kforge_harness/modes.py", include_str!("../harness/kforge_harness/modes.py")),
+    ("kforge_harness/outputs.py", include_str!("../harness/kforge_harness/outputs.py")),
+    ("kforge_harness/process.py", include_str!("../harness/kforge_harness/process.py")),
+    ("kforge_harness/protocol.py", include_str!("../harness/kforge_harness/protocol.py")),
+    ("kforge_harness/timing.py", include_str!("../harness/kforge_harness/timing.py")),
+    (NVCC_WRAPPER, include_str!("../harness/kforge_nvcc.py")),
 ];
 
-/// A digest of the harness's source: part of the keys of cached references and baselines, which depend on how the
-/// harness makes inputs and measures (a new harness computes them again rather than comparing with stale ones).
+/// The harness package under the harness directory: what every stage's interpreter runs.
+pub const HARNESS_PACKAGE: &str = "kforge_harness";
+
+/// kforge's nvcc under the harness directory.
+pub const NVCC_WRAPPER: &str = "kforge_nvcc.py";
+
+/// A digest of the harness's source, every file of the package by path and contents: part of the keys of cached
+/// references and baselines, which depend on how the harness makes inputs and measures (a new harness computes
+/// them again rather than comparing with stale ones). kforge's nvcc is not in it: it builds, and builds are keyed
+/// on their own.
 pub fn harness_digest() -> &'static str {
-    static DIGEST: std::sync::LazyLock<String> =
-        std::sync::LazyLock::new(|| crate::cache::key(&[HARNESS_FILES[0].1.as_bytes()]));
+    static DIGEST: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        let package = HARNESS_FILES.iter().filter(|(path, _)| path.starts_with(HARNESS_PACKAGE));
+        let parts: Vec<&[u8]> = package.flat_map(|(path, contents)| [path.as_bytes(), contents.as_bytes()]).collect();
+        crate::cache::key(&parts)
+    });
     &DIGEST
 }
 
@@ -367,6 +391,43 @@ pub async fn sandbox_probe(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every module of the package is embedded (a module left out would fail to import in every stage), and nothing
+    /// else is: the package's own folder, as the source tree has it.
+    #[test]
+    fn every_file_of_the_harness_package_is_embedded() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("harness").join(HARNESS_PACKAGE);
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .expect("the harness package")
+            .map(|entry| entry.expect("an entry").file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".py"))
+            .map(|name| format!("{HARNESS_PACKAGE}/{name}"))
+            .collect();
+        on_disk.sort();
+        let mut embedded: Vec<String> = HARNESS_FILES
+            .iter()
+            .map(|(path, _)| (*path).to_owned())
+            .filter(|path| path.starts_with(HARNESS_PACKAGE))
+            .collect();
+        embedded.sort();
+        assert_eq!(embedded, on_disk);
+        for (path, contents) in HARNESS_FILES {
+            let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("harness").join(path);
+            assert_eq!(std::fs::read_to_string(&file).expect("an embedded file"), *contents, "{path}");
+        }
+        assert!(HARNESS_FILES.iter().any(|(path, _)| *path == NVCC_WRAPPER));
+    }
+
+    #[test]
+    fn the_harness_digest_covers_every_module_of_the_package() {
+        let modules = HARNESS_FILES.iter().filter(|(path, _)| path.starts_with(HARNESS_PACKAGE));
+        let parts: Vec<&[u8]> = modules.flat_map(|(path, contents)| [path.as_bytes(), contents.as_bytes()]).collect();
+        assert_eq!(harness_digest(), crate::cache::key(&parts));
+        let mut changed = parts.clone();
+        let last = changed.len() - 1;
+        changed[last] = b"# another timing module";
+        assert_ne!(harness_digest(), crate::cache::key(&changed));
+    }
 
     fn env_with(cuda_home: Option<PathBuf>) -> PythonEnv {
         PythonEnv::bare("/venv/bin/python".into(), cuda_home)

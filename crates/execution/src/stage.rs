@@ -265,7 +265,9 @@ fn largest_file(python: &PythonEnv) -> u64 {
     device.max(Limits::default().file_bytes)
 }
 
-/// Starts the harness for `stage`; its wall-clock limit counts from [`Started::run`].
+/// Starts the harness for `stage`; its wall-clock limit counts from [`Started::run`]. `harness` is the harness
+/// package's folder (`harness/kforge_harness`, run as the interpreter's program); its parent, the harness directory
+/// (kforge's nvcc is there too), is readable to the stage.
 pub fn start(
     sandbox: &Sandbox,
     python: &PythonEnv,

@@ -14,9 +14,10 @@ fn the_harness_leaves_load_inline_alone_for_stock_builds() {
     let script = format!(
         "import os, sys\n\
          sys.path.insert(0, {harness:?})\n\
-         import kforge_harness, torch.utils.cpp_extension as ext\n\
+         import torch.utils.cpp_extension as ext\n\
+         from kforge_harness import build\n\
          stock = ext.load_inline\n\
-         kforge_harness.install_build_recipe(building=True)\n\
+         build.install_build_recipe(building=True)\n\
          print('stock' if ext.load_inline is stock else 'recipe')\n",
         harness = harness.display().to_string(),
     );
@@ -43,14 +44,15 @@ fn the_harness_counts_calls_into_the_candidate_s_extensions() {
     let script = format!(
         "import sys, types\n\
          sys.path.insert(0, {harness:?})\n\
-         import kforge_harness, torch.utils.cpp_extension as ext\n\
+         import torch.utils.cpp_extension as ext\n\
+         from kforge_harness import census\n\
          def module(**attributes):\n\
          \x20   m = types.ModuleType('kforge_fake_extension')\n\
          \x20   m.__dict__.update(attributes)\n\
          \x20   return m\n\
          plain = module(double=lambda x: 2 * x, square=lambda x: x * x)\n\
          ext.load_inline = lambda *a, **k: plain\n\
-         calls = kforge_harness.ExtensionCalls()\n\
+         calls = census.ExtensionCalls()\n\
          calls.install()\n\
          loaded = ext.load_inline('fake', '')\n\
          assert ext.load_inline('fake', '') is loaded\n\
@@ -61,7 +63,7 @@ fn the_harness_counts_calls_into_the_candidate_s_extensions() {
          calls.install()\n\
          ext.load_inline('classes', '')\n\
          print(calls.complete)\n\
-         other = kforge_harness.ExtensionCalls()\n\
+         other = census.ExtensionCalls()\n\
          ext.load = lambda *a, **k: '/path/of/a/library.so'\n\
          other.install()\n\
          ext.load('operators', [])\n\
@@ -125,8 +127,8 @@ fn the_harness_writes_outputs_files_and_refuses_malformed_ones() {
     assert_eq!(stdout.lines().count(), 5, "{stdout}");
 }
 
-/// Runs `tests/fixtures/NAME` with the harness on PYTHONPATH, asserting it succeeded; its standard output, or `None`
-/// (a visible skip) without the test environment's Python.
+/// Runs `tests/fixtures/NAME` with the harness directory on PYTHONPATH (the package imports as `kforge_harness`),
+/// asserting it succeeded; its standard output, or `None` (a visible skip) without the test environment's Python.
 fn fixture_script(name: &str) -> Option<String> {
     let python = support::python()?;
     let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");

@@ -1,19 +1,21 @@
-//! The evaluator and its harness refuse each other across protocol versions, and list the same spec fields.
-//! Against the real harness file (and copies of it that claim another version), with the Python environment of
-//! `scripts/setup.sh --test`.
+//! The evaluator and its harness refuse each other across protocol versions, and list the same spec and result
+//! fields. Against the real harness package (and copies of it that claim another version), with the Python
+//! environment of `scripts/setup.sh --test`.
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use kforge_execution::protocol::{self, CompileSpec, PROTOCOL_VERSION, REFUSED_EXIT};
-use kforge_execution::python::PythonEnv;
+use kforge_execution::python::{HARNESS_FILES, HARNESS_PACKAGE, PythonEnv};
 use kforge_execution::stage::{self, Request, Stage, StageError};
 use kforge_sandbox::Sandbox;
 use tokio_util::sync::CancellationToken;
 
-const HARNESS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/harness/kforge_harness.py");
+/// The harness package, run as the engine runs it (`python harness/kforge_harness`).
+const HARNESS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/harness/kforge_harness");
 
 /// A fresh directory for `name`.
 fn scratch(name: &str) -> PathBuf {
@@ -23,15 +25,17 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// A copy of the harness in `dir` with `edit` applied (`from` must occur in it).
+/// A copy of the harness's files in `dir`, as the engine writes them, with `edit` applied (`from` must occur once
+/// in the package); the package's folder.
 fn harness_copy(dir: &Path, from: &str, to: &str) -> PathBuf {
-    let source = std::fs::read_to_string(HARNESS).expect("harness");
-    assert_eq!(source.matches(from).count(), 1, "the harness has `{from}` once");
-    let path = dir.join("kforge_harness.py");
-    std::fs::write(&path, source.replace(from, to)).expect("harness copy");
-    let nvcc = Path::new(HARNESS).with_file_name("kforge_nvcc.py");
-    std::fs::copy(nvcc, dir.join("kforge_nvcc.py")).expect("kforge_nvcc.py beside it");
-    path
+    let found: usize = HARNESS_FILES.iter().map(|(_, contents)| contents.matches(from).count()).sum();
+    assert_eq!(found, 1, "the harness has `{from}` once");
+    for (name, contents) in HARNESS_FILES {
+        let path = dir.join(name);
+        std::fs::create_dir_all(path.parent().expect("a folder")).expect("the package's folder");
+        std::fs::write(&path, contents.replace(from, to)).expect("harness copy");
+    }
+    dir.join(HARNESS_PACKAGE)
 }
 
 /// Runs a compile stage of a trivial candidate with `harness`.
@@ -75,7 +79,7 @@ async fn the_evaluator_refuses_a_harness_that_answers_in_another_version() {
     // A harness that reads this evaluator's requests but answers in the next version.
     let other = PROTOCOL_VERSION + 1;
     let harness =
-        harness_copy(&dir, "result[\"protocol\"] = PROTOCOL_VERSION", &format!("result[\"protocol\"] = {other}"));
+        harness_copy(&dir, "written[\"protocol\"] = PROTOCOL_VERSION", &format!("written[\"protocol\"] = {other}"));
     let error = compile_with(&harness, &dir).await.expect_err("refused");
     assert!(
         matches!(error, StageError::Protocol { mode: "compile", harness: Some(v) } if v == u64::from(other)),
@@ -155,9 +159,35 @@ fn both_sides_list_the_same_spec_fields() {
     let Some(python) = support::python() else { return };
     let output = Command::new(python).arg(HARNESS).arg("--specs").output().expect("harness runs");
     assert!(output.status.success(), "{output:?}");
-    let harness: std::collections::BTreeMap<String, Vec<String>> =
-        serde_json::from_slice(&output.stdout).expect("the harness's specs");
-    let evaluator: std::collections::BTreeMap<String, Vec<String>> =
+    let harness: BTreeMap<String, Vec<String>> = serde_json::from_slice(&output.stdout).expect("the harness's specs");
+    let evaluator: BTreeMap<String, Vec<String>> =
         protocol::spec_fields().into_iter().map(|(mode, fields)| (mode.to_owned(), fields)).collect();
     assert_eq!(harness, evaluator);
+}
+
+/// The result fields the harness writes for the evaluator are those the evaluator reads, mode by mode, both ways;
+/// what the harness writes for the record only (`unread`: `blocking_sync`, the baseline's `timing_cpu`) the
+/// evaluator does not read.
+#[test]
+fn both_sides_list_the_same_result_fields() {
+    let Some(python) = support::python() else { return };
+    let output = Command::new(python).arg(HARNESS).arg("--results").output().expect("harness runs");
+    assert!(output.status.success(), "{output:?}");
+    #[derive(serde::Deserialize)]
+    struct Listed {
+        read: BTreeMap<String, Vec<String>>,
+        unread: BTreeMap<String, Vec<String>>,
+    }
+    let harness: Listed = serde_json::from_slice(&output.stdout).expect("the harness's results");
+    let evaluator: BTreeMap<String, Vec<String>> =
+        protocol::result_fields().into_iter().map(|(mode, fields)| (mode.to_owned(), fields)).collect();
+    assert_eq!(harness.read, evaluator);
+    assert_eq!(harness.unread.keys().collect::<Vec<_>>(), evaluator.keys().collect::<Vec<_>>());
+    for (mode, fields) in &harness.unread {
+        let read: Vec<&String> = fields.iter().filter(|field| evaluator[mode].contains(field)).collect();
+        assert!(
+            read.is_empty(),
+            "the harness writes {read:?} of {mode} for the record only, and the evaluator reads them"
+        );
+    }
 }

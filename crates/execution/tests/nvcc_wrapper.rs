@@ -307,7 +307,7 @@ fn torch_s_operator_headers_are_kept_for_every_name_they_declare_and_left_out_ot
     let check = r##"
 import os, re, subprocess, sys
 sys.path.insert(0, sys.argv[1])
-import kforge_harness
+from kforge_harness import build
 import kforge_nvcc as k
 import torch.utils.cpp_extension as cpp_extension
 work = sys.argv[2]
@@ -332,8 +332,8 @@ with open(source, "w") as f:
             "  OUT(relu)(y, x);\n"
             "  return at::add(y, x.mul(x)).softmax(-1);\n"
             "}\n")
-# load_inline's own flags for a C++ source (kforge_harness.bindings_flags reads them from torch).
-flags = kforge_harness.bindings_flags([], False)
+# load_inline's own flags for a C++ source (the harness's build.bindings_flags reads them from torch).
+flags = build.bindings_flags([], False)
 compiler = [cpp_extension.get_cxx_compiler(), "-I", overlay.directory, *flags]
 overlay.write(())
 probe = subprocess.run([*compiler, "-E", source], capture_output=True, check=True).stdout

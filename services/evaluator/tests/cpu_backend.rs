@@ -332,8 +332,9 @@ async fn the_bindings_header_is_precompiled_and_gcc_takes_it_for_load_inline_s_f
         let script = format!(
             "import subprocess, sys\n\
              sys.path.insert(0, {harness:?})\n\
-             import kforge_harness, torch.utils.cpp_extension as ext\n\
-             flags = kforge_harness.bindings_flags({extra_cflags}, False)\n\
+             import torch.utils.cpp_extension as ext\n\
+             from kforge_harness import build\n\
+             flags = build.bindings_flags({extra_cflags}, False)\n\
              run = subprocess.run([ext.get_cxx_compiler(), *flags, '-H', '-fsyntax-only', '-x', 'c++', '-'],\n\
                  input=b'#include <torch/extension.h>\\n', capture_output=True)\n\
              print(run.returncode, *[l for l in run.stderr.decode().splitlines() if '.gch' in l], sep='\\n')\n",

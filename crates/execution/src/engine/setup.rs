@@ -99,21 +99,27 @@ impl Engine {
         // engine stages its own copy: two starting at once in one process once renamed the same staged file.
         static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let engine_number = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The package's files go into its folder, `harness/kforge_harness/`, each staged beside its place.
         for (name, contents) in python::HARNESS_FILES {
             let path = harness_dir.join(name);
             if std::fs::read(&path).ok().as_deref() != Some(contents.as_bytes()) {
+                if let Some(folder) = path.parent() {
+                    std::fs::create_dir_all(folder)?;
+                }
                 let staged = harness_dir.join(format!("{name}.{}-{engine_number}", std::process::id()));
                 std::fs::write(&staged, contents)?;
                 std::fs::rename(&staged, &path)?;
             }
         }
-        let harness = harness_dir.join("kforge_harness.py");
+        // Run as `python harness/kforge_harness`: the package's `__main__.py`, with the harness directory (where
+        // kforge's nvcc lies too) readable to the stage as the program's parent.
+        let harness = harness_dir.join(python::HARNESS_PACKAGE);
         let scratch_root = work.join("scratch");
         std::fs::create_dir_all(&scratch_root)?;
         let sandbox = Sandbox::detect_with(config.sandbox).await;
         let mut python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
         if let Ok(env) = &mut python {
-            env.use_build_recipe(config.build_recipe, &harness_dir.join("kforge_nvcc.py"));
+            env.use_build_recipe(config.build_recipe, &harness_dir.join(python::NVCC_WRAPPER));
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
             if let Some(threads) = config.gpu_stage_threads_on(env.gpus.len(), cores) {
                 env.limit_gpu_stage_threads(threads);
