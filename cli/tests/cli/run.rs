@@ -18,6 +18,19 @@ fn evaluator_work_dir(test: &str) -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-run-evaluator-{test}"))
 }
 
+/// `kforge ARGS` with the environment of these tests (the venv, the evaluator's caches) and its store in
+/// `dir/orchestrator.db`, run to its end.
+fn kforge_on_store(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kforge"))
+        .args(args)
+        .env("KFORGE__ORCHESTRATOR__STORE", dir.join("orchestrator.db"))
+        .env("KFORGE__EVALUATOR__PYTHON", python())
+        .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
+        .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
+        .output()
+        .expect("kforge runs")
+}
+
 const RELU_TIMES_TWO: &str =
     "import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n";
 const RELU_TORCH: &str =
@@ -337,16 +350,7 @@ async fn a_cudaforge_job_carries_the_judges_review_and_only_the_last_kernel() {
 fn kforge_run_cudaforge_on_the_embedded_default() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-cudaforge-binary");
     let _ = std::fs::remove_dir_all(&dir);
-    let kforge = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_kforge"))
-            .args(args)
-            .env("KFORGE__ORCHESTRATOR__STORE", dir.join("orchestrator.db"))
-            .env("KFORGE__EVALUATOR__PYTHON", python())
-            .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
-            .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
-            .output()
-            .expect("kforge runs")
-    };
+    let kforge = |args: &[&str]| kforge_on_store(&dir, args);
     let one_relu_trajectory = ["--tasks", "examples", "--trajectories", "1", "--max-tasks", "1"];
     let output = kforge(&[&["run", "--recipe", "cudaforge", "--backend", "cpu"], &one_relu_trajectory[..]].concat());
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
@@ -443,16 +447,7 @@ async fn bad_jobs_are_refused_naming_the_field() {
 fn kforge_run_on_the_embedded_default_tells_the_tour() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-binary");
     let _ = std::fs::remove_dir_all(&dir);
-    let kforge = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_kforge"))
-            .args(args)
-            .env("KFORGE__ORCHESTRATOR__STORE", dir.join("orchestrator.db"))
-            .env("KFORGE__EVALUATOR__PYTHON", python())
-            .env("KFORGE__EVALUATOR__WORK_DIR", evaluator_work_dir("binary"))
-            .env("KFORGE__EVALUATOR__BINDINGS_PCH", "false")
-            .output()
-            .expect("kforge runs")
-    };
+    let kforge = |args: &[&str]| kforge_on_store(&dir, args);
     let output = kforge(&["run", "--backend", "cpu"]);
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "{stdout}\n{stderr}");
