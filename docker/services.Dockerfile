@@ -13,7 +13,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked \
-      -p kforge-inference-gateway -p kforge-orchestrator -p kforge-reward -p kforge \
+      -p kforge-gateway -p kforge-orchestrator -p kforge-reward -p kforge \
     && mkdir -p /out \
     && cp target/release/kforge-gateway target/release/kforge-orchestrator target/release/kforge-reward \
           target/release/kforge /out/

@@ -28,7 +28,7 @@ command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust (htt
 
 # The evaluator runs each job as a user of its own where it is root (docs/evaluator/SANDBOX.md, "Job users"), so the
 # environment's interpreter must be one every user can run: the system's where it has venv, rather than one under
-# a private home directory (pyenv's, in /root). With another, job users are reported off and jobs run as root.
+# a private home directory (pyenv's, in /root). With another, command users are reported off and jobs run as root.
 base_python=python3
 if [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null; then
   base_python=/usr/bin/python3

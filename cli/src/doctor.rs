@@ -265,7 +265,7 @@ fn sandbox_check(protection: &pb::SandboxProtection, has_gpu: bool) -> Check {
     }
     let fix = match protection.name.as_str() {
         "landlock" => Some("a kernel with Landlock (5.13 or later) in its LSM list (`lsm=...,landlock`)"),
-        "job_user" => Some("run the evaluator as root: it then runs each job as a user of its own"),
+        "command_user" => Some("run the evaluator as root: it then runs each job as a user of its own"),
         "process_limit" => Some("a pids cgroup the evaluator may write (cgroup v1 pids, or a delegated v2 subtree)"),
         "network_namespace" => Some("unprivileged user namespaces, or the evaluator run as root"),
         "device_health_probe" => Some(

@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kforge::call::{self, CallError};
 use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge::run::{ModelServer, Role, Routed};
-use kforge_inference_gateway::config::BackendKind;
+use kforge_gateway::config::BackendKind;
 use kforge_proto::v1 as pb;
 use kforge_server::client::{self, ClientConfig};
 use kforge_server::config::AuthConfig;

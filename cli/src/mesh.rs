@@ -16,7 +16,6 @@ pub enum Service {
     Evaluator,
     Profiler,
     Reward,
-    #[value(alias = "inference-gateway")]
     Gateway,
     Orchestrator,
 }
@@ -59,7 +58,7 @@ pub struct MeshConfig {
     pub evaluator: kforge_evaluator::EvaluatorConfig,
     pub profiler: kforge_profiler::ProfilerConfig,
     pub reward: kforge_reward::RewardConfig,
-    pub gateway: kforge_inference_gateway::GatewayConfig,
+    pub gateway: kforge_gateway::GatewayConfig,
     pub orchestrator: kforge_orchestrator::OrchestratorConfig,
 }
 
@@ -116,7 +115,7 @@ pub async fn serve(
             kforge_profiler::serve(profiler, listener, shutdown).await
         }
         Service::Reward => kforge_reward::serve(config.reward.clone(), listener, shutdown).await,
-        Service::Gateway => kforge_inference_gateway::serve(config.gateway.clone(), listener, shutdown).await,
+        Service::Gateway => kforge_gateway::serve(config.gateway.clone(), listener, shutdown).await,
         Service::Orchestrator => {
             kforge_orchestrator::serve_with_http(config.orchestrator.clone(), listener, http, shutdown).await
         }

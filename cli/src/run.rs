@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig, Price};
+use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig, Price};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use kforge_server::client::Channel;

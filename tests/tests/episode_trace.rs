@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use kforge::mesh::{MeshConfig, Service};
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use otlp::{Collector, attribute};

@@ -21,7 +21,7 @@ use axum::body::{Body, Bytes};
 use axum::http::header;
 use axum::response::Response;
 use axum::routing::{get, post};
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, GatewayConfig, Policy, PoolConfig};
+use kforge_gateway::config::{BackendConfig, BackendKind, GatewayConfig, Policy, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::gateway_client::GatewayClient;
 use tokio::net::TcpListener;
@@ -99,7 +99,7 @@ async fn gateway(upstreams: &[&Upstream], policy: Policy) -> (GatewayClient<Chan
     let addr = format!("http://{}", listener.local_addr().expect("addr"));
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        let _ = kforge_inference_gateway::serve(config, listener, async {
+        let _ = kforge_gateway::serve(config, listener, async {
             let _ = stopped.await;
         })
         .await;

@@ -21,7 +21,7 @@ mod model_server;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, GatewayConfig, PoolConfig};
+use kforge_gateway::config::{BackendConfig, BackendKind, GatewayConfig, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::gateway_client::GatewayClient;
 use model_server::{ModelSetup, ServerOptions};
@@ -219,7 +219,7 @@ async fn main() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = format!("http://{}", listener.local_addr().expect("addr"));
     tokio::spawn(async move {
-        kforge_inference_gateway::serve(config, listener, std::future::pending::<()>())
+        kforge_gateway::serve(config, listener, std::future::pending::<()>())
             .await
             .expect("the gateway serves");
     });

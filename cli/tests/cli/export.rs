@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use kforge::mesh::{MeshConfig, Service};
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use serde_json::{Value, json};
 use support::{python, start_mesh, submit_and_follow};

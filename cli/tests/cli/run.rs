@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kforge::mesh::{Mesh, MeshConfig, Service};
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use support::{python, start_mesh, submit_and_follow};
@@ -513,7 +513,7 @@ fn a_killed_kforge_run_resumes_and_its_samples_export_as_jsonl() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("work dir");
     // The runs' temporary directory, where each makes its scratch directory: this process's, the runs inherit it
-    // (the sandbox's job users are shared through it by every kforge on the host: it is not to be changed here).
+    // (the sandbox's command users are shared through it by every kforge on the host: it is not to be changed here).
     let tmp = std::env::temp_dir();
     let store = dir.join("orchestrator.db");
     let kforge = |args: &[&str]| {

@@ -11,8 +11,8 @@
 //! Landlock cannot keep a candidate out of `/dev/shm` (it may write under `/dev`: its devices and shared memory),
 //! so there the candidates' directories are kept apart by names no other job can learn: the engine's directory has
 //! a random name and mode 0711 (entered, never listed, by others), each evaluation's a random name inside it, and
-//! every command runs as a job user of its own, so no job reads another's working directory through `/proc`.
-//! Without job users (an evaluator that is not root), jobs share one user and could: outputs then go to the disk.
+//! every command runs as a command user of its own, so no job reads another's working directory through `/proc`.
+//! Without command users (an evaluator that is not root), jobs share one user and could: outputs then go to the disk.
 //! The engine's directory holds a lock for the engine's life; an engine starting removes the directories of its
 //! user whose lock nobody holds (an evaluator that died), in any pid namespace sharing the filesystem.
 
@@ -42,18 +42,18 @@ pub struct MemoryFiles {
 }
 
 impl MemoryFiles {
-    /// Files in memory under `dir`, if it is on a memory-backed filesystem, commands run as job users of their own
-    /// (`job_users`), and there is room: at most `bytes` at once (0: half the smaller of the room left on the
+    /// Files in memory under `dir`, if it is on a memory-backed filesystem, commands run as command users of their own
+    /// (`command_users`), and there is room: at most `bytes` at once (0: half the smaller of the room left on the
     /// filesystem and the host's available memory, as they are now). Directories dead engines of this user left
     /// under `dir` are removed first. `None` (files go to the disk) otherwise, saying why.
-    pub fn open(dir: &Path, bytes: u64, job_users: bool) -> Option<Self> {
+    pub fn open(dir: &Path, bytes: u64, command_users: bool) -> Option<Self> {
         if dir.as_os_str().is_empty() {
             return None;
         }
-        if !job_users {
+        if !command_users {
             tracing::info!(
                 dir = %dir.display(),
-                "commands share one user (no job users): candidates could reach each other's files in memory, so \
+                "commands share one user (no command users): candidates could reach each other's files in memory, so \
                  outputs files go to the disk"
             );
             return None;
@@ -241,7 +241,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_memory_backed_directory_with_job_users_holds_files_in_memory() {
+    fn only_a_memory_backed_directory_with_command_users_holds_files_in_memory() {
         assert!(MemoryFiles::open(Path::new(""), 0, true).is_none(), "empty: off");
         assert!(MemoryFiles::open(Path::new("/no/such/dir"), 0, true).is_none());
         assert!(MemoryFiles::open(Path::new("/proc"), GIB, true).is_none(), "procfs is not tmpfs");

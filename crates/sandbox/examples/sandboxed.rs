@@ -2,7 +2,7 @@
 //! (which paths a GPU driver reads, whether Landlock lets it start).
 //!
 //! `cargo run -p kforge-sandbox --example sandboxed -- [--read PATH]... [--write PATH]... [--env K=V]...
-//! [--without network_namespace|landlock|process_limit|job_users]... -- PROGRAM [ARGS]...`
+//! [--without network_namespace|landlock|process_limit|command_users]... -- PROGRAM [ARGS]...`
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -28,7 +28,7 @@ async fn main() {
                 Some("network_namespace") => options.network_namespace = false,
                 Some("landlock") => options.landlock = false,
                 Some("process_limit") => options.process_limit = false,
-                Some("job_users") => options.job_users = false,
+                Some("command_users") => options.command_users = false,
                 other => panic!("--without: unknown protection {other:?}"),
             },
             Some("--") => break,

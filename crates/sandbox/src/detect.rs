@@ -42,13 +42,12 @@ pub struct SandboxOptions {
     /// A pids cgroup per command: a cap on its processes and threads (`Limits::processes`), and every process of the
     /// command killed at its end, also those that left its process group.
     pub process_limit: bool,
-    /// Where the evaluator is root: each command runs as a user of its own (`job_user_base` and up, group
-    /// `job_user_base`), so RLIMIT_NPROC caps its processes and it can signal and trace no other process. (The
-    /// configuration's keys and the reported protection, `job_user`, keep the name these command users had when a
-    /// sandboxed command was called a job.)
-    pub job_users: bool,
+    /// Where the evaluator is root: each command runs as a user of its own (`command_user_base` and up, group
+    /// `command_user_base`), so RLIMIT_NPROC caps its processes and it can signal and trace no other process (reported as the
+    /// protection `command_user`).
+    pub command_users: bool,
     /// The first command user id; the pool has [`crate::COMMAND_USERS`] ids, unused by anything else on the host.
-    pub job_user_base: u32,
+    pub command_user_base: u32,
 }
 
 impl Default for SandboxOptions {
@@ -57,8 +56,8 @@ impl Default for SandboxOptions {
             network_namespace: true,
             landlock: true,
             process_limit: true,
-            job_users: true,
-            job_user_base: 2_100_000_000,
+            command_users: true,
+            command_user_base: 2_100_000_000,
         }
     }
 }
@@ -139,8 +138,8 @@ impl Sandbox {
         };
         let landlock_ok = sandbox.landlock.is_some();
 
-        let users_detail = if options.job_users {
-            match users::CommandUsers::detect(options.job_user_base) {
+        let users_detail = if options.command_users {
+            match users::CommandUsers::detect(options.command_user_base) {
                 Ok(users) => {
                     let detail = format!(
                         "{}: one per running job; it cannot signal or trace the evaluator or other jobs, and all \
@@ -207,7 +206,7 @@ impl Sandbox {
             },
             Protection { name: "network_namespace", active: sandbox.network_namespace, detail: network_detail },
             Protection { name: "landlock", active: landlock_ok, detail: landlock_detail },
-            Protection { name: "job_user", active: sandbox.users.is_some(), detail: users_detail },
+            Protection { name: "command_user", active: sandbox.users.is_some(), detail: users_detail },
             sandbox.process_limit(),
         ];
         for p in sandbox.protections.iter().filter(|p| !p.active) {
@@ -258,7 +257,7 @@ impl Sandbox {
         let limit = sandbox.process_limit();
         for protection in sandbox.protections.iter_mut() {
             match protection.name {
-                "job_user" => (protection.active, protection.detail) = (false, reason.clone()),
+                "command_user" => (protection.active, protection.detail) = (false, reason.clone()),
                 "process_limit" => *protection = limit.clone(),
                 _ => {}
             }

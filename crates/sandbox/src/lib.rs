@@ -38,7 +38,7 @@ pub use users::COMMAND_USERS;
 pub enum SandboxError {
     #[error("cannot start {program}: {source}")]
     Spawn { program: std::path::PathBuf, source: std::io::Error },
-    #[error("cannot start {program}: all {COMMAND_USERS} job users are in use")]
+    #[error("cannot start {program}: all {COMMAND_USERS} command users are in use")]
     NoCommandUser { program: std::path::PathBuf },
     #[error("cannot wait for the job: {0}")]
     Wait(std::io::Error),

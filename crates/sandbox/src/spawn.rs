@@ -117,7 +117,7 @@ impl Sandbox {
             control_fd: control.as_ref().map(|(_, child)| child.as_raw_fd()),
             user: user.as_ref().map(|user| (user.uid, user.gid)),
         };
-        let job_user = setup.user;
+        let command_user = setup.user;
         setup.install(&mut process);
 
         let mut started = Instant::now();
@@ -155,7 +155,7 @@ impl Sandbox {
             let (clock, clock_seen) = tokio::sync::watch::channel(Clock::default());
             let conversation = async move {
                 if let (Some(converse), Some(socket), Some(group)) = (converse, ours, pid) {
-                    converse(Control::new(group, job_user, clock), socket).await;
+                    converse(Control::new(group, command_user, clock), socket).await;
                 }
                 std::future::pending::<()>().await
             };

@@ -277,14 +277,14 @@ async fn detected_protections_are_enforced() {
     } else {
         skipped("process_limit");
     }
-    if active("job_user") || landlock_scopes_signals(&sandbox) {
+    if active("command_user") || landlock_scopes_signals(&sandbox) {
         // Its parent (this test, standing for the evaluator) is out of its reach.
         assert_eq!(signal_to_parent(&sandbox, "signal-parent").await, "denied\n");
     } else {
-        skip("neither job users nor landlock's signal scope (abi 6) is active: signals to the parent not checked");
+        skip("neither command users nor landlock's signal scope (abi 6) is active: signals to the parent not checked");
     }
     // Which protections exist depends on the host; the report must say, one way or the other.
-    for name in ["network_namespace", "landlock", "process_group", "rlimits", "process_limit", "job_user"] {
+    for name in ["network_namespace", "landlock", "process_group", "rlimits", "process_limit", "command_user"] {
         assert!(sandbox.protections().iter().any(|p| p.name == name), "{name} not reported");
     }
 }
@@ -316,16 +316,16 @@ const AS_A_USER: &str = "id -u > uid; id -g > gid; touch made; \
     i=0; while [ $i -lt 100 ]; do sleep 30 & i=$((i+1)); echo $i > forked; done";
 
 #[tokio::test]
-async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_without_cgroups() {
+async fn a_command_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_without_cgroups() {
     let sandbox = command_users_only().await;
     let report = |name: &str| sandbox.protections().iter().find(|p| p.name == name).cloned().expect(name);
     if sys::effective_uid() != 0 {
-        assert!(!report("job_user").active, "{:?}", report("job_user"));
+        assert!(!report("command_user").active, "{:?}", report("command_user"));
         assert!(!report("process_limit").active, "{:?}", report("process_limit"));
-        skip("job users need the tests to run as root: only their report as inactive was checked");
+        skip("command users need the tests to run as root: only their report as inactive was checked");
         return;
     }
-    assert!(report("job_user").active, "{:?}", report("job_user"));
+    assert!(report("command_user").active, "{:?}", report("command_user"));
     assert!(report("process_limit").active && report("process_limit").detail.contains("RLIMIT_NPROC"));
 
     // Two commands at once run as two users, both in the commands' group, with a cap of 20 each.
@@ -336,7 +336,7 @@ async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_wi
     );
     let read =
         |dir: &str, file: &str| std::fs::read_to_string(scratch(dir).join(file)).unwrap_or_default().trim().to_owned();
-    let base = SandboxOptions::default().job_user_base;
+    let base = SandboxOptions::default().command_user_base;
     let (uid_a, uid_b): (u32, u32) =
         (read("user-a", "uid").parse().expect("uid"), read("user-b", "uid").parse().expect("uid"));
     assert!(uid_a >= base && uid_b >= base && uid_a != uid_b, "{uid_a} {uid_b}: {a:?} {b:?}");
@@ -350,7 +350,7 @@ async fn a_job_user_caps_processes_keeps_signals_in_and_leaves_nothing_behind_wi
         // The escapee left the group and the session, and no cgroup holds it: the command user's end killed it.
         let pid = read(dir, "escaped.pid");
         let (alive, state) = alive(&pid);
-        assert!(!alive, "a process of a finished job's user survived: {state:?}");
+        assert!(!alive, "a process of a finished command's user survived: {state:?}");
     }
     assert_eq!(signal_to_parent(&sandbox, "user-signal").await, "denied\n");
 }
@@ -361,7 +361,7 @@ async fn stopping_a_job_with_its_own_user_stops_what_left_its_group() {
     let sandbox = command_users_only().await;
     if !sandbox.command_users_active() {
         // Not root: reported, and the group is all a stop reaches.
-        skip("job users are inactive (the tests do not run as root): a stop reaching past the group not checked");
+        skip("command users are inactive (the tests do not run as root): a stop reaching past the group not checked");
         return;
     }
     // The command starts a child in a session of its own, which says its pid on descriptor 3; the command then waits.
@@ -395,7 +395,7 @@ async fn a_job_s_cpu_demand_and_thread_states_are_read_under_its_own_user() {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let sandbox = command_users_only().await;
     if !sandbox.command_users_active() {
-        skip("job users are inactive (the tests do not run as root): reading only a job user's processes not checked");
+        skip("command users are inactive (the tests do not run as root): reading only a command user's processes not checked");
         return;
     }
     // Works on the CPU, says so, and waits for the reply (asleep in `read`).
@@ -428,7 +428,7 @@ async fn landlock_keeps_a_job_s_signals_to_its_own_processes() {
     let options = SandboxOptions {
         network_namespace: false,
         process_limit: false,
-        job_users: false,
+        command_users: false,
         ..SandboxOptions::default()
     };
     let sandbox = Sandbox::detect_with(options).await;

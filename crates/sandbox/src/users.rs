@@ -26,9 +26,9 @@ use crate::sys;
 pub(crate) enum CommandUsersUnavailable {
     #[error("the evaluator runs as user {euid}, not root: jobs run as its user")]
     NotRoot { euid: u32 },
-    #[error("job user ids from {base} are out of range")]
+    #[error("command user ids from {base} are out of range")]
     OutOfRange { base: u32 },
-    #[error("job users' lock directory {}: {source}", dir.display())]
+    #[error("command users' lock directory {}: {source}", dir.display())]
     LockDirectory { dir: PathBuf, source: std::io::Error },
 }
 
@@ -129,7 +129,7 @@ fn release(uid: u32, gid: u32, held: Option<(Arc<CommandUsers>, std::fs::File)>)
     }
     // The lock is kept for the life of this evaluator: no command of any evaluator runs as this user again meanwhile.
     std::mem::forget(lock);
-    tracing::warn!(uid, "processes of a job user outlived its end; the id is not reused");
+    tracing::warn!(uid, "processes of a command user outlived its end; the id is not reused");
 }
 
 /// A directory only root may write: made with mode 0700, or one that exists as such (not a link).

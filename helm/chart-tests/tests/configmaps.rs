@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kforge_evaluator::EvaluatorConfig;
-use kforge_inference_gateway::GatewayConfig;
+use kforge_gateway::GatewayConfig;
 use kforge_orchestrator::OrchestratorConfig;
 use kforge_profiler::ProfilerConfig;
 use kforge_reward::RewardConfig;
@@ -197,7 +197,7 @@ fn values_reach_the_typed_config() {
     let evaluator: EvaluatorConfig = load(&toml("evaluator"), "full");
     assert_eq!(evaluator.default_policy, "kevin-strict@2");
     assert_eq!((evaluator.timing.max_seconds, evaluator.server.drain_timeout_secs), (5.5, 600));
-    assert_eq!(evaluator.sandbox.job_user_base, 2_100_000_000);
+    assert_eq!(evaluator.sandbox.command_user_base, 2_100_000_000);
 }
 
 #[test]

@@ -149,7 +149,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- else if eq $name "evaluator" -}}
 {{- $_ := set $table "work_dir" "/var/lib/kforge/evaluator" -}}
-{{- $_ := set $table "sandbox" (dict "network_namespace" true "landlock" true "process_limit" true "job_users" true "job_user_base" (int64 $values.sandbox.jobUserBase)) -}}
+{{- $_ := set $table "sandbox" (dict "network_namespace" true "landlock" true "process_limit" true "command_users" true "command_user_base" (int64 $values.sandbox.jobUserBase)) -}}
 {{- end -}}
 {{- toJson $table -}}
 {{- end -}}

@@ -59,7 +59,7 @@ pub struct EvaluatorConfig {
     pub disk_budget_bytes: u64,
     /// A memory-backed directory (tmpfs) where a GPU evaluation's candidate outputs files go, when they fit, instead
     /// of the disk (docs/evaluator/OUTPUTS.md, "Outputs in memory"); empty, not memory-backed, or commands without
-    /// job users of their own: the disk.
+    /// command users of their own: the disk.
     pub memory_files_dir: PathBuf,
     /// Bytes those files may take in memory at once; 0: half the smaller of the directory's free room and the host's
     /// available memory when the evaluator starts.

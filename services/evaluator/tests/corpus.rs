@@ -15,7 +15,7 @@
 //! # expect[permissive]: VERDICT_CORRECT runtime.low_profiling_ratio   (one entry per policy so named, instead of
 //! # expect[kevin-strict]: VERDICT_REJECTED static.library_compute      `policy` and `expect`: the same candidate
 //!                                                                       judged under each)
-//! # requires: landlock | process_limit | job_user   (a defence that exists only where that sandbox protection is active;
+//! # requires: landlock | process_limit | command_user   (a defence that exists only where that sandbox protection is active;
 //!                                       such an entry is not run where it is not: a fork bomb would reach the host)
 //! # backend: triton                   (GPU entries: evaluated on the Triton backend rather than CUDA)
 //! # expect: VERDICT_HACK runtime.input_mutation   (verdicts and codes may be alternatives: A|B)
@@ -66,7 +66,7 @@ struct Entry {
     verdicts: Vec<pb::Verdict>,
     codes: Vec<String>,
     profiling_ratio_below: Option<f64>,
-    /// The sandbox protection the defence needs (`landlock`, `process_limit`, `job_user`).
+    /// The sandbox protection the defence needs (`landlock`, `process_limit`, `command_user`).
     requires: Option<String>,
     triton: bool,
 }

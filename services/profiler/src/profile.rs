@@ -285,7 +285,7 @@ impl Reports {
         Ok(Self { root, kept })
     }
 
-    /// A new directory, writable by the sandbox's job users (Nsight Compute runs as one), with `home` and `tmp`.
+    /// A new directory, writable by the sandbox's command users (Nsight Compute runs as one), with `home` and `tmp`.
     fn create(&self) -> std::io::Result<ReportDir> {
         use std::os::unix::fs::PermissionsExt;
         self.evict();

@@ -20,7 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kforge::mesh::{MeshConfig, Service};
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, PoolConfig};
+use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use kforge_server::client::ClientConfig;

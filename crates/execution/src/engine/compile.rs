@@ -77,8 +77,8 @@ impl Engine {
             python.versions_key().as_bytes(),
             gpu_arch(python).as_bytes(),
             self.inner.config.build_recipe.name().as_bytes(),
-            // Who owns the build's files: a build made as the engine's user (before job users, or where they are
-            // off) has files a job user cannot write, such as the lock a later run takes.
+            // Who owns the build's files: a build made as the engine's user (before command users, or where they are
+            // off) has files a command user cannot write, such as the lock a later run takes.
             if self.inner.sandbox.command_users_active() {
                 b"owned by the jobs' group"
             } else {
@@ -172,7 +172,7 @@ impl Engine {
         }
         inner.metrics.cache("artifact", false);
         let artifact_dir = inner.artifacts.dir(key);
-        // The build directory (`ext`) is the compile's process's to make, so it is its (job users') group's.
+        // The build directory (`ext`) is the compile's process's to make, so it is its (command users') group's.
         std::fs::create_dir_all(&artifact_dir)
             .and_then(|()| std::fs::write(scratch.join("candidate.py"), &submission.candidate))
             .map_err(InfraError::files("preparing the compile"))?;

@@ -37,26 +37,26 @@ fn gpu_memory_budgets(config: &ExecutionConfig, python: &Result<PythonEnv, Pytho
 
 impl Engine {
     /// The sandbox as far as this host's interpreter and GPU driver work in it. A protection that stops them is
-    /// dropped and reported rather than left to fail every evaluation: job users where the interpreter is out of
+    /// dropped and reported rather than left to fail every evaluation: command users where the interpreter is out of
     /// their reach (under a private home directory) or the GPU's device files are; Landlock where the GPU driver
     /// fails under it; both where only that works.
     async fn fit_sandbox(sandbox: Sandbox, env: &PythonEnv, scratch: &std::path::Path) -> Sandbox {
         let gpu = !env.gpus.is_empty();
         let what = if gpu { "the GPU driver" } else { "the interpreter" };
         let Err(reason) = python::sandbox_probe(&sandbox, env, scratch, gpu).await else { return sandbox };
-        let no_users = format!("disabled: {what} fails as a job user on this host ({reason})");
+        let no_users = format!("disabled: {what} fails as a command user on this host ({reason})");
         let no_landlock = format!("disabled: {what} fails under it on this host ({reason})");
         let (users, landlock) = (sandbox.command_users_active(), gpu && sandbox.landlock_active());
         let mut fallbacks = Vec::new();
         if users {
-            fallbacks.push(("job_user", sandbox.without_command_users(no_users.clone())));
+            fallbacks.push(("command_user", sandbox.without_command_users(no_users.clone())));
         }
         if landlock {
             fallbacks.push(("landlock", sandbox.without_landlock(no_landlock.clone())));
         }
         if users && landlock {
             fallbacks
-                .push(("job_user and landlock", sandbox.without_command_users(no_users).without_landlock(no_landlock)));
+                .push(("command_user and landlock", sandbox.without_command_users(no_users).without_landlock(no_landlock)));
         }
         for (dropped, fallback) in fallbacks {
             if python::sandbox_probe(&fallback, env, scratch, gpu).await.is_ok() {
@@ -153,8 +153,8 @@ impl Engine {
             bytes => bytes,
         };
         tracing::info!(available, disk_budget, "disk budget");
-        let job_users = sandbox.protections().iter().any(|p| p.name == "job_user" && p.active);
-        let memory_files = MemoryFiles::open(&config.memory_files_dir, config.memory_files_bytes, job_users);
+        let command_users = sandbox.protections().iter().any(|p| p.name == "command_user" && p.active);
+        let memory_files = MemoryFiles::open(&config.memory_files_dir, config.memory_files_bytes, command_users);
         Ok(Self {
             inner: Arc::new(Inner {
                 artifacts: Cache::new(work.join("artifacts"), config.cache_limits.artifacts_bytes)?,

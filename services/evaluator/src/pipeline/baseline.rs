@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::path::Path;
 use std::time::Duration;
 
-use kforge_sandbox::tail as cap;
+use kforge_sandbox::tail;
 use tokio_util::sync::CancellationToken;
 
 use kforge_execution::cache::{self, Entry};
@@ -137,7 +137,7 @@ impl Evaluator {
         if !outcome.ok() {
             return Err(InfraError::TrustedStage {
                 what: "the baseline failed",
-                error: cap(&outcome.error_text(), 4000),
+                error: tail(&outcome.error_text(), 4000),
             });
         }
         let result = outcome.result.map(|r| r.body).unwrap_or_default();

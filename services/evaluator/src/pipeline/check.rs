@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use kforge_proto::v1 as pb;
-use kforge_sandbox::tail as cap;
+use kforge_sandbox::tail;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -218,7 +218,7 @@ impl Evaluator {
         let outcome = outcome.map_err(InfraError::stage(mode))?;
         if !outcome.ok() {
             let what = if lock.is_some() { "the reference failed" } else { "the checker failed" };
-            return Err(InfraError::TrustedStage { what, error: cap(&outcome.error_text(), 4000) });
+            return Err(InfraError::TrustedStage { what, error: tail(&outcome.error_text(), 4000) });
         }
         if let Some(lock) = &lock {
             // Kept here and in the cache entry's marker.

@@ -16,7 +16,7 @@ mod running;
 
 use std::time::{Duration, Instant};
 
-use kforge_inference_gateway::config::{
+use kforge_gateway::config::{
     BackendConfig, BackendKind, GatewayConfig, HealthConfig, PoolConfig, RetryConfig,
 };
 use kforge_proto::v1 as pb;

@@ -1,5 +1,5 @@
 //! `kforge-gateway`: the Gateway service on its own; the same as `kforge serve gateway`.
 
 fn main() -> std::process::ExitCode {
-    kforge_server::binary::main(kforge_inference_gateway::serve)
+    kforge_server::binary::main(kforge_gateway::serve)
 }

@@ -2,7 +2,7 @@
 
 #![allow(dead_code)] // each test crate uses part of it
 
-use kforge_inference_gateway::GatewayConfig;
+use kforge_gateway::GatewayConfig;
 use kforge_proto::v1::gateway_client::GatewayClient;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -19,7 +19,7 @@ pub async fn start(config: GatewayConfig) -> Gateway {
     let addr = format!("http://{}", listener.local_addr().expect("addr"));
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        kforge_inference_gateway::serve(config, listener, async {
+        kforge_gateway::serve(config, listener, async {
             let _ = stopped.await;
         })
         .await

@@ -8,7 +8,7 @@ mod running;
 use std::time::Duration;
 
 use fake_upstream::{Behavior, FakeUpstream};
-use kforge_inference_gateway::config::{
+use kforge_gateway::config::{
     BackendConfig, BackendKind, GatewayConfig, HealthConfig, Policy, PoolConfig, Price, RetryConfig,
 };
 use kforge_proto::v1 as pb;

@@ -9,7 +9,7 @@
 mod fake_upstream;
 
 use fake_upstream::FakeUpstream;
-use kforge_inference_gateway::config::{BackendConfig, BackendKind, GatewayConfig, PoolConfig};
+use kforge_gateway::config::{BackendConfig, BackendKind, GatewayConfig, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::gateway_client::GatewayClient;
 
@@ -26,7 +26,7 @@ fn the_upstream_request_carries_the_callers_trace() {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
         // Spans are info-level: a filter that drops them drops the trace context with them.
-        let filter = "warn,kforge_telemetry=info,kforge_inference_gateway=info";
+        let filter = "warn,kforge_telemetry=info,kforge_gateway=info";
         let telemetry = kforge_telemetry::init("kforge-gateway-trace-test", filter).expect("telemetry");
         assert!(telemetry.exporting());
         std::mem::forget(telemetry);
@@ -40,7 +40,7 @@ fn the_upstream_request_carries_the_callers_trace() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = format!("http://{}", listener.local_addr().expect("addr"));
         let config = GatewayConfig { pools: vec![pool], ..GatewayConfig::default() };
-        tokio::spawn(kforge_inference_gateway::serve(config, listener, std::future::pending()));
+        tokio::spawn(kforge_gateway::serve(config, listener, std::future::pending()));
         let mut client = GatewayClient::connect(addr).await.expect("connect");
 
         let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
