@@ -2,13 +2,14 @@
 //! reported with why where it is not enforced ([`Protection`]); a protection that cannot be enforced is reported,
 //! never silently assumed.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use landlock::ABI;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Command, Limits, cgroup, sys, users};
+use crate::{Command, Finished, Limits, SandboxError, cgroup, sys, users};
 
 /// One protection and whether it is enforced on this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,148 +72,111 @@ impl Sandbox {
     /// Probes the optional protections that `options` allows.
     pub async fn detect_with(options: SandboxOptions) -> Self {
         let mut sandbox = Self::basic();
-        // The probes' own scratch: a command's scratch is handed to its user.
-        let scratch = std::env::temp_dir().join(format!("kforge-sandbox-probe-{}", std::process::id()));
-        if let Err(error) = std::fs::create_dir_all(&scratch) {
-            tracing::warn!(%error, dir = %scratch.display(), "the sandbox's probe directory");
-        }
-        let probe = |sandbox: &Sandbox| {
-            let sandbox = sandbox.clone();
-            let scratch = scratch.clone();
-            async move {
-                let command = Command {
-                    program: "/bin/true".into(),
-                    args: vec![],
-                    env: vec![],
-                    scratch,
-                    readable: vec![],
-                    writable: vec![],
-                    limits: Limits { wall: Duration::from_secs(10), ..Limits::default() },
-                };
-                sandbox.run(command, CancellationToken::new()).await
-            }
-        };
-
+        let probe = Probe::new();
         let disabled = || "disabled by configuration".to_owned();
-        let network_detail = if options.network_namespace {
-            sandbox.network_namespace = true;
-            let network = probe(&sandbox).await;
-            sandbox.network_namespace = matches!(&network, Ok(f) if f.success());
-            match &network {
-                Ok(f) if f.success() => "fresh network namespace per job (loopback only, down)".to_owned(),
-                Ok(f) => {
-                    format!("unshare(CLONE_NEWNET) failed in the probe ({:?}); jobs keep the host network", f.exit)
-                }
-                Err(e) => format!("probe failed: {e}"),
-            }
-        } else {
-            disabled()
-        };
-
-        let landlock_detail = if options.landlock {
-            sandbox.landlock = Some(ABI::V5);
-            let landlock = probe(&sandbox).await;
-            if !matches!(&landlock, Ok(f) if f.success()) {
-                sandbox.landlock = None;
-            }
-            match &landlock {
-                Ok(f) if f.success() => {
-                    let abi = sys::landlock_abi();
-                    let scoped = if abi >= 6 {
-                        "signals and abstract unix sockets limited to the job's own processes"
-                    } else {
-                        "signals not scoped (needs abi 6)"
-                    };
-                    format!(
-                        "reads limited to system and named paths, writes to scratch and named directories; \
-                         {scoped} (kernel abi {abi})"
-                    )
-                }
-                Ok(f) => {
-                    format!("landlock unavailable ({:?}); the filesystem is protected only by permissions", f.exit)
-                }
-                Err(e) => format!("landlock unavailable: {e}"),
-            }
-        } else {
-            disabled()
-        };
-        let landlock_ok = sandbox.landlock.is_some();
-
+        let network_detail =
+            if options.network_namespace { sandbox.probe_network_namespace(&probe).await } else { disabled() };
+        let landlock_detail = if options.landlock { sandbox.probe_landlock(&probe).await } else { disabled() };
         let users_detail = if options.command_users {
-            match users::CommandUsers::detect(options.command_user_base) {
-                Ok(users) => {
-                    let detail = format!(
-                        "{}: one per running job; it cannot signal or trace the evaluator or other jobs, and all \
-                         of its processes are killed at the job's end",
-                        users.describe()
-                    );
-                    sandbox.users = Some(users);
-                    let probe = probe(&sandbox).await;
-                    if matches!(&probe, Ok(f) if f.success()) {
-                        detail
-                    } else {
-                        sandbox.users = None;
-                        format!("a job could not run as its own user ({probe:?})")
-                    }
-                }
-                Err(unavailable) => unavailable.to_string(),
-            }
+            sandbox.probe_command_users(&probe, options.command_user_base).await
         } else {
             disabled()
         };
-
-        let cap = Limits::default().processes;
-        sandbox.cgroup_detail = if options.process_limit {
-            match cgroup::PidsCgroups::detect() {
-                Ok(pids) => {
-                    let detail = format!(
-                        "{}: at most {cap} processes and threads per job; all of a job's processes killed at its end",
-                        pids.describe()
-                    );
-                    sandbox.pids = Some(pids);
-                    let probe = probe(&sandbox).await;
-                    if matches!(&probe, Ok(f) if f.success()) {
-                        detail
-                    } else {
-                        sandbox.pids = None;
-                        format!("a job could not join its cgroup ({probe:?})")
-                    }
-                }
-                Err(unavailable) => unavailable.to_string(),
-            }
-        } else {
-            disabled()
-        };
-        let _ = std::fs::remove_dir_all(&scratch);
-        sandbox.protections = vec![
-            Protection { name: "process_group", active: true, detail: "own process group, killed as a whole".into() },
-            Protection { name: "scrubbed_env", active: true, detail: "only the variables the evaluator passes".into() },
-            Protection {
-                name: "scratch_dir",
-                active: true,
-                detail: "fresh working directory and TMPDIR per job".into(),
-            },
-            Protection { name: "rlimits", active: true, detail: "cpu, file size, open files, no core dumps".into() },
-            Protection {
-                name: "wall_clock_kill",
-                active: true,
-                detail: "group SIGKILL at the wall-clock limit".into(),
-            },
-            Protection { name: "output_caps", active: true, detail: "stdout and stderr capped".into() },
-            Protection {
-                name: "parent_death",
-                active: true,
-                detail: "PR_SET_PDEATHSIG: jobs die with the evaluator".into(),
-            },
-            Protection { name: "network_namespace", active: sandbox.network_namespace, detail: network_detail },
-            Protection { name: "landlock", active: landlock_ok, detail: landlock_detail },
-            Protection { name: "command_user", active: sandbox.users.is_some(), detail: users_detail },
-            sandbox.process_limit(),
-        ];
+        sandbox.cgroup_detail =
+            if options.process_limit { sandbox.probe_pids_cgroup(&probe).await } else { disabled() };
+        probe.remove();
+        sandbox.protections = sandbox.report(network_detail, landlock_detail, users_detail);
         for p in sandbox.protections.iter().filter(|p| !p.active) {
             tracing::warn!(protection = p.name, detail = %p.detail, "sandbox protection unavailable");
         }
         sandbox
+    }
+
+    /// Keeps a fresh network namespace per command if a probe runs in one; returns what was found.
+    async fn probe_network_namespace(&mut self, probe: &Probe) -> String {
+        self.network_namespace = true;
+        let network = probe.run(self).await;
+        self.network_namespace = succeeded(&network);
+        match &network {
+            Ok(f) if f.success() => "fresh network namespace per job (loopback only, down)".to_owned(),
+            Ok(f) => format!("unshare(CLONE_NEWNET) failed in the probe ({:?}); jobs keep the host network", f.exit),
+            Err(e) => format!("probe failed: {e}"),
+        }
+    }
+
+    /// Keeps Landlock if a probe runs restricted by it; returns what was found.
+    async fn probe_landlock(&mut self, probe: &Probe) -> String {
+        self.landlock = Some(ABI::V5);
+        let landlock = probe.run(self).await;
+        if !succeeded(&landlock) {
+            self.landlock = None;
+        }
+        match &landlock {
+            Ok(f) if f.success() => landlock_enforced(sys::landlock_abi()),
+            Ok(f) => format!("landlock unavailable ({:?}); the filesystem is protected only by permissions", f.exit),
+            Err(e) => format!("landlock unavailable: {e}"),
+        }
+    }
+
+    /// Keeps command users (ids from `base`) if the host allows them and a probe runs as one; returns what was found.
+    async fn probe_command_users(&mut self, probe: &Probe, base: u32) -> String {
+        let users = match users::CommandUsers::detect(base) {
+            Ok(users) => users,
+            Err(unavailable) => return unavailable.to_string(),
+        };
+        let detail = format!(
+            "{}: one per running job; it cannot signal or trace the evaluator or other jobs, and all of its processes \
+             are killed at the job's end",
+            users.describe()
+        );
+        self.users = Some(users);
+        let result = probe.run(self).await;
+        if succeeded(&result) {
+            detail
+        } else {
+            self.users = None;
+            format!("a job could not run as its own user ({result:?})")
+        }
+    }
+
+    /// Keeps a pids cgroup per command if the host has one to delegate and a probe runs in it; returns what was found.
+    async fn probe_pids_cgroup(&mut self, probe: &Probe) -> String {
+        let pids = match cgroup::PidsCgroups::detect() {
+            Ok(pids) => pids,
+            Err(unavailable) => return unavailable.to_string(),
+        };
+        let cap = Limits::default().processes;
+        let detail = format!(
+            "{}: at most {cap} processes and threads per job; all of a job's processes killed at its end",
+            pids.describe()
+        );
+        self.pids = Some(pids);
+        let result = probe.run(self).await;
+        if succeeded(&result) {
+            detail
+        } else {
+            self.pids = None;
+            format!("a job could not join its cgroup ({result:?})")
+        }
+    }
+
+    /// Every protection in the order they are reported: those always enforced, then the probed ones with what their
+    /// probes found.
+    fn report(&self, network_detail: String, landlock_detail: String, users_detail: String) -> Vec<Protection> {
+        let always = |name, detail: &str| Protection { name, active: true, detail: detail.into() };
+        vec![
+            always("process_group", "own process group, killed as a whole"),
+            always("scrubbed_env", "only the variables the evaluator passes"),
+            always("scratch_dir", "fresh working directory and TMPDIR per job"),
+            always("rlimits", "cpu, file size, open files, no core dumps"),
+            always("wall_clock_kill", "group SIGKILL at the wall-clock limit"),
+            always("output_caps", "stdout and stderr capped"),
+            always("parent_death", "PR_SET_PDEATHSIG: jobs die with the evaluator"),
+            Protection { name: "network_namespace", active: self.network_namespace, detail: network_detail },
+            Protection { name: "landlock", active: self.landlock.is_some(), detail: landlock_detail },
+            Protection { name: "command_user", active: self.users.is_some(), detail: users_detail },
+            self.process_limit(),
+        ]
     }
 
     /// A sandbox with only the always-available protections (for hosts where probing is not wanted).
@@ -284,5 +248,106 @@ impl Sandbox {
             (false, false) => detail.clone(),
         };
         Protection { name: "process_limit", active: self.pids.is_some() || self.users.is_some(), detail }
+    }
+}
+
+/// Runs `/bin/true` under a sandbox's protections as set so far, in a scratch directory of the probes' own (a
+/// command's scratch is handed to its user).
+struct Probe {
+    scratch: PathBuf,
+}
+
+impl Probe {
+    fn new() -> Self {
+        let scratch = std::env::temp_dir().join(format!("kforge-sandbox-probe-{}", std::process::id()));
+        if let Err(error) = std::fs::create_dir_all(&scratch) {
+            tracing::warn!(%error, dir = %scratch.display(), "the sandbox's probe directory");
+        }
+        Self { scratch }
+    }
+
+    async fn run(&self, sandbox: &Sandbox) -> Result<Finished, SandboxError> {
+        let command = Command {
+            program: "/bin/true".into(),
+            args: vec![],
+            env: vec![],
+            scratch: self.scratch.clone(),
+            readable: vec![],
+            writable: vec![],
+            limits: Limits { wall: Duration::from_secs(10), ..Limits::default() },
+        };
+        sandbox.run(command, CancellationToken::new()).await
+    }
+
+    fn remove(self) {
+        let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+}
+
+/// Whether a probe ran and exited 0: the protection it ran under works.
+fn succeeded(probe: &Result<Finished, SandboxError>) -> bool {
+    matches!(probe, Ok(f) if f.success())
+}
+
+/// What Landlock enforces under kernel abi `abi`: signals are scoped from abi 6.
+fn landlock_enforced(abi: i64) -> String {
+    let scoped = if abi >= 6 {
+        "signals and abstract unix sockets limited to the job's own processes"
+    } else {
+        "signals not scoped (needs abi 6)"
+    };
+    format!(
+        "reads limited to system and named paths, writes to scratch and named directories; {scoped} (kernel abi {abi})"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Exit;
+
+    fn probe_ended(exit: Exit) -> Result<Finished, SandboxError> {
+        Ok(Finished { exit, stdout: vec![], stderr: vec![], output_truncated: false, wall: Duration::ZERO })
+    }
+
+    #[test]
+    fn only_a_probe_that_exits_0_shows_a_protection_works() {
+        assert!(succeeded(&probe_ended(Exit::Code(0))));
+        assert!(!succeeded(&probe_ended(Exit::Code(1))));
+        assert!(!succeeded(&probe_ended(Exit::Signal(libc::SIGSYS))));
+        assert!(!succeeded(&probe_ended(Exit::TimedOut)));
+        assert!(!succeeded(&Err(SandboxError::LandlockUnsupported)));
+    }
+
+    #[test]
+    fn landlock_scopes_signals_from_abi_6() {
+        assert!(landlock_enforced(5).contains("signals not scoped (needs abi 6)"));
+        assert!(landlock_enforced(6).contains("limited to the job's own processes"));
+        assert!(landlock_enforced(6).ends_with("(kernel abi 6)"));
+    }
+
+    #[test]
+    fn a_basic_sandbox_reports_every_protection_with_the_probed_ones_off() {
+        let report = Sandbox::basic().report("n".into(), "l".into(), "u".into());
+        let names: Vec<_> = report.iter().map(|p| p.name).collect();
+        assert_eq!(
+            names,
+            [
+                "process_group",
+                "scrubbed_env",
+                "scratch_dir",
+                "rlimits",
+                "wall_clock_kill",
+                "output_caps",
+                "parent_death",
+                "network_namespace",
+                "landlock",
+                "command_user",
+                "process_limit"
+            ]
+        );
+        assert!(report[..7].iter().all(|p| p.active));
+        assert!(report[7..].iter().all(|p| !p.active));
+        assert_eq!(report[8].detail, "l");
     }
 }

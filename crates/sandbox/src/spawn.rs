@@ -3,9 +3,10 @@
 //! behind.
 
 use std::future::Future;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream as StdUnixStream;
 use std::process::Stdio;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -67,127 +68,33 @@ impl Sandbox {
         F: FnOnce(Control, tokio::net::UnixStream) -> Fut,
         Fut: Future<Output = ()>,
     {
-        let spawn_error = |source| SandboxError::Spawn { program: command.program.clone(), source };
-        let ruleset = match self.landlock {
-            Some(abi) => Some(ruleset::for_command(abi, &command)?),
-            None => None,
-        };
-        let user = match &self.users {
-            Some(users) => {
-                let user =
-                    users.take().ok_or_else(|| SandboxError::NoCommandUser { program: command.program.clone() })?;
-                for dir in std::iter::once(&command.scratch).chain(&command.writable).filter(|dir| dir.exists()) {
-                    users::share_with_group(dir, user.gid).map_err(spawn_error)?;
-                }
-                Some(user)
-            }
-            None => None,
-        };
-        let mut process = tokio::process::Command::new(&command.program);
-        process.env_clear();
-        if let Some(user) = &user {
-            // Tools that look their user up (Python's getpass) find it here: command users are in no passwd file.
-            let name = format!("kforge-job-{}", user.uid);
-            process.env("USER", &name).env("LOGNAME", &name);
-        }
-        process
-            .args(&command.args)
-            .envs(command.env.iter().map(|(k, v)| (k, v)))
-            .env("TMPDIR", &command.scratch)
-            .current_dir(&command.scratch)
-            .stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        // Both ends are close-on-exec; the child's end becomes its descriptor 3 (without the flag) before exec.
-        let control = match converse {
-            Some(_) => Some(std::os::unix::net::UnixStream::pair().map_err(spawn_error)?),
-            None => None,
-        };
-        let cgroup = match &self.pids {
-            Some(pids) => Some(pids.create(command.limits.processes).map_err(spawn_error)?),
-            None => None,
-        };
-        let setup = ChildSetup {
-            cgroup_procs_fd: cgroup.as_ref().map(cgroup::CommandCgroup::procs_fd),
-            limits: command.limits.clone(),
-            network_namespace: self.network_namespace,
-            landlock_fd: ruleset.as_ref().map(AsRawFd::as_raw_fd),
-            control_fd: control.as_ref().map(|(_, child)| child.as_raw_fd()),
-            user: user.as_ref().map(|user| (user.uid, user.gid)),
-        };
-        let command_user = setup.user;
-        setup.install(&mut process);
-
+        let Launch { ruleset, user, mut process, control, cgroup } =
+            self.launch(&command, input.is_some(), converse.is_some())?;
         let mut started = Instant::now();
-        let mut child = process.spawn().map_err(spawn_error)?;
+        let mut child = process.spawn().map_err(spawn_error(&command))?;
+        // The child holds its own copies now.
         drop(ruleset);
-        let ours = match control {
-            Some((ours, theirs)) => {
-                drop(theirs);
-                ours.set_nonblocking(true).map_err(SandboxError::Wait)?;
-                Some(tokio::net::UnixStream::from_std(ours).map_err(SandboxError::Wait)?)
-            }
-            None => None,
-        };
-        let pid = child.id().map(|pid| pid as libc::pid_t);
-        let group = GroupKiller(pid);
+        let socket = control.map(parent_end).transpose()?;
+        let group = GroupKiller(child.id().map(|pid| pid as libc::pid_t));
         let stdout = tokio::spawn(read_capped(child.stdout.take(), command.limits.output_bytes));
         let stderr = tokio::spawn(read_capped(child.stderr.take(), command.limits.output_bytes));
 
         let exit = 'run: {
             if let Some(input) = input {
-                // Taken first: waiting on the child closes a stdin it still holds.
-                let pipe = child.stdin.take();
-                let bytes = tokio::select! {
-                    bytes = input => bytes,
-                    status = child.wait() => break 'run Exit::from(status.map_err(SandboxError::Wait)?),
-                    () = cancel.cancelled() => None,
-                };
-                let (Some(bytes), Some(mut pipe)) = (bytes, pipe) else { break 'run Exit::Cancelled };
-                // Written aside, so a command that never reads cannot hold this up; closing the pipe is the end.
-                tokio::spawn(async move {
-                    let _ = pipe.write_all(&bytes).await;
-                });
+                if let Delivery::Ended(exit) = deliver_input(&mut child, input, &cancel).await? {
+                    break 'run exit;
+                }
                 started = Instant::now();
             }
-            let (clock, clock_seen) = tokio::sync::watch::channel(Clock::default());
-            let conversation = async move {
-                if let (Some(converse), Some(socket), Some(group)) = (converse, ours, pid) {
-                    converse(Control::new(group, command_user, clock), socket).await;
+            let conversation = match (converse, socket, group.0) {
+                (Some(converse), Some(socket), Some(group)) => {
+                    Some(Conversation { converse, socket, group, user: user.as_ref().map(|user| (user.uid, user.gid)) })
                 }
-                std::future::pending::<()>().await
+                _ => None,
             };
-            tokio::select! {
-                status = child.wait() => Exit::from(status.map_err(SandboxError::Wait)?),
-                () = deadline(command.limits.wall, started, clock_seen) => Exit::TimedOut,
-                () = cancel.cancelled() => Exit::Cancelled,
-                () = conversation => unreachable!("a conversation never ends by itself"),
-            }
+            wait_for_end(&mut child, command.limits.wall, started, conversation, &cancel).await?
         };
-        // Kill whatever is left of the group (the command itself on timeout, background children otherwise) and of
-        // its cgroup (what left the group), so the pipes close and the readers finish: at the lowest priority first,
-        // so that their exits do not starve the host (a fork bomb's thousands).
-        if let Some(leader) = group.0 {
-            sys::lowest_priority(leader, user.as_ref().map(|user| user.uid));
-        }
-        drop(group);
-        // The cgroup's reads, kills and waits for emptiness block: off the async threads.
-        let cgroup = match cgroup {
-            Some(cgroup) => tokio::task::spawn_blocking(move || {
-                cgroup.kill_all();
-                cgroup
-            })
-            .await
-            .ok(),
-            None => None,
-        };
-        let _ = child.wait().await;
-        if let Some(user) = user {
-            // Every process of the command's user (one that left the group too) is gone before this returns.
-            let _ = tokio::task::spawn_blocking(move || user.release()).await;
-        }
+        let cgroup = end_what_is_left(group, cgroup, &mut child, user).await;
         let (stdout, stdout_cut) = stdout.await.unwrap_or_default();
         let (stderr, stderr_cut) = stderr.await.unwrap_or_default();
         if let Some(cgroup) = cgroup {
@@ -196,6 +103,189 @@ impl Sandbox {
         }
         Ok(Finished { exit, stdout, stderr, output_truncated: stdout_cut || stderr_cut, wall: started.elapsed() })
     }
+
+    /// Takes what `command` runs with (its Landlock ruleset, user, control socket and cgroup) and builds its process,
+    /// which applies them to itself between fork and exec. All of it is made here, in the parent, where allocation is
+    /// allowed; only descriptors and integers cross into the child.
+    fn launch(&self, command: &Command, piped_input: bool, controlled: bool) -> Result<Launch, SandboxError> {
+        let ruleset = match self.landlock {
+            Some(abi) => Some(ruleset::for_command(abi, command)?),
+            None => None,
+        };
+        let user = self.take_user(command)?;
+        let mut process = process_for(command, user.as_ref(), piped_input);
+        // Both ends are close-on-exec; the child's end becomes its descriptor 3 (without the flag) before exec.
+        let control = controlled.then(StdUnixStream::pair).transpose().map_err(spawn_error(command))?;
+        let cgroup = match &self.pids {
+            Some(pids) => Some(pids.create(command.limits.processes).map_err(spawn_error(command))?),
+            None => None,
+        };
+        ChildSetup {
+            cgroup_procs_fd: cgroup.as_ref().map(cgroup::CommandCgroup::procs_fd),
+            limits: command.limits.clone(),
+            network_namespace: self.network_namespace,
+            landlock_fd: ruleset.as_ref().map(AsRawFd::as_raw_fd),
+            control_fd: control.as_ref().map(|(_, child)| child.as_raw_fd()),
+            user: user.as_ref().map(|user| (user.uid, user.gid)),
+        }
+        .install(&mut process);
+        Ok(Launch { ruleset, user, process, control, cgroup })
+    }
+
+    /// A user of its own for `command`, where this sandbox has command users, given the directories the command
+    /// writes through their shared group.
+    fn take_user(&self, command: &Command) -> Result<Option<users::CommandUser>, SandboxError> {
+        let Some(users) = &self.users else { return Ok(None) };
+        let user = users.take().ok_or_else(|| SandboxError::NoCommandUser { program: command.program.clone() })?;
+        for dir in std::iter::once(&command.scratch).chain(&command.writable).filter(|dir| dir.exists()) {
+            users::share_with_group(dir, user.gid).map_err(spawn_error(command))?;
+        }
+        Ok(Some(user))
+    }
+}
+
+/// What a command is spawned with, each part released at its own moment afterwards.
+struct Launch {
+    ruleset: Option<OwnedFd>,
+    user: Option<users::CommandUser>,
+    process: tokio::process::Command,
+    /// Our end and the child's end of the control socket.
+    control: Option<(StdUnixStream, StdUnixStream)>,
+    cgroup: Option<cgroup::CommandCgroup>,
+}
+
+/// The error of `command` failing to start for `source`.
+fn spawn_error(command: &Command) -> impl Fn(std::io::Error) -> SandboxError + '_ {
+    |source| SandboxError::Spawn { program: command.program.clone(), source }
+}
+
+/// `command`'s process before the sandbox's own setup: only the environment it is given (and the command user's
+/// name), its scratch directory as working directory and `TMPDIR`, its output piped, a process group of its own.
+fn process_for(command: &Command, user: Option<&users::CommandUser>, piped_input: bool) -> tokio::process::Command {
+    let mut process = tokio::process::Command::new(&command.program);
+    process.env_clear();
+    if let Some(user) = user {
+        // Tools that look their user up (Python's getpass) find it here: command users are in no passwd file.
+        let name = format!("kforge-job-{}", user.uid);
+        process.env("USER", &name).env("LOGNAME", &name);
+    }
+    process
+        .args(&command.args)
+        .envs(command.env.iter().map(|(k, v)| (k, v)))
+        .env("TMPDIR", &command.scratch)
+        .current_dir(&command.scratch)
+        .stdin(if piped_input { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    process
+}
+
+/// Our end of the control socket, once the child is spawned (closing the child's end here, which it holds a copy of).
+fn parent_end((ours, theirs): (StdUnixStream, StdUnixStream)) -> Result<tokio::net::UnixStream, SandboxError> {
+    drop(theirs);
+    ours.set_nonblocking(true).map_err(SandboxError::Wait)?;
+    tokio::net::UnixStream::from_std(ours).map_err(SandboxError::Wait)
+}
+
+/// Whether a command's input reached it.
+enum Delivery {
+    /// Its stdin gets the bytes (and closes after them); its wall clock starts now.
+    Delivered,
+    /// It exited, or was cancelled (also by an input of `None`), first.
+    Ended(Exit),
+}
+
+/// Waits for `input` and hands it to `child`'s stdin, unless the child exits or `cancel` fires first.
+async fn deliver_input(
+    child: &mut tokio::process::Child,
+    input: impl Future<Output = Option<Vec<u8>>>,
+    cancel: &CancellationToken,
+) -> Result<Delivery, SandboxError> {
+    // Taken first: waiting on the child closes a stdin it still holds.
+    let pipe = child.stdin.take();
+    let bytes = tokio::select! {
+        bytes = input => bytes,
+        status = child.wait() => return Ok(Delivery::Ended(Exit::from(status.map_err(SandboxError::Wait)?))),
+        () = cancel.cancelled() => None,
+    };
+    let (Some(bytes), Some(mut pipe)) = (bytes, pipe) else { return Ok(Delivery::Ended(Exit::Cancelled)) };
+    // Written aside, so a command that never reads cannot hold this up; closing the pipe is the end.
+    tokio::spawn(async move {
+        let _ = pipe.write_all(&bytes).await;
+    });
+    Ok(Delivery::Delivered)
+}
+
+/// The caller's side of a command's control channel.
+struct Conversation<F> {
+    converse: F,
+    socket: tokio::net::UnixStream,
+    /// The command's process group.
+    group: libc::pid_t,
+    /// The command's user and group, where it has its own.
+    user: Option<(u32, u32)>,
+}
+
+/// Waits until `child` exits, runs out of its `wall` time since `started` (less what its conversation held the clock
+/// for) or is cancelled; the conversation, if any, runs meanwhile and is dropped then.
+async fn wait_for_end<F, Fut>(
+    child: &mut tokio::process::Child,
+    wall: Duration,
+    started: Instant,
+    conversation: Option<Conversation<F>>,
+    cancel: &CancellationToken,
+) -> Result<Exit, SandboxError>
+where
+    F: FnOnce(Control, tokio::net::UnixStream) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let (clock, clock_seen) = tokio::sync::watch::channel(Clock::default());
+    let conversation = async move {
+        if let Some(Conversation { converse, socket, group, user }) = conversation {
+            converse(Control::new(group, user, clock), socket).await;
+        }
+        std::future::pending::<()>().await
+    };
+    Ok(tokio::select! {
+        status = child.wait() => Exit::from(status.map_err(SandboxError::Wait)?),
+        () = deadline(wall, started, clock_seen) => Exit::TimedOut,
+        () = cancel.cancelled() => Exit::Cancelled,
+        () = conversation => unreachable!("a conversation never ends by itself"),
+    })
+}
+
+/// Ends what is left of a command that exited, timed out or was cancelled, and returns its emptied cgroup (removed
+/// later). Kills whatever is left of the group (the command itself on timeout, background children otherwise) and of
+/// its cgroup (what left the group), so the pipes close and the readers finish: at the lowest priority first, so that
+/// their exits do not starve the host (a fork bomb's thousands). Every process of the command's user (one that left
+/// the group too) is gone before this returns.
+async fn end_what_is_left(
+    group: GroupKiller,
+    cgroup: Option<cgroup::CommandCgroup>,
+    child: &mut tokio::process::Child,
+    user: Option<users::CommandUser>,
+) -> Option<cgroup::CommandCgroup> {
+    if let Some(leader) = group.0 {
+        sys::lowest_priority(leader, user.as_ref().map(|user| user.uid));
+    }
+    drop(group);
+    // The cgroup's reads, kills and waits for emptiness block: off the async threads.
+    let cgroup = match cgroup {
+        Some(cgroup) => tokio::task::spawn_blocking(move || {
+            cgroup.kill_all();
+            cgroup
+        })
+        .await
+        .ok(),
+        None => None,
+    };
+    let _ = child.wait().await;
+    if let Some(user) = user {
+        let _ = tokio::task::spawn_blocking(move || user.release()).await;
+    }
+    cgroup
 }
 
 /// SIGKILLs the process group when dropped.

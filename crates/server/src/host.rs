@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tokio_stream::StreamExt as _;
+use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::{Stream, StreamExt as _};
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::interceptor::InterceptedService;
@@ -171,105 +172,156 @@ impl Host {
         let Host { service, config, mut routes, names, mut registry, auth, health, health_service, readiness, http } =
             self;
         set_status(&health, &names, ServingStatus::NotServing).await;
-
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(kforge_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
-        routes.add_service(InterceptedService::new(reflection.build_v1()?, auth.clone()));
-        let reflection_alpha = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(kforge_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
-        routes.add_service(InterceptedService::new(reflection_alpha.build_v1alpha()?, auth.clone()));
+        add_reflection(&mut routes, &auth)?;
         routes.add_service(health_service);
-
         let metrics = Arc::new(Metrics::register(&mut registry, &names));
-        let registry = Arc::new(registry);
         let grpc = routes.routes().into_axum_router();
         let channel = InProcess::new(grpc.clone(), metrics.clone(), Duration::from_secs(config.request_timeout_secs));
         let face = JsonFace { channel: channel.clone(), max_body_bytes: config.max_message_bytes };
-        let router = grpc.layer(axum::middleware::from_fn_with_state(face.clone(), json::intercept)).route(
-            "/metrics",
-            axum::routing::get(move || {
-                let registry = registry.clone();
-                async move { render(&registry) }
-            }),
-        );
-
-        let mut builder = Server::builder()
-            // HTTP/1.1 for `/metrics` scrapes; gRPC itself is HTTP/2.
-            .accept_http1(true)
-            .timeout(Duration::from_secs(config.request_timeout_secs))
-            .concurrency_limit_per_connection(config.concurrency_per_connection)
-            .trace_fn(move |request| kforge_telemetry::server_span(service, request));
-        if let Some(tls) = &config.tls {
-            builder = builder.tls_config(server_tls(tls)?)?;
-        }
-        let router = builder.layer(MetricsLayer(metrics)).add_routes(Routes::from(router));
+        let router = with_json_face_and_metrics(grpc, face.clone(), registry);
+        let router = server(service, &config)?.layer(MetricsLayer(metrics)).add_routes(Routes::from(router));
 
         let local = listener.local_addr()?;
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        // Nagle's algorithm would hold a response's last frames until the client acknowledges the first ones;
-        // tonic sets TCP_NODELAY only on listeners it binds itself.
-        let incoming = TcpListenerStream::new(listener).map(|stream| {
-            if let Ok(stream) = &stream {
-                let _ = stream.set_nodelay(true);
-            }
-            stream
-        });
-        let mut server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
-            let _ = stopped.await;
+        let (stop_grpc, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
+        let grpc = tokio::spawn(router.serve_with_incoming_shutdown(without_nagle(listener), async {
+            let _ = grpc_stopped.await;
         }));
         tracing::info!(service, addr = %local, "serving");
         let (stop_http, http_stopped) = watch::channel(false);
-        let mut http_server = match http {
-            Some((listener, routes)) => {
-                let addr = listener.local_addr()?;
-                let router = routes(channel)
-                    .fallback(move |request| json::fallback(face, request))
-                    .layer(axum::middleware::from_fn_with_state(auth, require_bearer))
-                    .layer(axum::middleware::from_fn_with_state(service, trace_http));
-                let mut stopped = http_stopped;
-                let serve = axum::serve(listener, router)
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.wait_for(|stop| *stop).await;
-                    })
-                    .into_future();
-                tracing::info!(service, %addr, "serving http");
-                Some(tokio::spawn(serve))
-            }
+        let http = match http {
+            Some((listener, routes)) => Some(serve_http(service, listener, routes(channel), face, auth, http_stopped)?),
             None => None,
         };
-        let http_done = async {
-            match &mut http_server {
-                Some(task) => task.await,
-                None => std::future::pending().await,
-            }
-        };
+        let mut servers = Servers { service, grpc, stop_grpc, http, stop_http };
 
         tokio::select! {
-            result = &mut server => return Ok(result??),
-            result = http_done => return Ok(result??),
+            result = servers.ended() => return result,
             () = shutdown => {}
             () = follow(&health, &names, readiness) => {}
         }
         tracing::info!(service, "draining");
         set_status(&health, &names, ServingStatus::NotServing).await;
-        let _ = stop.send(());
+        servers.drain(Duration::from_secs(config.drain_timeout_secs)).await
+    }
+}
+
+/// Adds gRPC reflection (v1 and v1alpha, both behind the bearer check) over kforge's and health's protos.
+fn add_reflection(routes: &mut RoutesBuilder, auth: &RequireBearer) -> Result<(), ServeError> {
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kforge_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    routes.add_service(InterceptedService::new(reflection().build_v1()?, auth.clone()));
+    routes.add_service(InterceptedService::new(reflection().build_v1alpha()?, auth.clone()));
+    Ok(())
+}
+
+/// The gRPC routes with the JSON face in front of them and `/metrics` (`registry` rendered) beside them.
+fn with_json_face_and_metrics(grpc: axum::Router, face: JsonFace, registry: Registry) -> axum::Router {
+    let registry = Arc::new(registry);
+    grpc.layer(axum::middleware::from_fn_with_state(face, json::intercept)).route(
+        "/metrics",
+        axum::routing::get(move || {
+            let registry = registry.clone();
+            async move { render(&registry) }
+        }),
+    )
+}
+
+/// The server's own layers, as [`Host`] lists them: TLS, the request span, the deadline, the concurrency limit.
+fn server(service: &'static str, config: &ServerConfig) -> Result<Server, ServeError> {
+    let mut builder = Server::builder()
+        // HTTP/1.1 for `/metrics` scrapes; gRPC itself is HTTP/2.
+        .accept_http1(true)
+        .timeout(Duration::from_secs(config.request_timeout_secs))
+        .concurrency_limit_per_connection(config.concurrency_per_connection)
+        .trace_fn(move |request| kforge_telemetry::server_span(service, request));
+    if let Some(tls) = &config.tls {
+        builder = builder.tls_config(server_tls(tls)?)?;
+    }
+    Ok(builder)
+}
+
+/// The connections `listener` accepts, with TCP_NODELAY set: Nagle's algorithm would hold a response's last frames
+/// until the client acknowledges the first ones, and tonic sets TCP_NODELAY only on listeners it binds itself.
+fn without_nagle(listener: TcpListener) -> impl Stream<Item = std::io::Result<TcpStream>> {
+    TcpListenerStream::new(listener).map(|stream| {
+        if let Ok(stream) = &stream {
+            let _ = stream.set_nodelay(true);
+        }
+        stream
+    })
+}
+
+/// Starts the HTTP port on `listener`: `routes`, the JSON face at every other path, all behind the bearer check;
+/// it stops gracefully once `stopped` turns true.
+fn serve_http(
+    service: &'static str,
+    listener: TcpListener,
+    routes: axum::Router,
+    face: JsonFace,
+    auth: RequireBearer,
+    mut stopped: watch::Receiver<bool>,
+) -> Result<JoinHandle<std::io::Result<()>>, ServeError> {
+    let addr = listener.local_addr()?;
+    let router = routes
+        .fallback(move |request| json::fallback(face, request))
+        .layer(axum::middleware::from_fn_with_state(auth, require_bearer))
+        .layer(axum::middleware::from_fn_with_state(service, trace_http));
+    let serve = axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })
+        .into_future();
+    tracing::info!(service, %addr, "serving http");
+    Ok(tokio::spawn(serve))
+}
+
+/// A host's running servers, the gRPC port's and the HTTP port's (where it has one), each with its stop signal.
+struct Servers {
+    service: &'static str,
+    grpc: JoinHandle<Result<(), tonic::transport::Error>>,
+    stop_grpc: tokio::sync::oneshot::Sender<()>,
+    http: Option<JoinHandle<std::io::Result<()>>>,
+    stop_http: watch::Sender<bool>,
+}
+
+impl Servers {
+    /// Resolves only if a server stops by itself, with how it ended.
+    async fn ended(&mut self) -> Result<(), ServeError> {
+        let http = async {
+            match &mut self.http {
+                Some(task) => task.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            result = &mut self.grpc => Ok(result??),
+            result = http => Ok(result??),
+        }
+    }
+
+    /// Stops both servers accepting and gives their in-flight calls `grace` to finish; those still running then
+    /// are dropped.
+    async fn drain(self, grace: Duration) -> Result<(), ServeError> {
+        let Servers { service, mut grpc, stop_grpc, mut http, stop_http } = self;
+        let _ = stop_grpc.send(());
         let _ = stop_http.send(true);
         let drained = async {
-            let grpc = (&mut server).await;
-            if let Some(http) = &mut http_server {
+            let grpc = (&mut grpc).await;
+            if let Some(http) = &mut http {
                 http.await??;
             }
             grpc??;
             Ok::<(), ServeError>(())
         };
-        match tokio::time::timeout(Duration::from_secs(config.drain_timeout_secs), drained).await {
+        match tokio::time::timeout(grace, drained).await {
             Ok(result) => result?,
             Err(_) => {
                 tracing::warn!(service, "drain timed out; dropping in-flight calls");
-                server.abort();
-                if let Some(http) = &http_server {
+                grpc.abort();
+                if let Some(http) = &http {
                     http.abort();
                 }
             }

@@ -182,6 +182,8 @@ fn one_completion_of_text(pool: &PoolConfig, input: &Input, sampling: &Sampling)
     Ok(())
 }
 
+/// `params` with every unset field taken from the pool's defaults, every field checked against its contract. The
+/// fields are checked in the order below, so of several bad fields the first is the one named.
 fn sampling_of(params: pb::SamplingParams, pool: &PoolConfig) -> Result<Sampling, InvalidField> {
     let pb::SamplingParams {
         temperature,
@@ -198,72 +200,101 @@ fn sampling_of(params: pb::SamplingParams, pool: &PoolConfig) -> Result<Sampling
         extra_body,
     } = params;
     let defaults = &pool.sampling;
-    let range = |field: &str, value: f64, lo: f64, hi: f64, lo_open: bool| {
-        let above_lo = if lo_open { value > lo } else { value >= lo };
-        if value.is_finite() && above_lo && value <= hi {
-            Ok(value)
-        } else {
-            let open = if lo_open { "(" } else { "[" };
-            Err(InvalidField::new(format!("sampling.{field}"), format!("must be in {open}{lo}, {hi}], got {value}")))
-        }
-    };
-    let temperature = range("temperature", temperature.unwrap_or(defaults.temperature), 0.0, 100.0, false)?;
-    let top_p = range("top_p", top_p.unwrap_or(defaults.top_p), 0.0, 1.0, true)?;
-    let top_k = top_k.unwrap_or(defaults.top_k);
-    if !(top_k == -1 || top_k >= 1) {
-        return Err(InvalidField::new("sampling.top_k", format!("must be -1 (off) or >= 1, got {top_k}")));
-    }
-    let min_p = range("min_p", min_p.unwrap_or(defaults.min_p), 0.0, 1.0, false)?;
-    let max_tokens = max_tokens.unwrap_or(defaults.max_tokens);
-    if max_tokens == 0 || max_tokens > pool.max_tokens_limit {
-        return Err(InvalidField::new(
-            "sampling.max_tokens",
-            format!("must be in [1, {}], got {max_tokens}", pool.max_tokens_limit),
-        ));
-    }
-    let n = n.unwrap_or(1);
-    if n == 0 || n > pool.max_n {
-        return Err(InvalidField::new("sampling.n", format!("must be in [1, {}], got {n}", pool.max_n)));
-    }
-    if let Some(i) = stop.iter().position(String::is_empty) {
-        return Err(InvalidField::new(format!("sampling.stop[{i}]"), "must not be empty"));
-    }
-    let presence_penalty =
-        range("presence_penalty", presence_penalty.unwrap_or(defaults.presence_penalty), -2.0, 2.0, false)?;
-    let frequency_penalty =
-        range("frequency_penalty", frequency_penalty.unwrap_or(defaults.frequency_penalty), -2.0, 2.0, false)?;
-    let repetition_penalty =
-        range("repetition_penalty", repetition_penalty.unwrap_or(defaults.repetition_penalty), 0.0, 10.0, true)?;
-    let extra_body = match extra_body {
-        None => Map::new(),
-        Some(extra) => {
-            let mut map = Map::new();
-            for (key, value) in extra.fields {
-                if matches!(key.as_str(), "model" | "messages" | "prompt" | "stream" | "stream_options") {
-                    return Err(InvalidField::new(
-                        format!("sampling.extra_body.{key}"),
-                        "is set by the gateway and cannot be overridden",
-                    ));
-                }
-                map.insert(key, json_of(value));
-            }
-            map
-        }
-    };
     Ok(Sampling {
-        temperature,
-        top_p,
-        top_k,
-        min_p,
-        max_tokens,
-        stop,
+        temperature: in_range("temperature", temperature.unwrap_or(defaults.temperature), Low::Closed, 0.0, 100.0)?,
+        top_p: in_range("top_p", top_p.unwrap_or(defaults.top_p), Low::Open, 0.0, 1.0)?,
+        top_k: checked_top_k(top_k.unwrap_or(defaults.top_k))?,
+        min_p: in_range("min_p", min_p.unwrap_or(defaults.min_p), Low::Closed, 0.0, 1.0)?,
+        max_tokens: checked_count("max_tokens", max_tokens.unwrap_or(defaults.max_tokens), pool.max_tokens_limit)?,
+        n: checked_count("n", n.unwrap_or(1), pool.max_n)?,
+        stop: checked_stop(stop)?,
         seed,
-        n,
-        presence_penalty,
-        frequency_penalty,
-        repetition_penalty,
-        extra_body,
+        presence_penalty: in_range(
+            "presence_penalty",
+            presence_penalty.unwrap_or(defaults.presence_penalty),
+            Low::Closed,
+            -2.0,
+            2.0,
+        )?,
+        frequency_penalty: in_range(
+            "frequency_penalty",
+            frequency_penalty.unwrap_or(defaults.frequency_penalty),
+            Low::Closed,
+            -2.0,
+            2.0,
+        )?,
+        repetition_penalty: in_range(
+            "repetition_penalty",
+            repetition_penalty.unwrap_or(defaults.repetition_penalty),
+            Low::Open,
+            0.0,
+            10.0,
+        )?,
+        extra_body: extra_body_of(extra_body)?,
     })
+}
+
+/// Whether a range includes its lower end: `[lo, hi]` or `(lo, hi]`.
+#[derive(Debug, Clone, Copy)]
+enum Low {
+    Closed,
+    Open,
+}
+
+/// `value` when it is a finite number in the range from `lo` to `hi`, else why `sampling.<field>` is not.
+fn in_range(field: &str, value: f64, low: Low, lo: f64, hi: f64) -> Result<f64, InvalidField> {
+    let above_lo = match low {
+        Low::Closed => value >= lo,
+        Low::Open => value > lo,
+    };
+    if value.is_finite() && above_lo && value <= hi {
+        return Ok(value);
+    }
+    let open = match low {
+        Low::Closed => "[",
+        Low::Open => "(",
+    };
+    Err(InvalidField::new(format!("sampling.{field}"), format!("must be in {open}{lo}, {hi}], got {value}")))
+}
+
+/// `top_k` when it is -1 (off) or a number of tokens.
+fn checked_top_k(top_k: i32) -> Result<i32, InvalidField> {
+    if top_k == -1 || top_k >= 1 {
+        Ok(top_k)
+    } else {
+        Err(InvalidField::new("sampling.top_k", format!("must be -1 (off) or >= 1, got {top_k}")))
+    }
+}
+
+/// `count` when it is in `[1, limit]`, else why `sampling.<field>` is not.
+fn checked_count(field: &str, count: u32, limit: u32) -> Result<u32, InvalidField> {
+    if count == 0 || count > limit {
+        return Err(InvalidField::new(format!("sampling.{field}"), format!("must be in [1, {limit}], got {count}")));
+    }
+    Ok(count)
+}
+
+/// The stop strings, when none is empty (an empty one would stop every generation at once).
+fn checked_stop(stop: Vec<String>) -> Result<Vec<String>, InvalidField> {
+    match stop.iter().position(String::is_empty) {
+        Some(i) => Err(InvalidField::new(format!("sampling.stop[{i}]"), "must not be empty")),
+        None => Ok(stop),
+    }
+}
+
+/// The fields merged into the upstream body, as JSON; the fields the gateway sets itself are refused.
+fn extra_body_of(extra: Option<prost_types::Struct>) -> Result<Map<String, Value>, InvalidField> {
+    let mut map = Map::new();
+    for (key, value) in extra.map(|extra| extra.fields).unwrap_or_default() {
+        if matches!(key.as_str(), "model" | "messages" | "prompt" | "stream" | "stream_options") {
+            return Err(InvalidField::new(
+                format!("sampling.extra_body.{key}"),
+                "is set by the gateway and cannot be overridden",
+            ));
+        }
+        map.insert(key, json_of(value));
+    }
+    Ok(map)
 }
 
 /// A protobuf `Value` as JSON. Whole numbers become integers: a `Struct` carries every number as a double, and
@@ -391,5 +422,32 @@ mod tests {
         assert_eq!(Keys::default().affinity(), None);
         let by_task = Keys { task_id: "t".into(), trajectory: 2, ..Keys::default() };
         assert!(by_task.affinity().is_some());
+    }
+
+    #[test]
+    fn a_range_names_its_ends_and_refuses_what_is_not_a_number() {
+        assert_eq!(in_range("top_p", 1.0, Low::Open, 0.0, 1.0), Ok(1.0));
+        assert_eq!(in_range("min_p", 0.0, Low::Closed, 0.0, 1.0), Ok(0.0));
+        let open = in_range("top_p", 0.0, Low::Open, 0.0, 1.0).expect_err("0 is outside (0, 1]");
+        assert_eq!(open.to_string(), "sampling.top_p: must be in (0, 1], got 0");
+        let closed = in_range("temperature", 101.0, Low::Closed, 0.0, 100.0).expect_err("over 100");
+        assert_eq!(closed.reason, "must be in [0, 100], got 101");
+        assert!(in_range("temperature", f64::INFINITY, Low::Closed, 0.0, f64::INFINITY).is_err());
+    }
+
+    #[test]
+    fn counts_and_stops_are_checked_by_their_own_rules() {
+        assert_eq!(checked_top_k(-1), Ok(-1));
+        assert_eq!(checked_top_k(-2).expect_err("-2").field, "sampling.top_k");
+        assert_eq!(checked_count("n", 64, 64), Ok(64));
+        assert_eq!(checked_count("n", 0, 64).expect_err("0").reason, "must be in [1, 64], got 0");
+        let stops = vec!["</s>".to_owned(), String::new()];
+        assert_eq!(checked_stop(stops).expect_err("empty stop").field, "sampling.stop[1]");
+    }
+
+    #[test]
+    fn the_first_bad_sampling_field_is_the_one_named() {
+        let params = pb::SamplingParams { top_k: Some(0), n: Some(0), ..Default::default() };
+        assert_eq!(sampling_of(params, &PoolConfig::default()).expect_err("two bad").field, "sampling.top_k");
     }
 }

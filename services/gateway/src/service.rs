@@ -29,10 +29,10 @@ use crate::failures::FailureLog;
 use crate::pool::Pool;
 use crate::request::{self, GenerateSpec, Input, InvalidField};
 
-/// What the handlers share.
 /// How often each kind of failed request is logged (`failures.rs`).
 const FAILURE_LOG_WINDOW: Duration = Duration::from_secs(60);
 
+/// What the handlers share.
 #[derive(Debug)]
 struct State {
     pools: HashMap<String, Arc<Pool>>,
@@ -147,58 +147,20 @@ fn respond(
     let unsupported =
         if backend.client.is_replay() { Vec::new() } else { unsupported(spec, backend.kind, &generation) };
     let now = Instant::now();
-    let millis = |at: Option<Instant>| at.unwrap_or(now).saturating_duration_since(received).as_secs_f64() * 1e3;
-    let n = generation.completions.len().max(1) as u64;
+    let since_received = |at: Option<Instant>| at.unwrap_or(now).saturating_duration_since(received);
     let mut usage: UsageOut = generation.usage;
-    let mut completions = Vec::with_capacity(generation.completions.len());
-    let mut timings = Vec::with_capacity(generation.completions.len());
-    for completion in generation.completions {
-        let (mut text, mut reasoning) = (completion.text, completion.reasoning);
-        if pool.config.split_reasoning && reasoning.is_empty() {
-            let split = kforge_model_text::split_reasoning(&text);
-            if split.found {
-                (reasoning, text) = (split.reasoning.to_owned(), split.answer.to_owned());
-            }
-        }
-        let counted = match (completion.completion_tokens, completion.token_ids.len(), completion.logprobs.len()) {
-            (Some(count), _, _) => Some(count),
-            (None, 0, 0) => None,
-            (None, 0, logprobs) => Some(logprobs as u64),
-            (None, ids, _) => Some(ids as u64),
-        };
-        let completion_tokens = counted.unwrap_or(usage.completion_tokens / n);
-        let ttft_ms = millis(completion.first_token_at);
-        let latency_ms = millis(completion.finished_at);
-        timings.push((ttft_ms / 1e3, latency_ms / 1e3));
-        completions.push(pb::Completion {
-            text,
-            reasoning,
-            finish_reason: completion.finish_reason,
-            token_ids: if spec.return_token_ids { completion.token_ids } else { Vec::new() },
-            logprobs: if spec.return_logprobs { completion.logprobs } else { Vec::new() },
-            completion_tokens,
-            ttft_ms,
-            latency_ms,
-        });
-    }
-    if usage.completion_tokens == 0 {
-        usage.completion_tokens = completions.iter().map(|c| c.completion_tokens).sum();
-    }
-    let mut prompt_token_ids = generation.prompt_token_ids;
-    if let Input::PromptTokens(ids) = &spec.input
-        && prompt_token_ids.is_empty()
-    {
-        prompt_token_ids.clone_from(ids);
-    }
-    if usage.prompt_tokens == 0 {
-        usage.prompt_tokens = prompt_token_ids.len() as u64;
-    }
-    if !spec.return_token_ids {
-        prompt_token_ids.clear();
-    }
+    let even_share = usage.completion_tokens / generation.completions.len().max(1) as u64;
+    let completions: Vec<pb::Completion> = generation
+        .completions
+        .into_iter()
+        .map(|completion| completion_of(completion, spec, pool.config.split_reasoning, even_share, since_received))
+        .collect();
+    let prompt_token_ids = prompt_token_ids_of(generation.prompt_token_ids, &spec.input);
+    count_unreported_tokens(&mut usage, &completions, &prompt_token_ids);
     // A replayed answer is priced like any other: a pool prices what it serves (a recorded run replayed at its
     // model's prices, or the embedded default's example prices).
     let cost = cost_usd(&pool.config.price, &usage);
+    let timings: Vec<(f64, f64)> = completions.iter().map(|c| (c.ttft_ms / 1e3, c.latency_ms / 1e3)).collect();
     accounting.served(&pool.config.model, &backend.label, &spec.keys.job_id, &usage, &timings, cost);
     pb::GenerateResponse {
         completions,
@@ -212,10 +174,71 @@ fn respond(
         backend: backend.label.clone(),
         replay: backend.client.is_replay(),
         weight_version: backend.weight_version(),
-        prompt_token_ids,
+        prompt_token_ids: if spec.return_token_ids { prompt_token_ids } else { Vec::new() },
         attempts,
         model: pool.config.model.clone(),
         unsupported,
+    }
+}
+
+/// One completion on the wire: its reasoning split from its text where the pool asks for that and the backend did
+/// not, its token count ([`completion_tokens`], else `even_share` of the usage), its first-token and finish times
+/// (`since_received` of each), and token ids and log-probabilities only where the request asked for them.
+fn completion_of(
+    completion: CompletionOut,
+    spec: &GenerateSpec,
+    split_reasoning: bool,
+    even_share: u64,
+    since_received: impl Fn(Option<Instant>) -> Duration,
+) -> pb::Completion {
+    let completion_tokens = completion_tokens(&completion).unwrap_or(even_share);
+    let CompletionOut {
+        mut text, mut reasoning, finish_reason, token_ids, logprobs, first_token_at, finished_at, ..
+    } = completion;
+    if split_reasoning && reasoning.is_empty() {
+        let split = kforge_model_text::split_reasoning(&text);
+        if split.found {
+            (reasoning, text) = (split.reasoning.to_owned(), split.answer.to_owned());
+        }
+    }
+    pb::Completion {
+        text,
+        reasoning,
+        finish_reason,
+        token_ids: if spec.return_token_ids { token_ids } else { Vec::new() },
+        logprobs: if spec.return_logprobs { logprobs } else { Vec::new() },
+        completion_tokens,
+        ttft_ms: since_received(first_token_at).as_secs_f64() * 1e3,
+        latency_ms: since_received(finished_at).as_secs_f64() * 1e3,
+    }
+}
+
+/// The tokens a completion generated: the backend's count, else its token ids or log-probabilities counted;
+/// `None` when it returned neither.
+fn completion_tokens(completion: &CompletionOut) -> Option<u64> {
+    match (completion.completion_tokens, completion.token_ids.len(), completion.logprobs.len()) {
+        (Some(count), _, _) => Some(count),
+        (None, 0, 0) => None,
+        (None, 0, logprobs) => Some(logprobs as u64),
+        (None, ids, _) => Some(ids as u64),
+    }
+}
+
+/// The prompt's token ids: the backend's, else those of a prompt given as token ids.
+fn prompt_token_ids_of(reported: Vec<u32>, input: &Input) -> Vec<u32> {
+    match input {
+        Input::PromptTokens(ids) if reported.is_empty() => ids.clone(),
+        _ => reported,
+    }
+}
+
+/// Fills the token counts the backend left at 0 from what it returned: the completions' counts and the prompt's ids.
+fn count_unreported_tokens(usage: &mut UsageOut, completions: &[pb::Completion], prompt_token_ids: &[u32]) {
+    if usage.completion_tokens == 0 {
+        usage.completion_tokens = completions.iter().map(|c| c.completion_tokens).sum();
+    }
+    if usage.prompt_tokens == 0 {
+        usage.prompt_tokens = prompt_token_ids.len() as u64;
     }
 }
 
@@ -409,6 +432,29 @@ impl Gateway for GatewayService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_completion_s_tokens_are_the_backend_s_count_else_counted_from_what_it_returned() {
+        let counted = CompletionOut { completion_tokens: Some(7), token_ids: vec![1, 2], ..Default::default() };
+        assert_eq!(completion_tokens(&counted), Some(7));
+        let ids = CompletionOut { token_ids: vec![1, 2], logprobs: vec![-0.1], ..Default::default() };
+        assert_eq!(completion_tokens(&ids), Some(2));
+        let logprobs = CompletionOut { logprobs: vec![-0.1, -0.2, -0.3], ..Default::default() };
+        assert_eq!(completion_tokens(&logprobs), Some(3));
+        assert_eq!(completion_tokens(&CompletionOut::default()), None);
+    }
+
+    #[test]
+    fn a_token_prompt_stands_in_for_prompt_ids_the_backend_did_not_return() {
+        let tokens = Input::PromptTokens(vec![5, 6]);
+        assert_eq!(prompt_token_ids_of(Vec::new(), &tokens), [5, 6]);
+        assert_eq!(prompt_token_ids_of(vec![9], &tokens), [9]);
+        assert!(prompt_token_ids_of(Vec::new(), &Input::Prompt("hi".into())).is_empty());
+        let mut usage = UsageOut { completion_tokens: 0, prompt_tokens: 4, ..Default::default() };
+        let completion = pb::Completion { completion_tokens: 3, ..Default::default() };
+        count_unreported_tokens(&mut usage, &[completion.clone(), completion], &[1, 2]);
+        assert_eq!((usage.completion_tokens, usage.prompt_tokens), (6, 4));
+    }
 
     #[test]
     fn grpc_timeout_becomes_a_slightly_earlier_deadline() {
