@@ -59,13 +59,13 @@ struct Slot {
 
 /// A place taken at one endpoint: its channel, for one call. Dropping it frees the place.
 #[derive(Debug)]
-pub struct Lease {
+pub struct Place {
     balancer: Arc<Balancer>,
     url: String,
     channel: Channel,
 }
 
-impl Lease {
+impl Place {
     pub fn channel(&self) -> Channel {
         self.channel.clone()
     }
@@ -76,7 +76,7 @@ impl Lease {
     }
 }
 
-impl Drop for Lease {
+impl Drop for Place {
     fn drop(&mut self) {
         let mut slots = self.balancer.slots();
         if let Some(slot) = slots.get_mut(&self.url) {
@@ -150,7 +150,7 @@ impl Balancer {
 
     /// Takes a place for a call keyed `key` (see the module's documentation), waiting while every place is taken;
     /// UNAVAILABLE when no endpoint has been ready for [`NO_ENDPOINT_PATIENCE`].
-    pub async fn acquire(self: &Arc<Self>, key: &str) -> Result<Lease, tonic::Status> {
+    pub async fn acquire(self: &Arc<Self>, key: &str) -> Result<Place, tonic::Status> {
         let mut changes = match &self.source {
             Source::Discovered { endpoints, .. } => Some(endpoints.clone()),
             Source::Fixed(_) => None,
@@ -172,8 +172,8 @@ impl Balancer {
                 }
             } else {
                 none_since = None;
-                if let Some(lease) = self.take(key, &targets)? {
-                    return Ok(lease);
+                if let Some(place) = self.take(key, &targets)? {
+                    return Ok(place);
                 }
             }
             let patience = tokio::time::sleep(NO_ENDPOINT_PATIENCE);
@@ -192,7 +192,7 @@ impl Balancer {
     }
 
     /// A place at the best endpoint with room, if any; slots of endpoints that are gone and idle are dropped.
-    fn take(self: &Arc<Self>, key: &str, targets: &[Target]) -> Result<Option<Lease>, tonic::Status> {
+    fn take(self: &Arc<Self>, key: &str, targets: &[Target]) -> Result<Option<Place>, tonic::Status> {
         let mut slots = self.slots();
         slots.retain(|url, slot| slot.in_flight > 0 || targets.iter().any(|t| &t.url == url));
         let in_flight = |url: &str| slots.get(url).map_or(0, |slot| slot.in_flight);
@@ -210,7 +210,7 @@ impl Balancer {
             }
         };
         slot.in_flight += 1;
-        Ok(Some(Lease { balancer: self.clone(), url: target.url.clone(), channel: slot.channel.clone() }))
+        Ok(Some(Place { balancer: self.clone(), url: target.url.clone(), channel: slot.channel.clone() }))
     }
 }
 
@@ -249,21 +249,21 @@ mod tests {
     #[tokio::test]
     async fn each_endpoint_takes_its_capacity_and_a_freed_place_goes_to_a_waiting_call() {
         let pool = pool(&[(1, 1), (2, 2)]);
-        let mut leases = Vec::new();
+        let mut places = Vec::new();
         for key in ["a", "b", "c"] {
-            leases.push(pool.acquire(key).await.expect("a place"));
+            places.push(pool.acquire(key).await.expect("a place"));
         }
-        let mut urls: Vec<&str> = leases.iter().map(Lease::url).collect();
+        let mut urls: Vec<&str> = places.iter().map(Place::url).collect();
         urls.sort_unstable();
         assert_eq!(urls, ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:2"]);
         let waiting = tokio::spawn({
             let pool = pool.clone();
-            async move { pool.acquire("d").await.map(|lease| lease.url().to_owned()) }
+            async move { pool.acquire("d").await.map(|place| place.url().to_owned()) }
         });
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished(), "every place is taken");
-        let freed = leases.iter().position(|l| l.url() == "http://127.0.0.1:1").expect("one there");
-        drop(leases.remove(freed));
+        let freed = places.iter().position(|l| l.url() == "http://127.0.0.1:1").expect("one there");
+        drop(places.remove(freed));
         assert_eq!(waiting.await.expect("task").expect("a place"), "http://127.0.0.1:1");
     }
 
@@ -296,7 +296,7 @@ mod tests {
         assert!(pool.check().await.is_err(), "no ready endpoint yet");
         let waiting = tokio::spawn({
             let pool = pool.clone();
-            async move { pool.acquire("k").await.map(|lease| lease.url().to_owned()) }
+            async move { pool.acquire("k").await.map(|place| place.url().to_owned()) }
         });
         tokio::task::yield_now().await;
         let endpoint = |port| Endpoint { address: address(port), capacity: 1, pod: None };

@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_server::Orchestrator;
@@ -13,10 +12,11 @@ use kforge_server::auth::Caller;
 use tonic::codegen::BoxStream;
 use tonic::{Request, Response, Status};
 
+use crate::LimitsConfig;
 use crate::error::{OrchestratorError, store_status};
 use crate::export::{self, parse_cursor};
 use crate::job::{self, Plan};
-use crate::service::{OrchestratorService, Submission, lease_until};
+use crate::service::{OrchestratorService, Submission, lease_until, now_ms};
 use crate::{metrics, now, recipe, reward, store};
 
 #[tonic::async_trait]
@@ -96,7 +96,7 @@ impl Orchestrator for OrchestratorService {
 
     async fn list_jobs(&self, request: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
         let request = request.into_inner();
-        let before: Option<i64> = token("page_token", &request.page_token)?;
+        let before: Option<i64> = parse_token("page_token", &request.page_token)?;
         let page_size = match request.page_size {
             0 => 50,
             n => n.min(500),
@@ -140,9 +140,9 @@ impl Orchestrator for OrchestratorService {
             return Ok(Response::new(job));
         }
         // Not running here: an interrupted job (so that no start resumes it), unless a live instance runs it.
-        let now_ms = lease_until(Duration::ZERO);
+        let at = now_ms();
         if let Err((owner, _)) =
-            self.store.claim(&job.job_id, &self.config.instance, now_ms, now_ms).await.map_err(store_status)?
+            self.store.claim(&job.job_id, &self.config.instance, at, at).await.map_err(store_status)?
         {
             let message = format!("{} runs on instance `{owner}`: cancel it there", job.job_id);
             return Err(OrchestratorError::Precondition(message).into());
@@ -159,7 +159,7 @@ impl Orchestrator for OrchestratorService {
     ) -> Result<Response<pb::ListTrajectoriesResponse>, Status> {
         let request = request.into_inner();
         let job = self.job(&request.job_id).await?;
-        let offset: usize = token("page_token", &request.page_token)?.unwrap_or(0);
+        let offset: usize = parse_token("page_token", &request.page_token)?.unwrap_or(0);
         let page_size = match request.page_size {
             0 => 100,
             n => n as usize,
@@ -210,49 +210,10 @@ impl Orchestrator for OrchestratorService {
         request: Request<pb::StartEpisodeRequest>,
     ) -> Result<Response<pb::Observation>, Status> {
         let caller = Caller::of(&request).map(|caller| caller.name().to_owned());
-        let request = request.into_inner();
-        let task = request.task.ok_or_else(|| OrchestratorError::invalid("task", "required"))?;
-        check_key(&request.idempotency_key)?;
-        let spec = pb::JobSpec {
-            kind: pb::JobKind::Rollout.into(),
-            recipe: request.recipe,
-            task_set: "inline".into(),
-            tasks: vec![task],
-            model: job::STEP_MODEL.into(),
-            trajectories_per_task: 1,
-            turns: request.turns,
-            backend: request.backend,
-            policy: request.policy,
-            reward: request.reward,
-            strict_format: request.strict_format,
-            ..Default::default()
-        };
-        // The episode's checks and limits are the job's: name the request's fields, not the spec's.
-        let request_field = |field: String| match field.as_str() {
-            "spec" => "turns".to_owned(),
-            field => field.replace("spec.tasks[0]", "task").trim_start_matches("spec.").to_owned(),
-        };
-        let plan = Plan::submitted(spec, &self.config.limits).map_err(|error| match error {
-            OrchestratorError::InvalidArgument { field, message } => {
-                OrchestratorError::InvalidArgument { field: request_field(field), message }
-            }
-            OrchestratorError::OverLimit { field, value, unit, limit, key } => {
-                OrchestratorError::OverLimit { field: request_field(field), value, unit, limit, key }
-            }
-            other => other,
-        })?;
-        if plan.recipe == recipe::Recipe::CudaForge {
-            // Its Judge is a second model the orchestrator asks through the gateway; a stepped episode has one, the
-            // trainer's.
-            return Err(OrchestratorError::invalid(
-                "recipe",
-                "cudaforge reviews each kernel with a Judge model through the gateway: submit it as a job \
-                 (SubmitJob); stepped episodes take single-turn, kevin or drkernel",
-            )
-            .into());
-        }
+        let (spec, idempotency_key) = episode_spec(request.into_inner())?;
+        let plan = episode_plan(spec, &self.config.limits)?;
         // A retry of a stored episode is not counted again.
-        let retry = self.store.job_by_key(&request.idempotency_key).await.map_err(store_status)?.is_some();
+        let retry = self.store.job_by_key(&idempotency_key).await.map_err(store_status)?.is_some();
         let turns = plan.turns_total();
         let _admission = match retry {
             true => None,
@@ -272,11 +233,8 @@ impl Orchestrator for OrchestratorService {
         };
         // Owned apart from this instance's jobs: a restart has nothing to resume in it (the trainer steps it).
         let owner = format!("{}/step", self.config.instance);
-        let existing = self
-            .store
-            .create_job(&job, &request.idempotency_key, &owner, 0, &plan.tasks)
-            .await
-            .map_err(store_status)?;
+        let existing =
+            self.store.create_job(&job, &idempotency_key, &owner, 0, &plan.tasks).await.map_err(store_status)?;
         // A retry gets the stored episode's first prompt, whatever this request says.
         let (job, plan) = match existing {
             Some(existing) => {
@@ -395,6 +353,58 @@ impl Orchestrator for OrchestratorService {
     }
 }
 
+/// A step-API episode's request as the spec of a job of its one task and one trajectory, with its idempotency key;
+/// what only the request can get wrong (no task, a bad key) refused first.
+fn episode_spec(request: pb::StartEpisodeRequest) -> Result<(pb::JobSpec, String), OrchestratorError> {
+    let pb::StartEpisodeRequest { recipe, task, turns, backend, idempotency_key, policy, reward, strict_format } =
+        request;
+    let task = task.ok_or_else(|| OrchestratorError::invalid("task", "required"))?;
+    check_key(&idempotency_key)?;
+    let spec = pb::JobSpec {
+        kind: pb::JobKind::Rollout.into(),
+        recipe,
+        task_set: "inline".into(),
+        tasks: vec![task],
+        model: job::STEP_MODEL.into(),
+        trajectories_per_task: 1,
+        turns,
+        backend,
+        policy,
+        reward,
+        strict_format,
+        ..Default::default()
+    };
+    Ok((spec, idempotency_key))
+}
+
+/// A step-API episode's plan: its spec checked and held to the limits as a job's is, the errors naming the
+/// request's fields rather than the spec's; cudaforge refused.
+fn episode_plan(spec: pb::JobSpec, limits: &LimitsConfig) -> Result<Plan, OrchestratorError> {
+    let request_field = |field: String| match field.as_str() {
+        "spec" => "turns".to_owned(),
+        field => field.replace("spec.tasks[0]", "task").trim_start_matches("spec.").to_owned(),
+    };
+    let plan = Plan::submitted(spec, limits).map_err(|error| match error {
+        OrchestratorError::InvalidArgument { field, message } => {
+            OrchestratorError::InvalidArgument { field: request_field(field), message }
+        }
+        OrchestratorError::OverLimit { field, value, unit, limit, key } => {
+            OrchestratorError::OverLimit { field: request_field(field), value, unit, limit, key }
+        }
+        other => other,
+    })?;
+    if plan.recipe == recipe::Recipe::CudaForge {
+        // Its Judge is a second model the orchestrator asks through the gateway; a stepped episode has one, the
+        // trainer's.
+        return Err(OrchestratorError::invalid(
+            "recipe",
+            "cudaforge reviews each kernel with a Judge model through the gateway: submit it as a job \
+             (SubmitJob); stepped episodes take single-turn, kevin or drkernel",
+        ));
+    }
+    Ok(plan)
+}
+
 /// The longest idempotency key accepted, in bytes: a key is an id the caller chose, stored with the job and looked
 /// up by equality.
 const MAX_KEY_BYTES: usize = 256;
@@ -413,14 +423,13 @@ fn check_key(key: &str) -> Result<(), OrchestratorError> {
 }
 
 /// Parses a page token or cursor this service wrote.
-fn token<T: std::str::FromStr>(field: &str, token: &str) -> Result<Option<T>, OrchestratorError> {
+fn parse_token<T: std::str::FromStr>(field: &str, token: &str) -> Result<Option<T>, OrchestratorError> {
     if token.is_empty() {
         return Ok(None);
     }
     token.parse().map(Some).map_err(|_| OrchestratorError::invalid(field, "not a token this service wrote"))
 }
 
-/// Whether a job in `state` is over (succeeded, failed or cancelled).
 /// A named caller acts only on its own jobs. A job without a caller (submitted with the shared token, or without
 /// auth) is anyone's, and a request without one (the shared token: the operator's) may act on any job.
 fn check_owner(caller: Option<&str>, job: &pb::Job) -> Result<(), OrchestratorError> {
@@ -432,6 +441,7 @@ fn check_owner(caller: Option<&str>, job: &pb::Job) -> Result<(), OrchestratorEr
     }
 }
 
+/// Whether a job in `state` is over (succeeded, failed or cancelled).
 fn is_terminal(state: i32) -> bool {
     matches!(
         pb::JobState::try_from(state),

@@ -6,7 +6,7 @@
 //! - `plan`: the spec checked and resolved into what the job runs (tasks, recipe and templates, reward).
 //! - `episode`: one trajectory's turns in order, each recorded before the next, resumed from the store.
 //! - `turn`: one turn's stages: generated, evaluated, scored, diagnosed, its feedback made; `review`: cudaforge's
-//!   profile and Judge calls for it.
+//!   profile and Judge calls for it; `failure`: why a turn failed (a call refused), typed, and its stored text.
 //! - `progress`: the job's snapshot shared by its episodes, sent to watchers and stored; `breaker`: when turns that
 //!   keep failing the same way fail the job.
 //! - `peers`: the clients a turn calls, the limits on calls in flight, the retried evaluation.
@@ -14,6 +14,7 @@
 
 mod breaker;
 mod episode;
+mod failure;
 mod peers;
 mod plan;
 mod progress;
@@ -30,6 +31,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+pub use failure::{Refusal, TurnFailure};
 pub(crate) use peers::evaluate;
 pub use peers::{Limits, Peers, RetryPolicy};
 pub(crate) use plan::unknown_enum;
@@ -37,7 +39,7 @@ pub use plan::{Plan, task_set};
 pub use step::{Answer, STEP_MODEL, StepError, Stepped, current, first_prompt, step};
 
 use crate::reward;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use episode::Episode;
 use progress::{Progress, slim};
 
@@ -76,15 +78,41 @@ pub async fn run(
     let progress = Progress::new(job, recorded, store, updates, started, peers.metrics.clone());
     let progress = Arc::new(progress.with_breaker(failed_turns, stop_episodes.clone()));
     progress.set_state(pb::JobState::Running, String::new()).await;
+    let episodes = start_episodes(&plan, &peers, &progress, &stop_episodes, max_concurrent).await;
+    let failure = join_episodes(episodes).await;
+    // The breaker's reason, where nothing else failed the job, comes before a stop or a cancel that came after it.
+    match failure.or_else(|| progress.tripped().map(str::to_owned)) {
+        Some(error) => progress.finish(pb::JobState::Failed, error).await,
+        None if shutdown.is_cancelled() => {
+            progress.stopped().await;
+            let job_id = &progress.job_id;
+            tracing::info!(%job_id, "job stopped here, left RUNNING to be resumed");
+        }
+        None if cancel.is_cancelled() => progress.finish(pb::JobState::Cancelled, String::new()).await,
+        None => {
+            let (state, error) = credit(&plan, &peers, &progress).await;
+            progress.finish(state, error).await;
+        }
+    }
+}
+
+/// Spawns the job's episodes in its order (task, then trajectory), each once it holds one of `max_concurrent`
+/// permits, until they are all started or `stop` is cancelled.
+async fn start_episodes(
+    plan: &Arc<Plan>,
+    peers: &Peers,
+    progress: &Arc<Progress>,
+    stop: &CancellationToken,
+    max_concurrent: usize,
+) -> JoinSet<Result<(), StoreError>> {
     let limit = Arc::new(Semaphore::new(max_concurrent.max(1)));
     let mut episodes = JoinSet::new();
-    let job_id = progress.job_id.clone();
-    // Episodes start in the job's order (task, then trajectory): each takes its permit before it is spawned.
-    'start: for (position, task) in plan.tasks.iter().enumerate() {
+    let job_id = &progress.job_id;
+    for (position, task) in plan.tasks.iter().enumerate() {
         for trajectory in 0..plan.spec.trajectories_per_task {
             let permit = tokio::select! {
                 permit = limit.clone().acquire_owned() => permit.expect("the episode semaphore is never closed"),
-                () = stop_episodes.cancelled() => break 'start,
+                () = stop.cancelled() => return episodes,
             };
             let episode = Episode {
                 plan: plan.clone(),
@@ -93,7 +121,7 @@ pub async fn run(
                 trajectory,
                 peers: peers.clone(),
                 progress: progress.clone(),
-                cancel: stop_episodes.clone(),
+                cancel: stop.clone(),
             };
             // One trace per episode: its root span, a span per turn under it, and one per call to a peer under
             // the turn's, which the peer's own server span continues (W3C trace context in the call's metadata).
@@ -108,6 +136,11 @@ pub async fn run(
             );
         }
     }
+    episodes
+}
+
+/// Waits for every episode; the first failure among them (a store failure, a panic) is the job's.
+async fn join_episodes(mut episodes: JoinSet<Result<(), StoreError>>) -> Option<String> {
     let mut failure = None;
     while let Some(joined) = episodes.join_next().await {
         match joined {
@@ -120,25 +153,16 @@ pub async fn run(
             }
         }
     }
-    // The breaker's reason, where nothing else failed the job, comes before a stop or a cancel that came after it.
-    let (state, error) = match failure.or_else(|| progress.tripped().map(str::to_owned)) {
-        Some(error) => (pb::JobState::Failed, error),
-        None if shutdown.is_cancelled() => {
-            progress.stopped().await;
-            let job_id = &progress.job_id;
-            tracing::info!(%job_id, "job stopped here, left RUNNING to be resumed");
-            return;
-        }
-        None if cancel.is_cancelled() => (pb::JobState::Cancelled, String::new()),
-        None => {
-            let position = |task_id: &str| plan.tasks.iter().position(|t| t.task_id == task_id).unwrap_or(0) as i64;
-            let mut reward = peers.reward.clone();
-            let store = &progress.store;
-            match reward::credit(&plan.reward, &mut reward, store, &progress.job_id, position).await {
-                Ok(()) => (pb::JobState::Succeeded, String::new()),
-                Err(error) => (pb::JobState::Failed, format!("returns and advantages: {error}")),
-            }
-        }
-    };
-    progress.finish(state, error).await;
+    failure
+}
+
+/// Credits the turns of a job whose episodes have all ended (returns and advantages): the job's final state and
+/// error.
+async fn credit(plan: &Plan, peers: &Peers, progress: &Progress) -> (pb::JobState, String) {
+    let position = |task_id: &str| plan.tasks.iter().position(|t| t.task_id == task_id).unwrap_or(0) as i64;
+    let mut reward = peers.reward.clone();
+    match reward::credit(&plan.reward, &mut reward, &progress.store, &progress.job_id, position).await {
+        Ok(()) => (pb::JobState::Succeeded, String::new()),
+        Err(error) => (pb::JobState::Failed, format!("returns and advantages: {error}")),
+    }
 }

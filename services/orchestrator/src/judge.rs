@@ -231,12 +231,12 @@ fn json_objects(text: &str) -> impl Iterator<Item = Map<String, Value>> + '_ {
 }
 
 /// The next turn's feedback: the evaluation's own, then the Judge's advice under its mode's headings.
-pub fn feedback(evaluation: &str, mode: Mode, advice: &Map<String, Value>) -> String {
+pub fn feedback(evaluation_feedback: &str, mode: Mode, advice: &Map<String, Value>) -> String {
     let heading = match mode {
         Mode::Correction => "Reviewer (correction)",
         _ => "Reviewer (optimisation, from the kernel's Nsight Compute profile)",
     };
-    let mut text = format!("Evaluation: {}\n\n{heading}:", evaluation.trim_end());
+    let mut text = format!("Evaluation: {}\n\n{heading}:", evaluation_feedback.trim_end());
     for (key, label) in fields(mode) {
         if let Some(value) = advice.get(*key).and_then(Value::as_str) {
             text.push_str(&format!("\n- {label}: {}", value.trim()));
@@ -246,8 +246,8 @@ pub fn feedback(evaluation: &str, mode: Mode, advice: &Map<String, Value>) -> St
 }
 
 /// The next turn's feedback where the Judge gave no advice: the evaluation's own, and why.
-pub fn feedback_without_review(evaluation: &str, why: &str) -> String {
-    format!("Evaluation: {}\n\n(No review: {why}.)", evaluation.trim_end())
+pub fn feedback_without_review(evaluation_feedback: &str, why: &str) -> String {
+    format!("Evaluation: {}\n\n(No review: {why}.)", evaluation_feedback.trim_end())
 }
 
 #[cfg(test)]

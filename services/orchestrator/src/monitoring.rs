@@ -17,6 +17,8 @@ use prometheus_client::registry::Registry;
 
 use kforge_proto::v1 as pb;
 
+use crate::job::TurnFailure;
+
 /// Turn indices at and past this one share the label `"15+"`: the label set stays bounded.
 const LAST_TURN_LABEL: u32 = 15;
 
@@ -151,11 +153,12 @@ impl OrchestratorMetrics {
         }
     }
 
-    /// Counts a recorded turn of a job whose responses' openings are checked (not-okay detection on) or not.
-    pub fn turn(&self, record: &pb::TurnRecord, opening_checked: bool) {
+    /// Counts a recorded turn, `failure` why it failed if it did, of a job whose responses' openings are checked
+    /// (not-okay detection on) or not.
+    pub fn turn(&self, record: &pb::TurnRecord, failure: Option<&TurnFailure>, opening_checked: bool) {
         let turn = turn_label(record.turn);
         let verdict = match pb::Verdict::try_from(record.verdict) {
-            Ok(pb::Verdict::Unspecified) | Err(_) if !record.error.is_empty() => "failed".to_owned(),
+            Ok(pb::Verdict::Unspecified) | Err(_) if failure.is_some() => "failed".to_owned(),
             Ok(pb::Verdict::Unspecified) | Err(_) => "none".to_owned(),
             Ok(verdict) => verdict.as_str_name().trim_start_matches("VERDICT_").to_lowercase(),
         };
@@ -203,6 +206,7 @@ mod tests {
     use prometheus_client::encoding::text::encode;
 
     use super::*;
+    use crate::job::Refusal;
 
     #[test]
     fn turns_are_counted_by_index_verdict_flag_and_speed() {
@@ -216,11 +220,12 @@ mod tests {
             wall_time_s: 1.0,
             ..Default::default()
         };
-        metrics.turn(&turn(0, pb::Verdict::Correct, Some(1.5), false), true);
-        metrics.turn(&turn(0, pb::Verdict::Correct, Some(0.8), false), true);
-        metrics.turn(&turn(1, pb::Verdict::Hack, None, true), true);
-        metrics.turn(&turn(20, pb::Verdict::Unspecified, None, true), false);
-        metrics.turn(&pb::TurnRecord { turn: 1, error: "gateway: unavailable".into(), ..Default::default() }, true);
+        metrics.turn(&turn(0, pb::Verdict::Correct, Some(1.5), false), None, true);
+        metrics.turn(&turn(0, pb::Verdict::Correct, Some(0.8), false), None, true);
+        metrics.turn(&turn(1, pb::Verdict::Hack, None, true), None, true);
+        metrics.turn(&turn(20, pb::Verdict::Unspecified, None, true), None, false);
+        let refused = TurnFailure::Generation(Refusal { code: tonic::Code::Unavailable, message: "down".into() });
+        metrics.turn(&pb::TurnRecord { turn: 1, ..Default::default() }, Some(&refused), true);
         let _evaluating = metrics.in_flight("evaluating");
         _evaluating.inc();
         let mut text = String::new();
@@ -269,7 +274,7 @@ mod tests {
             degenerate: true,
             ..Default::default()
         };
-        let mut turns: Vec<pb::TurnRecord> = (0..=8)
+        let turns: Vec<pb::TurnRecord> = (0..=8)
             .filter_map(|v| pb::Verdict::try_from(v).ok())
             .flat_map(|verdict| {
                 [0, 1, 14, 15, 99].map(|turn| pb::TurnRecord {
@@ -281,10 +286,11 @@ mod tests {
                 })
             })
             .collect();
-        turns.push(pb::TurnRecord { turn: 3, error: "evaluator: unavailable".into(), ..Default::default() });
+        let refused = TurnFailure::Evaluation(Refusal { code: tonic::Code::Unavailable, message: "down".into() });
         for (i, turn) in turns.iter().enumerate() {
-            metrics.turn(turn, i % 2 == 0);
+            metrics.turn(turn, None, i % 2 == 0);
         }
+        metrics.turn(&pb::TurnRecord { turn: 3, ..Default::default() }, Some(&refused), true);
         for stage in STAGE_LABELS {
             metrics.in_flight(stage).inc();
         }

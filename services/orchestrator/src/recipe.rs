@@ -7,6 +7,7 @@ use std::path::Path;
 use kforge_proto::v1 as pb;
 
 use crate::error::OrchestratorError;
+use crate::job::TurnFailure;
 
 /// The recipes this orchestrator runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -326,13 +327,13 @@ pub fn format_feedback(format_error: &str) -> String {
     )
 }
 
-/// The evaluation as the next turn's prompt shows it: the verdict, and what the model can act on.
-pub fn feedback(evaluation: Option<&pb::EvaluateResponse>, error: &str) -> String {
+/// The evaluation as the next turn's prompt shows it: the verdict, and what the model can act on; without one, why
+/// there is none (the turn's `failure`, else no kernel in the response).
+pub fn feedback(evaluation: Option<&pb::EvaluateResponse>, failure: Option<&TurnFailure>) -> String {
     let Some(evaluation) = evaluation else {
-        return if error.is_empty() {
-            "no kernel was found: the response needs a ```python block defining ModelNew".into()
-        } else {
-            format!("not evaluated: {error}")
+        return match failure {
+            Some(failure) => format!("not evaluated: {failure}"),
+            None => "no kernel was found: the response needs a ```python block defining ModelNew".into(),
         };
     };
     let verdict = pb::Verdict::try_from(evaluation.verdict).unwrap_or(pb::Verdict::Unspecified);
@@ -561,11 +562,24 @@ mod tests {
             mismatch: Some(pb::Mismatch { output_index: 0, expected: 1.0, got: 2.0, ..Default::default() }),
             ..Default::default()
         };
-        let text = feedback(Some(&incorrect), "");
+        let text = feedback(Some(&incorrect), None);
         assert!(text.starts_with("incorrect") && text.contains("expected 1, got 2"), "{text}");
         let correct =
             pb::EvaluateResponse { verdict: pb::Verdict::Correct as i32, speedup_eager: 1.5, ..Default::default() };
-        assert_eq!(feedback(Some(&correct), ""), "correct, 1.50x the speed of the PyTorch reference");
-        assert!(feedback(None, "").starts_with("no kernel"));
+        assert_eq!(feedback(Some(&correct), None), "correct, 1.50x the speed of the PyTorch reference");
+        assert!(feedback(None, None).starts_with("no kernel"));
+    }
+
+    #[test]
+    fn a_failed_turn_s_feedback_says_why_it_was_not_evaluated() {
+        let refused = TurnFailure::Evaluation(crate::job::Refusal {
+            code: tonic::Code::ResourceExhausted,
+            message: "queue full".into(),
+        });
+        assert_eq!(feedback(None, Some(&refused)), "not evaluated: evaluator: ResourceExhausted: queue full");
+        assert_eq!(
+            feedback(None, Some(&TurnFailure::NoCompletion)),
+            "not evaluated: gateway: the response held no completion"
+        );
     }
 }

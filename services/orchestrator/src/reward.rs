@@ -30,6 +30,7 @@ use kforge_server::client::Channel;
 use tonic::Code;
 
 use crate::error::{OrchestratorError, store_code};
+use crate::job::TurnFailure;
 use crate::recipe::Recipe;
 use crate::store::{Stage, Store, StoreError};
 
@@ -227,7 +228,7 @@ pub fn creditable(turns: &[pb::TurnRecord]) -> Vec<Creditable> {
         if ended.contains(&key) {
             continue;
         }
-        if !turn.error.is_empty() || turn.verdict() == pb::Verdict::InfraError {
+        if TurnFailure::of(turn).is_some() || turn.verdict() == pb::Verdict::InfraError {
             ended.insert(key);
             continue;
         }

@@ -191,7 +191,7 @@ impl OrchestratorService {
                     format!("{turns} turns asked for, more than the quota of {} per hour", quotas.turns_per_hour);
                 return Err(over(detail, key, None));
             }
-            let now = lease_until(Duration::ZERO);
+            let now = now_ms();
             let recent = self.store.caller_turns_since(caller, now - HOUR_MS).await.map_err(store_status)?;
             if let Some(wait) = turns_quota_wait(&recent, turns, quotas.turns_per_hour, now) {
                 let used: u64 = recent.iter().map(|(_, turns)| turns).sum();
@@ -278,11 +278,11 @@ impl OrchestratorService {
         let peers = self.connect(&plan).await?;
         let claimed = self
             .store
-            .claim(job_id, &self.config.instance, lease_until(Duration::ZERO), lease_until(self.lease()))
+            .claim(job_id, &self.config.instance, now_ms(), lease_until(self.lease()))
             .await
             .map_err(store_status)?;
         if let Err((owner, until_ms)) = claimed {
-            let left_s = (until_ms - lease_until(Duration::ZERO)).max(0) as f64 / 1000.0;
+            let left_s = (until_ms - now_ms()).max(0) as f64 / 1000.0;
             let message = format!("{job_id} is held by instance `{owner}` for another {left_s:.1} s (its lease)");
             return Err(OrchestratorError::Precondition(message).into());
         }
@@ -305,7 +305,7 @@ impl OrchestratorService {
                 _ = sweep.tick() => {}
                 () = self.stop.cancelled() => return,
             }
-            let orphans = match self.store.orphaned_jobs(&self.config.instance, lease_until(Duration::ZERO)).await {
+            let orphans = match self.store.orphaned_jobs(&self.config.instance, now_ms()).await {
                 Ok(orphans) => orphans,
                 Err(error) => {
                     tracing::error!(%error, "listing orphaned jobs failed");
@@ -390,6 +390,11 @@ fn turns_quota_wait(recent: &[(i64, u64)], turns: u64, per_hour: u64, now_ms: i6
 pub(crate) fn lease_until(lease: Duration) -> i64 {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     i64::try_from((now + lease).as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Now, in milliseconds since the Unix epoch (the clock leases are compared with).
+pub(crate) fn now_ms() -> i64 {
+    lease_until(Duration::ZERO)
 }
 
 /// A job id unique across restarts and orchestrators sharing a store: the time, a per-process random part and a

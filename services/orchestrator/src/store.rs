@@ -779,14 +779,13 @@ mod tests {
             let store = Store::open(&url).await.expect("created with its directory");
             store.create_job(&job("j1"), "", "me", 0, &[]).await.expect("written");
             store.put_turn("j1", 0, Stage::Evaluated, &turn("t", 0, 0, "k")).await.expect("written");
-            // The store's own checkpoints may hold the log a moment: a TRUNCATE that finds it busy is tried again.
-            let mut done = false;
-            for _ in 0..100 {
+            // The store's own checkpoints may hold the log a moment (longer on a loaded machine): a TRUNCATE that
+            // finds it busy is tried again, for up to 30 s.
+            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+            let mut done = store.checkpoint().await.expect("checkpointed");
+            while !done && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                 done = store.checkpoint().await.expect("checkpointed");
-                if done {
-                    break;
-                }
-                tokio::task::yield_now().await;
             }
             assert!(done, "no reader outside the store holds the file");
             let wal = std::fs::metadata(dir.join("nested/kforge.db-wal")).expect("the log exists");

@@ -24,6 +24,7 @@ use serde_json::{Map, Value, json};
 use tonic::Code;
 
 use super::{Faces, answer_with, parse, prompt_text};
+use crate::job::TurnFailure;
 use wire::{KernelArgs, Row, Session, WithResponse};
 
 use super::{fingerprint, unique_key, verdict_name};
@@ -248,12 +249,13 @@ async fn verified(
     );
     // Not a measurement of the model when no turn was scored because every one failed on the way (an evaluator
     // or service failure, never the kernel's fault).
-    let failed =
-        |t: &pb::TurnRecord| t.score.is_none() && (t.verdict() == pb::Verdict::InfraError || !t.error.is_empty());
-    if !turns.is_empty() && turns.iter().all(failed) {
+    let failed = |t: &pb::TurnRecord| {
+        t.score.is_none() && (t.verdict() == pb::Verdict::InfraError || TurnFailure::of(t).is_some())
+    };
+    if let Some(last) = turns.last().filter(|_| turns.iter().all(failed)) {
         object.insert("mask_sample".into(), true.into());
-        let last = turns.last().map(|t| if t.error.is_empty() { "an evaluator failure" } else { t.error.as_str() });
-        object.insert("failure_reason".into(), format!("no turn was scored: {}", last.unwrap_or_default()).into());
+        let reason = TurnFailure::of(last).map_or_else(|| "an evaluator failure".to_owned(), |f| f.to_string());
+        object.insert("failure_reason".into(), format!("no turn was scored: {reason}").into());
     }
     let summary: Vec<Value> = turns
         .iter()

@@ -8,6 +8,7 @@ use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use super::failure::TurnFailure;
 use super::peers::Peers;
 use super::plan::Plan;
 use super::progress::Progress;
@@ -41,7 +42,7 @@ impl Episode {
         let mut pending = None;
         for (stage, record) in stored {
             if stage == Stage::Recorded {
-                ended |= !record.error.is_empty();
+                ended |= TurnFailure::of(&record).is_some();
                 first = record.turn + 1;
                 earlier.push(Attempt::of(&record));
             } else if record.turn == first {
@@ -55,12 +56,12 @@ impl Episode {
                 }
                 let resumed = pending.take().filter(|(_, record)| record.turn == turn);
                 let turn_span = tracing::info_span!("turn", turn);
-                let record = tokio::select! {
-                    record = self.turn(&job_id, turn, &earlier, resumed).instrument(turn_span) => record?,
+                let taken = tokio::select! {
+                    taken = self.turn(&job_id, turn, &earlier, resumed).instrument(turn_span) => taken?,
                     () = self.cancel.cancelled() => break,
                 };
-                self.progress.record(self.position, &record).await?;
-                let failed = !record.error.is_empty();
+                let failed = taken.failure.is_some();
+                let record = self.progress.record(self.position, taken).await?;
                 earlier.push(Attempt::of(&record));
                 if failed {
                     break;

@@ -1,6 +1,6 @@
 //! What a job's turns call: clients of the gateway and reward service, the evaluator and profiler pools, the limits
 //! on calls in flight to each peer shared by every job of this orchestrator, the retrying evaluation call, each
-//! call's span, and a peer's refusal as a turn records it.
+//! call's span.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,7 +87,7 @@ pub(super) fn call_span(method: &'static str) -> tracing::Span {
 /// "Paired timing").
 const UNSTEADY: &str = "timing.unsteady";
 
-/// Evaluates as [`evaluate_once`] does. An answer whose timing the evaluator found unsteady (its machine's load
+/// Evaluates as [`evaluate_retrying`] does. An answer whose timing the evaluator found unsteady (its machine's load
 /// moved faster than its paired rounds alternate) is not scored as it is: the evaluation runs once more, under a
 /// key of its own (`<key>#retimed`), and the second answer is the turn's, with its own notice if it is unsteady too.
 pub(crate) async fn evaluate(
@@ -96,13 +96,13 @@ pub(crate) async fn evaluate(
     request: pb::EvaluateRequest,
     cancel: &CancellationToken,
 ) -> Result<pb::EvaluateResponse, tonic::Status> {
-    let first = evaluate_once(evaluators, limits, request.clone(), cancel).await?;
+    let first = evaluate_retrying(evaluators, limits, request.clone(), cancel).await?;
     if !first.findings.iter().any(|finding| finding.code == UNSTEADY) || cancel.is_cancelled() {
         return Ok(first);
     }
     tracing::info!(key = %request.idempotency_key, "unsteady timing: measuring again");
     let again = pb::EvaluateRequest { idempotency_key: format!("{}#retimed", request.idempotency_key), ..request };
-    match evaluate_once(evaluators, limits, again, cancel).await {
+    match evaluate_retrying(evaluators, limits, again, cancel).await {
         Ok(second) if second.verdict() != pb::Verdict::InfraError => Ok(second),
         // The second evaluation could not run: the first answer, with its notice, stands.
         _ => Ok(first),
@@ -113,7 +113,7 @@ pub(crate) async fn evaluate(
 /// VERDICT_INFRA_ERROR, up to the policy's attempts; the last answer is returned either way (a final infra error
 /// is recorded, never scored). Retries reuse the idempotency key, so an evaluation the evaluator did finish is not
 /// run again.
-async fn evaluate_once(
+async fn evaluate_retrying(
     evaluators: &Arc<Balancer>,
     limits: &Limits,
     request: pb::EvaluateRequest,
@@ -147,9 +147,4 @@ async fn evaluate_once(
             () = cancel.cancelled() => return answer,
         }
     }
-}
-
-/// A peer's refusal as a turn records it: `evaluator: ResourceExhausted: queue full`.
-pub(super) fn peer_error(peer: &str, status: &tonic::Status) -> String {
-    format!("{peer}: {:?}: {}", status.code(), status.message())
 }

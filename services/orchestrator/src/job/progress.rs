@@ -11,7 +11,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::breaker::{Breaker, Observed, turn_failure};
+use super::breaker::{Breaker, Failure, Observed};
+use super::turn::TakenTurn;
 
 use crate::metrics::job_metrics;
 use crate::monitoring::OrchestratorMetrics;
@@ -67,7 +68,7 @@ pub(super) fn slim(turn: &pb::TurnRecord) -> pb::TurnRecord {
 #[derive(Debug)]
 pub(super) struct Progress {
     pub(super) job_id: String,
-    job: tokio::sync::Mutex<Snapshot>,
+    snapshot: tokio::sync::Mutex<Snapshot>,
     pub(super) store: Store,
     updates: watch::Sender<pb::JobProgress>,
     started: Instant,
@@ -131,7 +132,7 @@ impl Progress {
         let opening_checked = crate::metrics::opening_checked(job.spec.as_ref());
         Self {
             job_id: job.job_id.clone(),
-            job: tokio::sync::Mutex::new(Snapshot {
+            snapshot: tokio::sync::Mutex::new(Snapshot {
                 job,
                 turns,
                 metrics_at: None,
@@ -153,7 +154,7 @@ impl Progress {
     /// Fails the job once `failed_turns` recorded turns in a row failed for the same reason (0: never): `trip` is
     /// cancelled (the job's episodes stop) and [`Progress::tripped`] says why.
     pub(super) fn with_breaker(mut self, failed_turns: u32, trip: CancellationToken) -> Self {
-        self.job.get_mut().breaker = Breaker::new(failed_turns);
+        self.snapshot.get_mut().breaker = Breaker::new(failed_turns);
         self.trip = trip;
         self
     }
@@ -164,7 +165,7 @@ impl Progress {
     }
 
     pub(super) async fn set_state(&self, state: pb::JobState, error: String) {
-        let mut snapshot = self.job.lock().await;
+        let mut snapshot = self.snapshot.lock().await;
         snapshot.refresh_metrics(self.wall_time_s(), true);
         let Snapshot { job, turns, .. } = &mut *snapshot;
         job.state = state.into();
@@ -174,28 +175,32 @@ impl Progress {
         self.publish(&mut snapshot, None, true).await;
     }
 
-    /// Records a turn (committed before this returns), then refreshes the metrics over every recorded turn.
-    pub(super) async fn record(&self, position: i64, turn: &pb::TurnRecord) -> Result<(), StoreError> {
+    /// Records a turn (committed before this returns), its failure stored as its `error`, then refreshes the
+    /// metrics over every recorded turn. Returns the record as stored.
+    pub(super) async fn record(&self, position: i64, taken: TakenTurn) -> Result<pb::TurnRecord, StoreError> {
+        let TakenTurn { record, failure } = taken;
+        let record = pb::TurnRecord { error: failure.as_ref().map(ToString::to_string).unwrap_or_default(), ..record };
         // The write needs no lock: each (task, trajectory, turn) has one writer, its episode.
-        self.store.put_turn(&self.job_id, position, Stage::Recorded, turn).await?;
-        self.metrics.turn(turn, self.opening_checked);
-        let failure = turn_failure(turn);
-        let turn = slim(turn);
-        let mut snapshot = self.job.lock().await;
-        let observed = snapshot.breaker.observe(&failure);
-        self.log_failure(&turn, &failure, observed);
+        self.store.put_turn(&self.job_id, position, Stage::Recorded, &record).await?;
+        self.metrics.turn(&record, failure.as_ref(), self.opening_checked);
+        let failed_on = Failure::of(failure.as_ref(), &record);
+        let turn = slim(&record);
+        let mut snapshot = self.snapshot.lock().await;
+        let observed = snapshot.breaker.observe(failed_on);
+        self.log_failure(&turn, failed_on, observed);
         snapshot.turns.push(turn.clone());
         snapshot.refresh_metrics(self.wall_time_s(), false);
         let Snapshot { job, turns, .. } = &mut *snapshot;
         job.turns_done = turns.len() as u64;
         job.updated_at = Some(crate::now());
         self.publish(&mut snapshot, Some(turn), false).await;
-        Ok(())
+        Ok(record)
     }
 
     /// Logs a turn that failed on a service call: the first of a streak at WARN, the rest of it at DEBUG (a peer
     /// down fails every turn that reaches it, and the streak is bounded by the breaker), the breaker's trip at WARN.
-    fn log_failure(&self, turn: &pb::TurnRecord, error: &str, observed: Observed) {
+    fn log_failure(&self, turn: &pb::TurnRecord, failure: Option<Failure<'_>>, observed: Observed) {
+        let Some(error) = failure else { return };
         let job_id = &self.job_id;
         let (task_id, trajectory, turn_index) = (&turn.task_id, turn.trajectory, turn.turn);
         match observed {
@@ -226,26 +231,26 @@ impl Progress {
 
     /// Sends the current snapshot (in-flight counts changed).
     pub(super) async fn notify(&self) {
-        let snapshot = self.job.lock().await;
+        let snapshot = self.snapshot.lock().await;
         self.updates.send_replace(self.progress(&snapshot.job, None));
     }
 
     pub(super) async fn episode_done(&self) {
-        let mut snapshot = self.job.lock().await;
+        let mut snapshot = self.snapshot.lock().await;
         snapshot.job.episodes_done += 1;
         self.publish(&mut snapshot, None, false).await;
     }
 
     /// Stores the snapshot as it is (the job stops here without a verdict, to be resumed).
     pub(super) async fn stopped(&self) {
-        let mut snapshot = self.job.lock().await;
+        let mut snapshot = self.snapshot.lock().await;
         snapshot.refresh_metrics(self.wall_time_s(), true);
         snapshot.job.updated_at = Some(crate::now());
         self.publish(&mut snapshot, None, true).await;
     }
 
     pub(super) async fn finish(&self, state: pb::JobState, error: String) {
-        let mut snapshot = self.job.lock().await;
+        let mut snapshot = self.snapshot.lock().await;
         snapshot.refresh_metrics(self.wall_time_s(), true);
         let job = &mut snapshot.job;
         job.state = state.into();

@@ -9,7 +9,8 @@ use kforge_proto::v1::profiler_client::ProfilerClient;
 use tracing::Instrument as _;
 
 use super::episode::Episode;
-use super::peers::{Peers, call_span, peer_error};
+use super::failure::Refusal;
+use super::peers::{Peers, call_span};
 use super::progress::StageGuard;
 use crate::judge::{self, Mode, ProfileView};
 
@@ -95,7 +96,7 @@ impl Episode {
                 }
             }
             Err(status) => {
-                review.error = peer_error("gateway", &status);
+                review.error = format!("gateway: {}", Refusal::from(&status));
                 judge::feedback_without_review(&shown, "the reviewer could not be asked")
             }
         };

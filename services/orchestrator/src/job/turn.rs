@@ -1,6 +1,7 @@
 //! One turn's stages: the prompt built and generated through the gateway (stored at stage generated), the kernel
 //! extracted and evaluated (stored at stage evaluated), scored and diagnosed by the reward service, and the feedback
-//! the next turn shows made (with cudaforge's review, `review.rs`). The turn comes back for its episode to record.
+//! the next turn shows made (with cudaforge's review, `review.rs`). The turn comes back, with its failure if a call
+//! failed, for its episode to record.
 
 use std::time::Instant;
 
@@ -8,145 +9,85 @@ use kforge_proto::v1 as pb;
 use tracing::Instrument as _;
 
 use super::episode::Episode;
-use super::peers::{Peers, call_span, evaluate, peer_error};
+use super::failure::{Refusal, TurnFailure};
+use super::peers::{Peers, call_span, evaluate};
 use super::progress::StageGuard;
 use crate::recipe::{self, Attempt, Recipe};
 use crate::reward;
 use crate::store::{Stage, StoreError};
 
+/// A turn as its stages left it, to be recorded: its record, and why it failed where a call did (stored as the
+/// record's `error` when it is recorded).
+#[derive(Debug)]
+pub(super) struct TakenTurn {
+    pub(super) record: pb::TurnRecord,
+    pub(super) failure: Option<TurnFailure>,
+}
+
+impl TakenTurn {
+    /// Keeps the first failure: a later call that fails too does not replace it.
+    fn fail(&mut self, failure: TurnFailure) {
+        self.failure.get_or_insert(failure);
+    }
+}
+
 impl Episode {
     /// Turn `turn` of the episode, `earlier` its recorded turns: generated (unless `resumed` brings its stored
     /// stage and record), evaluated, scored and diagnosed, with the feedback the next turn shows. A failed call is
-    /// recorded in the returned turn; only a store failure is an error.
+    /// the returned turn's failure; only a store failure is an error.
     pub(super) async fn turn(
         &self,
         job_id: &str,
         turn: u32,
         earlier: &[Attempt],
         resumed: Option<(Stage, pb::TurnRecord)>,
-    ) -> Result<pb::TurnRecord, StoreError> {
+    ) -> Result<TakenTurn, StoreError> {
         let started = Instant::now();
-        let spec = &self.plan.spec;
         // Clients are cheap handles on shared channels.
         let mut peers = self.peers.clone();
-        let limits = self.peers.limits.clone();
-        let (stage, mut record) = match resumed {
+        let (stage, mut taken) = match resumed {
             Some((stage, record)) => {
                 tracing::info!(job_id, task_id = %self.task.task_id, trajectory = self.trajectory, turn, ?stage,
                     "turn resumed from its stored stage");
-                (Some(stage), record)
+                (Some(stage), TakenTurn { record, failure: None })
             }
             None => (None, self.generate(job_id, turn, earlier, &mut peers).await?),
         };
-        if !record.error.is_empty() {
-            record.wall_time_s = started.elapsed().as_secs_f64();
-            return Ok(record);
+        if taken.failure.is_some() {
+            // Its generation failed: there is nothing to evaluate, score or review.
+            taken.record.wall_time_s = started.elapsed().as_secs_f64();
+            return Ok(taken);
         }
-        let completion = record.completion.clone().unwrap_or_default();
-        let well_formed = record.format_error.is_empty();
-        if !record.kernel.is_empty() && well_formed && stage < Some(Stage::Evaluated) {
-            let request = pb::EvaluateRequest {
-                request_id: String::new(),
-                task: Some(self.task.clone()),
-                candidate_source: record.kernel.clone(),
-                backend: spec.backend,
-                policy: spec.policy.clone(),
-                correctness_trials: spec.correctness_trials,
-                measure_performance: spec.measure_performance.unwrap_or(true),
-                census: self.plan.census,
-                idempotency_key: format!("{job_id}/{}/{}/{turn}", self.task.task_id, self.trajectory),
-                priority: 0,
-                job_id: job_id.to_owned(),
-            };
-            let _stage =
-                StageGuard::enter(&self.progress.in_flight.evaluating, self.progress.metrics.in_flight("evaluating"));
-            self.progress.notify().await;
-            match evaluate(&peers.evaluator, &limits, request, &self.cancel).await {
-                Ok(evaluation) => {
-                    record.verdict = evaluation.verdict;
-                    record.evaluation = Some(evaluation);
-                }
-                Err(status) => record.error = peer_error("evaluator", &status),
-            }
-            if record.error.is_empty() {
-                self.progress.stage(self.position, Stage::Evaluated, &record).await?;
-            }
+        if stage < Some(Stage::Evaluated) {
+            self.evaluate(job_id, turn, &mut taken, &peers).await?;
         }
-        let outcome = record.evaluation.as_ref().map(|e| reward::kernel_outcome(e, self.plan.census));
+        // The turn counts as scoring until it is recorded, its review included.
         let _stage = StageGuard::enter(&self.progress.in_flight.scoring, self.progress.metrics.in_flight("scoring"));
         self.progress.notify().await;
-        if !well_formed {
-            // Kevin's strict format: a response out of shape is worth nothing, whatever its code would do.
-            record.score = Some(0.0);
-        }
-        if let Some(outcome) = outcome.clone().filter(|o| o.verdict() != pb::Verdict::InfraError) {
-            let request = self.plan.reward.score_request(outcome);
-            let _permit = limits.reward.acquire().await.expect("the reward semaphore is never closed");
-            match peers.reward.score_kernels(request).instrument(call_span("Reward/ScoreKernels")).await {
-                Ok(response) => {
-                    if let Some(score) = response.into_inner().scores.into_iter().next() {
-                        record.score = Some(score.score);
-                        record.speedup = (score.speedup > 0.0).then_some(score.speedup);
-                    }
-                }
-                Err(status) => record.error = peer_error("reward", &status),
-            }
-        }
-        let diagnose = pb::DiagnoseRequest {
-            params: spec.diagnose.clone(),
-            responses: vec![pb::ModelResponse {
-                response_id: String::new(),
-                text: completion.text.clone(),
-                reasoning: completion.reasoning.clone(),
-                finish_reason: completion.finish_reason.clone(),
-                outcome,
-            }],
-        };
-        let diagnosed = {
-            let _permit = limits.reward.acquire().await.expect("the reward semaphore is never closed");
-            peers.reward.diagnose(diagnose).instrument(call_span("Reward/Diagnose")).await
-        };
-        match diagnosed {
-            Ok(response) => record.flags = response.into_inner().flags.into_iter().next(),
-            Err(status) if record.error.is_empty() => {
-                record.error = peer_error("reward", &status);
-            }
-            Err(_) => {}
-        }
+        let outcome = taken.record.evaluation.as_ref().map(|e| reward::kernel_outcome(e, self.plan.census));
+        self.score(&mut taken, outcome.clone(), &mut peers).await;
+        self.diagnose(&mut taken, outcome, &mut peers).await;
         // A turn resumed with its review keeps it: the Judge is not asked twice.
-        if record.judge.is_none() {
-            record.feedback = match well_formed {
-                true => recipe::feedback(record.evaluation.as_ref(), &record.error),
-                false => recipe::format_feedback(&record.format_error),
-            };
-            if let Some(evaluation) = record.evaluation.as_ref().filter(|_| self.plan.recipe == Recipe::DrKernel) {
-                record.feedback.push_str(&recipe::census_feedback(evaluation));
-            }
-            let reviewed = self.plan.recipe == Recipe::CudaForge && turn + 1 < spec.turns && record.error.is_empty();
-            if let Some(evaluation) = record.evaluation.clone().filter(|_| reviewed) {
-                let (review, feedback) = self.review(job_id, turn, &record, &evaluation, &mut peers).await;
-                record.judge = Some(review);
-                record.feedback = feedback;
-                self.progress.stage(self.position, Stage::Evaluated, &record).await?;
-            }
+        if taken.record.judge.is_none() {
+            self.feedback(job_id, turn, &mut taken, &mut peers).await?;
         }
-        record.wall_time_s = started.elapsed().as_secs_f64();
+        taken.record.wall_time_s = started.elapsed().as_secs_f64();
         tracing::info!(
             job_id, task_id = %self.task.task_id, trajectory = self.trajectory, turn,
-            verdict = ?record.verdict(), score = ?record.score, "turn recorded"
+            verdict = ?taken.record.verdict(), score = ?taken.record.score, "turn recorded"
         );
-        Ok(record)
+        Ok(taken)
     }
 
     /// Builds the prompt and generates; the response is stored (stage generated) before this returns. A failed
-    /// generation comes back as a record with its `error` set, for the caller to record.
+    /// generation comes back as the turn's failure, with the feedback that says so, for the caller to record.
     async fn generate(
         &self,
         job_id: &str,
         turn: u32,
         earlier: &[Attempt],
         peers: &mut Peers,
-    ) -> Result<pb::TurnRecord, StoreError> {
+    ) -> Result<TakenTurn, StoreError> {
         let spec = &self.plan.spec;
         let prompt = self.plan.templates.prompt(&self.task, earlier);
         let mut record = pb::TurnRecord {
@@ -156,28 +97,138 @@ impl Episode {
             trajectory: self.trajectory,
             ..Default::default()
         };
+        let not_generated = |mut record: pb::TurnRecord, failure: TurnFailure| {
+            record.feedback = recipe::feedback(None, Some(&failure));
+            TakenTurn { record, failure: Some(failure) }
+        };
         let rollout = spec.kind() == pb::JobKind::Rollout;
         let episode_id = format!("{job_id}/{}/{}", self.task.task_id, self.trajectory);
         let request = self.generate_request(job_id, turn, &spec.model, prompt, episode_id, rollout);
-        let generated = self.ask(peers, request).await;
-        let generated = match generated {
+        let generated = match self.ask(peers, request).await {
             Ok(response) => response.into_inner(),
-            Err(status) => {
-                record.error = peer_error("gateway", &status);
-                record.feedback = recipe::feedback(None, &record.error);
-                return Ok(record);
-            }
+            Err(status) => return Ok(not_generated(record, TurnFailure::Generation(Refusal::from(&status)))),
         };
         record.usage = generated.usage;
         record.prompt_token_ids = generated.prompt_token_ids;
         let Some(completion) = generated.completions.into_iter().next() else {
-            record.error = "gateway: the response held no completion".into();
-            record.feedback = recipe::feedback(None, &record.error);
-            return Ok(record);
+            return Ok(not_generated(record, TurnFailure::NoCompletion));
         };
         let record = self.plan.read_completion(record, completion);
         self.progress.stage(self.position, Stage::Generated, &record).await?;
-        Ok(record)
+        Ok(TakenTurn { record, failure: None })
+    }
+
+    /// Evaluates the turn's kernel, where its response has one in the expected format, and stores the evaluation
+    /// (stage evaluated); a refused evaluation is the turn's failure.
+    async fn evaluate(&self, job_id: &str, turn: u32, taken: &mut TakenTurn, peers: &Peers) -> Result<(), StoreError> {
+        let record = &mut taken.record;
+        if record.kernel.is_empty() || !record.format_error.is_empty() {
+            return Ok(());
+        }
+        let spec = &self.plan.spec;
+        let request = pb::EvaluateRequest {
+            request_id: String::new(),
+            task: Some(self.task.clone()),
+            candidate_source: record.kernel.clone(),
+            backend: spec.backend,
+            policy: spec.policy.clone(),
+            correctness_trials: spec.correctness_trials,
+            measure_performance: spec.measure_performance.unwrap_or(true),
+            census: self.plan.census,
+            idempotency_key: format!("{job_id}/{}/{}/{turn}", self.task.task_id, self.trajectory),
+            priority: 0,
+            job_id: job_id.to_owned(),
+        };
+        let _stage =
+            StageGuard::enter(&self.progress.in_flight.evaluating, self.progress.metrics.in_flight("evaluating"));
+        self.progress.notify().await;
+        match evaluate(&peers.evaluator, &peers.limits, request, &self.cancel).await {
+            Ok(evaluation) => {
+                record.verdict = evaluation.verdict;
+                record.evaluation = Some(evaluation);
+                self.progress.stage(self.position, Stage::Evaluated, record).await
+            }
+            Err(status) => {
+                taken.fail(TurnFailure::Evaluation(Refusal::from(&status)));
+                Ok(())
+            }
+        }
+    }
+
+    /// Scores the evaluated kernel (`outcome`; an infrastructure error is never scored), and a response out of the
+    /// strict format 0; a refused score is the turn's failure.
+    async fn score(&self, taken: &mut TakenTurn, outcome: Option<pb::KernelOutcome>, peers: &mut Peers) {
+        if !taken.record.format_error.is_empty() {
+            // Kevin's strict format: a response out of shape is worth nothing, whatever its code would do.
+            taken.record.score = Some(0.0);
+        }
+        let Some(outcome) = outcome.filter(|o| o.verdict() != pb::Verdict::InfraError) else { return };
+        let request = self.plan.reward.score_request(outcome);
+        let scored = {
+            let _permit = peers.limits.reward.acquire().await.expect("the reward semaphore is never closed");
+            peers.reward.score_kernels(request).instrument(call_span("Reward/ScoreKernels")).await
+        };
+        match scored {
+            Ok(response) => {
+                if let Some(score) = response.into_inner().scores.into_iter().next() {
+                    taken.record.score = Some(score.score);
+                    taken.record.speedup = (score.speedup > 0.0).then_some(score.speedup);
+                }
+            }
+            Err(status) => taken.fail(TurnFailure::Reward(Refusal::from(&status))),
+        }
+    }
+
+    /// Has the reward service flag the response (junk, not okay, degenerate, a hack); a refusal is the turn's
+    /// failure unless an earlier call failed.
+    async fn diagnose(&self, taken: &mut TakenTurn, outcome: Option<pb::KernelOutcome>, peers: &mut Peers) {
+        let completion = taken.record.completion.clone().unwrap_or_default();
+        let request = pb::DiagnoseRequest {
+            params: self.plan.spec.diagnose.clone(),
+            responses: vec![pb::ModelResponse {
+                response_id: String::new(),
+                text: completion.text,
+                reasoning: completion.reasoning,
+                finish_reason: completion.finish_reason,
+                outcome,
+            }],
+        };
+        let diagnosed = {
+            let _permit = peers.limits.reward.acquire().await.expect("the reward semaphore is never closed");
+            peers.reward.diagnose(request).instrument(call_span("Reward/Diagnose")).await
+        };
+        match diagnosed {
+            Ok(response) => taken.record.flags = response.into_inner().flags.into_iter().next(),
+            Err(status) => taken.fail(TurnFailure::Reward(Refusal::from(&status))),
+        }
+    }
+
+    /// The feedback the next turn shows: the evaluation's (or why there is none), with drkernel's census and, for
+    /// a cudaforge turn that did not fail and is not the last, the Judge's review (stored with the evaluation).
+    async fn feedback(
+        &self,
+        job_id: &str,
+        turn: u32,
+        taken: &mut TakenTurn,
+        peers: &mut Peers,
+    ) -> Result<(), StoreError> {
+        let record = &mut taken.record;
+        record.feedback = match record.format_error.is_empty() {
+            true => recipe::feedback(record.evaluation.as_ref(), taken.failure.as_ref()),
+            false => recipe::format_feedback(&record.format_error),
+        };
+        if let Some(evaluation) = record.evaluation.as_ref().filter(|_| self.plan.recipe == Recipe::DrKernel) {
+            record.feedback.push_str(&recipe::census_feedback(evaluation));
+        }
+        let reviewed =
+            self.plan.recipe == Recipe::CudaForge && turn + 1 < self.plan.spec.turns && taken.failure.is_none();
+        if let Some(evaluation) = record.evaluation.clone().filter(|_| reviewed) {
+            let (review, feedback) = self.review(job_id, turn, record, &evaluation, peers).await;
+            record.judge = Some(review);
+            record.feedback = feedback;
+            self.progress.stage(self.position, Stage::Evaluated, record).await?;
+        }
+        Ok(())
     }
 
     /// A generation of `prompt` by `model` for this episode's `turn`, with the job's sampling (a seed offset by the
@@ -223,5 +274,19 @@ impl Episode {
         self.progress.notify().await;
         let _permit = peers.limits.gateway.acquire().await.expect("the gateway semaphore is never closed");
         peers.gateway.generate(request).instrument(call_span("Gateway/Generate")).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_turn_s_failure_is_its_first_failed_call() {
+        let refused = |code| TurnFailure::Reward(Refusal { code, message: "no".into() });
+        let mut taken = TakenTurn { record: pb::TurnRecord::default(), failure: None };
+        taken.fail(TurnFailure::Evaluation(Refusal { code: tonic::Code::Unavailable, message: "down".into() }));
+        taken.fail(refused(tonic::Code::Internal));
+        assert_eq!(taken.failure.map(|f| f.to_string()).as_deref(), Some("evaluator: Unavailable: down"));
     }
 }

@@ -3,7 +3,6 @@
 //! an `end`) can be dropped by a client and asked for again with the `task_id`, which re-attaches to the running or
 //! finished call instead of running it again.
 
-use crate::faces::verdict_name;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -23,7 +22,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
 use super::TOOL;
-use crate::faces::{Faces, answer_with, prompt_text};
+use crate::faces::{Faces, answer_with, prompt_text, verdict_name};
+use crate::job::TurnFailure;
 
 /// How long a finished call's result is kept for a client that re-attaches.
 const KEEP: Duration = Duration::from_secs(300);
@@ -217,10 +217,10 @@ pub(super) async fn run(faces: &Faces, headers: &HeaderMap, episode: &str, name:
 /// the text, the step's record in the metadata.
 fn output(observation: &pb::Observation) -> Value {
     let record = observation.record.clone().unwrap_or_default();
-    let mut text = match (record.feedback.is_empty(), record.error.is_empty()) {
+    let mut text = match (record.feedback.is_empty(), TurnFailure::of(&record)) {
         (false, _) => record.feedback.clone(),
-        (true, false) => format!("not evaluated: {}", record.error),
-        (true, true) => "not evaluated".to_owned(),
+        (true, Some(failure)) => format!("not evaluated: {failure}"),
+        (true, None) => "not evaluated".to_owned(),
     };
     if observation.done {
         text.push_str("\n\nThe episode is over: that was the last turn.");
