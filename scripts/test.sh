@@ -72,4 +72,14 @@ echo "==> harness: ruff, pyright, pytest (crates/execution/harness)"
   PYRIGHT_PYTHON_IGNORE_WARNINGS=1 ../../../.venv/bin/pyright --pythonpath ../../../.venv/bin/python
   ../../../.venv/bin/pytest
 )
+
+# bench/'s Python (the GPU passes' scripts, the probes, the helpers): ruff and pyright as above, with
+# bench/pyproject.toml. They run on GPU machines only, so nothing runs them here; bench/results/ is left as recorded.
+echo "==> bench Python: ruff, pyright (bench)"
+(
+  cd bench
+  ../.venv/bin/ruff check .
+  ../.venv/bin/ruff format --check .
+  PYRIGHT_PYTHON_IGNORE_WARNINGS=1 ../.venv/bin/pyright --pythonpath ../.venv/bin/python
+)
 disk

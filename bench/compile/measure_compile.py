@@ -18,6 +18,7 @@ With --parallel N, N distinct modules are then built at once with light+parallel
 """
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import os
@@ -28,10 +29,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernelbench"))
-import make_candidates  # noqa: E402
-
-import torch  # noqa: E402
-import torch.utils.cpp_extension as ext  # noqa: E402
+import make_candidates
+import torch
+import torch.utils.cpp_extension as ext
 
 CUDA = make_candidates.EPILOGUE_CUDA.replace("EXPRESSION", "return fmaxf(v, 0.f) / a;")
 CPP = make_candidates.EPILOGUE_CPP
@@ -56,19 +56,25 @@ def nvcc_phases(path):
         for row in f.read().splitlines()[1:]:
             cells = [c.strip().strip('"') for c in row.split(",")]
             if len(cells) >= 4:
-                try:
+                with contextlib.suppress(ValueError):
                     phases[cells[0]] = phases.get(cells[0], 0.0) + float(cells[-1]) / 1000.0
-                except ValueError:
-                    pass
     return phases
 
 
 def sass_digest(library):
     out = subprocess.run(["cuobjdump", "-sass", library], capture_output=True, text=True).stdout
     # Keep the instructions, drop the file name line.
-    body = "\n".join(line for line in out.splitlines() if "Fatbin" not in line and "code for" not in line
-                     and "arch =" not in line and "host =" not in line and "compile_size" not in line
-                     and "Compiled with" not in line and "identifier" not in line)
+    body = "\n".join(
+        line
+        for line in out.splitlines()
+        if "Fatbin" not in line
+        and "code for" not in line
+        and "arch =" not in line
+        and "host =" not in line
+        and "compile_size" not in line
+        and "Compiled with" not in line
+        and "identifier" not in line
+    )
     return hashlib.sha256(body.encode()).hexdigest()[:16], len(out)
 
 
@@ -86,12 +92,25 @@ def same_object(build_dir):
     the same directory; whether the objects are equal but for nvcc's temporary file names."""
     with open(os.path.join(build_dir, "build.ninja")) as f:
         config = dict(line.split(" = ", 1) for line in f.read().splitlines() if " = " in line)
-    nvcc = os.path.join(ext.CUDA_HOME, "bin", "nvcc")
+    # CUDA_HOME: found on the GPU machines this runs on.
+    nvcc = os.path.join(ext.CUDA_HOME, "bin", "nvcc")  # pyright: ignore[reportArgumentType, reportCallIssue]
     objects = {}
     for label, compiler in [("nvcc", [nvcc]), ("kforge_nvcc", [sys.executable, os.path.abspath(WRAPPER)])]:
         obj = os.path.join(build_dir, f"compare-{label}.o")
-        command = " ".join([*compiler, "-MD", "-MF", obj + ".d", config["cuda_cflags"], "-c",
-                            os.path.join(build_dir, "cuda.cu"), "-o", obj, config.get("cuda_post_cflags", "")])
+        command = " ".join(
+            [
+                *compiler,
+                "-MD",
+                "-MF",
+                obj + ".d",
+                config["cuda_cflags"],
+                "-c",
+                os.path.join(build_dir, "cuda.cu"),
+                "-o",
+                obj,
+                config.get("cuda_post_cflags", ""),
+            ]
+        )
         subprocess.run(command, shell=True, check=True, cwd=build_dir)
         objects[label] = object_words(obj)
     return objects["nvcc"] == objects["kforge_nvcc"]
@@ -113,8 +132,14 @@ def build(variant, root, tag, out):
         os.environ["PYTORCH_NVCC"] = f"{sys.executable} {os.path.abspath(WRAPPER)}"
     started = time.monotonic()
     try:
-        ext.load_inline(name=name, cpp_sources=CPP, cuda_sources=cuda, functions=["fused_epilogue"],
-                        build_directory=build_dir, extra_cuda_cflags=extra_cuda)
+        ext.load_inline(
+            name=name,
+            cpp_sources=CPP,
+            cuda_sources=cuda,
+            functions=["fused_epilogue"],
+            build_directory=build_dir,
+            extra_cuda_cflags=extra_cuda,
+        )
     finally:
         os.environ.pop("PYTORCH_NVCC", None)
     wall = time.monotonic() - started
@@ -122,9 +147,16 @@ def build(variant, root, tag, out):
     digest, size = sass_digest(library)
     if os.path.exists(time_csv):
         shutil.copy(time_csv, os.path.join(out, f"nvcc-time-{name}.csv"))
-    return {"variant": variant, "name": name, "wall_s": round(wall, 2), "ninja_steps_s": ninja_steps(build_dir),
-            "nvcc_phases_s": nvcc_phases(time_csv), "sass": digest, "sass_chars": size,
-            "object": os.path.join(build_dir, "cuda.cuda.o")}
+    return {
+        "variant": variant,
+        "name": name,
+        "wall_s": round(wall, 2),
+        "ninja_steps_s": ninja_steps(build_dir),
+        "nvcc_phases_s": nvcc_phases(time_csv),
+        "sass": digest,
+        "sass_chars": size,
+        "object": os.path.join(build_dir, "cuda.cuda.o"),
+    }
 
 
 def main():
@@ -135,9 +167,17 @@ def main():
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     os.environ.setdefault("MAX_JOBS", "2")
-    print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
-                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                      "cores": os.cpu_count()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                "cores": os.cpu_count(),
+            }
+        ),
+        flush=True,
+    )
     nvcc = shutil.which("nvcc") or os.path.join(ext.CUDA_HOME or "", "bin", "nvcc")
     print(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
     results = []
@@ -149,13 +189,28 @@ def main():
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             runs = list(pool.map(lambda i: build("light+parallel", root, f"p{i}", out), range(parallel)))
-        print(json.dumps({"parallel": parallel, "wall_s": round(time.monotonic() - started, 2),
-                          "each_wall_s": [r["wall_s"] for r in runs], "sass": sorted({r["sass"] for r in runs})}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "parallel": parallel,
+                    "wall_s": round(time.monotonic() - started, 2),
+                    "each_wall_s": [r["wall_s"] for r in runs],
+                    "sass": sorted({r["sass"] for r in runs}),
+                }
+            ),
+            flush=True,
+        )
     sass = {r["variant"]: r["sass"] for r in results}
     light_dir = os.path.dirname(next(r["object"] for r in results if r["variant"] == "light"))
-    print(json.dumps({"same_sass_across_variants": len(set(sass.values())) == 1, "sass": sass,
-                      "nvcc_and_kforge_nvcc_objects_equal_but_temporary_names": same_object(light_dir)}))
+    print(
+        json.dumps(
+            {
+                "same_sass_across_variants": len(set(sass.values())) == 1,
+                "sass": sass,
+                "nvcc_and_kforge_nvcc_objects_equal_but_temporary_names": same_object(light_dir),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,19 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from measure_operators import (  # noqa: E402
-    WRAPPER, distinct_sources, fresh_object, kforge_harness, kforge_nvcc, nvcc_flags)
+    WRAPPER,
+    distinct_sources,
+    fresh_object,
+    harness_build,
+    kforge_nvcc,
+    nvcc_flags,
+)
 
 SECTIONS = (".text", ".data", ".rodata", ".nv_fatbin", ".nvFatBinSegment", ".init_array", ".bss")
-MASKS = [(re.compile(rb"tmpxft_[0-9a-f]+_[0-9a-f]+"), b"tmpxft"),
-         (re.compile(rb"__4\d+_GLOBAL__N__\w+?6ignoreE"), b"__4<anon>6ignoreE")]
+MASKS = [
+    (re.compile(rb"tmpxft_[0-9a-f]+_[0-9a-f]+"), b"tmpxft"),
+    (re.compile(rb"__4\d+_GLOBAL__N__\w+?6ignoreE"), b"__4<anon>6ignoreE"),
+]
 
 
 def contents(path):
@@ -46,8 +54,9 @@ def contents(path):
             with open(section.name, "rb") as f:
                 parts[name] = f.read()
     # objdump's first lines name the file.
-    parts["disassembly"] = subprocess.run(["objdump", "-dr", "--no-show-raw-insn", path], capture_output=True,
-                                          check=True).stdout.split(b"\n", 3)[-1]
+    parts["disassembly"] = subprocess.run(
+        ["objdump", "-dr", "--no-show-raw-insn", path], capture_output=True, check=True
+    ).stdout.split(b"\n", 3)[-1]
     parts["symbols"] = subprocess.run(["nm", path], capture_output=True, check=True).stdout
     for pattern, mask in MASKS:
         parts = {name: pattern.sub(mask, data) for name, data in parts.items()}
@@ -73,13 +82,18 @@ def compile_once(directory, flags, pch, trace):
         with open(trace) as f:
             events = [json.loads(line) for line in f]
     host = next((e for e in events if e["event"] == "host_compile"), {})
-    return {"rc": done.returncode, "wall_s": round(wall, 2), "precompiled": host.get("precompiled"),
-            "steps_s": {e["event"]: e["seconds"] for e in events if "seconds" in e},
-            "host_compile_s": host.get("seconds"), "host_status": host.get("status"),
-            "unfit_operators": next((e["operators"] for e in events if e["event"] == "host_pch_unfit"), None),
-            "compiled_again": any(e["event"] == "host_compile_again" for e in events),
-            "object": contents(obj) if done.returncode == 0 else None,
-            "output": (done.stdout + done.stderr)[-2000:]}
+    return {
+        "rc": done.returncode,
+        "wall_s": round(wall, 2),
+        "precompiled": host.get("precompiled"),
+        "steps_s": {e["event"]: e["seconds"] for e in events if "seconds" in e},
+        "host_compile_s": host.get("seconds"),
+        "host_status": host.get("status"),
+        "unfit_operators": next((e["operators"] for e in events if e["event"] == "host_pch_unfit"), None),
+        "compiled_again": any(e["event"] == "host_compile_again" for e in events),
+        "object": contents(obj) if done.returncode == 0 else None,
+        "output": (done.stdout + done.stderr)[-2000:],
+    }
 
 
 def compare(index, source, root, flags, pch):
@@ -93,16 +107,23 @@ def compare(index, source, root, flags, pch):
     differing = None
     if before["object"] is not None and after["object"] is not None:
         differing = [name for name in before["object"] if before["object"][name] != after["object"][name]]
-    return {"source": index, "named_rc": before["rc"], "pch_rc": after["rc"], "precompiled": after["precompiled"],
-            "unfit_operators": after["unfit_operators"], "compiled_again": after["compiled_again"],
-            "host_compile_s": [before["host_compile_s"], after["host_compile_s"]],
-            "wall_s": [before["wall_s"], after["wall_s"]], "same_object": differing == [],
-            "differing_parts": differing,
-            "output": None if before["rc"] == 0 and after["rc"] == 0 else [before["output"], after["output"]]}
+    return {
+        "source": index,
+        "named_rc": before["rc"],
+        "pch_rc": after["rc"],
+        "precompiled": after["precompiled"],
+        "unfit_operators": after["unfit_operators"],
+        "compiled_again": after["compiled_again"],
+        "host_compile_s": [before["host_compile_s"], after["host_compile_s"]],
+        "wall_s": [before["wall_s"], after["wall_s"]],
+        "same_object": differing == [],
+        "differing_parts": differing,
+        "output": None if before["rc"] == 0 and after["rc"] == 0 else [before["output"], after["output"]],
+    }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("candidates", nargs="+", help="directories of candidates (*.py)")
     parser.add_argument("--repeat", type=int, default=3, help="timed builds of each way")
@@ -117,19 +138,29 @@ def main():
     pch = os.path.join(root, "pch")
     os.makedirs(pch)
     # The evaluator's variants (bindings_pch.rs, VARIANTS), with the flags its start-up stage gives them.
-    variants = kforge_harness.nvcc_flags_of({"default": [], "O3": ["-O3"]})
+    variants = harness_build.nvcc_flags_of({"default": [], "O3": ["-O3"]})
     started = time.monotonic()
-    built = kforge_nvcc.precompile_host_prefixes(kforge_nvcc.real_nvcc(), variants, pch, kforge_nvcc.COMMON_HEADERS,
-                                                 kforge_nvcc.COMMON_OPERATORS)
+    built = kforge_nvcc.precompile_host_prefixes(
+        kforge_nvcc.real_nvcc(), variants, pch, kforge_nvcc.COMMON_HEADERS, kforge_nvcc.COMMON_OPERATORS
+    )
     with open(os.path.join(pch, "manifest.json")) as f:
         manifest = json.load(f)
     sizes = {p: os.path.getsize(os.path.join(pch, p)) for p in os.listdir(pch) if p.startswith("host-")}
-    print(json.dumps({"precompiled": built, "seconds": round(time.monotonic() - started, 1),
-                      "operators": len(manifest["operators"]), "bytes": sizes}), flush=True)
+    print(
+        json.dumps(
+            {
+                "precompiled": built,
+                "seconds": round(time.monotonic() - started, 1),
+                "operators": len(manifest["operators"]),
+                "bytes": sizes,
+            }
+        ),
+        flush=True,
+    )
 
     sources = distinct_sources(args.candidates)
     print(json.dumps({"distinct_cuda_sources": len(sources)}), flush=True)
-    sources = sources[:args.sources]
+    sources = sources[: args.sources]
     results = []
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         for result in pool.map(lambda item: compare(item[0], item[1], root, flags, pch), enumerate(sources)):
@@ -146,8 +177,12 @@ def main():
             for way, given in (("named", None), ("host_pch", pch)):
                 build = compile_once(directory, flags, given, trace)
                 timed[way].append(build["wall_s"])
-                print(json.dumps({"timed": way, "rc": build["rc"], "wall_s": build["wall_s"],
-                                  "steps_s": build["steps_s"]}), flush=True)
+                print(
+                    json.dumps(
+                        {"timed": way, "rc": build["rc"], "wall_s": build["wall_s"], "steps_s": build["steps_s"]}
+                    ),
+                    flush=True,
+                )
     built_both = [r for r in results if r["named_rc"] == 0 and r["pch_rc"] == 0]
     summary = {
         "sources": len(results),

@@ -4,7 +4,7 @@
 
 Reads every candidate (`*.py`) under the given directories that builds CUDA sources with load_inline, without
 running it: load_inline is replaced by a stand-in that records its CUDA source. Each source is made what the
-evaluator compiles (kforge_harness.lighten: torch/types.h where torch/extension.h was asked for) and compiled with
+evaluator compiles (kforge_harness.build.lighten: torch/types.h where torch/extension.h was asked for) and compiled with
 load_inline's nvcc flags through kforge's nvcc twice, in the same directory to the same object name: with every
 operator header ($KFORGE_ALL_OPERATORS) and with only those the source names. The two objects are compared byte for
 byte once nvcc's temporary file names (`tmpxft_<pid>_<n>`, which differ between any two runs of nvcc) are masked.
@@ -16,6 +16,7 @@ Prints one JSON line per comparison and per timed build, and a summary.
 
 import argparse
 import concurrent.futures
+import contextlib
 import glob
 import json
 import os
@@ -29,10 +30,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 HARNESS = os.path.join(HERE, "..", "..", "crates", "execution", "harness")
 sys.path.insert(0, HARNESS)
-import kforge_harness  # noqa: E402
 import kforge_nvcc  # noqa: E402
-
-import torch.utils.cpp_extension as cpp_extension  # noqa: E402
+from kforge_harness import build as harness_build  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
 
 WRAPPER = os.path.join(HARNESS, "kforge_nvcc.py")
 
@@ -55,10 +55,9 @@ def cuda_sources(path):
     try:
         with open(path) as f:
             code = compile(f.read(), path, "exec")
-        try:
+        # _Recorded, or a candidate that fails before it builds anything (none in the record)
+        with contextlib.suppress(Exception):
             exec(code, {"__name__": "candidate"})
-        except Exception:  # _Recorded, or a candidate that fails before it builds anything (none in the record)
-            pass
     finally:
         cpp_extension.load_inline = stock
     return found
@@ -70,7 +69,7 @@ def distinct_sources(directories):
     for directory in directories:
         for path in sorted(glob.glob(os.path.join(directory, "**", "*.py"), recursive=True)):
             for source in cuda_sources(path):
-                light = kforge_harness.lighten(source) or source
+                light = harness_build.lighten(source) or source
                 if light not in sources:
                     sources.append(light)
     return sources
@@ -88,7 +87,7 @@ def fresh_object(directory):
 
 def nvcc_flags():
     """load_inline's nvcc flags (its ninja file's cuda_cflags and cuda_post_cflags)."""
-    values = kforge_harness.load_inline_flags([], cuda=True)
+    values = harness_build.load_inline_flags([], cuda=True)
     return values.get("cuda_cflags", ""), values.get("cuda_post_cflags", "")
 
 
@@ -113,8 +112,13 @@ def compile_once(directory, flags, every_operator):
     if done.returncode == 0:
         with open(obj, "rb") as f:
             data = re.sub(rb"tmpxft_[0-9a-f]+_[0-9a-f]+", b"tmpxft", f.read())
-    return {"rc": done.returncode, "wall_s": round(wall, 2), "kept_operators": kept, "object": data,
-            "output": (done.stdout + done.stderr)[-2000:]}
+    return {
+        "rc": done.returncode,
+        "wall_s": round(wall, 2),
+        "kept_operators": kept,
+        "object": data,
+        "output": (done.stdout + done.stderr)[-2000:],
+    }
 
 
 def compare(index, source, root, flags):
@@ -125,15 +129,22 @@ def compare(index, source, root, flags):
     every = compile_once(directory, flags, every_operator=True)
     named = compile_once(directory, flags, every_operator=False)
     same = every["object"] is not None and every["object"] == named["object"]
-    return {"source": index, "first_line": source.strip().splitlines()[0][:80] if source.strip() else "",
-            "all_rc": every["rc"], "named_rc": named["rc"], "kept_operators": named["kept_operators"],
-            "all_wall_s": every["wall_s"], "named_wall_s": named["wall_s"], "same_object": same,
-            "object_bytes": len(every["object"] or b""),
-            "output": None if every["rc"] == 0 and named["rc"] == 0 else [every["output"], named["output"]]}
+    return {
+        "source": index,
+        "first_line": source.strip().splitlines()[0][:80] if source.strip() else "",
+        "all_rc": every["rc"],
+        "named_rc": named["rc"],
+        "kept_operators": named["kept_operators"],
+        "all_wall_s": every["wall_s"],
+        "named_wall_s": named["wall_s"],
+        "same_object": same,
+        "object_bytes": len(every["object"] or b""),
+        "output": None if every["rc"] == 0 and named["rc"] == 0 else [every["output"], named["output"]],
+    }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("candidates", nargs="+", help="directories of candidates (*.py)")
     parser.add_argument("--repeat", type=int, default=3, help="timed builds of each variant")
@@ -159,8 +170,17 @@ def main():
             for variant in ("all", "named"):
                 build = compile_once(directory, flags, every_operator=variant == "all")
                 timed[variant].append(build["wall_s"])
-                print(json.dumps({"timed": variant, "rc": build["rc"], "wall_s": build["wall_s"],
-                                  "kept_operators": build["kept_operators"]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "timed": variant,
+                            "rc": build["rc"],
+                            "wall_s": build["wall_s"],
+                            "kept_operators": build["kept_operators"],
+                        }
+                    ),
+                    flush=True,
+                )
     built = [r for r in results if r["all_rc"] == 0]
     summary = {
         "sources": len(results),
@@ -168,9 +188,14 @@ def main():
         "same_object": sum(r["same_object"] for r in built),
         "named_failed_where_all_built": sum(r["named_rc"] != 0 for r in built),
         "kept_operators": sorted(r["kept_operators"] for r in built if r["kept_operators"] is not None),
-        "operators": len(kforge_nvcc.AtenOverlay(next(
-            d for d in cpp_extension.include_paths() if os.path.isfile(os.path.join(d, "ATen", "Functions.h"))),
-            root).operators),
+        "operators": len(
+            kforge_nvcc.AtenOverlay(
+                next(
+                    d for d in cpp_extension.include_paths() if os.path.isfile(os.path.join(d, "ATen", "Functions.h"))
+                ),
+                root,
+            ).operators
+        ),
         "timed_s": timed,
     }
     print(json.dumps({"summary": summary}), flush=True)

@@ -32,13 +32,13 @@ import os
 import re
 import sys
 
-HEADER = '''import torch
+HEADER = """import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
-'''
+"""
 
-EPILOGUE_CUDA = r'''
+EPILOGUE_CUDA = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -70,11 +70,11 @@ torch::Tensor fused_epilogue(torch::Tensor y, torch::Tensor vec, double a, doubl
         y.data_ptr<float>(), n, y.size(-1), vec_ptr, (float)a, (float)b, (float)c);
     return y;
 }
-'''
+"""
 
 EPILOGUE_CPP = "torch::Tensor fused_epilogue(torch::Tensor y, torch::Tensor vec, double a, double b, double c);"
 
-ROW_REDUCE_CUDA = r'''
+ROW_REDUCE_CUDA = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -125,11 +125,11 @@ torch::Tensor row_reduce(torch::Tensor y, double a) {
         y.data_ptr<float>(), out.data_ptr<float>(), y.size(1), (float)a);
     return out;
 }
-'''
+"""
 
 ROW_REDUCE_CPP = "torch::Tensor row_reduce(torch::Tensor y, double a);"
 
-TILED_GEMM_CUDA = r'''
+TILED_GEMM_CUDA = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -175,11 +175,11 @@ torch::Tensor gemm(torch::Tensor a, torch::Tensor b, bool trans_a, bool trans_b)
     else tiled_gemm<true, true><<<grid, block, 0, stream>>>(pa, pb, pc, M, N, K);
     return c;
 }
-'''
+"""
 
 TILED_GEMM_CPP = "torch::Tensor gemm(torch::Tensor a, torch::Tensor b, bool trans_a, bool trans_b);"
 
-ELEMENTWISE_CUDA = r'''
+ELEMENTWISE_CUDA = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -204,7 +204,7 @@ torch::Tensor map(torch::Tensor x, torch::Tensor y) {
         x.data_ptr<float>(), y.numel() > 0 ? y.data_ptr<float>() : nullptr, out.data_ptr<float>(), n, x.size(-1));
     return out;
 }
-'''
+"""
 
 ELEMENTWISE_CPP = "torch::Tensor map(torch::Tensor x, torch::Tensor y);"
 
@@ -285,17 +285,23 @@ ROW_REDUCTIONS = {
     "level2/14_Gemm_Divide_Sum_Scaling.py": (
         "    def __init__(self, input_size, hidden_size, scaling_factor):\n        super().__init__()\n        self.weight = nn.Parameter(torch.randn(hidden_size, input_size))\n        self.scaling_factor = scaling_factor\n",
         "    def forward(self, x):\n        y = torch.matmul(x, self.weight.T).contiguous()\n        return ext.row_reduce(y, self.scaling_factor).unsqueeze(1)\n",
-        "false", "v / 2.f", "s * a",
+        "false",
+        "v / 2.f",
+        "s * a",
     ),
     "level2/56_Matmul_Sigmoid_Sum.py": (
         "    def __init__(self, input_size, hidden_size):\n        super().__init__()\n        self.linear = nn.Linear(input_size, hidden_size)\n",
         "    def forward(self, x):\n        y = F.linear(x, self.linear.weight, self.linear.bias)\n        return ext.row_reduce(y, 0.0).unsqueeze(1)\n",
-        "false", "sigmoid_(v)", "s",
+        "false",
+        "sigmoid_(v)",
+        "s",
     ),
     "level2/45_Gemm_Sigmoid_LogSumExp.py": (
         "    def __init__(self, input_size, hidden_size, output_size):\n        super().__init__()\n        self.linear1 = nn.Linear(input_size, hidden_size)\n        self.linear2 = nn.Linear(hidden_size, output_size)\n",
         "    def forward(self, x):\n        h = torch.sigmoid(F.linear(x, self.linear1.weight, self.linear1.bias))\n        y = F.linear(h, self.linear2.weight, self.linear2.bias)\n        return ext.row_reduce(y, 0.0)\n",
-        "true", "expf(v - m)", "m + logf(s)",
+        "true",
+        "expf(v - m)",
+        "m + logf(s)",
     ),
 }
 
@@ -322,7 +328,7 @@ ELEMENTWISE = {
 }
 
 TRITON = {
-    "level1/88_MinGPTNewGelu.py": '''import torch
+    "level1/88_MinGPTNewGelu.py": """import torch
 import torch.nn as nn
 import triton
 import triton.language as tl
@@ -345,8 +351,8 @@ class ModelNew(nn.Module):
         n = x.numel()
         gelu_tanh_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK=1024)
         return out
-''',
-    "level2/63_Gemm_ReLU_Divide.py": '''import torch
+""",
+    "level2/63_Gemm_ReLU_Divide.py": """import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import triton
@@ -372,8 +378,8 @@ class ModelNew(nn.Module):
         n = y.numel()
         relu_divide_kernel[(triton.cdiv(n, 1024),)](y, n, self.divisor, BLOCK=1024)
         return y
-''',
-    "level2/12_Gemm_Multiply_LeakyReLU.py": '''import torch
+""",
+    "level2/12_Gemm_Multiply_LeakyReLU.py": """import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import triton
@@ -400,7 +406,7 @@ class ModelNew(nn.Module):
         n = y.numel()
         scale_leaky_relu_kernel[(triton.cdiv(n, 1024),)](y, n, self.multiplier, self.negative_slope, BLOCK=1024)
         return y
-''',
+""",
 }
 
 
@@ -416,7 +422,10 @@ MIXED_TASKS = [
     "level2/63_Gemm_ReLU_Divide.py",
     "level2/76_Gemm_Add_ReLU.py",
 ]
-ONE_BLOCK = ("std::min<int64_t>((n + threads - 1) / threads, 132LL * 32)", "std::min<int64_t>((n + threads - 1) / threads, 1LL)")
+ONE_BLOCK = (
+    "std::min<int64_t>((n + threads - 1) / threads, 132LL * 32)",
+    "std::min<int64_t>((n + threads - 1) / threads, 1LL)",
+)
 
 
 def mixed(out):
@@ -442,14 +451,21 @@ def mixed(out):
             for old, new in edits.items():
                 assert old in cuda, old
                 cuda = cuda.replace(old, new)
-            module = cuda_module(f"kf_{slug(task)}_{kind}", EPILOGUE_CPP, cuda, ["fused_epilogue"], {"EXPRESSION": expr})
+            module = cuda_module(
+                f"kf_{slug(task)}_{kind}", EPILOGUE_CPP, cuda, ["fused_epilogue"], {"EXPRESSION": expr}
+            )
             write(task, "cuda", kind, expect, f"{HEADER}\n{module}\n\nclass ModelNew(nn.Module):\n{init}\n{body}")
     for task in ["level1/88_MinGPTNewGelu.py", "level2/63_Gemm_ReLU_Divide.py"]:
         write(task, "triton", "triton", "VERDICT_CORRECT", TRITON[task])
     for task in ["level1/1_Square_matrix_multiplication_.py", "level1/17_Matmul_with_transposed_B.py"]:
         module = cuda_module(f"kf_{slug(task)}", TILED_GEMM_CPP, TILED_GEMM_CUDA, ["gemm"], {})
-        write(task, "cuda", "tiled_gemm", "VERDICT_CORRECT",
-              f"{HEADER}\n{module}\n\nclass ModelNew(nn.Module):\n{GEMMS[task]}")
+        write(
+            task,
+            "cuda",
+            "tiled_gemm",
+            "VERDICT_CORRECT",
+            f"{HEADER}\n{module}\n\nclass ModelNew(nn.Module):\n{GEMMS[task]}",
+        )
     return manifest
 
 
@@ -469,8 +485,9 @@ def reproduce(kernelbench, out, levels):
             renamed = re.sub(r"\bsuper\(Model,", "super(ModelNew,", renamed)
             with open(os.path.join(out, task), "w") as f:
                 f.write(renamed)
-            manifest.append({"task": task, "candidate": task, "backend": "cuda", "kind": "reproduce",
-                             "expect": "VERDICT_CORRECT"})
+            manifest.append(
+                {"task": task, "candidate": task, "backend": "cuda", "kind": "reproduce", "expect": "VERDICT_CORRECT"}
+            )
     return manifest
 
 
@@ -500,10 +517,13 @@ def loss_shortcuts(out):
         for kind, body in zip(("analytical", "partial"), bodies):
             name = f"{slug(task)}.{kind}.py"
             with open(os.path.join(out, name), "w") as f:
-                f.write(f"{HEADER}\n\nclass ModelNew(nn.Module):\n    def forward(self, predictions, targets):\n"
-                        f"        {body}\n")
-            manifest.append({"task": task, "candidate": name, "backend": "cuda", "kind": kind,
-                             "expect": "not VERDICT_CORRECT"})
+                f.write(
+                    f"{HEADER}\n\nclass ModelNew(nn.Module):\n    def forward(self, predictions, targets):\n"
+                    f"        {body}\n"
+                )
+            manifest.append(
+                {"task": task, "candidate": name, "backend": "cuda", "kind": kind, "expect": "not VERDICT_CORRECT"}
+            )
     return manifest
 
 
@@ -542,8 +562,13 @@ def main():
     for task, (init, body, expression) in EPILOGUES.items():
         write(task, "cuda", epilogue_candidate(f"kf_{slug(task)}", init, body, expression))
     for task, (init, body, need_max, map_expr, finish) in ROW_REDUCTIONS.items():
-        module = cuda_module(f"kf_{slug(task)}", ROW_REDUCE_CPP, ROW_REDUCE_CUDA, ["row_reduce"],
-                             {"NEED_MAX": need_max, "(MAP)": f"({map_expr})", "(FINISH)": f"({finish})"})
+        module = cuda_module(
+            f"kf_{slug(task)}",
+            ROW_REDUCE_CPP,
+            ROW_REDUCE_CUDA,
+            ["row_reduce"],
+            {"NEED_MAX": need_max, "(MAP)": f"({map_expr})", "(FINISH)": f"({finish})"},
+        )
         write(task, "cuda", f"{HEADER}\n{module}\n\nclass ModelNew(nn.Module):\n{init}\n{body}")
     for task, body in GEMMS.items():
         module = cuda_module(f"kf_{slug(task)}", TILED_GEMM_CPP, TILED_GEMM_CUDA, ["gemm"], {})

@@ -70,44 +70,68 @@ def main():
         print("Findings: " + (", ".join(f"`{c}` {n}" for c, n in codes.most_common()) or "none") + "\n")
         walls = [r["wall_s"] for r in group if "wall_s" in r]
         if walls:
-            print(f"Wall per evaluation: p50 {quantile(walls, 0.5):.1f} s, p95 {quantile(walls, 0.95):.1f} s, "
-                  f"max {max(walls):.1f} s\n")
+            print(
+                f"Wall per evaluation: p50 {quantile(walls, 0.5):.1f} s, p95 {quantile(walls, 0.95):.1f} s, "
+                f"max {max(walls):.1f} s\n"
+            )
             # What the evaluation took besides waiting for its neighbours: the disk budget, a device slot, and
             # the device's gate while another evaluation's exclusive phase ran.
             waits = ("queue_disk", "queue_device", "device.gate_wait")
-            own = [r["wall_s"] - sum(r.get("stage_ms", {}).get(w, 0.0) for w in waits) / 1e3
-                   for r in group if "wall_s" in r]
-            print(f"Wall less waits for neighbours ({', '.join(waits)}): p50 {quantile(own, 0.5):.1f} s, "
-                  f"p95 {quantile(own, 0.95):.1f} s, max {max(own):.1f} s\n")
+            own = [
+                r["wall_s"] - sum(r.get("stage_ms", {}).get(w, 0.0) for w in waits) / 1e3
+                for r in group
+                if "wall_s" in r
+            ]
+            print(
+                f"Wall less waits for neighbours ({', '.join(waits)}): p50 {quantile(own, 0.5):.1f} s, "
+                f"p95 {quantile(own, 0.95):.1f} s, max {max(own):.1f} s\n"
+            )
             gate = [r.get("stage_ms", {}).get("device.gate_wait", 0.0) / 1e3 for r in group if "wall_s" in r]
-            print(f"Waiting at the device gate (`device.gate_wait`): p50 {quantile(gate, 0.5):.1f} s, "
-                  f"p95 {quantile(gate, 0.95):.1f} s, {sum(gate):.0f} s in all\n")
+            print(
+                f"Waiting at the device gate (`device.gate_wait`): p50 {quantile(gate, 0.5):.1f} s, "
+                f"p95 {quantile(gate, 0.95):.1f} s, {sum(gate):.0f} s in all\n"
+            )
             # A reference computed in this evaluation (its stage's CPU time is reported): in a warm pass, one the
             # reference cache no longer held.
             computed = sum("cpu.reference" in r.get("stage_ms", {}) for r in group)
             print(f"References computed: {computed} of {len(group)}\n")
             peaks = [r.get("device_peak_bytes") or 0 for r in group]
-            print(f"Peak device memory of the candidate's process: p50 {gib(quantile(peaks, 0.5))} GiB, "
-                  f"max {gib(max(peaks))} GiB\n")
+            print(
+                f"Peak device memory of the candidate's process: p50 {gib(quantile(peaks, 0.5))} GiB, "
+                f"max {gib(max(peaks))} GiB\n"
+            )
         slowest = sorted((r for r in group if "wall_s" in r), key=lambda r: -r["wall_s"])[:10]
         if slowest:
-            print("Slowest: " + "; ".join(
-                f"{r['task']} {r['wall_s']:.0f} s ({dominant(r.get('stage_ms'))[0]} "
-                f"{dominant(r.get('stage_ms'))[1] / 1000:.0f} s)" for r in slowest) + "\n")
+            print(
+                "Slowest: "
+                + "; ".join(
+                    f"{r['task']} {r['wall_s']:.0f} s ({dominant(r.get('stage_ms'))[0]} "
+                    f"{dominant(r.get('stage_ms'))[1] / 1000:.0f} s)"
+                    for r in slowest
+                )
+                + "\n"
+            )
     print("## Every evaluation\n")
-    print("| task | kind | pass | verdict | wall s | queue_device s | run s | check s | timing s | cand peak GiB | "
-          "ref peak GiB | findings |")
+    print(
+        "| task | kind | pass | verdict | wall s | queue_device s | run s | check s | timing s | cand peak GiB | "
+        "ref peak GiB | findings |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r.get("task", ""), r.get("kind", ""), r.get("pass", ""))):
         s = r.get("stage_ms") or {}
-        sec = lambda k: f"{s[k] / 1000:.1f}" if k in s else "-"  # noqa: E731
+
+        def sec(k, s=s):
+            return f"{s[k] / 1000:.1f}" if k in s else "-"
+
         codes = " ".join(f["code"] for f in r.get("findings", []))
         verdict = r.get("verdict") or "REFUSED"
         if r.get("error") and verdict != "VERDICT_CORRECT":
             codes += " " + r["error"][:80].replace("|", "/").replace("\n", " ")
-        print(f"| {r.get('task')} | {r.get('kind')} | {r.get('pass', '-')} | {verdict} | {r.get('wall_s', 0):.1f} | {sec('queue_device')} | "
-              f"{sec('run')} | {sec('check')} | {sec('timing')} | {gib(r.get('device_peak_bytes'))} | "
-              f"{gib(r.get('reference_peak_bytes'))} | {codes} |")
+        print(
+            f"| {r.get('task')} | {r.get('kind')} | {r.get('pass', '-')} | {verdict} | {r.get('wall_s', 0):.1f} | "
+            f"{sec('queue_device')} | {sec('run')} | {sec('check')} | {sec('timing')} | "
+            f"{gib(r.get('device_peak_bytes'))} | {gib(r.get('reference_peak_bytes'))} | {codes} |"
+        )
 
 
 if __name__ == "__main__":

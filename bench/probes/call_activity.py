@@ -29,15 +29,30 @@ OUT/summary.md a table.
 Without CUDA it says so and exits 0.
 """
 
-import argparse, json, os, subprocess, sys, tempfile, time  # noqa: E401
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
-from kforge_harness import process  # noqa: E402
+from kforge_harness import process
 
-WORKLOADS = ["hang", "hang_after_compile", "hang_polling_thread", "autotune_cold:mid", "autotune_warm:mid",
-             "autotune_cold:slow", "autotune_warm:slow", "autotune_cold:compute", "autotune_warm:compute",
-             "cudnn_benchmark"]
+WORKLOADS = [
+    "hang",
+    "hang_after_compile",
+    "hang_polling_thread",
+    "autotune_cold:mid",
+    "autotune_warm:mid",
+    "autotune_cold:slow",
+    "autotune_warm:slow",
+    "autotune_cold:compute",
+    "autotune_warm:compute",
+    "cudnn_benchmark",
+]
 # Elements per call: about 1 ms and 8 ms of memory traffic on an H100 (read and write, float32).
 SIZES = {"mid": 1 << 28, "slow": 1 << 31, "compute": 1 << 24}
 # Sines per element of the compute-bound kernel (about 40 ms per call on an H100).
@@ -66,6 +81,7 @@ def child(workload):
 
         threading.Thread(target=poll, daemon=True).start()
     if name.startswith("hang"):
+
         @triton.jit
         def spin(flag_ptr):
             while tl.load(flag_ptr, volatile=True) == 0:
@@ -76,8 +92,11 @@ def child(workload):
         spin[(1,)](flag)
         torch.cuda.synchronize()
     elif name.startswith("autotune"):
-        configs = [triton.Config({"BLOCK": block}, num_warps=warps)
-                   for block in (256, 512, 1024, 2048) for warps in (1, 2, 4, 8)]
+        configs = [
+            triton.Config({"BLOCK": block}, num_warps=warps)
+            for block in (256, 512, 1024, 2048)
+            for warps in (1, 2, 4, 8)
+        ]
 
         @triton.autotune(configs=configs, key=["n"])
         @triton.jit
@@ -129,28 +148,32 @@ def demand(pid):
 
 
 def measure(workload, interval, hang_secs, env):
-    proc = subprocess.Popen([sys.executable, __file__, "--child", workload], stdout=subprocess.PIPE, text=True,
-                            env=env)
-    if proc.stdout.readline().strip() != "call":
+    proc = subprocess.Popen([sys.executable, __file__, "--child", workload], stdout=subprocess.PIPE, text=True, env=env)
+    # stdout=PIPE: proc.stdout is set.
+    if proc.stdout.readline().strip() != "call":  # pyright: ignore[reportOptionalMemberAccess]
         proc.wait()
         return {"workload": workload, "error": f"the child ended before its call (rc {proc.returncode})"}
     start = time.monotonic()
     last = (start, demand(proc.pid))
     windows = []
-    os.set_blocking(proc.stdout.fileno(), False)
+    os.set_blocking(proc.stdout.fileno(), False)  # pyright: ignore[reportOptionalMemberAccess]
     ended = False
     while not ended:
         time.sleep(interval)
-        line = proc.stdout.readline()
+        line = proc.stdout.readline()  # pyright: ignore[reportOptionalMemberAccess]
         ended = line.strip() == "done" or proc.poll() is not None
         now = time.monotonic()
         sample = demand(proc.pid)
         if sample is None or last[1] is None:
             break
         wall = now - last[0]
-        windows.append({"at_s": round(now - start, 2),
-                        "demand_share": round((sample[0] - last[1][0]) / wall, 4),
-                        "schedstat_share": round((sample[1] - last[1][1]) / wall, 4)})
+        windows.append(
+            {
+                "at_s": round(now - start, 2),
+                "demand_share": round((sample[0] - last[1][0]) / wall, 4),
+                "schedstat_share": round((sample[1] - last[1][1]) / wall, 4),
+            }
+        )
         last = (now, sample)
         if workload.startswith("hang") and now - start >= hang_secs:
             proc.kill()
@@ -164,8 +187,10 @@ def measure(workload, interval, hang_secs, env):
     hang = workload.startswith("hang")
     samples = windows[1:] if hang else windows[:-1]
     per_window = max(1, round(WINDOW_S / interval))
-    sums = [sum(w["demand_share"] for w in samples[i:i + per_window]) / per_window
-            for i in range(len(samples) - per_window + 1)]
+    sums = [
+        sum(w["demand_share"] for w in samples[i : i + per_window]) / per_window
+        for i in range(len(samples) - per_window + 1)
+    ]
     record["greatest_share_3s" if hang else "least_share_3s"] = round((max if hang else min)(sums), 4) if sums else None
     return record
 
@@ -175,7 +200,7 @@ def shares(windows, key):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", help="output directory")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between samples (default 1)")
     parser.add_argument("--hang-secs", type=float, default=8.0, help="how long the hangs are sampled (default 8)")
@@ -201,13 +226,18 @@ def main():
             lines.write(json.dumps(record) + "\n")
             lines.flush()
             print(json.dumps({k: v for k, v in record.items() if k != "windows"}), flush=True)
-    rows = ["| workload | call (s) | samples | CPU demand share per sample (ticks + run-queue wait) | schedstat share "
-            "(live threads' run + wait) | over 3 s (hang: greatest; others: least) |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| workload | call (s) | samples | CPU demand share per sample (ticks + run-queue wait) | schedstat share "
+        "(live threads' run + wait) | over 3 s (hang: greatest; others: least) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in records:
         w = r.get("windows", [])
-        rows.append(f"| {r['workload']} | {r.get('call_s', r.get('error'))} | {len(w)} | "
-                    f"{shares(w, 'demand_share')} | {shares(w, 'schedstat_share')} | "
-                    f"{r.get('greatest_share_3s', r.get('least_share_3s'))} |")
+        rows.append(
+            f"| {r['workload']} | {r.get('call_s', r.get('error'))} | {len(w)} | "
+            f"{shares(w, 'demand_share')} | {shares(w, 'schedstat_share')} | "
+            f"{r.get('greatest_share_3s', r.get('least_share_3s'))} |"
+        )
     (out / "summary.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
     return 0

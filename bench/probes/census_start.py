@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiler"))
-from profile_live import Run, kforge_arguments, log, start_kforge, stop_kforge  # noqa: E402
+from profile_live import Run, kforge_arguments, log, start_kforge, stop_kforge
 
 # Times each step of starting torch's profiler; prints (or raises, inside kforge) a JSON line of seconds.
-PROBE = r'''
+PROBE = r"""
 import json, os, time
 T = {}
 _t = time.monotonic()
@@ -65,20 +65,24 @@ torch.cuda.synchronize()
 q.stop()
 step("second_stop")
 T["kernels"] = sum(1 for e in events if str(e.device_type).endswith("CUDA"))
-'''
+"""
 
-CANDIDATE = '''import torch
+CANDIDATE = (
+    """import torch
 import torch.nn as nn
-''' + PROBE + '''
+"""
+    + PROBE
+    + """
 raise RuntimeError("PROBE " + json.dumps(T))
 
 
 class ModelNew(nn.Module):
     def forward(self, A, B):
         return A
-'''
+"""
+)
 
-TASK = '''import torch
+TASK = """import torch
 import torch.nn as nn
 
 
@@ -93,7 +97,7 @@ def get_inputs():
 
 def get_init_inputs():
     return []
-'''
+"""
 
 
 def main():
@@ -102,35 +106,51 @@ def main():
     probe = Path(args.scratch) / "probe.py"
     probe.parent.mkdir(parents=True, exist_ok=True)
     probe.write_text(PROBE + "\nprint('PROBE ' + json.dumps(T))\n")
-    variants = [("default", {}), ("default again", {}), ("CPU activities only", {"PROBE_CPU_ONLY": "1"}),
-                ("profiler before CUDA", {"PROBE_PROFILER_FIRST": "1"}),
-                ("eager module loading", {"CUDA_MODULE_LOADING": "EAGER"})]
+    variants = [
+        ("default", {}),
+        ("default again", {}),
+        ("CPU activities only", {"PROBE_CPU_ONLY": "1"}),
+        ("profiler before CUDA", {"PROBE_PROFILER_FIRST": "1"}),
+        ("eager module loading", {"CUDA_MODULE_LOADING": "EAGER"}),
+    ]
     for label, env in variants:
         started = time.monotonic()
         proc = subprocess.run([args.python, str(probe)], env={**os.environ, **env}, capture_output=True, text=True)
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("PROBE ")), None)
+        line = next((text for text in proc.stdout.splitlines() if text.startswith("PROBE ")), None)
         steps = json.loads(line[6:]) if line else None
-        run.record(where="outside", variant=label, seconds=time.monotonic() - started, steps=steps,
-                   stderr=proc.stderr[-400:])
+        run.record(
+            where="outside", variant=label, seconds=time.monotonic() - started, steps=steps, stderr=proc.stderr[-400:]
+        )
         log(f"outside {label}: {steps} {proc.stderr[-200:] if not steps else ''}")
 
     up = start_kforge(run, args, Path(args.scratch))
     try:
         for attempt in range(2):
-            request = {"task": {"taskId": "probe", "source": TASK}, "candidateSource": CANDIDATE,
-                       "backend": "BACKEND_CUDA", "correctnessTrials": 1, "requestId": f"probe-{attempt}"}
+            request = {
+                "task": {"taskId": "probe", "source": TASK},
+                "candidateSource": CANDIDATE,
+                "backend": "BACKEND_CUDA",
+                "correctnessTrials": 1,
+                "requestId": f"probe-{attempt}",
+            }
             ok, response, seconds = run.call("Evaluator/Evaluate", request, addr="http://127.0.0.1:50051")
             error = response.get("error", "") if ok else response
             steps = None
             if "PROBE {" in error:
-                text = error[error.index("PROBE {") + 6:]
+                text = error[error.index("PROBE {") + 6 :]
                 try:
                     # (A long error line may come back broken by the stage's log handling.)
-                    steps = json.loads(re.sub(r"\s+", " ", text[:text.index("}") + 1]))
+                    steps = json.loads(re.sub(r"\s+", " ", text[: text.index("}") + 1]))
                 except ValueError:
                     steps = None
-            run.record(where="sandbox", variant=f"evaluation {attempt}", seconds=seconds, steps=steps,
-                       verdict=response.get("verdict") if ok else None, error=error[-1500:])
+            run.record(
+                where="sandbox",
+                variant=f"evaluation {attempt}",
+                seconds=seconds,
+                steps=steps,
+                verdict=response.get("verdict") if ok else None,
+                error=error[-1500:],
+            )
             log(f"sandbox #{attempt}: {steps} {'' if steps else error[-600:]}")
     finally:
         stop_kforge(up)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiler"))
-from profile_live import HERE, Run, header, kforge_arguments, log, machine, start_kforge, stop_kforge  # noqa: E402
+from profile_live import HERE, Run, header, kforge_arguments, log, machine, start_kforge, stop_kforge
 
 EVALUATOR = "http://127.0.0.1:50051"
 
@@ -29,14 +29,27 @@ def main():
         for name in args.only.split(","):
             path = HERE / "candidates" / f"{name}.py"
             fields = header(path)
-            request = {"requestId": name, "task": run.task(fields["task"]), "candidateSource": path.read_text(),
-                       "backend": "BACKEND_" + fields.get("backend", "cuda").upper(), "measurePerformance": True}
+            request = {
+                "requestId": name,
+                "task": run.task(fields["task"]),
+                "candidateSource": path.read_text(),
+                "backend": "BACKEND_" + fields.get("backend", "cuda").upper(),
+                "measurePerformance": True,
+            }
             ok, response, seconds = run.call("Evaluator/Evaluate", request, addr=EVALUATOR)
             stages = response.get("stageMs", {}) if ok else {}
-            run.record(call="Evaluate", candidate=name, ok=ok, seconds=seconds,
-                       verdict=response.get("verdict") if ok else response, stage_ms=stages)
-            log(f"{name}: {seconds:.1f} s {response.get('verdict') if ok else response} queue_disk "
-                f"{stages.get('queue_disk')} compile {stages.get('compile')} run {stages.get('run')}")
+            run.record(
+                call="Evaluate",
+                candidate=name,
+                ok=ok,
+                seconds=seconds,
+                verdict=response.get("verdict") if ok else response,
+                stage_ms=stages,
+            )
+            log(
+                f"{name}: {seconds:.1f} s {response.get('verdict') if ok else response} queue_disk "
+                f"{stages.get('queue_disk')} compile {stages.get('compile')} run {stages.get('run')}"
+            )
     finally:
         stop_kforge(up)
 

@@ -25,7 +25,13 @@ re-renders OUT/results.jsonl).
 Without CUDA it says so and exits 0.
 """
 
-import argparse, json, statistics, subprocess, sys, time  # noqa: E401
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 PARTS = ["gemm", "wait", "epilogue", "total"]
@@ -51,8 +57,10 @@ def levels(samples, split):
     """Each part's median over the calls whose total is at most `split` (low) and above it (high)."""
     totals = samples["total"]
     out = {}
-    for name, idx in (("low", [i for i, v in enumerate(totals) if v <= split]),
-                      ("high", [i for i, v in enumerate(totals) if v > split])):
+    for name, idx in (
+        ("low", [i for i, v in enumerate(totals) if v <= split]),
+        ("high", [i for i, v in enumerate(totals) if v > split]),
+    ):
         out[name] = {"count": len(idx)}
         for p in PARTS:
             out[name][p] = statistics.median([samples[p][i] for i in idx]) if idx else None
@@ -85,7 +93,7 @@ def child(model, calls, warmup):
                 out = torch.min(y, c) - c
             e[3].record()
         torch.cuda.synchronize()
-    del out
+    del out  # pyright: ignore[reportPossiblyUnboundVariable] (the loop above runs at least once)
     samples = {p: [] for p in PARTS}
     for e in events[warmup:]:
         samples["gemm"].append(e[0].elapsed_time(e[1]))
@@ -108,8 +116,11 @@ def child(model, calls, warmup):
 def table(lines, split=None):
     """Per process, each part's median in the two levels: split at the process's own 2-means threshold, or at
     `split` (ms) for every process, so that the levels mean the same across processes."""
-    rows = ["| model | repeat | total median | low: n, gemm / wait / epilogue / total | high: n, gemm / wait / epilogue "
-            "/ total | switches |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| model | repeat | total median | low: n, gemm / wait / epilogue / total | high: n, gemm / wait / epilogue "
+        "/ total | switches |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in lines:
         cells = []
         split_ms = split if split is not None else r["split_ms"]
@@ -119,14 +130,15 @@ def table(lines, split=None):
             parts = " / ".join("-" if lv[p] is None else f"{lv[p]:.4f}" for p in PARTS)
             cells.append(f"{lv['count']}, {parts}")
         totals = r["samples"]["total"]
-        switches = sum(1 for a, b in zip(totals, totals[1:]) if (a <= split_ms) != (b <= split_ms))
-        rows.append(f"| {r['model']} | {r['repeat']} | {r['median']['total']:.4f} | {cells[0]} | {cells[1]} | "
-                    f"{switches} |")
+        switches = sum(1 for a, b in itertools.pairwise(totals) if (a <= split_ms) != (b <= split_ms))
+        rows.append(
+            f"| {r['model']} | {r['repeat']} | {r['median']['total']:.4f} | {cells[0]} | {cells[1]} | {switches} |"
+        )
     return "\n".join(rows)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out-dir", type=Path)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=600)
@@ -136,7 +148,8 @@ def main():
     ap.add_argument("--one", help="MODEL: run one process's measurement and print its JSON line")
     args = ap.parse_args()
     if args.summary_only:
-        lines = [json.loads(line) for line in open(args.out_dir / "results.jsonl")]
+        with open(args.out_dir / "results.jsonl") as f:
+            lines = [json.loads(line) for line in f]
         print(table(lines, args.split_ms))
         return
     if args.one:
@@ -152,8 +165,21 @@ def main():
     with open(args.out_dir / "results.jsonl", "a") as out:
         for repeat in range(args.repeats):
             for model in ("hostsync", "eager"):
-                run = subprocess.run([sys.executable, __file__, "--one", model, "--calls", str(args.calls),
-                                      "--warmup", str(args.warmup)], capture_output=True, text=True, timeout=300)
+                run = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        model,
+                        "--calls",
+                        str(args.calls),
+                        "--warmup",
+                        str(args.warmup),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
                 if run.returncode != 0:
                     print(f"{model} repeat {repeat} failed: {run.stderr[-2000:]}")
                     continue

@@ -59,12 +59,24 @@ median SM clocks (MHz) and the Spearman correlation of ms with SM clock (- witho
 exits 0.
 """
 
-import argparse, bisect, ctypes, json, os, resource, statistics, subprocess, sys, threading, time  # noqa: E401
+import argparse
+import bisect
+import ctypes
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 # The harness's own sizing of the cover before each timed call (stdlib at import: torch loads where used).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
-from kforge_harness.timing import cover_ms  # noqa: E402
+from kforge_harness.timing import cover_ms
 
 CONFIGS = ["dobench", "kf_spin", "kf_block", "kf_default", "kf_nocover", "kf_pinned"]
 MODELS = ["eager", "hostsync", "synconly", "scalar"]
@@ -79,10 +91,17 @@ def cuda_driver():
     except OSError:
         return None
     u, i, pu, pi = ctypes.c_uint, ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_int)
-    for name, args in {"cuInit": [u], "cuDeviceGet": [pi, i], "cuDeviceGetCount": [pi], "cuDriverGetVersion": [pi],
-                       "cuDevicePrimaryCtxSetFlags_v2": [i, u], "cuDevicePrimaryCtxGetState": [i, pu, pi],
-                       "cuCtxGetFlags": [pu], "cuCtxSetFlags": [u], "cuDeviceGetPCIBusId": [ctypes.c_char_p, i, i]
-                       }.items():
+    for name, args in {
+        "cuInit": [u],
+        "cuDeviceGet": [pi, i],
+        "cuDeviceGetCount": [pi],
+        "cuDriverGetVersion": [pi],
+        "cuDevicePrimaryCtxSetFlags_v2": [i, u],
+        "cuDevicePrimaryCtxGetState": [i, pu, pi],
+        "cuCtxGetFlags": [pu],
+        "cuCtxSetFlags": [u],
+        "cuDeviceGetPCIBusId": [ctypes.c_char_p, i, i],
+    }.items():
         fn = getattr(cu, name, None)  # cuCtxSetFlags: CUDA 12.1 and later
         if fn is not None:
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -118,8 +137,13 @@ def thread_stats():
     except (OSError, ValueError):
         oncpu = wait = float("nan")
     r = resource.getrusage(resource.RUSAGE_THREAD)
-    return {"oncpu_ms": oncpu, "wait_ms": wait, "vol": r.ru_nvcsw, "invol": r.ru_nivcsw,
-            "wall_ms": time.perf_counter_ns() / 1e6}
+    return {
+        "oncpu_ms": oncpu,
+        "wait_ms": wait,
+        "vol": r.ru_nvcsw,
+        "invol": r.ru_nivcsw,
+        "wall_ms": time.perf_counter_ns() / 1e6,
+    }
 
 
 def quantile(values, p):
@@ -129,8 +153,13 @@ def quantile(values, p):
 
 def summary(values):
     med = quantile(values, 0.5)
-    return {"n": len(values), "median": med, "p20": quantile(values, 0.2), "p80": quantile(values, 0.8),
-            "iqr_pct": 100 * (quantile(values, 0.75) - quantile(values, 0.25)) / med if med else None}
+    return {
+        "n": len(values),
+        "median": med,
+        "p20": quantile(values, 0.2),
+        "p80": quantile(values, 0.8),
+        "iqr_pct": 100 * (quantile(values, 0.75) - quantile(values, 0.25)) / med if med else None,
+    }
 
 
 def two_means(values):
@@ -151,7 +180,8 @@ def two_means(values):
         sse = pre2[k] - pre[k] ** 2 / k + (pre2[n] - pre2[k]) - (pre[n] - pre[k]) ** 2 / (n - k)
         if best is None or sse < best[0]:
             best = (sse, k)
-    return (s[best[1] - 1] + s[best[1]]) / 2
+    # s[0] != s[-1]: some k splits, so best is set.
+    return (s[best[1] - 1] + s[best[1]]) / 2  # pyright: ignore[reportOptionalSubscript]
 
 
 def median_or_none(values):
@@ -167,16 +197,24 @@ def levels(samples, sm=None, power=None, pstate=None, reasons=None):
     lo, hi = quantile(samples, 0.02), quantile(samples, 0.98)
     split = two_means([min(max(v, lo), hi) for v in samples])
     side = [split is not None and v > split for v in samples]
-    out = {"split_ms": split, "switches": sum(a != b for a, b in zip(side, side[1:]))}
+    out = {"split_ms": split, "switches": sum(a != b for a, b in itertools.pairwise(side))}
     for name, flag in (("low", False), ("high", True)):
         idx = [i for i, s in enumerate(side) if s == flag]
-        pick = lambda col: [col[i] for i in idx if col[i] is not None] if col is not None else []  # noqa: E731
+
+        def pick(col, idx=idx):
+            return [col[i] for i in idx if col[i] is not None] if col is not None else []
+
         reasons_or = None
         for r in pick(reasons):
             reasons_or = r if reasons_or is None else reasons_or | r
-        out[name] = {"n": len(idx), "median_ms": median_or_none([samples[i] for i in idx]),
-                     "median_sm_mhz": median_or_none(pick(sm)), "median_power_mw": median_or_none(pick(power)),
-                     "pstates": sorted(set(pick(pstate))), "reasons_or": reasons_or}
+        out[name] = {
+            "n": len(idx),
+            "median_ms": median_or_none([samples[i] for i in idx]),
+            "median_sm_mhz": median_or_none(pick(sm)),
+            "median_power_mw": median_or_none(pick(power)),
+            "pstates": sorted(set(pick(pstate))),
+            "reasons_or": reasons_or,
+        }
     low, high = out["low"]["median_ms"], out["high"]["median_ms"]
     out["gap_pct"] = 100 * (high - low) / low if low and high is not None else None
     return out
@@ -235,14 +273,17 @@ def nvml_handle(nv, cu, dev, torch):
             return nv.nvmlDeviceGetHandleByUUID(name.encode()), {"mapped_by": "uuid", "notes": notes}
         except Exception as e:
             notes.append(f"uuid {uuid}: {type(e).__name__}: {e}")
-    return nv.nvmlDeviceGetHandleByIndex(0), {"mapped_by": "NVML index 0 (no bus id or uuid matched; may be another "
-                                                            "GPU under CUDA_VISIBLE_DEVICES)", "notes": notes}
+    return nv.nvmlDeviceGetHandleByIndex(0), {
+        "mapped_by": "NVML index 0 (no bus id or uuid matched; may be another GPU under CUDA_VISIBLE_DEVICES)",
+        "notes": notes,
+    }
 
 
 def field_value(v):
     """The number in a pynvml c_nvmlFieldValue_t."""
-    return [v.value.dVal, v.value.uiVal, v.value.ulVal, v.value.ullVal, v.value.sllVal, v.value.siVal,
-            v.value.usVal][v.valueType]
+    return [v.value.dVal, v.value.uiVal, v.value.ulVal, v.value.ullVal, v.value.sllVal, v.value.siVal, v.value.usVal][
+        v.valueType
+    ]
 
 
 class NvmlSampler:
@@ -257,7 +298,7 @@ class NvmlSampler:
             self.error = "off (--nvml-period-ms 0)"
             return
         try:
-            import pynvml as nv
+            import pynvml as nv  # pyright: ignore[reportMissingImports] (nvidia-ml-py, on the GPU machines only)
         except Exception as e:
             self.error = f"pynvml cannot be imported ({type(e).__name__}: {e}); pip install nvidia-ml-py"
             return
@@ -275,30 +316,35 @@ class NvmlSampler:
     @staticmethod
     def static(nv, h):
         """What does not change during the run, each None where NVML refuses it."""
-        def get(fn, *a):
+
+        def get(fn, *a) -> Any:
             try:
                 v = getattr(nv, fn)(h, *a)
                 return v.decode() if isinstance(v, bytes) else v
             except Exception:
                 return None
+
         pci = get("nvmlDeviceGetPciInfo")
         try:
             driver = nv.nvmlSystemGetDriverVersion()
         except Exception:
             driver = None
-        return {"name": get("nvmlDeviceGetName"), "uuid": get("nvmlDeviceGetUUID"),
-                "nvml_bus_id": None if pci is None else (pci.busId.decode() if isinstance(pci.busId, bytes)
-                                                         else pci.busId),
-                "driver": driver.decode() if isinstance(driver, bytes) else driver,
-                "max_sm_mhz": get("nvmlDeviceGetMaxClockInfo", nv.NVML_CLOCK_SM),
-                "app_sm_mhz": get("nvmlDeviceGetApplicationsClock", nv.NVML_CLOCK_SM),
-                "power_limit_mw": get("nvmlDeviceGetEnforcedPowerLimit"),
-                "persistence": get("nvmlDeviceGetPersistenceMode")}
+        return {
+            "name": get("nvmlDeviceGetName"),
+            "uuid": get("nvmlDeviceGetUUID"),
+            "nvml_bus_id": None if pci is None else (pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId),
+            "driver": driver.decode() if isinstance(driver, bytes) else driver,
+            "max_sm_mhz": get("nvmlDeviceGetMaxClockInfo", nv.NVML_CLOCK_SM),
+            "app_sm_mhz": get("nvmlDeviceGetApplicationsClock", nv.NVML_CLOCK_SM),
+            "power_limit_mw": get("nvmlDeviceGetEnforcedPowerLimit"),
+            "persistence": get("nvmlDeviceGetPersistenceMode"),
+        }
 
     def probe_readers(self, nv, h):
         """The readings this GPU answers (one trial read each); the others go to `unsupported`."""
-        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        reasons = (
+            getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         instant = [getattr(nv, "NVML_FI_DEV_POWER_INSTANT", 186)]
 
         def power_instant():
@@ -306,11 +352,16 @@ class NvmlSampler:
             if v.nvmlReturn != 0:
                 raise RuntimeError(f"field value return {v.nvmlReturn}")
             return field_value(v)
-        candidates = {"sm": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                      "mem": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
-                      "pw": lambda: nv.nvmlDeviceGetPowerUsage(h), "pwi": power_instant,
-                      "ps": lambda: nv.nvmlDeviceGetPerformanceState(h), "rsn": lambda: reasons(h),
-                      "temp": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)}
+
+        candidates = {
+            "sm": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+            "mem": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
+            "pw": lambda: nv.nvmlDeviceGetPowerUsage(h),
+            "pwi": power_instant,
+            "ps": lambda: nv.nvmlDeviceGetPerformanceState(h),
+            "rsn": lambda: reasons(h),
+            "temp": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+        }
         ok = {}
         for name, read in candidates.items():
             try:
@@ -363,13 +414,21 @@ class NvmlSampler:
         idx = join_earlier(s["t"], stamps)
         col = {k: [None if i is None else s[k][i] for i in idx] for k in self.readers}
         power = col.get("pwi") or col.get("pw")
-        nvml = {"device": self.device, "unsupported": self.unsupported, "period_ms": self.period_s * 1e3,
-                "reads": len(s["t"]), "read_us": [round(quantile(self.read_ns, 0.5) / 1e3, 1),
-                                                  round(max(self.read_ns) / 1e3, 1)],
-                "stamped": stamped, "power_field": "pwi" if col.get("pwi") else "pw",
-                "window_us": [us(window[0]), us(window[1])], "sample_t_us": [us(t) for t in stamps],
-                "sample_sm": col["sm"], "rho_sm": spearman(samples, col["sm"]), "rho_power": spearman(samples, power),
-                "series": {"t_us": [us(t) for t in s["t"]], **{k: s[k] for k in self.readers}}}
+        nvml = {
+            "device": self.device,
+            "unsupported": self.unsupported,
+            "period_ms": self.period_s * 1e3,
+            "reads": len(s["t"]),
+            "read_us": [round(quantile(self.read_ns, 0.5) / 1e3, 1), round(max(self.read_ns) / 1e3, 1)],
+            "stamped": stamped,
+            "power_field": "pwi" if col.get("pwi") else "pw",
+            "window_us": [us(window[0]), us(window[1])],
+            "sample_t_us": [us(t) for t in stamps],
+            "sample_sm": col["sm"],
+            "rho_sm": spearman(samples, col["sm"]),
+            "rho_power": spearman(samples, power),
+            "series": {"t_us": [us(t) for t in s["t"]], **{k: s[k] for k in self.readers}},
+        }
         return {"nvml": nvml, "levels": levels(samples, col["sm"], power, col.get("ps"), col.get("rsn"))}
 
 
@@ -384,16 +443,17 @@ def one(spec, out, nvml_period_ms=2.0):
     import torch
     import torch.nn.functional as F
 
+    # no_cuda_reason() is None only where cu is loaded.
     dev, version = ctypes.c_int(), ctypes.c_int()
-    cu.cuDeviceGet(ctypes.byref(dev), 0)
+    cu.cuDeviceGet(ctypes.byref(dev), 0)  # pyright: ignore[reportOptionalMemberAccess]
     blocking = config not in ("dobench", "kf_default")
     rec = {"model": model_name, "config": config, "pid": os.getpid(), "torch": torch.__version__}
     if blocking:  # before torch creates the primary context, as kforge_harness.process.blocking_sync
-        rec["primary_set_rc"] = cu.cuDevicePrimaryCtxSetFlags_v2(dev, 4)
+        rec["primary_set_rc"] = cu.cuDevicePrimaryCtxSetFlags_v2(dev, 4)  # pyright: ignore[reportOptionalMemberAccess]
     if not torch.cuda.is_available():
         print("no CUDA: torch.cuda.is_available() is False; nothing measured")
         return
-    cu.cuDriverGetVersion(ctypes.byref(version))
+    cu.cuDriverGetVersion(ctypes.byref(version))  # pyright: ignore[reportOptionalMemberAccess]
     rec.update(gpu=torch.cuda.get_device_name(0), driver=version.value)
 
     class Model(torch.nn.Module):
@@ -432,19 +492,27 @@ def one(spec, out, nvml_period_ms=2.0):
 
             s0 = thread_stats()
             begin = time.perf_counter_ns()
-            times = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="all")
+            # return_mode="all": a list of times, which do_bench's annotation does not say.
+            times: Any = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="all")
             window = (begin, time.perf_counter_ns())
             rec["loop"] = {k: v - s0[k] for k, v in thread_stats().items()}
             sampler.stop()
-            rec.update(summary(times), loop_calls=len(times), flags_end=ctx_flags(cu), samples=times,
-                       fn_calls=len(stamps))
-            stamps, stamped = stamps[-len(times):], "when fn returned (eager: the host runs ahead of the GPU)"
+            rec.update(
+                summary(times), loop_calls=len(times), flags_end=ctx_flags(cu), samples=times, fn_calls=len(stamps)
+            )
+            stamps, stamped = stamps[-len(times) :], "when fn returned (eager: the host runs ahead of the GPU)"
         else:
             clock = {"stamps": []}
             samples, launches, device_ms, hosts = kforge_loop(torch, cu, model, x, config, blocking, rec, clock)
             sampler.stop()
-            rec.update(summary(samples), launch_ms=quantile(launches[WARMUP:], 0.5), host_ms=quantile(hosts, 0.5),
-                       cover_ms=cover_ms(launches, device_ms), loop_calls=SAMPLES, samples=samples)
+            rec.update(
+                summary(samples),
+                launch_ms=quantile(launches[WARMUP:], 0.5),
+                host_ms=quantile(hosts, 0.5),
+                cover_ms=cover_ms(launches, device_ms),
+                loop_calls=SAMPLES,
+                samples=samples,
+            )
             stamps, window, stamped = clock["stamps"], (clock["begin"], clock["end"]), "after the call's synchronize"
     rec.update(sampler.record(rec["samples"], stamps, window, stamped))
     rec["samples"] = [round(v, 5) for v in rec["samples"]]  # raw, in call order
@@ -453,8 +521,8 @@ def one(spec, out, nvml_period_ms=2.0):
 
 
 def kforge_loop(torch, cu, model, x, config, blocking, rec, clock):
-    """kforge_harness.timing.measure + Timer.time_ms for one input set, with the config's variations. Fills clock: the host
-    times (perf_counter_ns) of the timed part's begin and end and, per sample, right after its synchronize."""
+    """kforge_harness.timing.measure + Timer.time_ms for one input set, with the config's variations. Fills clock: the
+    host times (perf_counter_ns) of the timed part's begin and end and, per sample, right after its synchronize."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     flush = torch.empty(max(2 * l2, 1 << 20), dtype=torch.uint8, device="cuda")
     torch.cuda._sleep(1_000_000)  # spin_rate: the first launch loads the kernel
@@ -503,7 +571,8 @@ def kforge_loop(torch, cu, model, x, config, blocking, rec, clock):
             hosts.append(host)
             clock["stamps"].append(done)
     clock["end"] = time.perf_counter_ns()
-    rec.update(loop={k: v - s0[k] for k, v in thread_stats().items()}, flags_end=ctx_flags(cu))
+    # s0 is set at call WARMUP, which the loop reaches.
+    rec.update(loop={k: v - s0[k] for k, v in thread_stats().items()}, flags_end=ctx_flags(cu))  # pyright: ignore[reportPossiblyUnboundVariable]
     del output
     if config == "kf_pinned":
         os.sched_setaffinity(0, affinity)
@@ -531,20 +600,28 @@ def level_cols(lv, rho):
     """lo_ms hi_ms hi% sm_lo sm_hi rho."""
     lo, hi = (lv or {}).get("low") or {}, (lv or {}).get("high") or {}
     share = 100 * hi["n"] / (lo["n"] + hi["n"]) if lo.get("n") is not None and hi.get("n") is not None else None
-    return (f"{fmt(lo.get('median_ms'), '.4f', 7)} {fmt(hi.get('median_ms'), '.4f', 7)} {fmt(share, '.0f', 3)} "
-            f"{fmt(lo.get('median_sm_mhz'), '.0f', 5)} {fmt(hi.get('median_sm_mhz'), '.0f', 5)} {fmt(rho, '+.2f', 5)}")
+    return (
+        f"{fmt(lo.get('median_ms'), '.4f', 7)} {fmt(hi.get('median_ms'), '.4f', 7)} {fmt(share, '.0f', 3)} "
+        f"{fmt(lo.get('median_sm_mhz'), '.0f', 5)} {fmt(hi.get('median_sm_mhz'), '.0f', 5)} {fmt(rho, '+.2f', 5)}"
+    )
 
 
 def table(path):
     groups = {}
-    for line in open(path):
-        if line.strip():
-            r = json.loads(line)
-            groups.setdefault((r["model"], r["config"]), []).append(r)
-    print(f"{'model':9} {'config':10} {'n':>2} {'med_ms':>7} {'sprd%':>6} {'iqr%':>5} {'vol/call':>8} {'oncpu%':>6} "
-          f"{'launch':>7} {'lo_ms':>7} {'hi_ms':>7} {'hi%':>3} {'sm_lo':>5} {'sm_hi':>5} {'rho':>5}  "
-          f"flags before>spin>end>after  rc set/back")
-    order = lambda k: (MODELS.index(k[0]) if k[0] in MODELS else 9, CONFIGS.index(k[1]) if k[1] in CONFIGS else 9)
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                groups.setdefault((r["model"], r["config"]), []).append(r)
+    print(
+        f"{'model':9} {'config':10} {'n':>2} {'med_ms':>7} {'sprd%':>6} {'iqr%':>5} {'vol/call':>8} {'oncpu%':>6} "
+        f"{'launch':>7} {'lo_ms':>7} {'hi_ms':>7} {'hi%':>3} {'sm_lo':>5} {'sm_hi':>5} {'rho':>5}  "
+        f"flags before>spin>end>after  rc set/back"
+    )
+
+    def order(k):
+        return (MODELS.index(k[0]) if k[0] in MODELS else 9, CONFIGS.index(k[1]) if k[1] in CONFIGS else 9)
+
     for (m, c), rs in sorted(groups.items(), key=lambda kv: order(kv[0])):
         ok = [r for r in rs if r.get("median")]
         if not ok:
@@ -555,14 +632,17 @@ def table(path):
         vol = statistics.median(r["loop"]["vol"] / r["loop_calls"] for r in ok)
         oncpu = statistics.median(100 * r["loop"]["oncpu_ms"] / r["loop"]["wall_ms"] for r in ok)
         launch = statistics.median(r.get("launch_ms") or 0.0 for r in ok)
-        flags = {">".join(str(r.get(k, "-")) for k in ("flags_before", "flags_spin", "flags_end", "flags_after"))
-                 for r in ok}
+        flags = {
+            ">".join(str(r.get(k, "-")) for k in ("flags_before", "flags_spin", "flags_end", "flags_after")) for r in ok
+        }
         rcs = {f"{r.get('set_spin_rc', '-')}/{r.get('set_back_rc', '-')}" for r in ok}
-        print(f"{m:9} {c:10} {len(ok):>2} {mm:7.4f} {100 * (max(meds) - min(meds)) / mm:6.2f} "
-              f"{statistics.mean(r['iqr_pct'] for r in ok):5.2f} {vol:8.3f} {oncpu:6.1f} {launch:7.4f} "
-              f"{level_cols(*pooled_levels(ok))}  "
-              f"{' | '.join(sorted(flags)):27}  {' | '.join(sorted(rcs))}" + (f"  ({len(rs) - len(ok)} failed)"
-                                                                             if len(rs) > len(ok) else ""))
+        print(
+            f"{m:9} {c:10} {len(ok):>2} {mm:7.4f} {100 * (max(meds) - min(meds)) / mm:6.2f} "
+            f"{statistics.mean(r['iqr_pct'] for r in ok):5.2f} {vol:8.3f} {oncpu:6.1f} {launch:7.4f} "
+            f"{level_cols(*pooled_levels(ok))}  "
+            f"{' | '.join(sorted(flags)):27}  {' | '.join(sorted(rcs))}"
+            + (f"  ({len(rs) - len(ok)} failed)" if len(rs) > len(ok) else "")
+        )
 
 
 def main():
@@ -604,9 +684,21 @@ def main():
         tmp = args.out_dir / f"one-{model}-{config}-{rep}.json"
         tmp.unlink(missing_ok=True)
         try:
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{model}:{config}",
-                                   "--out", str(tmp), "--nvml-period-ms", str(args.nvml_period_ms)],
-                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--one",
+                    f"{model}:{config}",
+                    "--out",
+                    str(tmp),
+                    "--nvml-period-ms",
+                    str(args.nvml_period_ms),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=CHILD_TIMEOUT_S,
+            )
             error = (proc.stdout + proc.stderr)[-2000:]
         except subprocess.TimeoutExpired:
             error = f"timed out after {CHILD_TIMEOUT_S} s"
@@ -615,12 +707,16 @@ def main():
         rec.update(rep=rep, order=index)
         with open(results, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        got = f"median {rec['median']:.4f} ms iqr {rec['iqr_pct']:.2f}%" if rec.get("median") else \
-            f"FAILED: {error.strip().splitlines()[-1:] if error else ''}"
+        got = (
+            f"median {rec['median']:.4f} ms iqr {rec['iqr_pct']:.2f}%"
+            if rec.get("median")
+            else f"FAILED: {error.strip().splitlines()[-1:] if error else ''}"
+        )
         if rec.get("median"):
             rho = (rec.get("nvml") or {}).get("rho_sm")
-            got += f"; lo_ms hi_ms hi% sm_lo sm_hi rho: {level_cols(rec.get('levels'), rho)}" + \
-                ("" if rec.get("nvml") else f" (no NVML: {rec.get('nvml_reason')})")
+            got += f"; lo_ms hi_ms hi% sm_lo sm_hi rho: {level_cols(rec.get('levels'), rho)}" + (
+                "" if rec.get("nvml") else f" (no NVML: {rec.get('nvml_reason')})"
+            )
         print(f"[{time.monotonic() - started:6.1f}s] {model}:{config} rep {rep}: {got}", flush=True)
     table(results)
 

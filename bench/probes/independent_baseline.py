@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-MEASURE = r'''
+MEASURE = r"""
 import importlib.util, json, sys, torch, triton.testing
 spec = importlib.util.spec_from_file_location("task", sys.argv[1])
 task = importlib.util.module_from_spec(spec)
@@ -22,7 +22,7 @@ inputs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in task.get_input
 with torch.no_grad():
     ms = triton.testing.do_bench(lambda: model(*inputs), warmup=100, rep=1000, return_mode="median")
 print(json.dumps({"median_ms": ms}))
-'''
+"""
 
 
 def eager_medians(path):
@@ -42,8 +42,14 @@ def main():
     second = eager_medians(sys.argv[3]) if len(sys.argv) > 3 else {}
     print(f"{'task':<55} {'kforge ms':>10} {'kforge#2':>10} {'run diff':>9} {'do_bench':>10} {'vs do_bench':>11}")
     within_5, agree_3, compared, compared_runs = 0, 0, 0, 0
+
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else "-"
+
     for task in sorted(first):
-        out = subprocess.run([sys.executable, "-c", MEASURE, f"{root}/{task}"], capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", MEASURE, f"{root}/{task}"], capture_output=True, text=True, timeout=300
+        )
         reference = json.loads(out.stdout.strip().splitlines()[-1])["median_ms"] if out.returncode == 0 else None
         ours, again = first[task], second.get(task)
         run_diff = abs(again - ours) / ours if again else None
@@ -54,10 +60,14 @@ def main():
         if run_diff is not None and ours > 0.1:
             compared_runs += 1
             agree_3 += run_diff <= 0.03
-        fmt = lambda v, spec: format(v, spec) if v is not None else "-"
-        print(f"{task:<55} {ours:>10.4f} {fmt(again, '>10.4f')} {fmt(run_diff and 100 * run_diff, '>8.2f')}% "
-              f"{fmt(reference, '>10.4f')} {fmt(vs and 100 * vs, '>10.2f')}%")
-    print(f"# eager median within 5% of do_bench: {within_5}/{compared}; two runs within 3% (ops > 0.1 ms): {agree_3}/{compared_runs}")
+        print(
+            f"{task:<55} {ours:>10.4f} {fmt(again, '>10.4f')} {fmt(run_diff and 100 * run_diff, '>8.2f')}% "
+            f"{fmt(reference, '>10.4f')} {fmt(vs and 100 * vs, '>10.2f')}%"
+        )
+    print(
+        f"# eager median within 5% of do_bench: {within_5}/{compared}; "
+        f"two runs within 3% (ops > 0.1 ms): {agree_3}/{compared_runs}"
+    )
 
 
 if __name__ == "__main__":

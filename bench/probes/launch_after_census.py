@@ -23,11 +23,17 @@ the cover's last size, and how long closing the profiler took.
 Without CUDA it says so and exits 0.
 """
 
-import argparse, json, os, statistics, subprocess, sys, time  # noqa: E401
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "crates" / "execution" / "harness"))
-from kforge_harness import process, timing  # noqa: E402
+from kforge_harness import process, timing
 
 MODELS = ["relu", "triton_relu", "hostsync", "graph_relu", "graph_lazy"]
 CONFIGS = ["plain", "census", "teardown"]
@@ -85,7 +91,8 @@ def model_fn(name, torch):
 
         def call():
             y = torch.empty_like(x)
-            relu_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+            # A constexpr parameter takes a plain value at launch; triton's annotation says otherwise.
+            relu_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)  # pyright: ignore[reportArgumentType]
             return y
 
         return call
@@ -149,15 +156,25 @@ def child(model, config, calls):
         ordered = sorted(values)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    return {"model": model, "config": config, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-            "spin": spinning, "close_ms": close_ms, "cover_ms": timing.cover_ms(launches, device_ms),
-            "event_median_ms": statistics.median(events), "event_p90_ms": pct(events, 0.9),
-            "launch_median_ms": statistics.median(launches[25:]), "launch_p90_ms": pct(launches[25:], 0.9),
-            "events_ms": events, "launches_ms": launches[25:]}
+    return {
+        "model": model,
+        "config": config,
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "spin": spinning,
+        "close_ms": close_ms,
+        "cover_ms": timing.cover_ms(launches, device_ms),
+        "event_median_ms": statistics.median(events),
+        "event_p90_ms": pct(events, 0.9),
+        "launch_median_ms": statistics.median(launches[25:]),
+        "launch_p90_ms": pct(launches[25:], 0.9),
+        "events_ms": events,
+        "launches_ms": launches[25:],
+    }
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out-dir", type=Path)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--calls", type=int, default=600)
@@ -175,14 +192,20 @@ def main():
         print("no CUDA device: nothing to measure")
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    rows = ["| model | config | repeat | event median / p90 ms | launch median / p90 ms | cover ms | close ms |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | config | repeat | event median / p90 ms | launch median / p90 ms | cover ms | close ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     with open(args.out_dir / "results.jsonl", "a") as out:
         for repeat in range(args.repeats):
             for model in args.models.split(","):
                 for config in args.configs.split(","):
-                    run = subprocess.run([sys.executable, __file__, "--one", f"{model}:{config}", "--calls",
-                                          str(args.calls)], capture_output=True, text=True, timeout=300)
+                    run = subprocess.run(
+                        [sys.executable, __file__, "--one", f"{model}:{config}", "--calls", str(args.calls)],
+                        capture_output=True,
+                        text=True,
+                        timeout=300,
+                    )
                     if run.returncode != 0:
                         print(f"{model}:{config} repeat {repeat} failed: {run.stderr[-2000:]}")
                         continue
@@ -191,9 +214,11 @@ def main():
                     out.write(json.dumps(r) + "\n")
                     out.flush()
                     close = "-" if r["close_ms"] is None else f"{r['close_ms']:.0f}"
-                    rows.append(f"| {model} | {config} | {repeat} | {r['event_median_ms']:.4f} / "
-                                f"{r['event_p90_ms']:.4f} | {r['launch_median_ms']:.4f} / {r['launch_p90_ms']:.4f} | "
-                                f"{r['cover_ms']:.4f} | {close} |")
+                    rows.append(
+                        f"| {model} | {config} | {repeat} | {r['event_median_ms']:.4f} / "
+                        f"{r['event_p90_ms']:.4f} | {r['launch_median_ms']:.4f} / {r['launch_p90_ms']:.4f} | "
+                        f"{r['cover_ms']:.4f} | {close} |"
+                    )
                     print(rows[-1], flush=True)
     (args.out_dir / "table.md").write_text("\n".join(rows) + "\n")
 

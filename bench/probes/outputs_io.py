@@ -23,13 +23,16 @@ Loads (the file `staged` wrote, back onto the device; checked equal):
 Each process writes one JSON line per (dir, op, repeat): seconds and GB/s; all processes of a run start each step
 together (a barrier). Prints a table of the medians per (procs, dir, op).
 """
+
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
+from typing import Any
 
 CHUNK = 64 << 20
 
@@ -69,14 +72,14 @@ def write_staged(src, path, buffers):
     import torch
 
     n, chunk = src.numel(), buffers[0].numel()
-    events = [None, None]
+    events: list[Any] = [None, None]  # torch.cuda.Event per buffer, once recorded
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         pending = None  # (buffer index, offset, length) copied, not yet written
         for i, at in enumerate(range(0, n, chunk)):
             b = i % 2
             length = min(chunk, n - at)
-            buffers[b][:length].copy_(src[at:at + length], non_blocking=True)
+            buffers[b][:length].copy_(src[at : at + length], non_blocking=True)
             events[b] = torch.cuda.Event()
             events[b].record()
             if pending is not None:
@@ -94,7 +97,8 @@ def write_staged(src, path, buffers):
 
 def filesystem(path):
     """The type of the filesystem `path` lies on (/proc/self/mounts, longest mount point that holds it)."""
-    mounts = [line.split()[1:3] for line in open("/proc/self/mounts")]
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[1:3] for line in f]
     real = os.path.realpath(os.path.dirname(path))
     holding = [m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")]
     return max(holding, key=lambda m: len(m[0]))[1]
@@ -111,15 +115,15 @@ def write_registered(src, path):
     with open(path, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, n)
     data = torch.from_file(path, shared=True, size=n, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(data.data_ptr(), n, 0)
+    cudart = torch.cuda.cudart()  # cudart() initialises CUDA, which loads it: not None
+    err = cudart.cudaHostRegister(data.data_ptr(), n, 0)  # pyright: ignore[reportOptionalMemberAccess]
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister: {err}")
     try:
         data.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
     finally:
-        cudart.cudaHostUnregister(data.data_ptr())
+        cudart.cudaHostUnregister(data.data_ptr())  # pyright: ignore[reportOptionalMemberAccess]
 
 
 def load_mapped(path, device, populate=False):
@@ -137,15 +141,15 @@ def load_registered(path, device):
 
     n = os.path.getsize(path)
     data = torch.from_file(path, shared=False, size=n, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(data.data_ptr(), n, 8)  # cudaHostRegisterReadOnly
+    cudart = torch.cuda.cudart()  # cudart() initialises CUDA, which loads it: not None
+    err = cudart.cudaHostRegister(data.data_ptr(), n, 8)  # cudaHostRegisterReadOnly  # pyright: ignore[reportOptionalMemberAccess]
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister: {err}")
     try:
         out = data.to(device, non_blocking=True)
         torch.cuda.synchronize()
     finally:
-        cudart.cudaHostUnregister(data.data_ptr())
+        cudart.cudaHostUnregister(data.data_ptr())  # pyright: ignore[reportOptionalMemberAccess]
     return out
 
 
@@ -154,7 +158,7 @@ def load_staged(path, device, buffers):
 
     n, chunk = os.path.getsize(path), buffers[0].numel()
     out = torch.empty(n, dtype=torch.uint8, device=device)
-    events = [None, None]
+    events: list[Any] = [None, None]  # torch.cuda.Event per buffer, once recorded
     fd = os.open(path, os.O_RDONLY)
     try:
         for i, at in enumerate(range(0, n, chunk)):
@@ -169,7 +173,7 @@ def load_staged(path, device, buffers):
                 if got <= 0:
                     raise OSError("short read")
                 done += got
-            out[at:at + length].copy_(view, non_blocking=True)
+            out[at : at + length].copy_(view, non_blocking=True)
             events[b] = torch.cuda.Event()
             events[b].record()
     finally:
@@ -190,17 +194,19 @@ def worker(rank, args, barrier, queue):
     for repeat in range(args.repeats):
         for folder in args.dirs.split(","):
             base = os.path.join(folder, f"kforge-io-{os.getpid()}")
-            steps = [("write", "mapped", lambda p: write_mapped(src, p)),
-                     ("write", "mapped_nf", lambda p: write_mapped(src, p, fallocate=False)),
-                     ("write", "mapped_pop", lambda p: write_mapped(src, p, populate=True)),
-                     ("write", "mapped_nf_pop", lambda p: write_mapped(src, p, fallocate=False, populate=True)),
-                     ("write", "registered", lambda p: write_registered(src, p)),
-                     ("write", "staged", lambda p: write_staged(src, p, buffers)),
-                     ("load", "mapped", lambda p: load_mapped(p, device)),
-                     ("load", "mapped_pop", lambda p: load_mapped(p, device, populate=True)),
-                     ("load", "registered", lambda p: load_registered(p, device)),
-                     ("load", "staged", lambda p: load_staged(p, device, buffers)),
-                     ("load", "staged16", lambda p: load_staged(p, device, buffers16))]
+            steps = [
+                ("write", "mapped", lambda p: write_mapped(src, p)),
+                ("write", "mapped_nf", lambda p: write_mapped(src, p, fallocate=False)),
+                ("write", "mapped_pop", lambda p: write_mapped(src, p, populate=True)),
+                ("write", "mapped_nf_pop", lambda p: write_mapped(src, p, fallocate=False, populate=True)),
+                ("write", "registered", lambda p: write_registered(src, p)),
+                ("write", "staged", lambda p: write_staged(src, p, buffers)),
+                ("load", "mapped", lambda p: load_mapped(p, device)),
+                ("load", "mapped_pop", lambda p: load_mapped(p, device, populate=True)),
+                ("load", "registered", lambda p: load_registered(p, device)),
+                ("load", "staged", lambda p: load_staged(p, device, buffers)),
+                ("load", "staged16", lambda p: load_staged(p, device, buffers16)),
+            ]
             for kind, name, fn in steps:
                 # `staged` writes the file every load then reads.
                 path = base + (".w" + name if kind == "write" and name != "staged" else ".w")
@@ -218,19 +224,25 @@ def worker(rank, args, barrier, queue):
                     ok = bool(torch.equal(got, src))
                     del got
                 if kind == "write" and name != "staged":
-                    try:
+                    with contextlib.suppress(OSError):
                         os.unlink(path)
-                    except OSError:
-                        pass
-                queue.put({"procs": args.procs, "rank": rank, "repeat": repeat, "dir": folder, "kind": kind,
-                           "op": name, "s": round(seconds, 4),
-                           "GBps": round(n / seconds / 1e9, 2) if not error else None,
-                           "equal": ok, "error": error})
+                queue.put(
+                    {
+                        "procs": args.procs,
+                        "rank": rank,
+                        "repeat": repeat,
+                        "dir": folder,
+                        "kind": kind,
+                        "op": name,
+                        "s": round(seconds, 4),
+                        "GBps": round(n / seconds / 1e9, 2) if not error else None,
+                        "equal": ok,
+                        "error": error,
+                    }
+                )
             barrier.wait()
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(base + ".w")
-            except OSError:
-                pass
 
 
 def main():
@@ -243,6 +255,7 @@ def main():
     args = ap.parse_args()
     try:
         import torch
+
         if not torch.cuda.is_available():
             print("no CUDA device: nothing measured")
             return 0
@@ -276,8 +289,10 @@ def main():
         equal = {r["equal"] for r in rs} - {None}
         med = statistics.median(good) if good else float("nan")
         rate = args.gib * (1 << 30) / med / 1e9 if good else 0
-        print(f"{folder:10} {kind:5} {op:10} median {med:7.3f} s  {rate:6.2f} GB/s"
-              f" per process  equal={sorted(equal)} {sorted(errors) if errors else ''}")
+        print(
+            f"{folder:10} {kind:5} {op:10} median {med:7.3f} s  {rate:6.2f} GB/s"
+            f" per process  equal={sorted(equal)} {sorted(errors) if errors else ''}"
+        )
     return 0
 
 

@@ -4,6 +4,7 @@ flushes, then the same seeds again: bitwise equal or not, and the largest differ
 
     TORCH_EXTENSIONS_DIR=... python3 bench/probes/replay_probe.py TASK.py CANDIDATE.py
 """
+
 import importlib.util
 import sys
 
@@ -11,9 +12,9 @@ import torch
 
 
 def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    spec = importlib.util.spec_from_file_location(name, path)  # a .py file's: never None, with a loader
+    module = importlib.util.module_from_spec(spec)  # pyright: ignore[reportArgumentType]
+    spec.loader.exec_module(module)  # pyright: ignore[reportOptionalMemberAccess]
     return module
 
 
@@ -37,6 +38,7 @@ inputs = [x.to(dev) for x in task.get_inputs()]
 flush = torch.empty(2 * 60 * 2**20, dtype=torch.uint8, device=dev)
 with torch.no_grad():
     from torch.autograd import profiler
+
     with profiler.profile(use_device="cuda", use_kineto=True):
         for _ in range(20):
             model(*inputs)

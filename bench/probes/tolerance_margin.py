@@ -21,8 +21,12 @@ from kforge_harness import compare  # noqa: E402
 from kforge_harness.inputs import load_module  # noqa: E402
 
 # The evaluator's defaults (crates/execution/src/config.rs, `Tolerances::default`).
-DEFAULTS = {"float16": (1e-2, 1e-2, 1e-4), "bfloat16": (2e-2, 2e-2, 2e-4), "float32": (1e-3, 1e-3, 1e-5),
-            "float64": (1e-8, 1e-8, 1e-10)}
+DEFAULTS = {
+    "float16": (1e-2, 1e-2, 1e-4),
+    "bfloat16": (2e-2, 2e-2, 2e-4),
+    "float32": (1e-3, 1e-3, 1e-5),
+    "float64": (1e-8, 1e-8, 1e-10),
+}
 
 
 def to_device(values, device):
@@ -60,8 +64,10 @@ def main():
     reference = task.Model(*to_device(list(task.get_init_inputs()), device)).to(device)
     torch.manual_seed(0)
     new = candidate.ModelNew(*to_device(list(task.get_init_inputs()), device)).to(device)
-    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; {args.task} / "
-          f"{Path(args.candidate).name}; ratio = max |got - expected| / allowed (fails above 1)")
+    print(
+        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; {args.task} / "
+        f"{Path(args.candidate).name}; ratio = max |got - expected| / allowed (fails above 1)"
+    )
     print(f"{'seed':>4} {'mean |out|':>10} {'max abs err':>12} {'ratio with scale_rtol':>22} {'ratio without':>14}")
     failed_with = failed_without = 0
     worst_with = worst_without = 0.0
@@ -83,8 +89,10 @@ def main():
             failed_without += without > 1
             worst_with, worst_without = max(worst_with, with_), max(worst_without, without)
             print(f"{seed:>4} {scale:>10.4g} {err:>12.3e} {with_:>22.4f} {without:>14.4f}")
-    print(f"# {args.seeds} seeds: fail with scale_rtol {failed_with} (worst ratio {worst_with:.4f}), "
-          f"without {failed_without} (worst ratio {worst_without:.4f})")
+    print(
+        f"# {args.seeds} seeds: fail with scale_rtol {failed_with} (worst ratio {worst_with:.4f}), "
+        f"without {failed_without} (worst ratio {worst_without:.4f})"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Not a script: imported by the two benchmarks (stdlib only, so the parent process
 """
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -106,7 +107,7 @@ def _children_map():
         except OSError:
             continue
         # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after the last ')'.
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if fields[0] in ("Z", "X"):  # exited, not yet reaped: runs nothing
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
@@ -166,21 +167,33 @@ class Evaluator:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         self.addr = f"http://127.0.0.1:{port}"
-        config = write_config(self.out_dir / f"{self.name}.toml", python=self.python, port=port,
-                              work_dir=self.work_dir, settings=self.settings)
+        config = write_config(
+            self.out_dir / f"{self.name}.toml",
+            python=self.python,
+            port=port,
+            work_dir=self.work_dir,
+            settings=self.settings,
+        )
         env = dict(os.environ)
         env.update({k: str(v) for k, v in self.env.items()})
         inherited = sorted(k for k in os.environ if k.startswith("KFORGE__") and k not in self.env)
         self.log_path = self.out_dir / f"{self.name}.log"
-        log_file = open(self.log_path, "ab")
-        log_file.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start {self.name} on {self.addr}; "
-                       f"env {self.env} inherited {inherited}\n".encode())
-        log_file.flush()
-        started = time.monotonic()
-        self.proc = subprocess.Popen([str(self.kforge), "serve", "evaluator", "--config", str(config)],
-                                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                     cwd=REPO, start_new_session=True)
-        log_file.close()
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(
+                f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} start {self.name} on {self.addr}; "
+                f"env {self.env} inherited {inherited}\n".encode()
+            )
+            log_file.flush()
+            started = time.monotonic()
+            self.proc = subprocess.Popen(
+                [str(self.kforge), "serve", "evaluator", "--config", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
         _LIVE.add(self)
         log(f"evaluator {self.name}: pid {self.proc.pid} on {self.addr} (config {config}, env {self.env})")
         try:
@@ -189,7 +202,8 @@ class Evaluator:
             self.stop()
             raise
         self.started_s = time.monotonic() - started
-        log(f"evaluator {self.name}: ready after {self.started_s:.1f} s; devices {self.capabilities.get('devices')}")
+        # wait_ready() returned, so capabilities is set.
+        log(f"evaluator {self.name}: ready after {self.started_s:.1f} s; devices {self.capabilities.get('devices')}")  # pyright: ignore[reportOptionalMemberAccess]
         return self
 
     def log_tail(self, chars=3000):
@@ -200,15 +214,22 @@ class Evaluator:
 
     def wait_ready(self):
         """Bounded poll: GetCapabilities answers, or the process ended, or ready_timeout_s passed."""
+        # start() set proc and addr before it called this.
         deadline = time.monotonic() + self.ready_timeout_s
         last = ""
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"evaluator exited with {self.proc.returncode} before it was ready:\n"
-                                   f"{self.log_tail()}")
+            if self.proc.poll() is not None:  # pyright: ignore[reportOptionalMemberAccess]
+                raise RuntimeError(
+                    f"evaluator exited with {self.proc.returncode} before it was ready:\n{self.log_tail()}"  # pyright: ignore[reportOptionalMemberAccess]
+                )
             try:
-                done = subprocess.run([str(self.kforge), "call", "Evaluator/GetCapabilities", "--addr", self.addr],
-                                      input="{}", capture_output=True, text=True, timeout=20)
+                done = subprocess.run(
+                    [str(self.kforge), "call", "Evaluator/GetCapabilities", "--addr", self.addr],  # pyright: ignore[reportArgumentType, reportCallIssue]
+                    input="{}",
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                )
                 if done.returncode == 0:
                     self.capabilities = json.loads(done.stdout)
                     return
@@ -247,29 +268,19 @@ class Evaluator:
         leftovers = descendants(proc.pid) if proc.poll() is None else []
         try:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=drain_s)
-                except subprocess.TimeoutExpired:
-                    pass
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             # Jobs run in process groups (and maybe users) of their own: end the ones this evaluator started, by id.
             for pid in leftovers + descendants(proc.pid):
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         log(f"evaluator {self.name}: stopped (exit {proc.returncode})")
 
 
@@ -281,8 +292,13 @@ def evaluate(kforge, addr, request, timeout_s=3600.0):
     record = {"request_id": request.get("requestId", ""), "submitted_unix": time.time()}
     began = time.monotonic()
     try:
-        done = subprocess.run([str(kforge), "call", "Evaluator/Evaluate", "--addr", addr],
-                              input=json.dumps(request), capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [str(kforge), "call", "Evaluator/Evaluate", "--addr", addr],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         record["wall_s"] = time.monotonic() - began
         if done.returncode != 0:
             record.update(ok=False, error=(done.stderr.strip() or f"exit {done.returncode}")[-2000:])
@@ -290,7 +306,7 @@ def evaluate(kforge, addr, request, timeout_s=3600.0):
             record.update(ok=True, response=json.loads(done.stdout))
     except subprocess.TimeoutExpired:
         record.update(ok=False, wall_s=time.monotonic() - began, error=f"client timeout after {timeout_s} s")
-    except Exception as error:  # noqa: BLE001 (recorded, not fatal)
+    except Exception as error:  # recorded, not fatal
         record.update(ok=False, wall_s=time.monotonic() - began, error=f"{type(error).__name__}: {error}")
     return record
 
@@ -301,13 +317,11 @@ def evaluate_many(kforge, addr, requests, on_done=None, timeout_s=3600.0):
     if not requests:
         return []
     barrier = threading.Barrier(len(requests))
-    records = [None] * len(requests)
+    records: list[dict | None] = [None] * len(requests)
 
     def one(index):
-        try:
+        with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait(timeout=60)
-        except threading.BrokenBarrierError:
-            pass
         record = evaluate(kforge, addr, requests[index], timeout_s)
         records[index] = record
         if on_done is not None:
@@ -339,10 +353,13 @@ def _timing(response, camel, snake, name):
     if not stats:
         return {}
     samples = [_float(s) for s in _get(stats, "samplesMs", "samples_ms", default=[]) or []]
-    return {f"{name}_median_ms": _float(_get(stats, "medianMs", "median_ms", default=0.0)),
-            f"{name}_p10_ms": percentile(samples, 10) if samples else None,
-            f"{name}_iqr_ms": _float(_get(stats, "iqrMs", "iqr_ms", default=0.0)),
-            f"{name}_samples": len(samples), f"{name}_samples_ms": samples}
+    return {
+        f"{name}_median_ms": _float(_get(stats, "medianMs", "median_ms", default=0.0)),
+        f"{name}_p10_ms": percentile(samples, 10) if samples else None,
+        f"{name}_iqr_ms": _float(_get(stats, "iqrMs", "iqr_ms", default=0.0)),
+        f"{name}_samples": len(samples),
+        f"{name}_samples_ms": samples,
+    }
 
 
 def outcome(record):
@@ -393,7 +410,7 @@ def corpus_entry(path):
     header = corpus_header(path.read_text())
     # A candidate judged per policy (`# expect[NAME]: ...`, which replaces `policy` and `expect` as in the corpus
     # test) runs under the first policy its header names.
-    named = [(key[len("expect["):-1], value) for key, value in header.items() if key.startswith("expect[")]
+    named = [(key[len("expect[") : -1], value) for key, value in header.items() if key.startswith("expect[")]
     policy, expect = named[0] if named else (header.get("policy", ""), header.get("expect"))
     expect = (expect or "VERDICT_CORRECT").split()[0]
     return {
@@ -427,16 +444,18 @@ def manifest_entries(candidates_dir, tasks_dir, levels=("level1", "level2"), bac
         backend = item.get("backend", "cuda")
         if backend not in backends:
             continue
-        entries.append({
-            "key": item["candidate"],
-            "task_id": task,  # as the throughput benchmark names it
-            "task_path": str(tasks_dir / task),
-            "candidate_path": str(candidates_dir / item["candidate"]),
-            "backend": backend,
-            "policy": "",
-            "expect": "VERDICT_CORRECT",
-            "kind": item.get("kind", ""),
-        })
+        entries.append(
+            {
+                "key": item["candidate"],
+                "task_id": task,  # as the throughput benchmark names it
+                "task_path": str(tasks_dir / task),
+                "candidate_path": str(candidates_dir / item["candidate"]),
+                "backend": backend,
+                "policy": "",
+                "expect": "VERDICT_CORRECT",
+                "kind": item.get("kind", ""),
+            }
+        )
     missing = [e["task_path"] for e in entries if not Path(e["task_path"]).exists()]
     if missing:
         raise SystemExit(f"tasks missing under {tasks_dir}: {missing[:3]}")
@@ -483,13 +502,11 @@ def append_jsonl(path, record):
 def read_jsonl(path):
     records = []
     if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            line = line.strip()
+        for raw in Path(path).read_text().splitlines():
+            line = raw.strip()
             if line:
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a killed command
                     records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut short by a killed command
     return records
 
 
@@ -536,18 +553,27 @@ def record_machine(out_dir, python, kforge, note=""):
             break
         if line.strip() and not line.startswith("="):
             header.append(line.rstrip())
-    gpu = [line.strip() for line in smi.splitlines()
-           if line.strip().startswith(("Product Name", "Product Architecture", "GPU Part Number", "VBIOS Version",
-                                       "Persistence Mode", "Compute Mode"))]
+    gpu = [
+        line.strip()
+        for line in smi.splitlines()
+        if line.strip().startswith(
+            (
+                "Product Name",
+                "Product Architecture",
+                "GPU Part Number",
+                "VBIOS Version",
+                "Persistence Mode",
+                "Compute Mode",
+            )
+        )
+    ]
     try:
         cpus_usable = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus_usable = os.cpu_count()
     cpu_model = ""
-    try:
-        cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M:%S %Z')} {note}",
         f"command: {' '.join(sys.argv)}",

@@ -3,6 +3,7 @@ oversleep and every one over 0.5 s. Run beside a load (a fork bomb's exit, say) 
 
     python3 bench/timing/host_stall.py SECONDS
 """
+
 import sys
 import time
 

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 
 def interquartile_mean(samples):
     ordered = sorted(samples)
-    middle = ordered[len(ordered) // 4: len(ordered) - len(ordered) // 4]
+    middle = ordered[len(ordered) // 4 : len(ordered) - len(ordered) // 4]
     return sum(middle) / len(middle)
 
 

@@ -1,4 +1,5 @@
 """Prints every CUdevice_attribute of device 0 as JSON {number: value}, read through the driver API (libcuda)."""
+
 import ctypes
 import json
 
