@@ -169,79 +169,116 @@ fn theoretical(launch: &Launch) -> Option<Figure> {
     })
 }
 
-/// Diagnoses one launch by the rules in this module's documentation.
+/// Diagnoses one launch by the rules in this module's documentation, in their order: busy (memory or compute),
+/// occupancy, then latency.
 pub fn diagnose(launch: &Launch) -> Diagnosis {
     let (Some(memory), Some(compute)) = (memory(launch), compute(launch)) else {
-        let mut missing = Vec::new();
-        if memory(launch).is_none() {
-            missing.push(format!("memory throughput ({MEMORY}, or any of {})", MEMORY_UNITS.join(", ")));
-        }
-        if compute(launch).is_none() {
-            missing.push(format!(
-                "compute throughput ({COMPUTE}, or any of {}, or {INSTRUCTIONS} with {CYCLES})",
-                PIPES.join(", ")
-            ));
-        }
-        return Diagnosis {
-            bottleneck: Bottleneck::Undetermined,
-            evidence: vec![],
-            text: format!("undetermined: {} not collected", missing.join(" and ")),
-        };
+        return undetermined(launch);
     };
-    let evidence = |names: &[&str]| -> Vec<(String, f64)> {
-        names.iter().filter_map(|name| launch.value(name).map(|value| ((*name).to_owned(), value))).collect()
-    };
+    let throughput = Throughput { memory, compute };
+    busy(launch, &throughput)
+        .or_else(|| occupancy_bound(launch, &throughput))
+        .unwrap_or_else(|| latency_bound(launch, &throughput))
+}
+
+/// The memory and compute throughputs of a launch, each with the metrics it came from.
+struct Throughput {
+    memory: Figure,
+    compute: Figure,
+}
+
+/// The values of `names` the launch has, as a diagnosis's evidence.
+fn evidence(launch: &Launch, names: &[&str]) -> Vec<(String, f64)> {
+    names.iter().filter_map(|name| launch.value(name).map(|value| ((*name).to_owned(), value))).collect()
+}
+
+/// No diagnosis: the launch lacks the memory or the compute throughput, named in the text.
+fn undetermined(launch: &Launch) -> Diagnosis {
+    let mut missing = Vec::new();
+    if memory(launch).is_none() {
+        missing.push(format!("memory throughput ({MEMORY}, or any of {})", MEMORY_UNITS.join(", ")));
+    }
+    if compute(launch).is_none() {
+        missing.push(format!(
+            "compute throughput ({COMPUTE}, or any of {}, or {INSTRUCTIONS} with {CYCLES})",
+            PIPES.join(", ")
+        ));
+    }
+    Diagnosis {
+        bottleneck: Bottleneck::Undetermined,
+        evidence: vec![],
+        text: format!("undetermined: {} not collected", missing.join(" and ")),
+    }
+}
+
+/// Memory- or compute-bound: the busier of the two is at [`BUSY`] or more.
+fn busy(launch: &Launch, Throughput { memory, compute }: &Throughput) -> Option<Diagnosis> {
     let kernel = launch.short_name();
     let (memory_pct, compute_pct) = (memory.percent, compute.percent);
-    if memory_pct.max(compute_pct) >= BUSY {
-        if memory_pct >= compute_pct {
-            return Diagnosis {
-                bottleneck: Bottleneck::Memory,
-                evidence: evidence(&[memory.from.as_slice(), compute.from.as_slice(), &[ACHIEVED]].concat()),
-                text: format!(
-                    "{kernel} is memory-bound: memory throughput is at {memory_pct:.1}% of peak while the SMs are \
-                     at {compute_pct:.1}%. Move fewer bytes: fuse passes, reuse data from shared memory or \
-                     registers, use wider (vectorised) and coalesced accesses, or a narrower data type where \
-                     accuracy allows."
-                ),
-            };
+    if memory_pct.max(compute_pct) < BUSY {
+        return None;
+    }
+    Some(if memory_pct >= compute_pct {
+        Diagnosis {
+            bottleneck: Bottleneck::Memory,
+            evidence: evidence(launch, &[memory.from.as_slice(), compute.from.as_slice(), &[ACHIEVED]].concat()),
+            text: format!(
+                "{kernel} is memory-bound: memory throughput is at {memory_pct:.1}% of peak while the SMs are \
+                 at {compute_pct:.1}%. Move fewer bytes: fuse passes, reuse data from shared memory or \
+                 registers, use wider (vectorised) and coalesced accesses, or a narrower data type where \
+                 accuracy allows."
+            ),
         }
-        return Diagnosis {
+    } else {
+        Diagnosis {
             bottleneck: Bottleneck::Compute,
-            evidence: evidence(&[compute.from.as_slice(), memory.from.as_slice(), &[ACHIEVED]].concat()),
+            evidence: evidence(launch, &[compute.from.as_slice(), memory.from.as_slice(), &[ACHIEVED]].concat()),
             text: format!(
                 "{kernel} is compute-bound: the SMs are at {compute_pct:.1}% of peak and memory at {memory_pct:.1}%. \
                  Do less arithmetic per result (hoist invariants, cheaper math), or move it to faster units (tensor \
                  cores, lower precision where accuracy allows)."
             ),
-        };
-    }
-    if let Some(occupancy) = theoretical(launch).filter(|t| t.percent <= FEW_WARPS) {
-        let limiter = limiter(launch);
-        let names: Vec<&str> = if occupancy.from == [THEORETICAL] {
-            let mut names = [&[THEORETICAL, ACHIEVED], memory.from.as_slice()].concat();
-            names.extend(limiter.map(|(name, _, _)| name));
-            names
-        } else {
-            [occupancy.from.as_slice(), &[ACHIEVED]].concat()
-        };
-        let because = match limiter {
-            Some((_, what, blocks)) => format!("{what} allows only {blocks:.0} blocks per SM"),
-            None => "the limiter was not collected".to_owned(),
-        };
-        let theoretical = occupancy.percent;
-        return Diagnosis {
-            bottleneck: Bottleneck::Occupancy,
-            evidence: evidence(&names),
-            text: format!(
-                "{kernel} is occupancy-bound: at most {theoretical:.1}% of the SM's warps can be resident ({because}), \
-                 too few to hide latency, and neither memory ({memory_pct:.1}%) nor compute ({compute_pct:.1}%) is \
-                 busy. Use less of the limiting resource per block, or more threads per block."
-            ),
-        };
-    }
-    // The stalls of the first form the launch has any of.
-    let stalls = STALLS.iter().find_map(|(prefix, suffix, counts)| {
+        }
+    })
+}
+
+/// Occupancy-bound: neither is busy and at most [`FEW_WARPS`] of the SM's warps can be resident.
+fn occupancy_bound(launch: &Launch, Throughput { memory, compute }: &Throughput) -> Option<Diagnosis> {
+    let occupancy = theoretical(launch).filter(|t| t.percent <= FEW_WARPS)?;
+    let limiter = limiter(launch);
+    let names: Vec<&str> = if occupancy.from == [THEORETICAL] {
+        let mut names = [&[THEORETICAL, ACHIEVED], memory.from.as_slice()].concat();
+        names.extend(limiter.map(|(name, _, _)| name));
+        names
+    } else {
+        [occupancy.from.as_slice(), &[ACHIEVED]].concat()
+    };
+    let because = match limiter {
+        Some((_, what, blocks)) => format!("{what} allows only {blocks:.0} blocks per SM"),
+        None => "the limiter was not collected".to_owned(),
+    };
+    let (kernel, theoretical) = (launch.short_name(), occupancy.percent);
+    let (memory_pct, compute_pct) = (memory.percent, compute.percent);
+    Some(Diagnosis {
+        bottleneck: Bottleneck::Occupancy,
+        evidence: evidence(launch, &names),
+        text: format!(
+            "{kernel} is occupancy-bound: at most {theoretical:.1}% of the SM's warps can be resident ({because}), \
+             too few to hide latency, and neither memory ({memory_pct:.1}%) nor compute ({compute_pct:.1}%) is \
+             busy. Use less of the limiting resource per block, or more threads per block."
+        ),
+    })
+}
+
+/// A launch's stalls in one of [`STALLS`]' forms: (metric, reason, value), largest first, and the form's unit.
+struct Stalls<'a> {
+    largest_first: Vec<(&'a str, &'a str, f64)>,
+    unit: &'static str,
+}
+
+/// The stalls of the first of [`STALLS`]' forms the launch has any of.
+fn stalls(launch: &Launch) -> Option<Stalls<'_>> {
+    STALLS.iter().find_map(|(prefix, suffix, unit)| {
         let mut stalls: Vec<(&str, &str, f64)> = launch
             .metrics
             .iter()
@@ -249,20 +286,26 @@ pub fn diagnose(launch: &Launch) -> Diagnosis {
             .filter_map(|(name, metric)| Some((name.as_str(), stall_reason(name)?, metric.value)))
             .collect();
         stalls.sort_by(|a, b| b.2.total_cmp(&a.2));
-        (!stalls.is_empty()).then_some((stalls, *counts))
-    });
+        (!stalls.is_empty()).then_some(Stalls { largest_first: stalls, unit })
+    })
+}
+
+/// Latency-bound: what is left when nothing is busy and occupancy is not the limit, with the leading stalls.
+fn latency_bound(launch: &Launch, Throughput { memory, compute }: &Throughput) -> Diagnosis {
     let mut names: Vec<&str> = [memory.from.as_slice(), compute.from.as_slice()].concat();
-    let waits = match &stalls {
-        Some((stalls, counts)) => {
-            let leading: Vec<String> = stalls.iter().take(2).map(|(_, r, v)| format!("{r} ({v:.1}{counts})")).collect();
-            names.push(stalls[0].0);
+    let waits = match stalls(launch) {
+        Some(Stalls { largest_first, unit }) => {
+            let leading: Vec<String> =
+                largest_first.iter().take(2).map(|(_, r, v)| format!("{r} ({v:.1}{unit})")).collect();
+            names.push(largest_first[0].0);
             format!("warps wait mostly on {}", leading.join(" and "))
         }
         None => "the stall breakdown was not collected".to_owned(),
     };
+    let (kernel, memory_pct, compute_pct) = (launch.short_name(), memory.percent, compute.percent);
     Diagnosis {
         bottleneck: Bottleneck::Latency,
-        evidence: evidence(&names),
+        evidence: evidence(launch, &names),
         text: format!(
             "{kernel} is latency-bound: neither memory ({memory_pct:.1}%) nor compute ({compute_pct:.1}%) is busy and \
              occupancy is not the limit; {waits}. Give each warp more independent work (more loads in flight, \
