@@ -395,7 +395,9 @@ async fn a_job_s_cpu_demand_and_thread_states_are_read_under_its_own_user() {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let sandbox = command_users_only().await;
     if !sandbox.command_users_active() {
-        skip("command users are inactive (the tests do not run as root): reading only a command user's processes not checked");
+        skip(
+            "command users are inactive (the tests do not run as root): reading only a command user's processes not checked",
+        );
         return;
     }
     // Works on the CPU, says so, and waits for the reply (asleep in `read`).

@@ -20,8 +20,12 @@ fn a_ruleset_on_descriptor_three_outlives_the_control_channel() {
     let on_three = placeholder.as_raw_fd() == 3;
     drop(placeholder);
     runtime.block_on(async {
-        let options =
-            SandboxOptions { network_namespace: false, process_limit: false, command_users: false, ..Default::default() };
+        let options = SandboxOptions {
+            network_namespace: false,
+            process_limit: false,
+            command_users: false,
+            ..Default::default()
+        };
         let sandbox = Sandbox::detect_with(options).await;
         if !sandbox.landlock_active() || !on_three {
             let why = if on_three { "Landlock is not active on this host" } else { "descriptor 3 was taken" };
