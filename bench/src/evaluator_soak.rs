@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::evaluator_client::EvaluatorClient;
 use kforge_server::client::{self, Channel, ClientConfig};
+use kforge_test_support::{ReservedPort, Wait};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic_health::pb::HealthCheckRequest;
@@ -203,28 +204,26 @@ fn shuffle<T>(items: &mut [T], mut state: u64) {
     }
 }
 
-/// An evaluator process of its own, on a free loopback port.
+/// An evaluator process of its own, on a loopback port reserved for it.
 struct Service {
     child: tokio::process::Child,
     address: String,
-    port: u16,
+    port: ReservedPort,
 }
 
 impl Service {
     async fn start(args: &Args, work: &Path) -> Result<Self, String> {
         std::fs::create_dir_all(work).map_err(|e| format!("{}: {e}", work.display()))?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("a free port: {e}"))?
-            .port();
+        let port = ReservedPort::new();
         let python = args.python.as_ref().map(|p| format!("python = {:?}\n", p.display().to_string()));
         let config = format!(
             "[evaluator]\n{}work_dir = {:?}\nbaseline_torch_compile = false\nrun_timeout_secs = {}\n\
-             [evaluator.server]\nlisten = \"127.0.0.1:{port}\"\n\
+             [evaluator.server]\nlisten = \"{}\"\n\
              [evaluator.timing]\nmax_runs = 40\nmax_seconds = 1.0\n",
             python.unwrap_or_default(),
             work.join("evaluator").display().to_string(),
             args.run_timeout,
+            port.addr(),
         );
         let config_path = work.join("evaluator.toml");
         std::fs::write(&config_path, config).map_err(|e| format!("{}: {e}", config_path.display()))?;
@@ -237,14 +236,13 @@ impl Service {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("{}: {e}", args.evaluator.display()))?;
-        let service = Self { child, address: format!("http://127.0.0.1:{port}"), port };
-        let deadline = Instant::now() + Duration::from_secs(300);
-        while service.health().await != Some(ServingStatus::Serving) {
-            if Instant::now() > deadline {
-                return Err("the evaluator did not become SERVING within 300 s".into());
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        let service = Self { child, address: port.url(), port };
+        Wait::new("the evaluator to become SERVING")
+            .within(Duration::from_secs(300))
+            .every(Duration::from_millis(200))
+            .try_until(|| async { service.health().await == Some(ServingStatus::Serving) })
+            .await
+            .map_err(|timed_out| timed_out.to_string())?;
         Ok(service)
     }
 
@@ -269,7 +267,7 @@ impl Service {
 
     /// The lines of `/metrics` that start with one of `prefixes`.
     async fn metrics(&self, prefixes: &[&str]) -> Vec<String> {
-        let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await else { return vec![] };
+        let Ok(mut stream) = tokio::net::TcpStream::connect(self.port.addr()).await else { return vec![] };
         let request = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
         let mut text = String::new();
         if stream.write_all(request.as_bytes()).await.is_err() || stream.read_to_string(&mut text).await.is_err() {

@@ -14,14 +14,18 @@
 //! ```
 //! The store defaults to a SQLite file in a fresh temporary directory (the orchestrator's default kind of store).
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kforge_orchestrator::store::Durability;
 use kforge_orchestrator::{InFlightConfig, OrchestratorConfig, PeersConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use kforge_test_support::health;
+use kforge_test_support::peers::{self, Answers};
 use serde_json::json;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 const TASK: &str = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n\n\
                     def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n";
@@ -30,16 +34,16 @@ const ANSWER: &str = "Returns its input.\n\n```python\nimport torch\n\nclass Mod
 /// Trajectories per task: the job's trajectories are spread over `trajectories / PER_TASK` tasks.
 const PER_TASK: u32 = 8;
 
-/// The fake peers: how long a generation and an evaluation take on average.
-#[derive(Debug, Clone, Copy)]
-struct Instant_ {
+/// How long each generation took, by (task, trajectory, turn), in milliseconds.
+type Generated = Arc<Mutex<BTreeMap<(String, u32, u32), f64>>>;
+
+/// What the fake peers answer: a generation and an evaluation each take a drawn time around these means.
+#[derive(Debug, Clone)]
+struct Timed {
     generate: std::time::Duration,
     evaluate: std::time::Duration,
+    generated: Generated,
 }
-
-/// How long each generation took in the fake gateway, by (task, trajectory, turn), in milliseconds.
-static GENERATED: std::sync::Mutex<std::collections::BTreeMap<(String, u32, u32), f64>> =
-    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 /// A time between a quarter and seven quarters of `mean`, from a hash of the call's keys (splitmix64): the same
 /// keys give the same time, so the overhead can take each turn's own times off.
@@ -53,16 +57,16 @@ fn drawn(mean: std::time::Duration, task_id: &str, trajectory: u32, turn: u32) -
     mean.mul_f64(0.25 + 1.5 * (z >> 11) as f64 / (1u64 << 53) as f64)
 }
 
-#[tonic::async_trait]
-impl pb::gateway_server::Gateway for Instant_ {
-    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
-        let keys = request.into_inner().keys.unwrap_or_default();
+/// The shared fake peers' plumbing (`kforge_test_support::peers`) with answers that take time; scores are 1.8.
+impl Answers for Timed {
+    async fn generate(&self, request: pb::GenerateRequest) -> Result<pb::GenerateResponse, Status> {
+        let keys = request.keys.unwrap_or_default();
         let took = drawn(self.generate, &keys.task_id, keys.trajectory, keys.turn);
         let started = std::time::Instant::now();
         tokio::time::sleep(took).await;
         let key = (keys.task_id, keys.trajectory, keys.turn);
-        GENERATED.lock().expect("never poisoned").insert(key, started.elapsed().as_secs_f64() * 1e3);
-        Ok(Response::new(pb::GenerateResponse {
+        self.generated.lock().expect("never poisoned").insert(key, started.elapsed().as_secs_f64() * 1e3);
+        Ok(pb::GenerateResponse {
             completions: vec![pb::Completion {
                 text: ANSWER.into(),
                 finish_reason: "stop".into(),
@@ -70,36 +74,16 @@ impl pb::gateway_server::Gateway for Instant_ {
             }],
             usage: Some(pb::Usage { prompt_tokens: 200, completion_tokens: 40, ..Default::default() }),
             ..Default::default()
-        }))
+        })
     }
-    type GenerateStreamStream = tonic::codegen::BoxStream<pb::GenerateStreamResponse>;
-    async fn generate_stream(
-        &self,
-        _: Request<pb::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn list_models(&self, _: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn control_backends(
-        &self,
-        _: Request<pb::ControlBackendsRequest>,
-    ) -> Result<Response<pb::ControlBackendsResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-}
 
-#[tonic::async_trait]
-impl pb::evaluator_server::Evaluator for Instant_ {
-    async fn evaluate(&self, request: Request<pb::EvaluateRequest>) -> Result<Response<pb::EvaluateResponse>, Status> {
-        let key = request.into_inner().idempotency_key;
-        let took = drawn(self.evaluate, &key, 0, 0);
+    async fn evaluate(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, Status> {
+        let took = drawn(self.evaluate, &request.idempotency_key, 0, 0);
         let started = std::time::Instant::now();
         tokio::time::sleep(took).await;
         let took = started.elapsed();
         let timing = |ms| Some(pb::TimingStats { median_ms: ms, ..Default::default() });
-        Ok(Response::new(pb::EvaluateResponse {
+        Ok(pb::EvaluateResponse {
             // The time it took (the sleep as it ran), for the overhead: the turn keeps the evaluation.
             stage_ms: [("fake".to_owned(), took.as_secs_f64() * 1e3)].into(),
             verdict: pb::Verdict::Correct.into(),
@@ -107,62 +91,11 @@ impl pb::evaluator_server::Evaluator for Instant_ {
             candidate_timing: timing(2.0),
             eager_timing: timing(3.0),
             ..Default::default()
-        }))
+        })
     }
-    type EvaluateStreamStream = tonic::codegen::BoxStream<pb::EvaluateResponse>;
-    async fn evaluate_stream(
-        &self,
-        _: Request<tonic::Streaming<pb::EvaluateRequest>>,
-    ) -> Result<Response<Self::EvaluateStreamStream>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn get_capabilities(
-        &self,
-        _: Request<pb::GetCapabilitiesRequest>,
-    ) -> Result<Response<pb::GetCapabilitiesResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-}
 
-#[tonic::async_trait]
-impl pb::reward_server::Reward for Instant_ {
-    async fn score_kernels(
-        &self,
-        request: Request<pb::ScoreKernelsRequest>,
-    ) -> Result<Response<pb::ScoreKernelsResponse>, Status> {
-        let scores = request
-            .into_inner()
-            .outcomes
-            .iter()
-            .map(|outcome| pb::KernelScore {
-                score: 1.8,
-                speedup: outcome.speedup_eager.unwrap_or_default(),
-                ..Default::default()
-            })
-            .collect();
-        Ok(Response::new(pb::ScoreKernelsResponse { scores }))
-    }
-    async fn compute_returns(
-        &self,
-        _: Request<pb::ComputeReturnsRequest>,
-    ) -> Result<Response<pb::ComputeReturnsResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn compute_advantages(
-        &self,
-        _: Request<pb::ComputeAdvantagesRequest>,
-    ) -> Result<Response<pb::ComputeAdvantagesResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn rejection_sample(
-        &self,
-        _: Request<pb::RejectionSampleRequest>,
-    ) -> Result<Response<pb::RejectionSampleResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::DiagnoseResponse>, Status> {
-        let flags = request.into_inner().responses.iter().map(|_| pb::ResponseFlags::default()).collect();
-        Ok(Response::new(pb::DiagnoseResponse { flags, ..Default::default() }))
+    fn score(&self, _outcome: &pb::KernelOutcome) -> f64 {
+        1.8
     }
 }
 
@@ -209,7 +142,8 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 async fn main() {
     let Args { trajectories, turns, recipe, generate_ms, evaluate_ms, store, durability } = clap::Parser::parse();
     let ms = std::time::Duration::from_millis;
-    let peer = Instant_ { generate: ms(generate_ms), evaluate: ms(evaluate_ms) };
+    let peer = Timed { generate: ms(generate_ms), evaluate: ms(evaluate_ms), generated: Arc::default() };
+    let generated = peer.generated.clone();
     let dir = std::env::temp_dir().join(format!("kforge-orchestrator-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temporary directory");
     let store = store.unwrap_or_else(|| dir.join("orchestrator.db").display().to_string());
@@ -218,23 +152,13 @@ async fn main() {
     let peers = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     peers.set_nonblocking(true).expect("non-blocking");
     let peers_url = format!("http://{}", peers.local_addr().expect("address"));
+    let answers = peer.clone();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build();
         runtime.expect("the fakes' runtime").block_on(async move {
-            use tokio_stream::StreamExt;
             let peers = tokio::net::TcpListener::from_std(peers).expect("listener");
-            // As kforge's servers do: without TCP_NODELAY a reply can wait for a delayed ACK (40 ms).
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(peers).map(|stream| {
-                stream.inspect(|stream| {
-                    let _ = stream.set_nodelay(true);
-                })
-            });
-            tonic::transport::Server::builder()
-                .add_service(pb::gateway_server::GatewayServer::new(peer))
-                .add_service(pb::evaluator_server::EvaluatorServer::new(peer))
-                .add_service(pb::reward_server::RewardServer::new(peer))
-                .serve_with_incoming(incoming)
-                .await
+            let (_state, server) = peers::serve(peers, answers);
+            server.await
         })
     });
     let config = OrchestratorConfig {
@@ -259,12 +183,7 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = format!("http://{}", listener.local_addr().expect("address"));
     tokio::spawn(kforge_orchestrator::serve_with_http(config, listener, None, std::future::pending()));
-    let channel = loop {
-        if let Ok(channel) = tonic::transport::Endpoint::from_shared(address.clone()).expect("url").connect().await {
-            break channel;
-        }
-        tokio::task::yield_now().await;
-    };
+    let channel = health::connected(&address, std::time::Duration::from_secs(60)).await;
     let mut client = OrchestratorClient::new(channel).max_decoding_message_size(1 << 30);
 
     let tasks = trajectories.div_ceil(PER_TASK);
@@ -296,7 +215,7 @@ async fn main() {
         let page = client.list_trajectories(request).await.expect("listed").into_inner();
         for turn in page.trajectories.iter().flat_map(|t| &t.turns) {
             let key = (turn.task_id.clone(), turn.trajectory, turn.turn);
-            let generated = GENERATED.lock().expect("never poisoned").get(&key).copied().unwrap_or(0.0);
+            let generated = generated.lock().expect("never poisoned").get(&key).copied().unwrap_or(0.0);
             let evaluated = turn.evaluation.as_ref().and_then(|e| e.stage_ms.get("fake")).copied().unwrap_or(0.0);
             per_turn.push(turn.wall_time_s * 1e3 - generated - evaluated);
         }

@@ -24,9 +24,11 @@ use kforge_orchestrator::store::Store;
 use kforge_orchestrator::{BreakerConfig, OrchestratorConfig, PeersConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use kforge_test_support::peers::{self, Answers};
+use kforge_test_support::{Wait, health};
 use prost::Message as _;
 use serde_json::json;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 /// What the fake peers answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,17 +59,17 @@ fn response(task_id: &str, turn: u32) -> String {
     )
 }
 
-#[tonic::async_trait]
-impl pb::gateway_server::Gateway for Peers {
-    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
-        let keys = request.into_inner().keys.unwrap_or_default();
+/// The shared fake peers' plumbing (`kforge_test_support::peers`) with answers of a real job's size.
+impl Answers for Peers {
+    async fn generate(&self, request: pb::GenerateRequest) -> Result<pb::GenerateResponse, Status> {
+        let keys = request.keys.unwrap_or_default();
         if self.mode == Mode::Failing {
             return Err(Status::not_found(format!(
                 "replay file has no response for job {} task {} trajectory {} turn {}",
                 keys.job_id, keys.task_id, keys.trajectory, keys.turn
             )));
         }
-        Ok(Response::new(pb::GenerateResponse {
+        Ok(pb::GenerateResponse {
             completions: vec![pb::Completion {
                 text: response(&keys.task_id, keys.turn),
                 reasoning: "Okay, let me look at what the reference does first.".into(),
@@ -76,29 +78,10 @@ impl pb::gateway_server::Gateway for Peers {
             }],
             usage: Some(pb::Usage { prompt_tokens: 900, completion_tokens: 600, ..Default::default() }),
             ..Default::default()
-        }))
+        })
     }
-    type GenerateStreamStream = tonic::codegen::BoxStream<pb::GenerateStreamResponse>;
-    async fn generate_stream(
-        &self,
-        _: Request<pb::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn list_models(&self, _: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn control_backends(
-        &self,
-        _: Request<pb::ControlBackendsRequest>,
-    ) -> Result<Response<pb::ControlBackendsResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-}
 
-#[tonic::async_trait]
-impl pb::evaluator_server::Evaluator for Peers {
-    async fn evaluate(&self, _: Request<pb::EvaluateRequest>) -> Result<Response<pb::EvaluateResponse>, Status> {
+    async fn evaluate(&self, _: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, Status> {
         let samples = self.samples;
         let timing = |median_ms: f64| {
             Some(pb::TimingStats {
@@ -117,7 +100,7 @@ impl pb::evaluator_server::Evaluator for Peers {
             line: 12,
             ..Default::default()
         };
-        Ok(Response::new(pb::EvaluateResponse {
+        Ok(pb::EvaluateResponse {
             verdict: pb::Verdict::Correct.into(),
             findings: vec![
                 finding("static.torch_fallback", "the candidate calls torch.relu inside forward"),
@@ -131,60 +114,16 @@ impl pb::evaluator_server::Evaluator for Peers {
             stage_ms: stages.iter().enumerate().map(|(i, s)| ((*s).to_owned(), 100.0 * i as f64 + 3.25)).collect(),
             device: "cpu".into(),
             ..Default::default()
-        }))
+        })
     }
-    type EvaluateStreamStream = tonic::codegen::BoxStream<pb::EvaluateResponse>;
-    async fn evaluate_stream(
-        &self,
-        _: Request<tonic::Streaming<pb::EvaluateRequest>>,
-    ) -> Result<Response<Self::EvaluateStreamStream>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn get_capabilities(
-        &self,
-        _: Request<pb::GetCapabilitiesRequest>,
-    ) -> Result<Response<pb::GetCapabilitiesResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-}
 
-#[tonic::async_trait]
-impl pb::reward_server::Reward for Peers {
-    async fn score_kernels(
-        &self,
-        request: Request<pb::ScoreKernelsRequest>,
-    ) -> Result<Response<pb::ScoreKernelsResponse>, Status> {
-        let outcomes = request.into_inner().outcomes;
-        let scores = outcomes.iter().map(|o| pb::KernelScore {
-            score: 1.8,
-            speedup: o.speedup_eager.unwrap_or(0.0),
-            ..Default::default()
-        });
-        Ok(Response::new(pb::ScoreKernelsResponse { scores: scores.collect() }))
+    fn score(&self, _outcome: &pb::KernelOutcome) -> f64 {
+        1.8
     }
-    /// Returns as the rewards: each turn gets a return stored with it, as a real job's do.
-    async fn compute_returns(
-        &self,
-        request: Request<pb::ComputeReturnsRequest>,
-    ) -> Result<Response<pb::ComputeReturnsResponse>, Status> {
-        Ok(Response::new(pb::ComputeReturnsResponse { trajectories: request.into_inner().trajectories }))
-    }
-    /// Advantages as the returns.
-    async fn compute_advantages(
-        &self,
-        request: Request<pb::ComputeAdvantagesRequest>,
-    ) -> Result<Response<pb::ComputeAdvantagesResponse>, Status> {
-        Ok(Response::new(pb::ComputeAdvantagesResponse { groups: request.into_inner().groups }))
-    }
-    async fn rejection_sample(
-        &self,
-        _: Request<pb::RejectionSampleRequest>,
-    ) -> Result<Response<pb::RejectionSampleResponse>, Status> {
-        Err(Status::unimplemented("not used"))
-    }
-    async fn diagnose(&self, request: Request<pb::DiagnoseRequest>) -> Result<Response<pb::DiagnoseResponse>, Status> {
-        let flags = request.into_inner().responses.iter().map(|_| pb::ResponseFlags::default()).collect();
-        Ok(Response::new(pb::DiagnoseResponse { flags, ..Default::default() }))
+
+    /// Advantages as the returns: each turn gets a return and an advantage stored with it, as a real job's do.
+    fn advantages(&self, groups: Vec<pb::AdvantageGroup>) -> Vec<pb::AdvantageGroup> {
+        groups
     }
 }
 
@@ -226,13 +165,11 @@ fn mode(text: &str) -> Result<Mode, String> {
 /// Checkpoints until the log is copied back whole and truncated (another connection's read can hold it up), at most
 /// for ten seconds.
 async fn checkpoint(store: &Store) {
-    for _ in 0..100 {
-        if store.checkpoint().await.expect("checkpointed") {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    panic!("the write-ahead log was never checkpointed whole");
+    Wait::new("the write-ahead log checkpointed whole")
+        .within(std::time::Duration::from_secs(10))
+        .every(std::time::Duration::from_millis(100))
+        .until(|| async { store.checkpoint().await.expect("checkpointed") })
+        .await;
 }
 
 /// The store's bytes on disk: the database, its write-ahead log and its shared-memory index.
@@ -262,16 +199,7 @@ async fn main() {
     checkpoint(&store).await;
     let before = store_bytes(&path);
 
-    let peers = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let peers_url = format!("http://{}", peers.local_addr().expect("address"));
-    let fakes = Peers { mode, samples };
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::gateway_server::GatewayServer::new(fakes))
-            .add_service(pb::evaluator_server::EvaluatorServer::new(fakes))
-            .add_service(pb::reward_server::RewardServer::new(fakes))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(peers)),
-    );
+    let (peers_url, _fakes) = peers::start_with(Peers { mode, samples }).await;
     let config = OrchestratorConfig {
         store: url.clone(),
         peers: PeersConfig {
@@ -298,12 +226,7 @@ async fn main() {
     let served = tokio::spawn(kforge_orchestrator::serve_with_http(config, listener, None, async {
         let _ = stopped.await;
     }));
-    let channel = loop {
-        if let Ok(channel) = tonic::transport::Endpoint::from_shared(address.clone()).expect("url").connect().await {
-            break channel;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    let channel = health::connected(&address, std::time::Duration::from_secs(60)).await;
     let mut client = OrchestratorClient::new(channel).max_decoding_message_size(1 << 30);
     let spec = pb::JobSpec {
         kind: pb::JobKind::Rollout.into(),

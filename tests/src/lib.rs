@@ -1,24 +1,19 @@
 //! Helpers for kforge's cross-service tests: start services in this process on ephemeral ports and wait until
-//! they are ready through grpc.health.v1, never by sleeping.
-
-pub mod model_server;
+//! they are ready through grpc.health.v1, never by sleeping. What every test crate shares (waits, the venv's
+//! Python, fake peers) is `kforge_test_support`; this crate adds the mesh of real services.
 
 use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge_proto::v1::reward_client::RewardClient;
 use kforge_server::client::{self, Channel, ClientConfig};
-use tonic_health::pb::HealthCheckRequest;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
+use kforge_test_support::{health, python};
 
 /// A configuration whose evaluator runs one job's candidates on the CPU with the repository's `.venv` Python and
 /// short timing (for tests that check what flows, not the figures), its files under `target/tmp/<work_dir>`. A
 /// missing `.venv` fails the test: `scripts/setup.sh --test` makes it.
 pub fn cpu_evaluator_config(work_dir: &str) -> MeshConfig {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = root.join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let root = python::repo_root();
     let mut config = MeshConfig::default();
-    config.evaluator.python = python;
+    config.evaluator.python = python::required(&[]);
     // Kept between runs (the compile cache makes a second run quicker), under the workspace's target directory.
     config.evaluator.work_dir = root.join("target/tmp").join(work_dir);
     kforge::run::evaluator_for_one_job(&mut config, false);
@@ -37,7 +32,7 @@ pub async fn start(services: &[Service], config: &MeshConfig) -> Mesh {
     let mesh = Mesh::start(services, &config, true).await.expect("services start");
     for &service in services {
         let channel = connect(&mesh, service, &ClientConfig::default()).await;
-        wait_for(channel, service.proto_name(), ServingStatus::Serving).await;
+        health::until_serving(channel, service.proto_name()).await;
     }
     mesh
 }
@@ -53,20 +48,4 @@ pub async fn reward(config: &MeshConfig) -> (Mesh, RewardClient<Channel>) {
 pub async fn connect(mesh: &Mesh, service: Service, config: &ClientConfig) -> Channel {
     let address = mesh.address(service).expect("service runs in this mesh");
     client::connect(address, config).await.expect("connects")
-}
-
-/// Follows the health Watch stream of `name` until it reports `status`; returns every status seen on the way.
-pub async fn wait_for(channel: Channel, name: &str, status: ServingStatus) -> Vec<ServingStatus> {
-    let mut health = HealthClient::new(channel);
-    let mut stream = health.watch(HealthCheckRequest { service: name.into() }).await.expect("watch").into_inner();
-    let mut seen = Vec::new();
-    // `message()` fails or ends when the server goes away; either way no further status will come.
-    while let Some(response) = stream.message().await.ok().flatten() {
-        let current = ServingStatus::try_from(response.status).expect("a known serving status");
-        seen.push(current);
-        if current == status {
-            return seen;
-        }
-    }
-    panic!("health of {name} ended before {status:?}: {seen:?}");
 }

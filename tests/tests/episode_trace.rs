@@ -20,10 +20,6 @@ use otlp::{Collector, attribute};
 
 mod otlp;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 const RELU_TASK: &str = include_str!("../../examples/tasks/relu/task.py");
 const RELU: &str = include_str!("../../examples/tasks/relu/candidates/cpu_loop.py");
 
@@ -47,8 +43,7 @@ fn replay_file(dir: &Path) -> PathBuf {
 
 #[test]
 fn each_episode_is_one_trace_across_the_services() {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let python = kforge_test_support::python::required(&[]);
     // SAFETY: no other thread exists yet in this test binary (one test, no runtime).
     let collector_listener = unsafe { otlp::point_exporter_here() };
     let runtime = tokio::runtime::Runtime::new().expect("runtime");

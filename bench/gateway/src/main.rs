@@ -24,6 +24,7 @@ use axum::routing::{get, post};
 use kforge_gateway::config::{BackendConfig, BackendKind, GatewayConfig, Policy, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::gateway_client::GatewayClient;
+use kforge_test_support::Wait;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;
@@ -312,19 +313,24 @@ async fn dead_backend(rate: u32, total: u64) {
             let _ = killed_tx.send(());
         })
     };
-    // Watch ListModels for the moment the victim becomes unroutable.
+    // Watch ListModels every millisecond for the moment the victim becomes unroutable, within the run and a minute.
     let watcher = {
-        let mut client = client.clone();
-        let victim = victim.clone();
+        let (client, victim) = (client.clone(), victim.clone());
+        let run = Duration::from_secs_f64(total as f64 / f64::from(rate)) + Duration::from_secs(60);
         tokio::spawn(async move {
-            loop {
-                let models = client.list_models(pb::ListModelsRequest {}).await.expect("list").into_inner();
-                let routable = models.models.iter().flat_map(|m| &m.backends).any(|b| b.url == victim && b.routable);
-                if !routable {
-                    return origin.elapsed();
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            Wait::new("the dead backend to become unroutable")
+                .within(run)
+                .every(Duration::from_millis(1))
+                .until(|| {
+                    let (mut client, victim) = (client.clone(), victim.clone());
+                    async move {
+                        let models = client.list_models(pb::ListModelsRequest {}).await.expect("list").into_inner();
+                        let mut backends = models.models.into_iter().flat_map(|m| m.backends);
+                        let routable = backends.any(|b| b.url == victim && b.routable);
+                        (!routable).then(|| origin.elapsed())
+                    }
+                })
+                .await
         })
     };
     let load = {

@@ -14,17 +14,13 @@
 //! `cargo run --release -p kforge-bench-gateway --bin real-model-gateway -- --pairs 40 --max-tokens 128 --out DIR`
 //! writes DIR/raw.jsonl (one line per request) and DIR/summary.json, and prints the summary.
 
-#[path = "../../../tests/src/model_server.rs"]
-#[allow(dead_code)] // the benchmark uses part of it
-mod model_server;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kforge_gateway::config::{BackendConfig, BackendKind, GatewayConfig, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::gateway_client::GatewayClient;
-use model_server::{ModelSetup, ServerOptions};
+use kforge_test_support::model_server::{ModelSetup, ServerOptions};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
@@ -219,9 +215,7 @@ async fn main() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = format!("http://{}", listener.local_addr().expect("addr"));
     tokio::spawn(async move {
-        kforge_gateway::serve(config, listener, std::future::pending::<()>())
-            .await
-            .expect("the gateway serves");
+        kforge_gateway::serve(config, listener, std::future::pending::<()>()).await.expect("the gateway serves");
     });
     let mut client = GatewayClient::connect(addr).await.expect("connect");
     let http = reqwest::Client::new();

@@ -9,9 +9,7 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn python() -> PathBuf {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    python
+    kforge_test_support::python::required(&[])
 }
 
 /// `kforge doctor ARGS` with the repository's venv, a work directory of the tests' own, and `env` on top.

@@ -9,21 +9,16 @@ use std::process::{Command, Output};
 use kforge::mesh::{MeshConfig, Service};
 use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
+use kforge_test_support::ReservedPort;
 use serde_json::{Value, json};
 use support::{python, start_mesh, submit_and_follow};
 
 use crate::support;
 
-/// Whether the venv has pyarrow (scripts/setup.sh --test installs it). Without it, reading the Parquet file back
-/// is a visible `SKIP:`, or a failure under `KFORGE_CI=1`.
-fn has_pyarrow(python: &Path) -> bool {
-    let found = Command::new(python).args(["-c", "import pyarrow.parquet"]).output().is_ok_and(|o| o.status.success());
-    if !found {
-        let missing = format!("pyarrow is missing from {}: run scripts/setup.sh --test", python.display());
-        assert!(std::env::var("KFORGE_CI").as_deref() != Ok("1"), "{missing}");
-        println!("SKIP: reading the parquet export back: {missing}");
-    }
-    found
+/// The venv's interpreter with pyarrow (scripts/setup.sh --test installs it). Without it, reading the Parquet file
+/// back is a visible `SKIP:`, or a failure under `KFORGE_CI=1`.
+fn python_with_pyarrow() -> Option<PathBuf> {
+    kforge_test_support::python::or_skip(&["pyarrow.parquet"])
 }
 
 const WRONG: &str =
@@ -178,10 +173,7 @@ async fn a_job_exports_as_parquet_with_the_rows_of_its_jsonl() {
         .collect();
     assert!(leftovers.is_empty(), "the partial files were renamed: {leftovers:?}");
 
-    let python = python();
-    if !has_pyarrow(&python) {
-        return;
-    }
+    let Some(python) = python_with_pyarrow() else { return };
     let table = read_with_pyarrow(&python, &parquet_path);
     let types = &table["types"];
     assert_eq!(types["prompt"], "list<element: struct<role: string not null, content: string not null> not null>");
@@ -291,9 +283,9 @@ async fn a_missing_job_names_the_store_searched() {
 /// anything is asked of an orchestrator (none listens at the address given).
 #[tokio::test]
 async fn parquet_to_stdout_is_refused() {
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address");
+    let closed = ReservedPort::new();
     let args = ["job-1", "--out", "-", "--format", "parquet", "--addr"].map(str::to_owned);
-    let output = kforge_export([args.as_slice(), &[format!("http://{closed}")]].concat()).await;
+    let output = kforge_export([args.as_slice(), &[closed.url()]].concat()).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "{stderr}");
     assert!(stderr.contains("parquet cannot be written to stdout (--out -)"), "{stderr}");

@@ -5,9 +5,6 @@ mod contract;
 mod doctor;
 mod export;
 mod gateway;
-#[path = "../../../tests/src/model_server.rs"]
-#[allow(dead_code)] // the gateway's tests use the rest of it
-mod model_server;
 mod real_model;
 mod run;
 mod support;

@@ -8,13 +8,11 @@
 //! `kforge export` gives back, and each turn's flags recomputed from its response text. About 1 to 3 minutes on 2
 //! cores, nearly all of it generation (4 turns of at most 256 tokens) and, when the model wrote a kernel, evaluation.
 
-use crate::model_server;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use model_server::{ModelSetup, ServerOptions};
+use kforge_test_support::model_server::{ModelSetup, ServerOptions};
 use serde_json::Value;
 
 fn root() -> PathBuf {

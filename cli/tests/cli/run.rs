@@ -9,6 +9,7 @@ use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use kforge_test_support::ReservedPort;
 use support::{python, start_mesh, submit_and_follow};
 
 use crate::support;
@@ -390,9 +391,9 @@ async fn job_snapshot(client: &mut OrchestratorClient<kforge_server::client::Cha
 async fn bad_jobs_are_refused_naming_the_field() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-run-refused");
     let mut config = mesh_config(replay_file(&dir));
-    // Only the orchestrator runs here, and its peers' address is a port just freed: nothing listens there.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address");
-    config.orchestrator.peers.gateway = format!("http://{closed}");
+    // Only the orchestrator runs here, and its peers' address is a reserved port: nothing listens there.
+    let closed = ReservedPort::new();
+    config.orchestrator.peers.gateway = closed.url();
     let mesh = Mesh::start(&[Service::Orchestrator], &config, true).await.expect("the mesh starts");
     let channel =
         kforge_server::client::connect(mesh.address(Service::Orchestrator).expect("runs"), &Default::default())
@@ -432,7 +433,7 @@ async fn bad_jobs_are_refused_naming_the_field() {
     assert!(status.message().starts_with("spec.diagnose.opening: empty"), "{status:?}");
     let status = refused(spec).await.expect_err("no peers");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
-    assert!(status.message().starts_with(&format!("gateway at http://{closed} is unavailable")), "{status:?}");
+    assert!(status.message().starts_with(&format!("gateway at {} is unavailable", closed.url())), "{status:?}");
     let status = orchestrator.get_job(pb::GetJobRequest { job_id: "job-none".into() }).await.expect_err("unknown");
     assert_eq!(status.code(), tonic::Code::NotFound);
     mesh.shutdown().await.expect("drains");

@@ -1,22 +1,15 @@
 //! What the CLI's integration tests share: the services in this process and a job run through them.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use kforge::mesh::{Mesh, MeshConfig, Service};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 
-/// The repository's root.
-pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 /// The repository's venv (scripts/setup.sh --test): the evaluator runs in it, so these tests fail, naming it, where
 /// it is missing.
 pub fn python() -> PathBuf {
-    let python = root().join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
-    python
+    kforge_test_support::python::required(&[])
 }
 
 /// The evaluator, reward, gateway and orchestrator in-process with `config`, and a client of the orchestrator.

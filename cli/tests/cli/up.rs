@@ -3,10 +3,11 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
+use kforge_test_support::health;
 use tokio_stream::StreamExt;
+use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::{HealthCheckRequest, health_check_response};
 use tonic_reflection::pb::v1::ServerReflectionRequest;
 use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
 use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
@@ -74,21 +75,6 @@ async fn channel(url: &str) -> kforge_server::client::Channel {
     kforge_server::client::connect(url, &Default::default()).await.expect("connects")
 }
 
-/// Waits, through the health Watch stream, until `service` reports SERVING; returns every status seen.
-async fn wait_serving(url: &str, service: &str) -> Vec<i32> {
-    let mut health = HealthClient::new(channel(url).await);
-    let mut stream = health.watch(HealthCheckRequest { service: service.into() }).await.expect("watch").into_inner();
-    let mut seen = Vec::new();
-    while let Some(update) = stream.next().await {
-        let status = update.expect("health update").status;
-        seen.push(status);
-        if status == health_check_response::ServingStatus::Serving as i32 {
-            return seen;
-        }
-    }
-    panic!("health stream of {service} ended before SERVING: {seen:?}");
-}
-
 async fn reflected_services(url: &str) -> Vec<String> {
     let mut reflection = ServerReflectionClient::new(channel(url).await);
     let request = ServerReflectionRequest {
@@ -112,8 +98,8 @@ async fn up_serves_health_and_reflection_on_all_five_then_drains_on_sigterm() {
     assert_eq!(http_get(&http, "/kernelgym/health").0, 200, "the HTTP port serves the faces");
 
     for ((_, url), (_, proto_service)) in addresses.iter().zip(SECTIONS) {
-        wait_serving(url, "").await;
-        wait_serving(url, proto_service).await;
+        health::until_serving(channel(url).await, "").await;
+        health::until_serving(channel(url).await, proto_service).await;
         let services = reflected_services(url).await;
         for expected in [proto_service, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"] {
             assert!(services.iter().any(|s| s == expected), "{url} lacks {expected}: {services:?}");
@@ -308,8 +294,7 @@ fn call_reaches_every_rpc_in_process() {
                             while True:\n            pass\n",
         "backend": "BACKEND_CPU",
     });
-    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let python = kforge_test_support::python::required(&[]);
     let stopped = run_kforge_with(
         &["call", "Evaluator/Evaluate", "--deadline", "2"],
         &never.to_string(),
@@ -428,9 +413,8 @@ fn run_kforge_with(args: &[&str], stdin: &str, env: &[(&str, &str)]) -> std::pro
 /// The evaluator in-process through the `kforge eval` command, on the CPU backend with the repository's venv.
 #[test]
 fn eval_prints_a_summary_and_proto3_json() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = root.join(".venv/bin/python");
-    assert!(python.exists(), "{} is missing: run scripts/setup.sh --test", python.display());
+    let root = kforge_test_support::python::repo_root();
+    let python = kforge_test_support::python::required(&[]);
     let candidate = std::env::temp_dir().join(format!("kforge-eval-test-{}.py", std::process::id()));
     std::fs::write(
         &candidate,

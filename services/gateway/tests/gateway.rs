@@ -13,6 +13,7 @@ use kforge_gateway::config::{
 };
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::gateway_client::GatewayClient;
+use kforge_test_support::eventually;
 use running::start;
 use tokio::sync::oneshot;
 use tonic::Code;
@@ -65,21 +66,6 @@ fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(timeout);
     request
-}
-
-/// Polls `condition` until it holds: readiness, never a fixed sleep. Fails the test after 20 s.
-async fn wait_for<F, Fut>(what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let waited = tokio::time::timeout(Duration::from_secs(20), async {
-        while !condition().await {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    assert!(waited.is_ok(), "timed out waiting for {what}");
 }
 
 async fn backend_status(client: &mut GatewayClient<Channel>, url: &str) -> pb::BackendStatus {
@@ -364,7 +350,7 @@ async fn dropping_a_stream_aborts_the_upstream_request() {
     fake.push(Behavior::Hang { release, aborted });
     let mut gateway = start(config(vec![pool(vec![vllm(&fake)], Policy::Affinity)])).await;
     let stream = gateway.client.generate_stream(chat_request("hi")).await.expect("stream").into_inner();
-    wait_for("the upstream request", || async { fake.attempts() == 1 }).await;
+    eventually("the upstream request", || async { fake.attempts() == 1 }).await;
     drop(stream);
     tokio::time::timeout(Duration::from_secs(20), upstream_aborted)
         .await
@@ -389,7 +375,7 @@ async fn the_concurrency_limit_holds_requests_back() {
         })
         .collect();
     let label = fake.label();
-    wait_for("both requests at the gateway", || {
+    eventually("both requests at the gateway", || {
         let mut client = gateway.client.clone();
         let label = label.clone();
         async move { backend_status(&mut client, &label).await.outstanding == 2 }
@@ -397,7 +383,7 @@ async fn the_concurrency_limit_holds_requests_back() {
     .await;
     assert_eq!(fake.attempts(), 1, "the second request waits for the slot");
     release_first.send(()).expect("held");
-    wait_for("the second request upstream", || async { fake.attempts() == 2 }).await;
+    eventually("the second request upstream", || async { fake.attempts() == 2 }).await;
     release_second.send(()).expect("held");
     for call in calls {
         call.await.expect("joined").expect("served");
@@ -419,7 +405,7 @@ async fn a_backend_going_down_and_coming_back() {
     }
     assert_eq!(steady.attempts(), 20, "each request reached the live backend once");
     let label = flaky.label();
-    wait_for("the health check to take it out", || {
+    eventually("the health check to take it out", || {
         let mut client = gateway.client.clone();
         let label = label.clone();
         async move { !backend_status(&mut client, &label).await.healthy }
@@ -427,7 +413,7 @@ async fn a_backend_going_down_and_coming_back() {
     .await;
 
     flaky.restart().await;
-    wait_for("the health check to put it back", || {
+    eventually("the health check to put it back", || {
         let mut client = gateway.client.clone();
         let label = label.clone();
         async move { backend_status(&mut client, &label).await.routable }
@@ -445,7 +431,7 @@ async fn a_failing_health_check_takes_a_backend_out_of_routing() {
     let mut gateway = start(config(vec![pool(vec![vllm(&sick), vllm(&well)], Policy::LeastOutstanding)])).await;
     sick.set_healthy(false);
     let label = sick.label();
-    wait_for("the health check to fail", || {
+    eventually("the health check to fail", || {
         let mut client = gateway.client.clone();
         let label = label.clone();
         async move { !backend_status(&mut client, &label).await.routable }
@@ -457,7 +443,7 @@ async fn a_failing_health_check_takes_a_backend_out_of_routing() {
     }
     assert_eq!(sick.attempts(), 0, "an unhealthy backend gets no request");
     sick.set_healthy(true);
-    wait_for("the health check to pass again", || {
+    eventually("the health check to pass again", || {
         let mut client = gateway.client.clone();
         let label = label.clone();
         async move { backend_status(&mut client, &label).await.routable }

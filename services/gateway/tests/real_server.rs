@@ -9,18 +9,14 @@
 //! (temperature 0) and short: about 2 minutes for the file on 2 cores, most of it log-probabilities (llama-cpp-python
 //! sorts the whole vocabulary in Python for each token, about 50 ms).
 
-#[path = "../../../tests/src/model_server.rs"]
-#[allow(dead_code)] // each test crate uses part of it
-mod model_server;
 mod running;
 
 use std::time::{Duration, Instant};
 
-use kforge_gateway::config::{
-    BackendConfig, BackendKind, GatewayConfig, HealthConfig, PoolConfig, RetryConfig,
-};
+use kforge_gateway::config::{BackendConfig, BackendKind, GatewayConfig, HealthConfig, PoolConfig, RetryConfig};
 use kforge_proto::v1 as pb;
-use model_server::{ModelServer, ModelSetup, ServerOptions};
+use kforge_test_support::Wait;
+use kforge_test_support::model_server::{ModelServer, ModelSetup, ServerOptions};
 use running::Gateway;
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -273,21 +269,19 @@ async fn eight_concurrent_requests_all_finish_through_the_servers_queue() {
     assert_eq!((backend.kind.as_str(), backend.outstanding, backend.healthy), ("llamacpp", 0, true), "{backend:?}");
 }
 
-/// The backend's status as ListModels shows it.
-async fn backend(gateway: &mut Gateway) -> pb::BackendStatus {
-    let models = gateway.client.list_models(pb::ListModelsRequest {}).await.expect("listed").into_inner();
-    models.models[0].backends[0].clone()
-}
-
 /// Polls ListModels until the backend's routability is `routable` (the gateway's health check every 100 ms).
 async fn until_routable(gateway: &mut Gateway, routable: bool) {
-    let waited = tokio::time::timeout(Duration::from_secs(30), async {
-        while backend(gateway).await.routable != routable {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    assert!(waited.is_ok(), "the backend never became {}", if routable { "routable" } else { "unroutable" });
+    let what = format!("the backend to become {}", if routable { "routable" } else { "unroutable" });
+    Wait::new(what)
+        .every(Duration::from_millis(20))
+        .until(|| {
+            let mut client = gateway.client.clone();
+            async move {
+                let models = client.list_models(pb::ListModelsRequest {}).await.expect("listed").into_inner();
+                models.models[0].backends[0].routable == routable
+            }
+        })
+        .await;
 }
 
 #[tokio::test]

@@ -24,6 +24,7 @@ use kforge_gateway::config::{BackendConfig, BackendKind, PoolConfig};
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
 use kforge_server::client::ClientConfig;
+use kforge_test_support::{Wait, python};
 use serde_json::{Value, json};
 
 const TASK_ID: &str = "examples/relu";
@@ -61,22 +62,11 @@ fn replay() -> Vec<(u32, u32, &'static str, String)> {
 
 /// What the test needs from the machine, or why it skips (a failure under `KFORGE_CI=1`).
 fn tools() -> Option<PathBuf> {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    let missing = if Command::new("prometheus").arg("--version").output().is_err() {
-        Some("prometheus is not installed: run scripts/setup.sh --test".to_owned())
-    } else if !python.exists() {
-        Some(format!("{} is missing: run scripts/setup.sh --test", python.display()))
-    } else {
-        None
-    };
-    match missing {
-        None => Some(python),
-        Some(missing) => {
-            assert!(std::env::var("KFORGE_CI").as_deref() != Ok("1"), "{missing}");
-            println!("SKIP: dashboards: {missing}");
-            None
-        }
+    if Command::new("prometheus").arg("--version").output().is_err() {
+        python::skip("prometheus is not installed: run scripts/setup.sh --test");
+        return None;
     }
+    python::or_skip(&[])
 }
 
 /// A `prometheus` process of this test's own, killed when dropped.
@@ -142,10 +132,9 @@ impl Prometheus {
 
     async fn ready(&self) {
         let url = format!("{}/-/ready", self.base);
-        poll("prometheus is ready", || async {
-            self.http.get(&url).send().await.ok().filter(|r| r.status().is_success()).map(|_| ())
-        })
-        .await
+        scraping_wait("prometheus is ready")
+            .until(|| async { self.http.get(&url).send().await.ok().filter(|r| r.status().is_success()).map(|_| ()) })
+            .await
     }
 
     /// An instant query at `time` (Unix seconds): each series' labels and value.
@@ -185,26 +174,20 @@ impl Prometheus {
         // `timestamp` of a selector is its sample's time (of an expression, the evaluation's): `up` has one per
         // scrape.
         let (up, at) = (format!("up{{job=\"{service}\"}}"), format!("timestamp(up{{job=\"{service}\"}})"));
-        poll(&format!("a scrape of {service}"), || async {
-            let now = unix_now();
-            let (up, at) = (self.query(&up, now).await, self.query(&at, now).await);
-            let scraped = up.first().is_some_and(|(_, up)| *up == 1.0);
-            at.first().map(|(_, t)| *t).filter(|&t| scraped && t > after)
-        })
-        .await
+        scraping_wait(format!("a scrape of {service}"))
+            .until(|| async {
+                let now = unix_now();
+                let (up, at) = (self.query(&up, now).await, self.query(&at, now).await);
+                let scraped = up.first().is_some_and(|(_, up)| *up == 1.0);
+                at.first().map(|(_, t)| *t).filter(|&t| scraped && t > after)
+            })
+            .await
     }
 }
 
-/// Calls `probe` every 100 ms until it answers, for at most [`PATIENCE`].
-async fn poll<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut probe: impl FnMut() -> F) -> T {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        if let Some(found) = probe().await {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "waited {PATIENCE:?} for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+/// A wait for Prometheus: every 100 ms (each ask is an HTTP query), for at most [`PATIENCE`].
+fn scraping_wait(what: impl Into<String>) -> Wait {
+    Wait::new(what).within(PATIENCE).every(Duration::from_millis(100))
 }
 
 fn unix_now() -> f64 {

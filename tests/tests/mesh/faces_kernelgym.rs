@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use kforge::mesh::{Mesh, Service};
+use kforge_test_support::Wait;
 use serde_json::{Value, json};
 
 const TASK: &str = include_str!("../../../examples/tasks/relu/task.py");
@@ -58,19 +59,20 @@ async fn client_flow(http: &reqwest::Client, base: &str, body: &Value) -> (Value
     let (status, _, _) = post(http, &format!("{base}/evaluate"), body).await;
     assert_eq!(status, 200, "submitted");
     let task_id = body["task_id"].as_str().expect("a task id");
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let (code, state) = get(http, &format!("{base}/status/{task_id}")).await;
-        assert_eq!(code, 200, "{state}");
-        if TERMINAL.contains(&state["status"].as_str().unwrap_or_default()) {
-            let (code, result) = get(http, &format!("{base}/results/{task_id}")).await;
-            assert_eq!(code, 200, "{result}");
-            return (state, result);
-        }
-        assert!(tokio::time::Instant::now() < deadline, "still {state} after {PATIENCE:?}");
-        // The client's own poll, at a shorter period.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let status_url = format!("{base}/status/{task_id}");
+    // The client's own poll, at a shorter period; while not terminal, the wait's message shows the last status.
+    let state = Wait::new(format!("{task_id} to reach a terminal status"))
+        .within(PATIENCE)
+        .every(Duration::from_millis(200))
+        .until(|| async {
+            let (code, state) = get(http, &status_url).await;
+            assert_eq!(code, 200, "{state}");
+            if TERMINAL.contains(&state["status"].as_str().unwrap_or_default()) { Ok(state) } else { Err(state) }
+        })
+        .await;
+    let (code, result) = get(http, &format!("{base}/results/{task_id}")).await;
+    assert_eq!(code, 200, "{result}");
+    (state, result)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -85,14 +87,18 @@ async fn a_correct_kernel_is_processing_then_completed_with_its_timing_and_cover
         let (http, url, body) = (http.clone(), format!("{base}/evaluate"), body.clone());
         async move { post(&http, &url, &body).await }
     });
-    let first = loop {
-        let (code, state) = get(&http, &format!("{base}/status/relu-correct")).await;
-        if code != 404 {
-            break state;
-        }
-        assert!(!submit.is_finished(), "the evaluation ended before its status was read");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    // Within the evaluation's own bound: the loop ends with it at the latest.
+    let first = Wait::new("relu-correct's first status")
+        .within(PATIENCE)
+        .until(|| async {
+            let (code, state) = get(&http, &format!("{base}/status/relu-correct")).await;
+            if code != 404 {
+                return Some(state);
+            }
+            assert!(!submit.is_finished(), "the evaluation ended before its status was read");
+            None
+        })
+        .await;
     assert_eq!(first["status"], "processing", "{first}");
     let (code, answered, _) = submit.await.expect("the submission");
     assert_eq!(code, 200, "{answered}");

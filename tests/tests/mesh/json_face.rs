@@ -124,12 +124,7 @@ async fn the_json_body_limit_streams_and_gets_are_refused_as_json() {
 
 #[tokio::test]
 async fn a_deadline_in_connect_timeout_ms_stops_the_call() {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !python.exists() {
-        assert!(std::env::var_os("KFORGE_CI").is_none(), "{} is missing in CI", python.display());
-        eprintln!("SKIPPED: {} is missing: run scripts/setup.sh --test", python.display());
-        return;
-    }
+    let Some(python) = kforge_test_support::python::or_skip(&[]) else { return };
     let mut config = MeshConfig::default();
     config.evaluator.python = python;
     let mesh = kforge_tests::start(&[Service::Evaluator], &config).await;

@@ -75,7 +75,7 @@ async fn tls_serves_clients_that_trust_the_ca() {
         ..Default::default()
     };
     let channel = kforge_server::client::connect(&address, &trusting).await.expect("tls handshake");
-    kforge_tests::wait_for(channel.clone(), "kforge.v1.Reward", ServingStatus::Serving).await;
+    kforge_test_support::health::until_status(channel.clone(), "kforge.v1.Reward", ServingStatus::Serving).await;
     let response = RewardClient::new(channel).compute_returns(returns_request(vec![4.0])).await.expect("over tls");
     assert_eq!(response.into_inner().trajectories[0].values, vec![4.0]);
 

@@ -4,12 +4,12 @@
 //! empty): a stream, a plain JSON body, an HTTP error with an optional Retry-After, a connection dropped before
 //! or after tokens, malformed JSON, or a response that hangs until released (reporting when the gateway gives
 //! up on it). The fake counts every attempt, keeps the last request body, records control calls, tracks the most
-//! requests it held at once, and can be stopped (connection refused) and started again on the same port.
+//! requests it held at once, and can be stopped (connection refused) and started again on the same port, which it
+//! keeps reserved meanwhile (`kforge_test_support::ReservedPort`: no other bind of port 0 can take it).
 
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -19,6 +19,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use kforge_test_support::ReservedPort;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -65,22 +66,23 @@ struct Shared {
 #[derive(Debug)]
 pub struct FakeUpstream {
     shared: Arc<Shared>,
-    addr: SocketAddr,
+    port: ReservedPort,
     stop: Option<oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl FakeUpstream {
     pub async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
-        let shared = Arc::new(Shared::default());
-        let addr = listener.local_addr().expect("local addr");
-        let mut fake = Self { shared, addr, stop: None, server: None };
-        fake.serve(listener);
+        let mut fake = Self { shared: Arc::default(), port: ReservedPort::new(), stop: None, server: None };
+        fake.serve();
         fake
     }
 
-    fn serve(&mut self, listener: TcpListener) {
+    /// Serves on the reserved port.
+    fn serve(&mut self) {
+        let listener = self.port.listen();
+        listener.set_nonblocking(true).expect("non-blocking");
+        let listener = TcpListener::from_std(listener).expect("a tokio listener");
         let app = Router::new()
             .route("/v1/chat/completions", post(generate))
             .route("/v1/completions", post(generate))
@@ -112,13 +114,12 @@ impl FakeUpstream {
 
     /// Serves again on the same port.
     pub async fn restart(&mut self) {
-        let listener = TcpListener::bind(self.addr).await.expect("rebind the same port");
-        self.serve(listener);
+        self.serve();
     }
 
     /// The OpenAI base URL, as the gateway's config takes it.
     pub fn url(&self) -> String {
-        format!("http://{}/v1", self.addr)
+        format!("{}/v1", self.port.url())
     }
 
     /// The label the gateway gives this backend.

@@ -14,6 +14,7 @@ use std::time::Duration;
 use kforge_orchestrator::store::Store;
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use kforge_test_support::{ReservedPort, health};
 use support::{Hold, key};
 
 const TASKS: [&str; 2] = ["a", "b"];
@@ -25,24 +26,27 @@ const START: Duration = Duration::from_secs(60);
 
 struct Orchestrator {
     child: Child,
+    /// The port it listens on, reserved while it lives (no other bind of port 0 can take it meanwhile).
+    _port: ReservedPort,
 }
 
 impl Orchestrator {
-    /// Starts the binary on a free port with this store and the fakes as peers; waits until it listens.
+    /// Starts the binary on a reserved port with this store and the fakes as peers; waits until it listens.
     async fn start(
         dir: &Path,
         store: &str,
         peers: &str,
         generation: u32,
     ) -> (Self, OrchestratorClient<tonic::transport::Channel>) {
-        let port = support::free_port();
+        let port = ReservedPort::new();
         let config = dir.join(format!("orchestrator-{generation}.toml"));
         std::fs::write(
             &config,
             format!(
                 "[orchestrator]\nstore = \"{store}\"\ninstance = \"durability\"\nmax_concurrent_episodes = 1\n\
-                 [orchestrator.server]\nlisten = \"127.0.0.1:{port}\"\n\
-                 [orchestrator.peers]\ngateway = \"{peers}\"\nevaluator = \"{peers}\"\nreward = \"{peers}\"\n"
+                 [orchestrator.server]\nlisten = \"{}\"\n\
+                 [orchestrator.peers]\ngateway = \"{peers}\"\nevaluator = \"{peers}\"\nreward = \"{peers}\"\n",
+                port.addr()
             ),
         )
         .expect("config written");
@@ -54,9 +58,8 @@ impl Orchestrator {
             .stderr(log)
             .spawn()
             .expect("the orchestrator starts");
-        let address = format!("http://127.0.0.1:{port}");
-        let channel = support::wait_ready(&address, START).await;
-        (Self { child }, OrchestratorClient::new(channel))
+        let channel = health::connected(&port.url(), START).await;
+        (Self { child, _port: port }, OrchestratorClient::new(channel))
     }
 
     /// SIGKILL: no drain, no shutdown code runs.

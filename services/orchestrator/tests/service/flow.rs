@@ -10,6 +10,7 @@ use std::path::Path;
 use kforge_orchestrator::OrchestratorConfig;
 use kforge_proto::v1 as pb;
 use kforge_proto::v1::orchestrator_client::OrchestratorClient;
+use kforge_test_support::{ReservedPort, eventually};
 use support::{Answer, Hold, key, orchestrator};
 use tonic::transport::Channel;
 
@@ -180,9 +181,10 @@ async fn evaluations_in_flight_are_bounded_across_episodes() {
             break;
         }
     }
-    while fakes.evaluating.load(std::sync::atomic::Ordering::SeqCst) < 2 {
-        tokio::task::yield_now().await;
-    }
+    eventually("two evaluations at the evaluator", || async {
+        fakes.evaluating.load(std::sync::atomic::Ordering::SeqCst) >= 2
+    })
+    .await;
     let (received, _) = fakes.evaluate_counts();
     assert_eq!(received.values().sum::<u32>(), 2, "{received:?}");
     gate.add_permits(8);
@@ -252,7 +254,9 @@ async fn bad_input_is_invalid_argument_naming_the_field_or_the_line() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_peer_is_unavailable_naming_it() {
     let (peers, _fakes) = support::start_fakes().await;
-    let closed = format!("http://127.0.0.1:{}", support::free_port());
+    // A port nobody serves, reserved for the test so that no other server takes it meanwhile.
+    let port = ReservedPort::new();
+    let closed = port.url();
     let mut running = orchestrator(&peers, |c| c.peers.evaluator = closed.clone()).await;
     let status = submit(&mut running.client, spec(&["a"], 1, 1)).await.expect_err("no evaluator");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
@@ -346,7 +350,9 @@ async fn a_reward_spec_chooses_the_formula_over_the_recipe() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cudaforge_job_without_its_profiler_is_unavailable_naming_it() {
     let (peers, _fakes) = support::start_fakes().await;
-    let closed = format!("http://127.0.0.1:{}", support::free_port());
+    // A port nobody serves, reserved for the test so that no other server takes it meanwhile.
+    let port = ReservedPort::new();
+    let closed = port.url();
     let mut running = orchestrator(&peers, |c| c.peers.profiler = closed.clone()).await;
     let gpu = pb::JobSpec { recipe: "cudaforge".into(), backend: pb::Backend::Cuda.into(), ..spec(&["a"], 1, 2) };
     let status = submit(&mut running.client, gpu).await.expect_err("no profiler");
@@ -764,9 +770,10 @@ async fn a_later_job_waits_for_the_evaluator_behind_what_is_queued_not_behind_a_
     while !arrived(&key("b", 0, 0)) {
         let before = fakes.arrivals.lock().expect("lock").len();
         gate.add_permits(1);
-        while fakes.arrivals.lock().expect("lock").len() == before {
-            tokio::task::yield_now().await;
-        }
+        eventually("the next evaluation at the evaluator", || async {
+            fakes.arrivals.lock().expect("lock").len() > before
+        })
+        .await;
     }
     let arrivals = fakes.arrivals.lock().expect("lock").clone();
     assert_eq!(
@@ -811,15 +818,18 @@ async fn another_instance_takes_a_job_over_only_once_its_owner_s_lease_runs_out(
 
     // The first instance stops (its job stays RUNNING); the second takes it over once the lease has run out.
     first.shutdown().await;
-    let resumed = loop {
-        match second.client.resume_job(pb::ResumeJobRequest { job_id: job.job_id.clone() }).await {
-            Ok(resumed) => break resumed.into_inner(),
-            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let resumed = eventually("the first instance's lease to run out", || {
+        let mut client = second.client.clone();
+        let job_id = job.job_id.clone();
+        async move {
+            match client.resume_job(pb::ResumeJobRequest { job_id }).await {
+                Ok(resumed) => Some(resumed.into_inner()),
+                Err(status) if status.code() == tonic::Code::FailedPrecondition => None,
+                Err(status) => panic!("{status:?}"),
             }
-            Err(status) => panic!("{status:?}"),
         }
-    };
+    })
+    .await;
     assert_eq!(resumed.job_id, job.job_id);
     let finished = last_job(&watch(&mut second.client, &job.job_id).await);
     assert_eq!((finished.state(), finished.turns_done), (pb::JobState::Succeeded, 2));
@@ -909,13 +919,10 @@ async fn replicas_take_over_the_jobs_of_one_that_died_and_each_job_runs_on_one_o
     let arrived = |n: usize| {
         let fakes = fakes.clone();
         async move {
-            tokio::time::timeout(std::time::Duration::from_secs(30), async {
-                while fakes.arrivals.lock().expect("lock").len() < n {
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                }
+            eventually(format!("{n} evaluations at the evaluator"), || async {
+                fakes.arrivals.lock().expect("lock").len() >= n
             })
-            .await
-            .expect("the evaluations arrived");
+            .await;
         }
     };
     // Two jobs on the first replica, each waiting in its first evaluation when the replica dies.
@@ -926,23 +933,20 @@ async fn replicas_take_over_the_jobs_of_one_that_died_and_each_job_runs_on_one_o
     arrived(2).await;
     first.shutdown().await;
     // Two replicas that take orphans over: once the dead one's lease has run out, each job is claimed by one.
-    let mut second = orchestrator(&peers, replica("two", true)).await;
+    let second = orchestrator(&peers, replica("two", true)).await;
     let third = orchestrator(&peers, replica("three", true)).await;
     arrived(4).await;
     gate.add_permits(100);
     for job in [&a, &b] {
-        let finished = tokio::time::timeout(std::time::Duration::from_secs(30), async {
-            loop {
-                let got = second.client.get_job(pb::GetJobRequest { job_id: job.job_id.clone() }).await;
-                let got = got.expect("read").into_inner();
-                if got.state() == pb::JobState::Succeeded {
-                    break got;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let finished = eventually(format!("job {} finished by a taker", job.job_id), || {
+            let mut client = second.client.clone();
+            let job_id = job.job_id.clone();
+            async move {
+                let got = client.get_job(pb::GetJobRequest { job_id }).await.expect("read").into_inner();
+                (got.state() == pb::JobState::Succeeded).then_some(got)
             }
         })
-        .await
-        .expect("finished by a taker");
+        .await;
         assert_eq!(finished.turns_done, 2);
     }
     // Each turn-0 evaluation reached the fakes twice, the dead replica's and one taker's (never both takers'), and
@@ -976,13 +980,7 @@ async fn evaluations_spread_over_a_static_pool_within_each_endpoints_capacity() 
     let job = submit(&mut running.client, spec(&["a", "b", "c", "d"], 2, 1)).await.expect("submitted");
     // Readiness by polling: one evaluation waits at each endpoint (its capacity), the other six in the orchestrator.
     let waiting = |f: &support::State| f.evaluating.load(std::sync::atomic::Ordering::SeqCst);
-    tokio::time::timeout(std::time::Duration::from_secs(30), async {
-        while waiting(&fakes) + waiting(&other_fakes) < 2 {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("both endpoints busy");
+    eventually("both endpoints busy", || async { waiting(&fakes) + waiting(&other_fakes) >= 2 }).await;
     for gate in &gates {
         gate.add_permits(100);
     }

@@ -3,17 +3,13 @@
 //! `scripts/setup_model.sh`.
 //!
 //! [`ModelSetup::find`] locates the installation, or says `SKIP:` and what is missing (a failure under
-//! `KFORGE_CI=1`, where set-up has installed it). [`ModelSetup::start`] starts a server on a port of its own (port
-//! 0: uvicorn binds a free one and logs it) and hands it out once its log says it listens and `GET /v1/models`
-//! answers: readiness read from the server, never a sleep. The server is killed when its [`ModelServer`] is
-//! dropped, and exits by itself when the test process dies without dropping it (a panic that aborts, a server in
-//! a `static`, a SIGKILL): it watches its stdin, a pipe the test holds, and leaves at end of file.
-//! [`ModelServer::kill`] and [`ModelServer::restart`] (on the same port) let a test take it away from a client and
-//! bring it back.
-//!
-//! This file uses only the standard library, so that test crates which cannot depend on `kforge-tests` (the
-//! gateway's, the CLI's: a dependency cycle) include it with `#[path = ".../tests/src/model_server.rs"] mod
-//! model_server;`.
+//! `KFORGE_CI=1`, where set-up has installed it). [`ModelSetup::start`] starts a server on a [`ReservedPort`] of
+//! its own (uvicorn binds it with SO_REUSEADDR beside the reservation) and hands it out once its log says it
+//! listens and `GET /v1/models` answers: readiness read from the server, never a sleep. The server is killed when
+//! its [`ModelServer`] is dropped, and exits by itself when the test process dies without dropping it (a panic
+//! that aborts, a server in a `static`, a SIGKILL): it watches its stdin, a pipe the test holds, and leaves at end
+//! of file. [`ModelServer::kill`] and [`ModelServer::restart`] let a test take it away from a client and bring it
+//! back on the same port, which the reservation keeps while the server is down (connections are refused then).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -23,6 +19,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use crate::ReservedPort;
 
 /// How long a server may take from its start to listening: loading a 98 MB model takes about a second; a machine
 /// busy building leaves it much slower.
@@ -73,10 +71,7 @@ impl ModelSetup {
         match Self::locate(root) {
             Ok(setup) => Some(setup),
             Err(missing) => {
-                let missing = format!("{missing}: run scripts/setup_model.sh");
-                assert!(std::env::var("KFORGE_CI").as_deref() != Ok("1"), "{missing}");
-                let thread = std::thread::current();
-                println!("SKIP: {}: {missing}", thread.name().unwrap_or("this test"));
+                crate::python::skip(format!("{missing}: run scripts/setup_model.sh"));
                 None
             }
         }
@@ -108,7 +103,7 @@ impl ModelSetup {
         Ok(Self { python, model })
     }
 
-    /// Starts a server with `options` on a free loopback port and waits until it serves.
+    /// Starts a server with `options` on a reserved loopback port and waits until it serves.
     pub fn start(&self, options: ServerOptions) -> ModelServer {
         static SERVERS: AtomicU32 = AtomicU32::new(0);
         let instance = SERVERS.fetch_add(1, Ordering::Relaxed);
@@ -117,13 +112,13 @@ impl ModelSetup {
         let mut server = ModelServer {
             setup: self.clone(),
             options,
-            port: 0,
+            port: ReservedPort::new(),
             child: None,
             log_dir,
             starts: 0,
             tail: Arc::default(),
         };
-        server.spawn(0);
+        server.spawn();
         server
     }
 }
@@ -133,7 +128,8 @@ impl ModelSetup {
 pub struct ModelServer {
     setup: ModelSetup,
     options: ServerOptions,
-    port: u16,
+    /// Held for the server's whole life, restarts included.
+    port: ReservedPort,
     /// The server and the write end of its stdin: dropping either ends it.
     child: Option<(Child, ChildStdin)>,
     log_dir: PathBuf,
@@ -145,7 +141,7 @@ pub struct ModelServer {
 impl ModelServer {
     /// The OpenAI base URL, `http://127.0.0.1:PORT/v1`.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}/v1", self.port)
+        format!("{}/v1", self.port.url())
     }
 
     /// The name the server answers to.
@@ -175,14 +171,14 @@ impl ModelServer {
     /// Starts the server again on the same port (after [`kill`](Self::kill)) and waits until it serves.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn(self.port);
+        self.spawn();
     }
 
-    /// Starts the server on `port` (0: any free one) and waits for it; panics with the log's tail if it exits or
-    /// does not listen within [`START_TIMEOUT`].
-    fn spawn(&mut self, port: u16) {
-        self.port = port;
+    /// Starts the server on the reserved port and waits for it; panics with the log's tail if it exits or does
+    /// not listen within [`START_TIMEOUT`].
+    fn spawn(&mut self) {
         self.starts += 1;
+        let port = self.port.port();
         let o = &self.options;
         let log_path = self.log_path();
         let stdout = std::fs::File::create(log_path.with_extension("stdout")).expect("stdout log");
@@ -211,7 +207,7 @@ impl ModelServer {
         let tail = self.tail.clone();
         let mut log = std::fs::File::create(&log_path).expect("server log");
         // Drains stderr for the server's whole life (a full pipe would stall it), keeping a tail and reporting the
-        // port from uvicorn's `Uvicorn running on http://127.0.0.1:PORT` line. The sender drops at end of file, so
+        // port of uvicorn's `Uvicorn running on http://127.0.0.1:PORT` line, once it listens. The sender drops at end of file, so
         // a server that dies before listening ends the wait at once.
         std::thread::spawn(move || {
             let mut listening = Some(listening);
@@ -234,7 +230,7 @@ impl ModelServer {
         self.child = Some((child, stdin));
         let started = Instant::now();
         match heard.recv_timeout(START_TIMEOUT) {
-            Ok(port) => self.port = port,
+            Ok(listening) => assert_eq!(listening, port, "the server listens on its reserved port"),
             Err(error) => {
                 let status = self.child.as_mut().and_then(|(c, _)| c.try_wait().ok().flatten());
                 self.kill();
@@ -247,7 +243,7 @@ impl ModelServer {
             }
         }
         // The model loads before uvicorn binds, so the first request is served; check that it is.
-        let models = http_get(self.port, "/v1/models")
+        let models = http_get(port, "/v1/models")
             .unwrap_or_else(|e| panic!("GET /v1/models of a listening server: {e}\n{}", self.log_tail()));
         assert!(models.contains(&self.options.alias), "/v1/models does not list {}: {models}", self.options.alias);
     }
