@@ -382,24 +382,47 @@ async fn doctor_command(config: &MeshConfig, json: bool) -> anyhow::Result<()> {
 
 async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     let servers = model_servers(&args)?;
+    let spec = job_spec(&args);
+    let mut config = config.clone();
+    // Where the embedded replay files go, removed when this run ends; the next run removes a killed one's.
+    let scratch = match args.remote.addr {
+        Some(_) => None,
+        None => Some(prepare_in_process(&mut config, &args, &servers, &spec).await?),
+    };
+    let (channel, mesh) = connect(&config, &Service::ALL, Service::Orchestrator, &args.remote).await?;
+    if let Some(mesh) = &mesh {
+        for (service, address) in mesh.addresses() {
+            eprintln!("{:<13} {address}", service.name());
+        }
+    }
+    let mut orchestrator = pb::orchestrator_client::OrchestratorClient::new(channel);
+    let outcome = follow_job(&mut orchestrator, spec, args.resume.as_deref()).await;
+    drain(mesh).await?;
+    drop(scratch);
+    let (job, trajectories) = outcome?;
+    report_job(&config, &job, &trajectories)
+}
+
+/// The job `kforge run`'s flags describe; a multi-turn recipe defaults to 2 trajectories of 3 turns.
+fn job_spec(args: &RunArgs) -> pb::JobSpec {
     let multi_turn = args.recipe != "single-turn";
-    let judge_model = match args.judge_model {
-        Some(model) => model,
+    let judge_model = match &args.judge_model {
+        Some(model) => model.clone(),
         None if args.recipe == "cudaforge" && args.model == kforge::run::DEFAULT_MODEL => {
             kforge::run::DEFAULT_JUDGE_MODEL.to_owned()
         }
         None => String::new(),
     };
-    let spec = pb::JobSpec {
+    pb::JobSpec {
         kind: pb::JobKind::Evaluation.into(),
-        recipe: args.recipe,
-        task_set: args.tasks,
-        model: args.model,
+        recipe: args.recipe.clone(),
+        task_set: args.tasks.clone(),
+        model: args.model.clone(),
         judge_model,
         context_window: args.context_window,
         context_budget_chars: args.context_budget_chars,
-        diagnose: (args.opening.is_some() || args.no_not_okay).then_some(pb::DiagnoseParams {
-            opening: args.opening,
+        diagnose: (args.opening.is_some() || args.no_not_okay).then(|| pb::DiagnoseParams {
+            opening: args.opening.clone(),
             repetition_threshold: None,
             not_okay_off: args.no_not_okay,
         }),
@@ -420,98 +443,102 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
         correctness_trials: args.correctness_trials,
         measure_performance: None,
         max_concurrent_episodes: args.concurrency,
-        levels: args.levels,
+        levels: args.levels.clone(),
         strict_format: None,
+    }
+}
+
+/// Readies the in-process mesh for one job: its store, the model servers the flags name, the embedded replay files
+/// (in the scratch directory returned) and an evaluator sized for one job.
+async fn prepare_in_process(
+    config: &mut MeshConfig,
+    args: &RunArgs,
+    servers: &[ModelServer],
+    spec: &pb::JobSpec,
+) -> anyhow::Result<kforge::scratch::Scratch> {
+    let scratch =
+        kforge::scratch::Scratch::create(&std::env::temp_dir()).context("making the run's scratch directory")?;
+    kforge::run::store_for_run(config, args.work_dir.as_deref());
+    let (model, judge_model) = match &args.resume {
+        Some(job_id) => {
+            let stored = kforge::run::stored_spec(config, job_id).await?;
+            (stored.model, stored.judge_model)
+        }
+        None => (spec.model.clone(), spec.judge_model.clone()),
     };
-    let mut config = config.clone();
-    // Where the embedded replay files go, removed when this run ends; the next run removes a killed one's.
-    let mut scratch = None;
-    if args.remote.addr.is_none() {
-        let scratch = scratch.insert(
-            kforge::scratch::Scratch::create(&std::env::temp_dir()).context("making the run's scratch directory")?,
-        );
-        kforge::run::store_for_run(&mut config, args.work_dir.as_deref());
-        let (model, judge_model) = match &args.resume {
-            Some(job_id) => {
-                let stored = kforge::run::stored_spec(&config, job_id).await?;
-                (stored.model, stored.judge_model)
+    for server in servers {
+        let routed = match server.role {
+            Role::Model => &model,
+            Role::Judge if judge_model.is_empty() || judge_model == model => {
+                bail!("--judge-model-url needs a Judge model other than the job's model `{model}`")
             }
-            None => (spec.model.clone(), spec.judge_model.clone()),
+            Role::Judge => &judge_model,
         };
-        for server in &servers {
-            let routed = match server.role {
-                Role::Model => &model,
-                Role::Judge if judge_model.is_empty() || judge_model == model => {
-                    bail!("--judge-model-url needs a Judge model other than the job's model `{model}`")
-                }
-                Role::Judge => &judge_model,
-            };
-            let note = match kforge::run::route_model_server(&mut config, routed, server)? {
-                Routed::Added => String::new(),
-                Routed::Replaced { backends } => format!(" (replacing the {backends} backends of its configured pool)"),
-            };
-            eprintln!("{:<13} {routed} at {} ({}){note}", "model", server.url, server.kind.name());
-        }
-        for model in [model, judge_model] {
-            kforge::run::route_default_replay(&mut config, &model, scratch.path())
-                .with_context(|| format!("writing the embedded replay file under {}", scratch.path().display()))?;
-        }
-        kforge::run::evaluator_for_one_job(&mut config, args.compile_baseline);
-    }
-    let (channel, mesh) = connect(&config, &Service::ALL, Service::Orchestrator, &args.remote).await?;
-    if let Some(mesh) = &mesh {
-        for (service, address) in mesh.addresses() {
-            eprintln!("{:<13} {address}", service.name());
-        }
-    }
-    let mut orchestrator = pb::orchestrator_client::OrchestratorClient::new(channel);
-    let outcome = async {
-        let job = kforge::run::submit_or_resume(&mut orchestrator, spec, args.resume.as_deref())
-            .await
-            .map_err(CallError::from)
-            .context(if args.resume.is_some() { "resuming the job" } else { "submitting the job" })?;
-        let verb = if args.resume.is_some() { "resumed" } else { "submitted" };
-        eprintln!("job {} {verb}: {} episodes, {} turns", job.job_id, job.episodes_total, job.turns_total);
-        let shown = std::cell::RefCell::new(kforge::run::Progress::new(std::io::stderr().is_terminal()));
-        let mut watcher = orchestrator.clone();
-        let follow = kforge::run::follow(&mut watcher, &job.job_id, |progress| {
-            // A turn's stages, its record and its episode's end are separate updates: each change is shown once.
-            if let Some(text) = shown.borrow_mut().update(progress) {
-                eprint!("{text}");
-            }
-        });
-        tokio::pin!(follow);
-        // Ctrl-C or SIGTERM cancels the job (its evaluations stop with their requests) and the report still prints.
-        let followed = tokio::select! {
-            followed = &mut follow => followed,
-            () = kforge_server::shutdown_signal() => {
-                eprintln!("interrupted: cancelling job {} (resume it with kforge run --resume {0})", job.job_id);
-                orchestrator
-                    .cancel_job(pb::CancelJobRequest { job_id: job.job_id.clone() })
-                    .await
-                    .map_err(CallError::from)
-                    .context("cancelling the job")?;
-                follow.await
-            }
+        let note = match kforge::run::route_model_server(config, routed, server)? {
+            Routed::Added => String::new(),
+            Routed::Replaced { backends } => format!(" (replacing the {backends} backends of its configured pool)"),
         };
-        eprint!("{}", shown.borrow().finish());
-        let job = followed.map_err(CallError::from).context("following the job")?;
-        let trajectories = kforge::run::trajectories(&mut orchestrator, &job.job_id)
-            .await
-            .map_err(CallError::from)
-            .context("reading the job's trajectories")?;
-        anyhow::Ok((job, trajectories))
+        eprintln!("{:<13} {routed} at {} ({}){note}", "model", server.url, server.kind.name());
     }
-    .await;
-    drain(mesh).await?;
-    drop(scratch);
-    let (job, trajectories) = outcome?;
+    for model in [model, judge_model] {
+        kforge::run::route_default_replay(config, &model, scratch.path())
+            .with_context(|| format!("writing the embedded replay file under {}", scratch.path().display()))?;
+    }
+    kforge::run::evaluator_for_one_job(config, args.compile_baseline);
+    Ok(scratch)
+}
+
+/// Submits the job (or resumes `resume`), shows its progress until it ends and reads its trajectories. Ctrl-C or
+/// SIGTERM cancels the job (its evaluations stop with their requests) and the report still follows.
+async fn follow_job(
+    orchestrator: &mut pb::orchestrator_client::OrchestratorClient<client::Channel>,
+    spec: pb::JobSpec,
+    resume: Option<&str>,
+) -> anyhow::Result<(pb::Job, Vec<pb::Trajectory>)> {
+    let job = kforge::run::submit_or_resume(orchestrator, spec, resume)
+        .await
+        .map_err(CallError::from)
+        .context(if resume.is_some() { "resuming the job" } else { "submitting the job" })?;
+    let verb = if resume.is_some() { "resumed" } else { "submitted" };
+    eprintln!("job {} {verb}: {} episodes, {} turns", job.job_id, job.episodes_total, job.turns_total);
+    let shown = std::cell::RefCell::new(kforge::run::Progress::new(std::io::stderr().is_terminal()));
+    let mut watcher = orchestrator.clone();
+    let follow = kforge::run::follow(&mut watcher, &job.job_id, |progress| {
+        // A turn's stages, its record and its episode's end are separate updates: each change is shown once.
+        if let Some(text) = shown.borrow_mut().update(progress) {
+            eprint!("{text}");
+        }
+    });
+    tokio::pin!(follow);
+    let followed = tokio::select! {
+        followed = &mut follow => followed,
+        () = kforge_server::shutdown_signal() => {
+            eprintln!("interrupted: cancelling job {} (resume it with kforge run --resume {0})", job.job_id);
+            orchestrator
+                .cancel_job(pb::CancelJobRequest { job_id: job.job_id.clone() })
+                .await
+                .map_err(CallError::from)
+                .context("cancelling the job")?;
+            follow.await
+        }
+    };
+    eprint!("{}", shown.borrow().finish());
+    let job = followed.map_err(CallError::from).context("following the job")?;
+    let trajectories = kforge::run::trajectories(orchestrator, &job.job_id)
+        .await
+        .map_err(CallError::from)
+        .context("reading the job's trajectories")?;
+    Ok((job, trajectories))
+}
+
+/// Prints the job's report and writes its files; fails where the job did not succeed or every turn failed.
+fn report_job(config: &MeshConfig, job: &pb::Job, trajectories: &[pb::Trajectory]) -> anyhow::Result<()> {
     // A reader of the report that went away changes nothing else: the files are written, the job's outcome decides
     // the status (a closed stdout alone ends quietly).
-    let printed = kforge::stdout::print(&kforge::run::report(&job, &trajectories));
-    let dir = kforge::run::report_dir(&config, &job.job_id);
-    let pricing = kforge::run::pricing(&config, job.spec.as_ref().map_or("", |spec| spec.model.as_str()));
-    let files = kforge::run::write_report(&dir, &job, &trajectories, &pricing)
+    let printed = kforge::stdout::print(&kforge::run::report(job, trajectories));
+    let dir = kforge::run::report_dir(config, &job.job_id);
+    let pricing = kforge::run::pricing(config, job.spec.as_ref().map_or("", |spec| spec.model.as_str()));
+    let files = kforge::run::write_report(&dir, job, trajectories, &pricing)
         .with_context(|| format!("writing the job's report under {}", dir.display()))?;
     let printed = printed.and_then(|()| match pricing.as_str() {
         "" => Ok(()),
@@ -525,7 +552,7 @@ async fn run_command(config: &MeshConfig, args: RunArgs) -> anyhow::Result<()> {
     }
     // A job whose every turn failed on the way (a model server down, a wrong URL) succeeded as a job but measured
     // nothing: say so, and fail.
-    if let Some(error) = kforge::run::every_turn_failed(&trajectories) {
+    if let Some(error) = kforge::run::every_turn_failed(trajectories) {
         bail!("job {}: every turn failed before evaluation, the first with: {error}", job.job_id);
     }
     printed
