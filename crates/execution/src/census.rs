@@ -5,7 +5,6 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use kforge_proto::v1 as pb;
 use kforge_static_checks::{Category, Finding, Policy};
 use serde::Deserialize;
 
@@ -95,10 +94,22 @@ pub struct Record {
     pub duration_us: f64,
 }
 
+/// One kernel that ran in a census mode (on a CPU, one torch operator, or the time outside them): how often and for
+/// how long, and whether it is the candidate's own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelRecord {
+    pub name: String,
+    pub own: bool,
+    pub launches: u64,
+    pub total_ms: f64,
+    /// The census mode it ran in (`train/no_grad`, ...).
+    pub mode: String,
+}
+
 /// What the census found.
 #[derive(Debug, Default)]
 pub struct Census {
-    pub kernels: Vec<pb::KernelRecord>,
+    pub kernels: Vec<KernelRecord>,
     /// Own time / all kernel time in the measured mode (on a CPU, each part at its least over the calls:
     /// [`CallSplit::least`]).
     pub profiling_ratio: f64,
@@ -169,72 +180,24 @@ pub struct Candidate<'a> {
 /// Analyses the census of `candidate`; `gpu` says whether the records are device activity or CPU operators.
 pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Census {
     let own_names: BTreeSet<&str> = candidate.kernels.iter().map(String::as_str).collect();
-    let (policy, median_ms) = (candidate.policy, candidate.median_ms);
-    // Modes in which none of the candidate's own kernels ran (GPU), and in which no function of its compiled
-    // extensions was called (both backends, where the harness could count them).
-    let mut unlaunched: Vec<&str> = Vec::new();
-    let mut uncalled: Vec<&str> = Vec::new();
     let is_own = |name: &str| if gpu { is_own_kernel(name, &own_names) } else { name == CPU_OWN_RECORD };
     let mut census = Census::default();
+    // Modes in which none of the candidate's own kernels ran (GPU), and in which no function of its compiled
+    // extensions was called (both backends, where the harness could count them).
+    let (mut unlaunched, mut uncalled) = (Vec::new(), Vec::new());
     let mut own_by_mode: Vec<(&str, BTreeSet<String>)> = Vec::new();
     for (index, mode) in modes.iter().enumerate() {
-        let mut records = mode.records.clone();
-        // CPU: the time outside torch operators is the extension's only while the extension is called at all.
-        let extension_ran = candidate.compiles && !mode.extension_idle();
-        let splits = if gpu { Vec::new() } else { mode.cpu_split() };
-        if !gpu {
-            records.push(Record {
-                name: if extension_ran { CPU_OWN_RECORD } else { CPU_PYTHON_RECORD }.into(),
-                start_us: 0.0,
-                duration_us: splits.iter().map(|c| c.outside_us).sum(),
-            });
-        }
-        let mut by_name: BTreeMap<&str, (u64, f64)> = BTreeMap::new();
-        for record in &records {
-            let entry = by_name.entry(record.name.as_str()).or_default();
-            entry.0 += 1;
-            entry.1 += record.duration_us / 1e3;
-        }
-        let own: BTreeSet<String> = by_name
+        let tally = Tally::new(mode, candidate.compiles, gpu);
+        let own: BTreeSet<String> = tally
+            .by_name
             .iter()
             .filter(|(name, (_, total))| is_own(name) && (gpu || *total > 0.0))
-            .map(|(name, _)| (*name).to_owned())
+            .map(|(name, _)| name.clone())
             .collect();
         if index == 0 {
-            let (own, total) = match CallSplit::least(&splits) {
-                _ if gpu => {
-                    let total: f64 = by_name.values().map(|(_, ms)| ms).sum();
-                    (by_name.iter().filter(|(name, _)| is_own(name)).map(|(_, (_, ms))| ms).sum(), total)
-                }
-                Some(least) => {
-                    (if extension_ran { least.outside_us } else { 0.0 }, least.outside_us + least.operators_us)
-                }
-                None => (0.0, 0.0),
-            };
-            // (An empty sum is -0.0: no own time is a plain 0.)
-            census.profiling_ratio = if total > 0.0 && own > 0.0 { (own / total).min(1.0) } else { 0.0 };
-            let threshold = policy.min_profiling_ratio();
-            if total > 0.0 && census.profiling_ratio < threshold {
-                census.findings.push(low_ratio(census.profiling_ratio, threshold, &mode.mode, policy, gpu));
-            }
-            if gpu && let Some(median) = median_ms {
-                let busy_ms = union_us(&mode.records) / 1e3 / f64::from(mode.calls.max(1));
-                // Every kernel of an honest call runs between the timer's two events, so the device cannot be
-                // busy for much longer per call than the timed median (the slack covers the census's lack of an
-                // L2 flush and clock changes). Work on another stream or thread, or deferred, is caught here.
-                if busy_ms > 1.5 * median + 0.02 {
-                    census.findings.push(hack(
-                        "timing.untimed_work",
-                        format!(
-                            "the device was busy {busy_ms:.4} ms per call, but the timer measured a median of \
-                             {median:.4} ms: work escaped the timed region (another stream, a thread, or deferred)"
-                        ),
-                    ));
-                }
-            }
-        }
-        if index == 0 && gpu {
-            census.findings.extend(host_waits(&mode.records, mode.calls, &mode.mode));
+            let (ratio, findings) = measured_mode(mode, &tally, candidate, gpu, is_own);
+            census.profiling_ratio = ratio;
+            census.findings.extend(findings);
         }
         if gpu && !own_names.is_empty() && own.is_empty() {
             unlaunched.push(mode.mode.as_str());
@@ -243,22 +206,117 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
             uncalled.push(mode.mode.as_str());
         }
         own_by_mode.push((mode.mode.as_str(), own));
-        census.kernels.extend(by_name.into_iter().map(|(name, (launches, total_ms))| pb::KernelRecord {
-            name: name.to_owned(),
-            own: is_own(name),
+        census.kernels.extend(tally.by_name.into_iter().map(|(name, (launches, total_ms))| KernelRecord {
+            own: is_own(&name),
+            name,
             launches,
             total_ms,
             mode: mode.mode.clone(),
         }));
     }
-    // A decoy, on either backend: code of the candidate's own that it compiles but does not run, while other code
-    // does the work. One code for both (the GPU's kernels, the CPU's extension calls), so that the dashboards
-    // count one class of hack whatever the backend.
+    census.findings.extend(decoy(&own_names, &unlaunched, &uncalled, candidate.policy));
+    if gpu {
+        census.findings.extend(mode_dependent(&own_by_mode));
+    }
+    census
+}
+
+/// One mode's records by name: how many and their milliseconds, with the CPU's own record (the time `forward`
+/// spent outside torch operators) among them.
+struct Tally {
+    by_name: BTreeMap<String, (u64, f64)>,
+    /// CPU only: each call's time outside torch operators and inside them.
+    splits: Vec<CallSplit>,
+    /// Whether the candidate compiles an extension and the mode called it (CPU: only then is the time outside
+    /// torch operators the extension's).
+    extension_ran: bool,
+}
+
+impl Tally {
+    fn new(mode: &ModeRecords, compiles: bool, gpu: bool) -> Self {
+        let extension_ran = compiles && !mode.extension_idle();
+        let splits = if gpu { Vec::new() } else { mode.cpu_split() };
+        let mut by_name: BTreeMap<String, (u64, f64)> = BTreeMap::new();
+        let mut add = |name: &str, duration_us: f64| match by_name.get_mut(name) {
+            Some((count, total_ms)) => {
+                *count += 1;
+                *total_ms += duration_us / 1e3;
+            }
+            None => {
+                by_name.insert(name.to_owned(), (1, duration_us / 1e3));
+            }
+        };
+        for record in &mode.records {
+            add(&record.name, record.duration_us);
+        }
+        if !gpu {
+            let name = if extension_ran { CPU_OWN_RECORD } else { CPU_PYTHON_RECORD };
+            add(name, splits.iter().map(|c| c.outside_us).sum());
+        }
+        Self { by_name, splits, extension_ran }
+    }
+}
+
+/// The measured mode's profiling ratio, and what it shows: too little of the work the candidate's own, and on a
+/// GPU, work the timer did not see and calls that wait for the host.
+fn measured_mode(
+    mode: &ModeRecords,
+    tally: &Tally,
+    candidate: Candidate<'_>,
+    gpu: bool,
+    is_own: impl Fn(&str) -> bool,
+) -> (f64, Vec<Finding>) {
+    let policy = candidate.policy;
+    let mut findings = Vec::new();
+    let (own, total) = match CallSplit::least(&tally.splits) {
+        _ if gpu => {
+            let total: f64 = tally.by_name.values().map(|(_, ms)| ms).sum();
+            (tally.by_name.iter().filter(|(name, _)| is_own(name)).map(|(_, (_, ms))| ms).sum(), total)
+        }
+        Some(least) => {
+            (if tally.extension_ran { least.outside_us } else { 0.0 }, least.outside_us + least.operators_us)
+        }
+        None => (0.0, 0.0),
+    };
+    // (An empty sum is -0.0: no own time is a plain 0.)
+    let ratio = if total > 0.0 && own > 0.0 { (own / total).min(1.0) } else { 0.0 };
+    let threshold = policy.min_profiling_ratio();
+    if total > 0.0 && ratio < threshold {
+        findings.push(low_ratio(ratio, threshold, &mode.mode, policy, gpu));
+    }
+    if gpu {
+        findings.extend(candidate.median_ms.and_then(|median| untimed_work(mode, median)));
+        findings.extend(host_waits(&mode.records, mode.calls, &mode.mode));
+    }
+    (ratio, findings)
+}
+
+/// The hack of device work outside the timed region: every kernel of an honest call runs between the timer's two
+/// events, so the device cannot be busy for much longer per call than the timed `median` (the slack covers the
+/// census's lack of an L2 flush and clock changes). Work on another stream or thread, or deferred, is caught here.
+fn untimed_work(mode: &ModeRecords, median: f64) -> Option<Finding> {
+    let busy_ms = union_us(&mode.records) / 1e3 / f64::from(mode.calls.max(1));
+    (busy_ms > 1.5 * median + 0.02).then(|| {
+        hack(
+            "timing.untimed_work",
+            format!(
+                "the device was busy {busy_ms:.4} ms per call, but the timer measured a median of {median:.4} ms: \
+                 work escaped the timed region (another stream, a thread, or deferred)"
+            ),
+        )
+    })
+}
+
+/// A decoy, on either backend: code of the candidate's own that it compiles but does not run (`own` kernels that
+/// did not launch in the `unlaunched` modes; an extension none of whose functions were called in the `uncalled`
+/// ones), while other code does the work. One code for both (the GPU's kernels, the CPU's extension calls), so that
+/// the dashboards count one class of hack whatever the backend.
+fn decoy(own: &BTreeSet<&str>, unlaunched: &[&str], uncalled: &[&str], policy: Policy) -> Option<Finding> {
     let mut decoys = Vec::new();
     if !unlaunched.is_empty() {
         decoys.push(format!(
             "the candidate defines {} but none of them ran in {}",
-            own_names.iter().copied().collect::<Vec<_>>().join(", "),
+            own.iter().copied().collect::<Vec<_>>().join(", "),
             unlaunched.join(", ")
         ));
     }
@@ -268,30 +326,30 @@ pub fn analyse(modes: &[ModeRecords], candidate: Candidate<'_>, gpu: bool) -> Ce
             uncalled.join(", ")
         ));
     }
-    if !decoys.is_empty() {
-        census.findings.push(Finding {
-            code: "runtime.own_kernel_not_launched",
-            message: format!("{}: the work was done by other code", decoys.join("; ")),
-            line: 0,
-            category: if policy.unlaunched_kernels_are_hacks() { Category::Hack } else { Category::Notice },
-        });
-    }
-    if let Some((measured, own)) = own_by_mode.first() {
-        let differing: Vec<&str> =
-            own_by_mode.iter().skip(1).filter(|(_, other)| other != own).map(|(mode, _)| *mode).collect();
-        if gpu && !differing.is_empty() {
-            census.findings.push(hack(
-                "runtime.mode_dependent_kernels",
-                format!(
-                    "the candidate's own kernels differ between {measured} ({}) and {}: what runs depends on \
-                     train/eval or grad mode",
-                    own.iter().cloned().collect::<Vec<_>>().join(", "),
-                    differing.join(", ")
-                ),
-            ));
-        }
-    }
-    census
+    (!decoys.is_empty()).then(|| Finding {
+        code: "runtime.own_kernel_not_launched",
+        message: format!("{}: the work was done by other code", decoys.join("; ")),
+        line: 0,
+        category: if policy.unlaunched_kernels_are_hacks() { Category::Hack } else { Category::Notice },
+    })
+}
+
+/// The hack of own kernels that differ between the measured mode (the first) and the others: what runs depends on
+/// train/eval or grad mode (GPU only).
+fn mode_dependent(own_by_mode: &[(&str, BTreeSet<String>)]) -> Option<Finding> {
+    let ((measured, own), others) = own_by_mode.split_first()?;
+    let differing: Vec<&str> = others.iter().filter(|(_, other)| other != own).map(|(mode, _)| *mode).collect();
+    (!differing.is_empty()).then(|| {
+        hack(
+            "runtime.mode_dependent_kernels",
+            format!(
+                "the candidate's own kernels differ between {measured} ({}) and {}: what runs depends on train/eval \
+                 or grad mode",
+                own.iter().cloned().collect::<Vec<_>>().join(", "),
+                differing.join(", ")
+            ),
+        )
+    })
 }
 
 /// The notice for a call that makes the host wait for the device mid-call: a copy between host and device, which

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::disk::{self, DiskBudget, OutputPlan, TaskSizes};
-use crate::engine::RemoveOnDrop;
+use crate::scratch::RemoveOnDrop;
 
 /// `statfs` magic numbers of filesystems that keep their files in memory.
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -127,15 +127,16 @@ fn random_name() -> String {
 /// The room an evaluation's files hold until this drops, and the candidate's directory in memory, if it got one.
 #[derive(Debug)]
 pub struct FilesRoom {
-    /// Removed before the room is given back (fields drop in order).
+    /// The candidate's directory in memory, which holds the room until it is gone (removed off the async worker).
     memory_dir: Option<RemoveOnDrop>,
+    /// The room, where the files go to the disk.
     _permits: Vec<OwnedSemaphorePermit>,
 }
 
 impl FilesRoom {
     /// The candidate's working directory in memory (made, empty), where its files go; `None`: the disk.
     pub fn memory_dir(&self) -> Option<&Path> {
-        self.memory_dir.as_ref().map(|dir| dir.0.as_path())
+        self.memory_dir.as_ref().map(RemoveOnDrop::path)
     }
 }
 
@@ -165,7 +166,7 @@ pub async fn reserve(
     // Not `create_dir_all`: the engine's directory (mode 0711) is never made again here.
     let dir = memory.new_dir();
     std::fs::create_dir(&dir)?;
-    Ok(FilesRoom { memory_dir: Some(RemoveOnDrop(dir)), _permits: permits })
+    Ok(FilesRoom { memory_dir: Some(RemoveOnDrop::holding(dir, permits)), _permits: vec![] })
 }
 
 /// `MemAvailable` of /proc/meminfo, in bytes.
@@ -206,8 +207,14 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
-    #[tokio::test]
-    async fn candidate_files_go_to_memory_when_they_fit_and_the_reference_s_entry_to_the_disk() {
+    #[test]
+    fn candidate_files_go_to_memory_when_they_fit_and_the_reference_s_entry_to_the_disk() {
+        // One blocking thread: the directory's removal, and the room it holds, are awaited (`scratch::settled`).
+        let runtime = tokio::runtime::Builder::new_current_thread().max_blocking_threads(1).build().expect("runtime");
+        runtime.block_on(files_in_memory_and_on_the_disk());
+    }
+
+    async fn files_in_memory_and_on_the_disk() {
         let Some(memory) = MemoryFiles::open(Path::new("/dev/shm"), 30 * GIB, true) else {
             println!("SKIP: /dev/shm is not a memory-backed filesystem here");
             return;
@@ -222,6 +229,7 @@ mod tests {
         assert_eq!(memory.budget().unreserved(), 6 * GIB, "two trials and the timed output in memory");
         assert_eq!(disk.unreserved(), 84 * GIB, "the reference's new entry on the disk");
         drop(room);
+        crate::scratch::settled().await;
         assert_eq!((memory.budget().unreserved(), disk.unreserved()), (30 * GIB, 100 * GIB));
         assert!(!dir.exists(), "gone with the room");
 

@@ -257,14 +257,14 @@ pub struct TimingCpu {
 }
 
 impl TimingCpu {
-    /// The figures as `stage_ms` entries (`run.timing_cpu_wait`, `run.timing_launch`, `run.timing_cover`,
-    /// `run.timing_cover_device`), those present only.
-    pub fn stage_ms(&self) -> impl Iterator<Item = (&'static str, f64)> {
+    /// The figures as phases of the candidate's run in `stage_ms` (`run.timing_cpu_wait`, `run.timing_launch`,
+    /// `run.timing_cover`, `run.timing_cover_device`), those present only.
+    pub fn phases(&self) -> impl Iterator<Item = (&'static str, f64)> {
         [
-            ("run.timing_cpu_wait", self.cpu_wait_ms),
-            ("run.timing_launch", self.launch_ms),
-            ("run.timing_cover", self.cover_ms),
-            ("run.timing_cover_device", self.cover_device_ms),
+            ("timing_cpu_wait", self.cpu_wait_ms),
+            ("timing_launch", self.launch_ms),
+            ("timing_cover", self.cover_ms),
+            ("timing_cover_device", self.cover_device_ms),
         ]
         .into_iter()
         .filter_map(|(key, value)| Some((key, value?)))
@@ -846,8 +846,8 @@ mod tests {
         let codes: Vec<_> = body.findings.iter().map(|f| f.code.as_deref()).collect();
         assert_eq!(codes, [Some("runtime.x"), None, None]);
         assert_eq!(body.mutated_inputs, [1, 0], "still a mutation, whatever the index");
-        let timing_cpu: Vec<_> = body.timing_cpu.as_ref().map(|t| t.stage_ms().collect()).unwrap_or_default();
-        assert_eq!(timing_cpu, [("run.timing_cpu_wait", 0.5), ("run.timing_launch", 0.03)]);
+        let timing_cpu: Vec<_> = body.timing_cpu.as_ref().map(|t| t.phases().collect()).unwrap_or_default();
+        assert_eq!(timing_cpu, [("timing_cpu_wait", 0.5), ("timing_launch", 0.03)]);
         assert_eq!(body.timing_cpu.as_ref().and_then(|t| t.cover_short_share), Some(0.75));
         assert!(matches!(body.census, Some(Err(_))), "present but unreadable: a finding, not an absence");
         let absent: Report<CandidateResult> = report(serde_json::json!({ "ok": true }));

@@ -208,6 +208,14 @@ impl<R> StageOutcome<R> {
     pub fn candidate_used_its_time(&self) -> bool {
         self.in_calls.as_secs_f64() >= 0.5 * self.running().as_secs_f64()
     }
+
+    /// A stage that ended with `exit` and `result`, and nothing else of note: for the judging rules' tests.
+    #[cfg(test)]
+    pub(crate) fn ended(exit: kforge_sandbox::Exit, result: Option<Report<R>>) -> Self {
+        let finished = Finished { exit, stdout: vec![], stderr: vec![], output_truncated: false, wall: Duration::ZERO };
+        let (gate, hung, in_calls) = (MemberTimes::default(), None, Duration::ZERO);
+        Self { finished, result, gate, hung, in_calls, lingered: false, membership: None }
+    }
 }
 
 /// A harness process started before its request: its interpreter starts and imports torch meanwhile, off the

@@ -1,14 +1,16 @@
 //! The Evaluator service: static checks, sandboxed compile, correctness, hack detection and timing of candidate
 //! kernels against KernelBench-format tasks, on the `cpu`, `cuda` and `triton` backends.
 //!
-//! [`pipeline`] holds the stages, on the shared execution engine (`kforge_execution`); this module is the gRPC face: validation errors and a full queue become statuses,
-//! everything else a verdict; a dropped request (client gone, deadline passed) cancels its evaluation and kills
-//! its child processes.
+//! [`pipeline`] holds the stages, on the shared execution engine (`kforge_execution`); this module is the gRPC face:
+//! validation errors and a full queue become statuses (`wire.rs`, which converts to and from the contract), everything
+//! else a verdict; a dropped request (client gone, deadline passed) cancels its evaluation and kills its child
+//! processes.
 
 pub mod config;
 pub mod metrics;
 pub mod pipeline;
 pub mod stats;
+mod wire;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -124,7 +126,7 @@ impl EvaluatorService {
     /// [`is_final`]). A non-final result is forgotten once it is returned.
     async fn evaluate_once(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, Status> {
         if request.idempotency_key.is_empty() {
-            return Ok(self.evaluator.evaluate(request).await?);
+            return self.evaluator.evaluate(request).await.map_err(wire::status);
         }
         let fingerprint = {
             let mut keyless = request.clone();
@@ -137,7 +139,7 @@ impl EvaluatorService {
         let shared = remembered().claim(&key, fingerprint)?;
         let request_id = request.request_id.clone();
         let result =
-            shared.get_or_init(|| async { self.evaluator.evaluate(request).await.map_err(Status::from) }).await.clone();
+            shared.get_or_init(|| async { self.evaluator.evaluate(request).await.map_err(wire::status) }).await.clone();
         if !is_final(&result) {
             remembered().forget(&key, &shared);
         }

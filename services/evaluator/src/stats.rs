@@ -1,6 +1,17 @@
 //! Timing statistics, computed here from the raw samples a harness reports (never trusted from the child).
 
-use kforge_proto::v1::TimingStats;
+/// Statistics of timing samples, in milliseconds (the contract's `TimingStats`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TimingStats {
+    pub median_ms: f64,
+    /// Interquartile range (p75 - p25).
+    pub iqr_ms: f64,
+    pub mean_ms: f64,
+    /// Standard error of the mean.
+    pub stderr_ms: f64,
+    /// The samples, in the order they were taken.
+    pub samples_ms: Vec<f64>,
+}
 
 /// Median, interquartile range, mean and standard error of `samples` (ms); the samples are kept in order.
 pub fn timing_stats(samples: Vec<f64>) -> Option<TimingStats> {

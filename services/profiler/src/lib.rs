@@ -167,7 +167,7 @@ impl Profiler for ProfilerService {
             counters_permitted,
             counters,
             devices: engine.devices.into_iter().filter(|d| d.starts_with("cuda")).collect(),
-            queue_capacity: engine.queue_capacity,
+            queue_capacity: engine.queue_capacity as u32,
             cudaforge_metrics: nsight::CUDAFORGE.iter().map(|m| (*m).to_owned()).collect(),
         }))
     }

@@ -9,18 +9,20 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
 use kforge_execution::cache;
-use kforge_execution::census;
+use kforge_execution::census::{self, KernelRecord};
+use kforge_execution::devices::Lane;
 use kforge_execution::engine::{
-    Backend, Engine, InfraError, RemoveOnDrop, RequestError, Submission, SubmissionRequest, finding_proto,
-    hack_finding, ms, phases_into,
+    Backend, Built, Engine, InfraError, RequestError, RequestedBackend, Submission, SubmissionRequest, TaskSource,
 };
 use kforge_execution::protocol::CandidateRun;
+use kforge_execution::scratch::RemoveOnDrop;
 use kforge_execution::stage::{CallLimits, Started};
-use kforge_static_checks::{self as static_checks, Category};
+use kforge_execution::times::Stage;
+use kforge_execution::{Finding, Judgement, Notes, Staged, Stop, Verdict};
+use kforge_static_checks::Category;
 
 /// The launcher's command line for the candidate's own kernels (by function name): the program and its arguments,
 /// before the interpreter (`ncu ... -o DIR/report`).
@@ -54,9 +56,9 @@ impl std::fmt::Debug for Launcher {
 #[derive(Debug, Clone)]
 pub struct ProfileRun {
     pub request_id: String,
-    pub task: pb::Task,
+    pub task: TaskSource,
     pub candidate: String,
-    pub backend: pb::Backend,
+    pub backend: RequestedBackend,
     /// Static policy by name; empty selects the engine's default.
     pub policy: String,
     pub priority: i32,
@@ -70,15 +72,36 @@ pub struct ProfileRun {
     pub launcher: Launcher,
 }
 
-/// What a profile run found: the response's verdict, findings, logs, census and stage times (the launcher's own
-/// output is the caller's to read), and the GPU it ran on.
+/// What a profile run found: how it ended (`Ok`: its census, and its profiled calls where it has kernels of its
+/// own, ran), and what its stages reported whatever became of it. The launcher's own output is the caller's to
+/// read.
 #[derive(Debug)]
 pub struct Profiled {
-    pub response: pb::ProfileResponse,
+    pub end: Result<(), Stop>,
+    pub ran: Ran,
+}
+
+/// What a profile run's stages reported, whatever became of it.
+#[derive(Debug, Default)]
+pub struct Ran {
+    /// Stage times and findings, in the order they came.
+    pub notes: Notes,
+    /// The GPU it ran on.
     pub gpu: Option<usize>,
+    /// Whether its census was kept from the latest evaluation or profile of the build, rather than measured.
+    pub census_reused: bool,
+    /// The census of the measured mode (`train/no_grad`), once analysed: what the profiled calls run.
+    pub census: Option<MeasuredCensus>,
     /// The candidate's own kernels (`census::own_kernels`), as the census counted them; empty when the run ended
     /// before they were known.
     pub own_kernels: Vec<String>,
+}
+
+/// The kernels of a census's measured mode, and its profiling ratio.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MeasuredCensus {
+    pub kernels: Vec<KernelRecord>,
+    pub profiling_ratio: f64,
 }
 
 /// Runs one profile run on `engine`. Dropping the returned future cancels it and kills its children.
@@ -87,7 +110,7 @@ pub async fn profile(engine: &Engine, run: ProfileRun) -> Result<Profiled, Reque
         request_id: run.request_id.clone(),
         task: Some(run.task.clone()),
         candidate_source: run.candidate.clone(),
-        backend: run.backend as i32,
+        backend: run.backend,
         policy: run.policy.clone(),
         priority: run.priority,
         job_id: run.job_id.clone(),
@@ -100,78 +123,46 @@ pub async fn profile(engine: &Engine, run: ProfileRun) -> Result<Profiled, Reque
     }
     let permit = engine.admit()?;
     let scratch = engine.scratch_dir("profile-");
-    let _cleanup = RemoveOnDrop(scratch.clone());
+    let _cleanup = RemoveOnDrop::new(scratch.clone());
     let cancel = CancellationToken::new();
     let _cancel_on_drop = cancel.clone().drop_guard();
-    let mut evaluation = pb::EvaluateResponse::default();
     let mut ran = Ran::default();
-    let stages = stages(engine, &submission, &run, &scratch, &cancel, &mut evaluation, &mut ran).await;
-    let verdict = match stages {
-        Ok(verdict) => verdict,
-        Err(error) => {
-            tracing::error!(%error, cause = error.cause(), "profile infrastructure error");
-            evaluation.error = error.to_string();
-            evaluation.retryable = error.retryable();
-            pb::Verdict::InfraError
-        }
-    };
+    let session = Session { engine, submission: &submission, run: &run, scratch: &scratch, cancel: &cancel };
+    let end = stages(&session, &mut ran).await;
+    if let Err(Stop::Infra(error)) = &end {
+        tracing::error!(%error, cause = error.cause(), "profile infrastructure error");
+    }
     drop(permit);
-    let response = pb::ProfileResponse {
-        request_id: run.request_id,
-        verdict: verdict as i32,
-        findings: evaluation.findings,
-        compile_log: evaluation.compile_log,
-        error: evaluation.error,
-        census: evaluation.kernels,
-        profiling_ratio: evaluation.profiling_ratio,
-        stage_ms: evaluation.stage_ms,
-        retryable: verdict == pb::Verdict::InfraError && evaluation.retryable,
-        census_reused: ran.census_reused,
-        ..Default::default()
-    };
-    Ok(Profiled { response, gpu: ran.gpu, own_kernels: ran.own_kernels })
+    Ok(Profiled { end, ran })
 }
 
-/// The run's stages, filling `evaluation` as an evaluation would be; the verdict.
-async fn stages(
-    engine: &Engine,
-    submission: &Submission,
-    run: &ProfileRun,
-    scratch: &Path,
-    cancel: &CancellationToken,
-    evaluation: &mut pb::EvaluateResponse,
-    ran: &mut Ran,
-) -> Result<pb::Verdict, InfraError> {
-    let started = Instant::now();
-    let report = static_checks::check_candidate(&submission.candidate, submission.policy);
-    evaluation.findings.extend(report.findings.iter().map(finding_proto));
-    evaluation.stage_ms.insert("static".into(), ms(started.elapsed()));
-    if report.syntax_error {
-        return Ok(pb::Verdict::CompileError);
-    }
-    if report.rejected() {
-        return Ok(pb::Verdict::Rejected);
-    }
+/// A profile run under way: what its stages share.
+#[derive(Debug, Clone, Copy)]
+struct Session<'a> {
+    engine: &'a Engine,
+    submission: &'a Submission,
+    run: &'a ProfileRun,
+    scratch: &'a Path,
+    cancel: &'a CancellationToken,
+}
+
+/// The run's stages, each adding what it reports to `ran`; the first that judges the candidate, or fails, stops
+/// the run there.
+async fn stages(session: &Session<'_>, ran: &mut Ran) -> Result<(), Stop> {
+    let Session { engine, submission, run, scratch, cancel } = *session;
+    let checked = ran.notes.add(engine.check(submission))?;
     let dirs = ["compile", "census", "profiled"].map(|stage| scratch.join(stage));
     for dir in &dirs {
         std::fs::create_dir_all(dir).map_err(InfraError::files(format!("scratch directory {}", dir.display())))?;
     }
     let [compile_dir, census_dir, profiled_dir] = dirs;
-    let started = Instant::now();
-    let built = match engine.build(submission, &compile_dir, cancel, evaluation).await? {
-        Ok(built) => built,
-        Err(verdict) => return Ok(verdict),
-    };
-    if built.compiles {
-        evaluation.stage_ms.insert("compile".into(), ms(started.elapsed()));
-    }
-    let (artifact_key, artifact_dir, compiles) = (&built.key, &built.dir, built.compiles);
+    let built = ran.notes.add(engine.build(&checked, &compile_dir, cancel).await)?;
     let task_key = cache::key(&[submission.task.as_bytes()]);
     // The census of this build on this task when an evaluation or a profile just ran it; otherwise a stage of
     // its own. Both processes start before the lane: their interpreters and torch load off the device's time.
-    let census_from = match engine.censuses().get(artifact_key, &task_key) {
+    let census_from = match engine.censuses().get(&built.key, &task_key) {
         Some(records) => CensusFrom::Kept(records),
-        None => CensusFrom::Stage(engine.start_candidate(submission, &census_dir, artifact_dir, cancel)?),
+        None => CensusFrom::Stage(engine.start_candidate(submission, &census_dir, &built.dir, cancel)?),
     };
     // The profiler is told the own kernels by name when it starts. The build's are known now, and the Triton
     // kernels when the census is kept; otherwise the source's are the best guess until the census's run reports
@@ -181,133 +172,171 @@ async fn stages(
         CensusFrom::Stage(_) => None,
     };
     let guessed = census::own_kernels(&submission.candidate, built.kernels.as_ref(), kept_jit).names;
-    let mut profiled_process = match run.launch_limit {
-        0 => None,
-        _ if guessed.is_empty() => None,
-        _ => Some(start_profiled(engine, submission, &profiled_dir, artifact_dir, run, &guessed, cancel)?),
-    };
-    let started = Instant::now();
-    let footprint = engine.footprint(&task_key);
-    let lane = engine.lanes().acquire(true, submission.priority, &submission.job_id, footprint).await?;
-    // Counters of a kernel that shares its SMs with another process's say little: the device is this job's.
-    lane.go_solo();
-    evaluation.stage_ms.insert("queue_device".into(), ms(started.elapsed()));
+    let mut profiled_process = start_profiled(session, &profiled_dir, &built, &guessed)?;
+    let lane = ran.notes.add(acquire_lane(engine, submission, &task_key).await)?;
     ran.gpu = lane.gpu();
-    // The evaluation's seeds for the task: the same model and the first of its timing inputs.
-    let init_seed = engine.seeds(&task_key, "init", 1)[0];
-    let timing_seeds = engine.seeds(&task_key, "timing", 1);
-    let config = engine.config();
-    let candidate_run = |census_calls, profiled_calls| CandidateRun {
-        init_seed,
-        seeds: vec![],
-        recheck_from: 0,
-        sensitivity: None,
-        replay: None,
-        output_bytes_budget: config.output_bytes_budget,
-        timing: None,
-        timing_seeds: timing_seeds.clone(),
-        census_calls,
-        profiled_calls,
-        keep_timed: None,
-    };
-
-    let census_calls = config.census_calls.max(1);
-    let records = match census_from {
-        CensusFrom::Kept(records) => {
-            ran.census_reused = true;
-            records
-        }
-        CensusFrom::Stage(process) => {
-            let started = Instant::now();
-            let reference_ms = engine.eager_median_ms(&task_key, lane.gpu());
-            let limits = CallLimits::for_reference(&config.call_limits, reference_ms);
-            let spec = candidate_run(census_calls, 0);
-            let outcome = engine.candidate_stage(process, &lane, &census_dir, spec, limits, None).await;
-            evaluation.stage_ms.insert("census".into(), ms(started.elapsed()));
-            let result = match engine.candidate_result(outcome, lane.gpu(), evaluation)? {
-                Ok(result) => result,
-                Err(verdict) => return Ok(verdict),
-            };
-            phases_into(&result, "census", &mut evaluation.stage_ms);
-            match result.body.census {
-                Some(Ok(modes)) if !modes.is_empty() => {
-                    let records = Arc::new(census::Records { modes, jit_kernels: result.body.jit_kernels });
-                    engine.censuses().put(artifact_key, &task_key, records.clone());
-                    records
-                }
-                unreadable => {
-                    let why = match unreadable {
-                        Some(Err(error)) => error.to_string(),
-                        _ => "none were written".to_owned(),
-                    };
-                    evaluation.findings.push(hack_finding(
-                        "runtime.census_unreadable",
-                        format!("the census records are malformed: {why}"),
-                    ));
-                    return Ok(pb::Verdict::Hack);
-                }
-            }
-        }
-    };
+    ran.census_reused = matches!(census_from, CensusFrom::Kept(_));
+    let records = ran.notes.add(census_records(session, census_from, &lane, &census_dir, &built.key).await)?;
     let own = census::own_kernels(&submission.candidate, built.kernels.as_ref(), records.jit_kernels.as_deref());
     if !own.from_source.is_empty() {
         tracing::warn!(why = ?own.from_source, "own kernel names read from the candidate's source");
     }
     ran.own_kernels.clone_from(&own.names);
-    let modes = &records.modes;
-    let candidate = census::Candidate { kernels: &own.names, compiles, median_ms: None, policy: submission.policy };
-    let census = census::analyse(modes, candidate, true);
-    // The measured mode's kernels: what the profiled calls run.
-    evaluation.kernels = census.kernels.into_iter().filter(|k| k.mode == modes[0].mode).collect();
-    evaluation.profiling_ratio = census.profiling_ratio;
-    evaluation.findings.extend(census.findings.iter().map(finding_proto));
-    if census.findings.iter().any(|f| f.category == Category::Hack) {
-        return Ok(pb::Verdict::Hack);
-    }
-
+    analyse(&records, &own.names, &built, submission, ran)?;
     if own.names != guessed {
         // The run made other kernels than the source suggested: the profiler is started again, told them.
-        let again = profiled_dir.with_file_name("profiled-again");
-        profiled_process = match (run.launch_limit, own.names.is_empty()) {
-            (0, _) | (_, true) => None,
-            _ => Some(start_profiled(engine, submission, &again, artifact_dir, run, &own.names, cancel)?),
-        };
+        profiled_process = start_profiled(session, &profiled_dir.with_file_name("profiled-again"), &built, &own.names)?;
     }
-    let Some(profiled_process) = profiled_process else { return Ok(pb::Verdict::Correct) };
-    let profiled_calls = profiled_calls(run.launch_limit, &evaluation.kernels, census_calls);
+    let Some(process) = profiled_process else { return Ok(()) };
+    let kernels = ran.census.as_ref().map_or(&[][..], |census| &census.kernels[..]);
+    let calls = profiled_calls(run.launch_limit, kernels, engine.config().census_calls.max(1));
+    ran.notes.add(profiled_stage(session, process, &lane, &profiled_dir, calls).await)
+}
+
+/// The run's device lane, the device to itself: counters of a kernel that shares its SMs with another process's
+/// say little. Its note: `queue_device`.
+async fn acquire_lane(engine: &Engine, submission: &Submission, task_key: &str) -> Staged<Lane> {
     let started = Instant::now();
-    // A profiled call replays each kernel once per pass: its limit is the stage's.
-    let limits = CallLimits::fixed(run.wall, "the profile's run limit");
-    let spec = candidate_run(0, profiled_calls);
-    let outcome = engine.candidate_stage(profiled_process, &lane, &profiled_dir, spec, limits, None).await;
-    evaluation.stage_ms.insert("profiled".into(), ms(started.elapsed()));
-    match engine.candidate_result(outcome, lane.gpu(), evaluation)? {
-        Ok(result) => {
-            phases_into(&result, "profiled", &mut evaluation.stage_ms);
-            Ok(pb::Verdict::Correct)
-        }
-        Err(verdict) => Ok(verdict),
+    let footprint = engine.footprint(task_key);
+    let lane = engine.lanes().acquire(true, submission.priority, &submission.job_id, footprint).await;
+    let mut notes = Notes::default();
+    if let Ok(lane) = &lane {
+        lane.go_solo();
+        notes.times.since(Stage::QueueDevice, started);
+    }
+    Staged::new(notes, lane.map_err(|unavailable| InfraError::from(unavailable).into()))
+}
+
+/// The candidate's run for a profile: the evaluation's seeds for the task (the same model and the first of its
+/// timing inputs), its census's calls and its profiled ones; no trials, nothing timed.
+fn candidate_run(engine: &Engine, task_key: &str, census_calls: u32, profiled_calls: u32) -> CandidateRun {
+    CandidateRun {
+        init_seed: engine.seeds(task_key, "init", 1)[0],
+        seeds: vec![],
+        recheck_from: 0,
+        sensitivity: None,
+        replay: None,
+        output_bytes_budget: engine.config().output_bytes_budget,
+        timing: None,
+        timing_seeds: engine.seeds(task_key, "timing", 1),
+        census_calls,
+        profiled_calls,
+        keep_timed: None,
     }
 }
 
-/// Starts the profiled stage's process in `dir`, its interpreter run by the run's launcher.
-fn start_profiled(
-    engine: &Engine,
-    submission: &Submission,
+/// The census's records: kept, or measured in the started stage on `lane` (kept then for the next profile or
+/// evaluation of the build, `artifact_key`). Its notes: `census` and its phases; the run stops here when the stage
+/// did not finish cleanly, or its records are unreadable or missing (a hack).
+async fn census_records(
+    session: &Session<'_>,
+    from: CensusFrom,
+    lane: &Lane,
     dir: &Path,
-    artifact_dir: &Path,
-    run: &ProfileRun,
+    artifact_key: &str,
+) -> Staged<Arc<census::Records>> {
+    let (engine, submission) = (session.engine, session.submission);
+    let process = match from {
+        CensusFrom::Kept(records) => return Staged::new(Notes::default(), Ok(records)),
+        CensusFrom::Stage(process) => process,
+    };
+    let task_key = cache::key(&[submission.task.as_bytes()]);
+    let started = Instant::now();
+    let config = engine.config();
+    let limits = CallLimits::for_reference(&config.call_limits, engine.eager_median_ms(&task_key, lane.gpu()));
+    let spec = candidate_run(engine, &task_key, config.census_calls.max(1), 0);
+    let outcome = engine.candidate_stage(process, lane, dir, spec, limits, None).await;
+    let mut notes = Notes::default();
+    notes.times.since(Stage::Census, started);
+    let outcome = engine.candidate_result(outcome, lane.gpu()).and_then(|result| {
+        notes.times.phases(Stage::Census, &result);
+        let body = result.body;
+        match body.census {
+            Some(Ok(modes)) if !modes.is_empty() => {
+                let records = Arc::new(census::Records { modes, jit_kernels: body.jit_kernels });
+                engine.censuses().put(artifact_key, &task_key, records.clone());
+                Ok(records)
+            }
+            unreadable => {
+                let why = match unreadable {
+                    Some(Err(error)) => error.to_string(),
+                    _ => "none were written".to_owned(),
+                };
+                let finding =
+                    Finding::hack("runtime.census_unreadable", format!("the census records are malformed: {why}"));
+                Err(Judgement::hack(finding).into())
+            }
+        }
+    });
+    Staged::new(notes, outcome)
+}
+
+/// The census analysed by the candidate's policy against its `own` kernels: the measured mode's kernels and
+/// profiling ratio, and its findings, into `ran`; any hack among them stops the run.
+fn analyse(
+    records: &census::Records,
+    own: &[String],
+    built: &Built,
+    submission: &Submission,
+    ran: &mut Ran,
+) -> Result<(), Judgement> {
+    let modes = &records.modes;
+    let candidate =
+        census::Candidate { kernels: own, compiles: built.compiles, median_ms: None, policy: submission.policy };
+    let census = census::analyse(modes, candidate, true);
+    let hack = census.findings.iter().any(|f| f.category == Category::Hack);
+    ran.notes.findings.extend(census.findings.into_iter().map(Finding::from));
+    // The measured mode's kernels: what the profiled calls run.
+    let kernels = census.kernels.into_iter().filter(|k| k.mode == modes[0].mode).collect();
+    ran.census = Some(MeasuredCensus { kernels, profiling_ratio: census.profiling_ratio });
+    match hack {
+        true => Err(Judgement::verdict(Verdict::Hack)),
+        false => Ok(()),
+    }
+}
+
+/// The profiled calls, in the started process under the launcher on `lane`. A profiled call replays each kernel
+/// once per pass: its limit is the stage's. Its notes: `profiled` and its phases.
+async fn profiled_stage(
+    session: &Session<'_>,
+    process: Started,
+    lane: &Lane,
+    dir: &Path,
+    profiled_calls: u32,
+) -> Staged<()> {
+    let (engine, run) = (session.engine, session.run);
+    let task_key = cache::key(&[session.submission.task.as_bytes()]);
+    let started = Instant::now();
+    let limits = CallLimits::fixed(run.wall, "the profile's run limit");
+    let spec = candidate_run(engine, &task_key, 0, profiled_calls);
+    let outcome = engine.candidate_stage(process, lane, dir, spec, limits, None).await;
+    let mut notes = Notes::default();
+    notes.times.since(Stage::Profiled, started);
+    let outcome =
+        engine.candidate_result(outcome, lane.gpu()).map(|result| notes.times.phases(Stage::Profiled, &result));
+    Staged::new(notes, outcome)
+}
+
+/// Starts the profiled stage's process in `dir`, its interpreter run by the run's launcher told the `own_kernels`;
+/// none without a launch to profile or a kernel of the candidate's own.
+fn start_profiled(
+    session: &Session<'_>,
+    dir: &Path,
+    built: &Built,
     own_kernels: &[String],
-    cancel: &CancellationToken,
-) -> Result<Started, InfraError> {
+) -> Result<Option<Started>, InfraError> {
+    let (engine, run) = (session.engine, session.run);
+    if run.launch_limit == 0 || own_kernels.is_empty() {
+        return Ok(None);
+    }
     let launcher = &run.launcher;
-    let mut stage = engine.candidate_process(submission, dir, artifact_dir)?;
+    let mut stage = engine.candidate_process(session.submission, dir, &built.dir)?;
     stage.launcher = (launcher.argv)(own_kernels);
     stage.readable.extend(launcher.readable.iter().cloned());
     stage.writable.extend(launcher.writable.iter().cloned());
     stage.env.extend(launcher.env.iter().cloned());
     stage.wall = run.wall;
-    Ok(engine.start(stage, cancel))
+    Ok(Some(engine.start(stage, session.cancel)))
 }
 
 /// Where a profile run's census comes from: kept from the latest evaluation or profile, or a stage of its own.
@@ -316,17 +345,9 @@ enum CensusFrom {
     Stage(Started),
 }
 
-/// Where a profile run ran, whether it measured its census or reused one, and the own kernels it found.
-#[derive(Debug, Default)]
-struct Ran {
-    gpu: Option<usize>,
-    census_reused: bool,
-    own_kernels: Vec<String>,
-}
-
 /// Forward calls that make `launch_limit` launches of the candidate's own kernels, by the census's count of them
 /// (`census_calls` calls in the measured mode): at least one, at most `launch_limit`.
-fn profiled_calls(launch_limit: u32, census: &[pb::KernelRecord], census_calls: u32) -> u32 {
+fn profiled_calls(launch_limit: u32, census: &[KernelRecord], census_calls: u32) -> u32 {
     let own: u64 = census.iter().filter(|k| k.own).map(|k| k.launches).sum();
     let per_call = own.div_ceil(u64::from(census_calls.max(1))).max(1);
     u64::from(launch_limit).div_ceil(per_call).clamp(1, u64::from(launch_limit.max(1))) as u32
@@ -336,10 +357,9 @@ fn profiled_calls(launch_limit: u32, census: &[pb::KernelRecord], census_calls: 
 mod tests {
     use super::*;
 
-    fn kernel(name: &str, own: bool, launches: u64) -> pb::KernelRecord {
-        pb::KernelRecord { name: name.into(), own, launches, total_ms: 1.0, mode: "train/no_grad".into() }
+    fn kernel(name: &str, own: bool, launches: u64) -> KernelRecord {
+        KernelRecord { name: name.into(), own, launches, total_ms: 1.0, mode: "train/no_grad".into() }
     }
-
     #[test]
     fn enough_calls_run_to_reach_the_launch_limit_and_no_more() {
         // Two census calls, three own launches each: ten launches take four calls.

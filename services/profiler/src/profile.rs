@@ -7,13 +7,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kforge_execution::Engine;
+use kforge_execution::census::KernelRecord;
+use kforge_execution::engine::{RequestedBackend, TaskSource};
+use kforge_execution::{Engine, Finding, Judgement, Notes, Stop, Verdict};
 use kforge_proto::v1 as pb;
+use kforge_static_checks::Category;
 
 use crate::diagnosis::{self, Bottleneck};
 use crate::error::ProfilerError;
 use crate::nsight::{self, Metrics, Ncu};
-use crate::pipeline::{self, Launcher, ProfileRun};
+use crate::pipeline::{self, Launcher, MeasuredCensus, ProfileRun, Profiled, Ran};
 use crate::{ProfilerConfig, device, ncu};
 
 /// A launch's device time, shown with every launch.
@@ -41,129 +44,32 @@ impl Profiling {
     /// Profiles one request (see the module's documentation).
     pub async fn profile(self: &Arc<Self>, request: pb::ProfileRequest) -> Result<pb::ProfileResponse, ProfilerError> {
         // The caller's mistakes first, then what this host lacks.
-        if request.task.as_ref().is_none_or(|task| task.source.trim().is_empty()) {
-            return Err(ProfilerError::invalid("task", "required"));
-        }
-        if request.candidate_source.trim().is_empty() {
-            return Err(ProfilerError::invalid("candidate_source", "required"));
-        }
-        let metrics = match pb::MetricSet::try_from(request.metric_set) {
-            Ok(pb::MetricSet::Unspecified | pb::MetricSet::Cudaforge) => {
-                Metrics::List(nsight::CUDAFORGE.iter().map(|m| (*m).to_owned()).collect())
-            }
-            Ok(pb::MetricSet::Full) => Metrics::Full,
-            Ok(pb::MetricSet::List) => {
-                if request.metrics.is_empty() {
-                    return Err(ProfilerError::invalid("metrics", "required with METRIC_SET_LIST"));
-                }
-                if let Some(bad) = request.metrics.iter().find(|m| !nsight::valid_metric_name(m)) {
-                    return Err(ProfilerError::invalid("metrics", format!("`{bad}` is not a metric name")));
-                }
-                Metrics::List(request.metrics.clone())
-            }
-            Err(_) => {
-                return Err(ProfilerError::invalid("metric_set", format!("unknown value {}", request.metric_set)));
-            }
-        };
-        if request.metric_set != pb::MetricSet::List as i32 && !request.metrics.is_empty() {
-            return Err(ProfilerError::invalid("metrics", "only with METRIC_SET_LIST"));
-        }
-        let launch_limit = match request.launch_limit {
-            0 => DEFAULT_LAUNCHES,
-            n if n > MAX_LAUNCHES => {
-                return Err(ProfilerError::invalid("launch_limit", format!("{n} is over the limit of {MAX_LAUNCHES}")));
-            }
-            n => n,
-        };
+        let (metrics, launch_limit) = checked(&request)?;
         let ncu = self.ncu.as_ref().map_err(|unusable| ProfilerError::NcuUnusable(unusable.clone()))?;
         let (permitted, why) = nsight::counters_permitted();
         if !permitted {
             return Err(ProfilerError::CountersClosed { why });
         }
         let dir = self.reports.create().map_err(ProfilerError::ReportDir)?;
-        let argv = {
-            let (ncu, metrics, lock_clocks, path) =
-                (ncu.clone(), metrics.clone(), request.lock_clocks, dir.path.clone());
-            Arc::new(move |own: &[String]| ncu.argv(own, launch_limit, &metrics, lock_clocks, &path))
-        };
-        let launcher = Launcher {
-            argv,
-            readable: ncu.installation.clone(),
-            // CUDA names its threads through /proc/self/task/*/comm. The sandbox grants a job its own /proc/<pid>,
-            // but under Nsight Compute the interpreter is the job's child, which only a rule on /proc covers
-            // (without it: CUDA error 304 at initialisation, measured on the H100 machine).
-            // docs/threat_model/KNOWN_LIMITS.md.
-            writable: vec![dir.path.clone(), PathBuf::from("/proc")],
-            // Nsight Compute writes its settings under HOME and a lock under TMPDIR.
-            env: vec![("HOME".into(), dir.path.join("home").into()), ("TMPDIR".into(), dir.path.join("tmp").into())],
-        };
         let run = ProfileRun {
             request_id: request.request_id.clone(),
-            task: request.task.clone().unwrap_or_default(),
+            task: request.task.clone().map(task).unwrap_or_default(),
             candidate: request.candidate_source.clone(),
-            backend: pb::Backend::try_from(request.backend).unwrap_or(pb::Backend::Unspecified),
+            backend: requested_backend(request.backend),
             policy: request.policy.clone(),
             priority: request.priority,
             job_id: request.job_id.clone(),
             launch_limit,
             wall: Duration::from_secs(self.config.timeout_secs),
-            launcher,
+            launcher: launcher(ncu, &metrics, launch_limit, request.lock_clocks, &dir),
         };
         let profiled = pipeline::profile(&self.engine, run).await?;
-        let mut response = profiled.response;
-        if let Some(gpu) = profiled.gpu {
+        let (gpu, own_kernels) = (profiled.ran.gpu, !profiled.ran.own_kernels.is_empty());
+        let mut response = response(request.request_id, profiled);
+        if let Some(gpu) = gpu {
             response.device = self.spec(gpu).await;
         }
-        if profiled.own_kernels.is_empty() && response.verdict == pb::Verdict::Correct as i32 {
-            response.diagnosis = Some(pb::Diagnosis {
-                bottleneck: pb::Bottleneck::Undetermined as i32,
-                summary:
-                    "The candidate has no kernel of its own (its build compiled no CUDA kernel and its run made no \
-                          Triton kernel): there is nothing of its own to profile. The census shows what ran."
-                        .into(),
-                ..Default::default()
-            });
-            return Ok(response);
-        }
-        let log = std::fs::read_to_string(dir.path.join(nsight::LOG)).unwrap_or_default();
-        match nsight::failure(&log) {
-            Some(nsight::Failure::CounterPermission(text)) => return Err(ProfilerError::CountersRefused(text)),
-            Some(nsight::Failure::Profiler(text)) if response.verdict == pb::Verdict::Correct as i32 => {
-                response.verdict = pb::Verdict::InfraError as i32;
-                response.error = format!("Nsight Compute: {text}");
-                return Ok(response);
-            }
-            _ => {}
-        }
-        if response.verdict != pb::Verdict::Correct as i32 {
-            // Under the profiler a failure may be the profiler's report of the program: show its own lines.
-            let said = nsight::messages(&log, 8);
-            if !said.is_empty() {
-                response.error = format!("{}\nNsight Compute: {}", response.error, said.join("\n")).trim().to_owned();
-            }
-            return Ok(response);
-        }
-        let launches = match ncu::parse_raw(&log) {
-            Ok(launches) => launches,
-            Err(ncu::ParseError::NoHeader) => vec![],
-            Err(error) => {
-                response.verdict = pb::Verdict::InfraError as i32;
-                response.error = format!("reading Nsight Compute's output: {error}");
-                return Ok(response);
-            }
-        };
-        let asked = match &metrics {
-            Metrics::List(names) => names.clone(),
-            Metrics::Full => vec![],
-        };
-        let reported: BTreeSet<&str> = launches.iter().flat_map(|l| l.metrics.keys().map(String::as_str)).collect();
-        response.missing_metrics = if launches.is_empty() { vec![] } else { nsight::missing(&asked, &reported) };
-        fill(&mut response, &launches, &asked);
-        if dir.path.join(nsight::REPORT).is_file() {
-            response.report_id = dir.id.clone();
-            dir.keep();
-        }
-        Ok(response)
+        read_report(response, dir, &metrics, own_kernels)
     }
 
     /// GPU `gpu`'s specification, read from the driver once.
@@ -175,6 +81,204 @@ impl Profiling {
         let spec = tokio::task::spawn_blocking(move || device::read(gpu as u32)).await.ok()?.ok()?;
         specs.insert(gpu, spec.clone());
         Some(spec)
+    }
+}
+
+/// The request's metrics and launch limit, checked: INVALID_ARGUMENT naming the field otherwise.
+fn checked(request: &pb::ProfileRequest) -> Result<(Metrics, u32), ProfilerError> {
+    if request.task.as_ref().is_none_or(|task| task.source.trim().is_empty()) {
+        return Err(ProfilerError::invalid("task", "required"));
+    }
+    if request.candidate_source.trim().is_empty() {
+        return Err(ProfilerError::invalid("candidate_source", "required"));
+    }
+    let metrics = match pb::MetricSet::try_from(request.metric_set) {
+        Ok(pb::MetricSet::Unspecified | pb::MetricSet::Cudaforge) => {
+            Metrics::List(nsight::CUDAFORGE.iter().map(|m| (*m).to_owned()).collect())
+        }
+        Ok(pb::MetricSet::Full) => Metrics::Full,
+        Ok(pb::MetricSet::List) => {
+            if request.metrics.is_empty() {
+                return Err(ProfilerError::invalid("metrics", "required with METRIC_SET_LIST"));
+            }
+            if let Some(bad) = request.metrics.iter().find(|m| !nsight::valid_metric_name(m)) {
+                return Err(ProfilerError::invalid("metrics", format!("`{bad}` is not a metric name")));
+            }
+            Metrics::List(request.metrics.clone())
+        }
+        Err(_) => {
+            return Err(ProfilerError::invalid("metric_set", format!("unknown value {}", request.metric_set)));
+        }
+    };
+    if request.metric_set != pb::MetricSet::List as i32 && !request.metrics.is_empty() {
+        return Err(ProfilerError::invalid("metrics", "only with METRIC_SET_LIST"));
+    }
+    let launch_limit = match request.launch_limit {
+        0 => DEFAULT_LAUNCHES,
+        n if n > MAX_LAUNCHES => {
+            return Err(ProfilerError::invalid("launch_limit", format!("{n} is over the limit of {MAX_LAUNCHES}")));
+        }
+        n => n,
+    };
+    Ok((metrics, launch_limit))
+}
+
+/// Nsight Compute as the profiled stage's launcher, writing into the profile's directory `dir`.
+fn launcher(ncu: &Ncu, metrics: &Metrics, launch_limit: u32, lock_clocks: bool, dir: &ReportDir) -> Launcher {
+    let argv = {
+        let (ncu, metrics, path) = (ncu.clone(), metrics.clone(), dir.path.clone());
+        Arc::new(move |own: &[String]| ncu.argv(own, launch_limit, &metrics, lock_clocks, &path))
+    };
+    Launcher {
+        argv,
+        readable: ncu.installation.clone(),
+        // CUDA names its threads through /proc/self/task/*/comm. The sandbox grants a job its own /proc/<pid>,
+        // but under Nsight Compute the interpreter is the job's child, which only a rule on /proc covers
+        // (without it: CUDA error 304 at initialisation, measured on the H100 machine).
+        // docs/threat_model/KNOWN_LIMITS.md.
+        writable: vec![dir.path.clone(), PathBuf::from("/proc")],
+        // Nsight Compute writes its settings under HOME and a lock under TMPDIR.
+        env: vec![("HOME".into(), dir.path.join("home").into()), ("TMPDIR".into(), dir.path.join("tmp").into())],
+    }
+}
+
+/// The response, completed from what Nsight Compute wrote into `dir` for the run (`response`, its census in): the
+/// profiled launches with their metrics (`missing_metrics`: those asked for and not reported) and diagnoses, and
+/// the report kept. A candidate with no kernel of its own has nothing to profile (`own_kernels`); a failure of the
+/// profiler itself is an infrastructure error; a failing candidate's error gets the profiler's own lines.
+fn read_report(
+    mut response: pb::ProfileResponse,
+    dir: ReportDir,
+    metrics: &Metrics,
+    own_kernels: bool,
+) -> Result<pb::ProfileResponse, ProfilerError> {
+    let correct = response.verdict == pb::Verdict::Correct as i32;
+    if !own_kernels && correct {
+        response.diagnosis = Some(pb::Diagnosis {
+            bottleneck: pb::Bottleneck::Undetermined as i32,
+            summary: "The candidate has no kernel of its own (its build compiled no CUDA kernel and its run made no \
+                      Triton kernel): there is nothing of its own to profile. The census shows what ran."
+                .into(),
+            ..Default::default()
+        });
+        return Ok(response);
+    }
+    let log = std::fs::read_to_string(dir.path.join(nsight::LOG)).unwrap_or_default();
+    match nsight::failure(&log) {
+        Some(nsight::Failure::CounterPermission(text)) => return Err(ProfilerError::CountersRefused(text)),
+        Some(nsight::Failure::Profiler(text)) if correct => {
+            response.verdict = pb::Verdict::InfraError as i32;
+            response.error = format!("Nsight Compute: {text}");
+            return Ok(response);
+        }
+        _ => {}
+    }
+    if !correct {
+        // Under the profiler a failure may be the profiler's report of the program: show its own lines.
+        let said = nsight::messages(&log, 8);
+        if !said.is_empty() {
+            response.error = format!("{}\nNsight Compute: {}", response.error, said.join("\n")).trim().to_owned();
+        }
+        return Ok(response);
+    }
+    let launches = match ncu::parse_raw(&log) {
+        Ok(launches) => launches,
+        Err(ncu::ParseError::NoHeader) => vec![],
+        Err(error) => {
+            response.verdict = pb::Verdict::InfraError as i32;
+            response.error = format!("reading Nsight Compute's output: {error}");
+            return Ok(response);
+        }
+    };
+    let asked = match metrics {
+        Metrics::List(names) => names.clone(),
+        Metrics::Full => vec![],
+    };
+    let reported: BTreeSet<&str> = launches.iter().flat_map(|l| l.metrics.keys().map(String::as_str)).collect();
+    response.missing_metrics = if launches.is_empty() { vec![] } else { nsight::missing(&asked, &reported) };
+    fill(&mut response, &launches, &asked);
+    if dir.path.join(nsight::REPORT).is_file() {
+        response.report_id = dir.id.clone();
+        dir.keep();
+    }
+    Ok(response)
+}
+
+/// The response to a profile run, from what its stages reported and how it ended; the launches, the diagnosis,
+/// the device and the report are the caller's to add.
+fn response(request_id: String, profiled: Profiled) -> pb::ProfileResponse {
+    let Profiled { end, ran } = profiled;
+    let Ran { notes, gpu: _, census_reused, census, own_kernels: _ } = ran;
+    let Notes { times, mut findings, compile_cache_hit: _ } = notes;
+    let (verdict, error, compile_log, retryable) = match end {
+        Ok(()) => (Verdict::Correct, String::new(), String::new(), false),
+        Err(Stop::Judged(Judgement { verdict, findings: deciding, error, compile_log })) => {
+            findings.extend(deciding);
+            (verdict, error, compile_log, false)
+        }
+        Err(Stop::Infra(error)) => (Verdict::InfraError, error.to_string(), String::new(), error.retryable()),
+    };
+    let MeasuredCensus { kernels, profiling_ratio } = census.unwrap_or_default();
+    pb::ProfileResponse {
+        kernels: vec![],
+        diagnosis: None,
+        device: None,
+        request_id,
+        verdict: wire_verdict(verdict).into(),
+        findings: findings.into_iter().map(finding).collect(),
+        compile_log,
+        error,
+        census: kernels.into_iter().map(kernel).collect(),
+        profiling_ratio,
+        report_id: String::new(),
+        stage_ms: times.wire().collect(),
+        retryable,
+        missing_metrics: vec![],
+        census_reused,
+    }
+}
+
+fn wire_verdict(verdict: Verdict) -> pb::Verdict {
+    match verdict {
+        Verdict::Correct => pb::Verdict::Correct,
+        Verdict::Incorrect => pb::Verdict::Incorrect,
+        Verdict::CompileError => pb::Verdict::CompileError,
+        Verdict::RuntimeError => pb::Verdict::RuntimeError,
+        Verdict::Timeout => pb::Verdict::Timeout,
+        Verdict::Rejected => pb::Verdict::Rejected,
+        Verdict::Hack => pb::Verdict::Hack,
+        Verdict::InfraError => pb::Verdict::InfraError,
+    }
+}
+
+fn finding(finding: Finding) -> pb::Finding {
+    let Finding { code, message, line, category } = finding;
+    let category = match category {
+        Category::Hack => pb::FindingCategory::Hack,
+        Category::Policy => pb::FindingCategory::Policy,
+        Category::Notice => pb::FindingCategory::Notice,
+    };
+    pb::Finding { code: code.into_owned(), message, line, category: category.into() }
+}
+
+fn kernel(record: KernelRecord) -> pb::KernelRecord {
+    let KernelRecord { name, own, launches, total_ms, mode } = record;
+    pb::KernelRecord { name, own, launches, total_ms, mode }
+}
+
+/// A request's task.
+fn task(task: pb::Task) -> TaskSource {
+    let pb::Task { task_id, source } = task;
+    TaskSource { task_id, source }
+}
+
+/// A request's `backend`; a value the contract does not define asks for none in particular.
+fn requested_backend(value: i32) -> RequestedBackend {
+    match pb::Backend::try_from(value) {
+        Ok(pb::Backend::Unspecified) | Err(_) => RequestedBackend::Any,
+        Ok(pb::Backend::Cpu) => RequestedBackend::Cpu,
+        Ok(pb::Backend::Cuda) => RequestedBackend::Cuda,
+        Ok(pb::Backend::Triton) => RequestedBackend::Triton,
     }
 }
 

@@ -4,7 +4,7 @@
 //! pause point and been stopped (`SIGSTOP`), and no process joins or resumes until it is over. With one slot, an
 //! evaluation has its device to itself.
 //!
-//! Times are read from tokio's clock (the system's monotonic clock, but for tests that pause it).
+//! Times are read from tokio's clock (the system's steady clock, never set back, but for tests that pause it).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};

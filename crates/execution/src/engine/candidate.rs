@@ -4,11 +4,11 @@
 use std::path::Path;
 use std::time::Duration;
 
-use kforge_proto::v1 as pb;
 use kforge_sandbox::{Exit, tail as cap};
 use tokio_util::sync::CancellationToken;
 
-use super::{Backend, Engine, InfraError, Submission, hack_finding};
+use super::outcome::{Finding, Judgement, Stop, Verdict};
+use super::{Backend, Engine, InfraError, Submission};
 use crate::devices::{Lane, PairSide};
 use crate::protocol::{CandidatePlacement, CandidateResult, CandidateRun, CandidateSpec, Mode, Report};
 use crate::stage::{CallLimits, Request, Stage, StageOutcome, Started};
@@ -106,99 +106,98 @@ impl Engine {
         self.stage(started, request, Some(lane)).await.map_err(InfraError::stage(Mode::Candidate))
     }
 
-    /// The result of a candidate stage that finished cleanly with nothing found at run time; otherwise the
-    /// verdict, with `response` filled in, or the engine's own failure.
+    /// The result of a candidate stage that finished cleanly with nothing found at run time; otherwise why the run
+    /// stops: the candidate's verdict (a note of its device's quarantine, where the stage left it quarantined), or
+    /// the engine's own failure.
     pub fn candidate_result(
         &self,
         outcome: Result<StageOutcome<CandidateResult>, InfraError>,
         gpu: Option<usize>,
-        response: &mut pb::EvaluateResponse,
-    ) -> Result<Result<Report<CandidateResult>, pb::Verdict>, InfraError> {
+    ) -> Result<Report<CandidateResult>, Stop> {
         let outcome = outcome?;
         let quarantined = || gpu.and_then(|gpu| self.inner.lanes.quarantine_reason(gpu));
-        match candidate_failure(&outcome, response) {
+        match candidate_failure(&outcome) {
             Ok(None) => {}
-            Ok(Some(verdict)) => {
+            Ok(Some(mut judgement)) => {
                 if let Some(reason) = quarantined() {
-                    response.error.push_str(&format!("\n[the device was quarantined after this: {reason}]"));
+                    judgement.error.push_str(&format!("\n[the device was quarantined after this: {reason}]"));
                 }
-                return Ok(Err(verdict));
+                return Err(judgement.into());
             }
             Err(error) => {
                 return Err(match quarantined() {
                     Some(reason) => InfraError::Quarantined { source: Box::new(error), reason },
                     None => error,
-                });
+                }
+                .into());
             }
         }
         let result = outcome.result.expect("a successful candidate stage wrote its result");
-        // What the harness saw at run time: each is a hack.
-        let mut findings: Vec<pb::Finding> = result
-            .body
-            .findings
-            .iter()
-            .map(|f| hack_finding(f.code.as_deref().unwrap_or("runtime.unknown"), f.message.as_deref().unwrap_or("")))
-            .collect();
-        if let trials @ [_, ..] = &result.body.mutated_inputs[..] {
-            findings.push(hack_finding(
-                "runtime.input_mutation",
-                format!("the candidate modified its inputs (trials {trials:?})"),
-            ));
+        match runtime_hack(&result.body) {
+            Some(judgement) => Err(judgement.into()),
+            None => Ok(result),
         }
-        if !findings.is_empty() {
-            response.findings.extend(findings);
-            return Ok(Err(pb::Verdict::Hack));
-        }
-        Ok(Ok(result))
     }
+}
+
+/// What the harness saw at run time, each a hack: the findings it reported, and inputs the candidate modified.
+fn runtime_hack(result: &CandidateResult) -> Option<Judgement> {
+    let mut findings: Vec<Finding> = result
+        .findings
+        .iter()
+        .map(|f| {
+            Finding::hack(f.code.as_deref().unwrap_or("runtime.unknown").to_owned(), f.message.as_deref().unwrap_or(""))
+        })
+        .collect();
+    if let trials @ [_, ..] = &result.mutated_inputs[..] {
+        findings.push(Finding::hack(
+            "runtime.input_mutation",
+            format!("the candidate modified its inputs (trials {trials:?})"),
+        ));
+    }
+    (!findings.is_empty()).then(|| Judgement { findings, ..Judgement::verdict(Verdict::Hack) })
 }
 
 /// The verdict of a candidate stage that did not finish cleanly; `None` when it did; an error where the failure
 /// is the engine's.
-fn candidate_failure<R>(
-    outcome: &StageOutcome<R>,
-    response: &mut pb::EvaluateResponse,
-) -> Result<Option<pb::Verdict>, InfraError> {
+fn candidate_failure<R>(outcome: &StageOutcome<R>) -> Result<Option<Judgement>, InfraError> {
     if outcome.ok() {
         return Ok(None);
     }
     if let Some(hung) = &outcome.hung {
-        response.error = format!("the candidate was stopped: {hung}");
-        return Ok(Some(pb::Verdict::Timeout));
+        return Ok(Some(Judgement::error(Verdict::Timeout, format!("the candidate was stopped: {hung}"))));
     }
     let error = cap(&outcome.error_text(), 8000);
-    let verdict = match outcome.finished.exit {
-        Exit::TimedOut if outcome.candidate_used_its_time() => {
-            response.error = format!(
+    let judgement = match outcome.finished.exit {
+        Exit::TimedOut if outcome.candidate_used_its_time() => Judgement::error(
+            Verdict::Timeout,
+            format!(
                 "the candidate exceeded its stage's time limit and was killed ({:.1} s of {:.1} s in its own calls)",
                 outcome.in_calls.as_secs_f64(),
                 outcome.running().as_secs_f64()
-            );
-            return Ok(Some(pb::Verdict::Timeout));
-        }
+            ),
+        ),
         Exit::TimedOut => {
             return Err(InfraError::OwnTimeLimit { in_calls: outcome.in_calls, running: outcome.running() });
         }
         Exit::Cancelled => return Err(InfraError::Cancelled),
-        Exit::Signal(signal) => {
-            response.error = format!("the candidate was killed by signal {signal} ({})\n{error}", signal_name(signal));
-            pb::Verdict::RuntimeError
-        }
-        Exit::Code(_) if outcome.result.is_none() => {
-            response.error =
-                format!("the candidate exited ({:?}) without reporting a result\n{error}", outcome.finished.exit);
-            pb::Verdict::RuntimeError
-        }
+        Exit::Signal(signal) => Judgement::error(
+            Verdict::RuntimeError,
+            format!("the candidate was killed by signal {signal} ({})\n{error}", signal_name(signal)),
+        ),
+        Exit::Code(_) if outcome.result.is_none() => Judgement::error(
+            Verdict::RuntimeError,
+            format!("the candidate exited ({:?}) without reporting a result\n{error}", outcome.finished.exit),
+        ),
         Exit::Code(_) => {
             // Extensions build at import; Triton compiles a kernel at its first launch.
             let compile = outcome.error_type() == Some("CompilationError")
                 || outcome.result.as_ref().and_then(|r| r.phase.as_deref()) == Some("import")
                     && error.contains("Error building extension");
-            response.error = error;
-            if compile { pb::Verdict::CompileError } else { pb::Verdict::RuntimeError }
+            Judgement::error(if compile { Verdict::CompileError } else { Verdict::RuntimeError }, error)
         }
     };
-    Ok(Some(verdict))
+    Ok(Some(judgement))
 }
 
 /// Whether a stage failed for want of device memory.
@@ -225,9 +224,81 @@ fn signal_name(signal: i32) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::RuntimeFinding;
 
     #[test]
     fn signals_are_named() {
         assert_eq!((signal_name(11), signal_name(9), signal_name(64)), ("SIGSEGV", "SIGKILL", "signal"));
+    }
+
+    fn failed(error_type: Option<&str>, phase: Option<&str>, error: &str) -> Option<Report<CandidateResult>> {
+        Some(Report {
+            error: Some(error.to_owned()),
+            error_type: error_type.map(str::to_owned),
+            phase: phase.map(str::to_owned),
+            ..Report::default()
+        })
+    }
+
+    fn judged(outcome: &StageOutcome<CandidateResult>) -> (Verdict, String) {
+        let judgement = candidate_failure(outcome).expect("the candidate's").expect("a verdict");
+        (judgement.verdict, judgement.error)
+    }
+
+    #[test]
+    fn a_candidate_stage_that_ended_badly_is_judged_by_how_it_ended() {
+        let clean =
+            StageOutcome::<CandidateResult>::ended(Exit::Code(0), Some(Report { ok: true, ..Report::default() }));
+        assert!(candidate_failure(&clean).expect("no failure").is_none());
+
+        let raised = StageOutcome::ended(Exit::Code(1), failed(Some("ValueError"), Some("run"), "ValueError: bad"));
+        assert_eq!(judged(&raised), (Verdict::RuntimeError, "ValueError: bad".to_owned()));
+        let triton = StageOutcome::ended(Exit::Code(1), failed(Some("CompilationError"), Some("run"), "at 3:4"));
+        assert_eq!(judged(&triton).0, Verdict::CompileError, "Triton compiles at its first launch");
+        let import = failed(None, Some("import"), "RuntimeError: Error building extension 'x'");
+        assert_eq!(judged(&StageOutcome::ended(Exit::Code(1), import)).0, Verdict::CompileError);
+
+        let silent = judged(&StageOutcome::ended(Exit::Code(3), None));
+        assert_eq!(silent.0, Verdict::RuntimeError);
+        assert!(silent.1.starts_with("the candidate exited (Code(3)) without reporting a result"), "{}", silent.1);
+        let segv = judged(&StageOutcome::ended(Exit::Signal(11), None));
+        assert!(segv.1.starts_with("the candidate was killed by signal 11 (SIGSEGV)"), "{}", segv.1);
+
+        let mut hung = StageOutcome::ended(Exit::Signal(9), None);
+        hung.hung = Some("a call ran 3.0 s".into());
+        assert_eq!(judged(&hung), (Verdict::Timeout, "the candidate was stopped: a call ran 3.0 s".to_owned()));
+    }
+
+    #[test]
+    fn a_stage_killed_at_its_limit_is_the_candidate_s_timeout_only_when_its_calls_used_the_time() {
+        let mut outcome = StageOutcome::<CandidateResult>::ended(Exit::TimedOut, None);
+        outcome.finished.wall = Duration::from_secs(10);
+        outcome.in_calls = Duration::from_secs(6);
+        let (verdict, error) = judged(&outcome);
+        assert_eq!(verdict, Verdict::Timeout);
+        assert!(error.contains("(6.0 s of 10.0 s in its own calls)"), "{error}");
+        outcome.in_calls = Duration::from_secs(1);
+        let own = candidate_failure(&outcome).expect_err("the harness's own work");
+        assert_eq!(own.cause(), "own_time_limit");
+        let cancelled = candidate_failure(&StageOutcome::<CandidateResult>::ended(Exit::Cancelled, None));
+        assert!(matches!(cancelled, Err(InfraError::Cancelled)), "{cancelled:?}");
+    }
+
+    #[test]
+    fn what_the_harness_saw_at_run_time_is_a_hack() {
+        assert_eq!(runtime_hack(&CandidateResult::default()), None);
+        let result = CandidateResult {
+            findings: vec![
+                RuntimeFinding { code: Some("runtime.patch_torch".into()), message: Some("patched".into()) },
+                RuntimeFinding { code: None, message: None },
+            ],
+            mutated_inputs: vec![0, 2],
+            ..CandidateResult::default()
+        };
+        let judgement = runtime_hack(&result).expect("hacks");
+        assert_eq!(judgement.verdict, Verdict::Hack);
+        let codes: Vec<&str> = judgement.findings.iter().map(|f| f.code.as_ref()).collect();
+        assert_eq!(codes, ["runtime.patch_torch", "runtime.unknown", "runtime.input_mutation"]);
+        assert_eq!(judgement.findings[2].message, "the candidate modified its inputs (trials [0, 2])");
     }
 }

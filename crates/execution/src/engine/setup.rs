@@ -35,6 +35,63 @@ fn gpu_memory_budgets(config: &ExecutionConfig, python: &Result<PythonEnv, Pytho
     gpus.iter().map(|gpu| config.gpu_memory_budget(gpu.total_memory)).collect()
 }
 
+/// Writes the harness package into `harness_dir` (the package's files into its folder, `kforge_harness/`); the
+/// program to run, `python harness/kforge_harness` (the package's `__main__.py`), with the harness directory (where
+/// kforge's nvcc lies too) readable to the stage as the program's parent.
+fn install_harness(harness_dir: &Path) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(harness_dir)?;
+    // Replaced atomically: engines in this and other processes may share the work directory and be starting the
+    // harness right now (a truncated file would run as an empty script and exit 0 without a result). Each engine
+    // stages its own copy: two starting at once in one process once renamed the same staged file.
+    static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let engine_number = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    for (name, contents) in python::HARNESS_FILES {
+        let path = harness_dir.join(name);
+        if std::fs::read(&path).ok().as_deref() != Some(contents.as_bytes()) {
+            if let Some(folder) = path.parent() {
+                std::fs::create_dir_all(folder)?;
+            }
+            let staged = harness_dir.join(format!("{name}.{}-{engine_number}", std::process::id()));
+            std::fs::write(&staged, contents)?;
+            std::fs::rename(&staged, &path)?;
+        }
+    }
+    Ok(harness_dir.join(python::HARNESS_PACKAGE))
+}
+
+/// The Python environment of `config`, probed in `scratch_root`, fitted to this host: kforge's build recipe (its
+/// nvcc in `harness_dir`), the GPU stages' threads, and a CPU kept per GPU for launching timed work.
+async fn probe_python(
+    config: &ExecutionConfig,
+    harness_dir: &Path,
+    scratch_root: &Path,
+) -> Result<PythonEnv, PythonUnavailable> {
+    let mut python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await?;
+    python.use_build_recipe(config.build_recipe, &harness_dir.join(python::NVCC_WRAPPER));
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if let Some(threads) = config.gpu_stage_threads_on(python.gpus.len(), cores) {
+        python.limit_gpu_stage_threads(threads);
+    }
+    if config.reserve_timing_cpu && !python.gpus.is_empty() {
+        match python.reserve_timing_cpus() {
+            [] => tracing::info!("fewer than four CPUs per GPU: timed work shares the CPUs with every stage"),
+            cpus => tracing::info!(?cpus, "one CPU per GPU is kept for launching its timed work"),
+        }
+    }
+    Ok(python)
+}
+
+/// The disk the runs' files may take: `disk_budget_bytes`, by default 60% of what is available now.
+fn disk_budget(config: &ExecutionConfig, work: &Path) -> u64 {
+    let available = disk::available_bytes(work);
+    let disk_budget = match config.disk_budget_bytes {
+        0 => available.map_or(64 << 30, |bytes| bytes / 5 * 3),
+        bytes => bytes,
+    };
+    tracing::info!(available, disk_budget, "disk budget");
+    disk_budget
+}
+
 impl Engine {
     /// The sandbox as far as this host's interpreter and GPU driver work in it. A protection that stops them is
     /// dropped and reported rather than left to fail every evaluation: command users where the interpreter is out of
@@ -55,8 +112,10 @@ impl Engine {
             fallbacks.push(("landlock", sandbox.without_landlock(no_landlock.clone())));
         }
         if users && landlock {
-            fallbacks
-                .push(("command_user and landlock", sandbox.without_command_users(no_users).without_landlock(no_landlock)));
+            fallbacks.push((
+                "command_user and landlock",
+                sandbox.without_command_users(no_users).without_landlock(no_landlock),
+            ));
         }
         for (dropped, fallback) in fallbacks {
             if python::sandbox_probe(&fallback, env, scratch, gpu).await.is_ok() {
@@ -92,45 +151,11 @@ impl Engine {
     /// PyTorch is not fatal: the engine serves and says why it cannot run candidates.
     pub async fn new(config: ExecutionConfig, metrics: ExecutionMetrics) -> std::io::Result<Self> {
         let work = std::path::absolute(&config.work_dir)?;
-        let harness_dir = work.join("harness");
-        std::fs::create_dir_all(&harness_dir)?;
-        // Replaced atomically: engines in this and other processes may share the work directory and be starting
-        // the harness right now (a truncated file would run as an empty script and exit 0 without a result). Each
-        // engine stages its own copy: two starting at once in one process once renamed the same staged file.
-        static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let engine_number = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // The package's files go into its folder, `harness/kforge_harness/`, each staged beside its place.
-        for (name, contents) in python::HARNESS_FILES {
-            let path = harness_dir.join(name);
-            if std::fs::read(&path).ok().as_deref() != Some(contents.as_bytes()) {
-                if let Some(folder) = path.parent() {
-                    std::fs::create_dir_all(folder)?;
-                }
-                let staged = harness_dir.join(format!("{name}.{}-{engine_number}", std::process::id()));
-                std::fs::write(&staged, contents)?;
-                std::fs::rename(&staged, &path)?;
-            }
-        }
-        // Run as `python harness/kforge_harness`: the package's `__main__.py`, with the harness directory (where
-        // kforge's nvcc lies too) readable to the stage as the program's parent.
-        let harness = harness_dir.join(python::HARNESS_PACKAGE);
+        let harness = install_harness(&work.join("harness"))?;
         let scratch_root = work.join("scratch");
         std::fs::create_dir_all(&scratch_root)?;
         let sandbox = Sandbox::detect_with(config.sandbox).await;
-        let mut python = PythonEnv::probe(&config.python, &scratch_root.join("probe")).await;
-        if let Ok(env) = &mut python {
-            env.use_build_recipe(config.build_recipe, &harness_dir.join(python::NVCC_WRAPPER));
-            let cores = std::thread::available_parallelism().map_or(1, usize::from);
-            if let Some(threads) = config.gpu_stage_threads_on(env.gpus.len(), cores) {
-                env.limit_gpu_stage_threads(threads);
-            }
-            if config.reserve_timing_cpu && !env.gpus.is_empty() {
-                match env.reserve_timing_cpus() {
-                    [] => tracing::info!("fewer than four CPUs per GPU: timed work shares the CPUs with every stage"),
-                    cpus => tracing::info!(?cpus, "one CPU per GPU is kept for launching its timed work"),
-                }
-            }
-        }
+        let python = probe_python(&config, &work.join("harness"), &scratch_root).await;
         let sandbox = match &python {
             Ok(env) => Self::fit_sandbox(sandbox, env, &scratch_root.join("sandbox-probe")).await,
             Err(_) => sandbox,
@@ -146,20 +171,13 @@ impl Engine {
             0 => std::thread::available_parallelism().map_or(2, usize::from),
             n => n,
         };
-        // The disk: the runs' files get `disk_budget_bytes` (by default 60% of what is available now).
-        let available = disk::available_bytes(&work);
-        let disk_budget = match config.disk_budget_bytes {
-            0 => available.map_or(64 << 30, |bytes| bytes / 5 * 3),
-            bytes => bytes,
-        };
-        tracing::info!(available, disk_budget, "disk budget");
         let command_users = sandbox.protections().iter().any(|p| p.name == "command_user" && p.active);
         let memory_files = MemoryFiles::open(&config.memory_files_dir, config.memory_files_bytes, command_users);
         Ok(Self {
             inner: Arc::new(Inner {
                 artifacts: Cache::new(work.join("artifacts"), config.cache_limits.artifacts_bytes)?,
                 admission: Arc::new(Semaphore::new(config.queue_capacity)),
-                disk: DiskBudget::new(disk_budget),
+                disk: DiskBudget::new(disk_budget(&config, &work)),
                 memory_files,
                 compile_slots: Semaphore::new(compile_workers),
                 lanes: Lanes::with_budgets(

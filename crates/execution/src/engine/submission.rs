@@ -1,7 +1,8 @@
 //! A request checked before anything runs: refused with a [`RequestError`] naming the field, or made a
-//! [`Submission`].
+//! [`Submission`]. The services make a [`SubmissionRequest`] of their wire requests and give a refusal its status.
 
-use kforge_proto::v1 as pb;
+use std::time::Duration;
+
 use kforge_static_checks::{self as static_checks, Policy};
 
 use super::Engine;
@@ -17,27 +18,18 @@ pub enum RequestError {
     Unavailable(#[from] crate::python::PythonUnavailable),
 }
 
-/// The status of a refused request, for both services: every [`RequestError`] has its code.
-impl From<RequestError> for tonic::Status {
-    fn from(error: RequestError) -> Self {
-        match &error {
-            RequestError::Invalid { .. } => Self::invalid_argument(error.to_string()),
-            RequestError::QueueFull { retry_after_secs, .. } => {
-                let mut status = Self::resource_exhausted(error.to_string());
-                if let Ok(value) = (retry_after_secs * 1000).to_string().parse() {
-                    status.metadata_mut().insert("retry-after-ms", value);
-                }
-                status
-            }
-            RequestError::Unavailable(_) => Self::unavailable(error.to_string()),
-        }
-    }
-}
-
 impl RequestError {
     /// `field` is wrong: `reason` says how.
     pub fn invalid(field: &str, reason: impl Into<String>) -> Self {
         Self::Invalid { field: field.into(), reason: reason.into() }
+    }
+
+    /// When a retry may be admitted: a full queue's hint (the services' `retry-after-ms`).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            RequestError::QueueFull { retry_after_secs, .. } => Some(Duration::from_secs(*retry_after_secs)),
+            RequestError::Invalid { .. } | RequestError::Unavailable(_) => None,
+        }
     }
 }
 
@@ -77,15 +69,34 @@ pub struct Submission {
     pub job_id: String,
 }
 
+/// A task as a request names it: its identifier (for caching and reporting) and its reference source.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskSource {
+    pub task_id: String,
+    pub source: String,
+}
+
+/// The backend a request asks for, before it is resolved against the engine's devices.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RequestedBackend {
+    /// Unspecified: CUDA where there is a GPU, else the CPU.
+    #[default]
+    Any,
+    Cpu,
+    Cuda,
+    Triton,
+    /// A value the contract does not define (refused, naming it).
+    Unknown(i32),
+}
+
 /// What a caller asks the engine to run, before it is checked: the fields of an `EvaluateRequest` that every run
 /// has.
 #[derive(Debug, Clone, Default)]
 pub struct SubmissionRequest {
     pub request_id: String,
-    pub task: Option<pb::Task>,
+    pub task: Option<TaskSource>,
     pub candidate_source: String,
-    /// A `pb::Backend`.
-    pub backend: i32,
+    pub backend: RequestedBackend,
     /// A policy's name; empty: `default_policy`.
     pub policy: String,
     pub priority: i32,
@@ -121,18 +132,19 @@ impl Engine {
         // The request is checked before the environment: a caller's mistake is worth knowing first.
         let python = self.inner.python.as_ref().map_err(|e| RequestError::Unavailable(e.clone()))?;
         let has_gpu = !python.gpus.is_empty();
-        let backend = match pb::Backend::try_from(backend) {
-            Ok(pb::Backend::Unspecified) if has_gpu => Backend::Cuda,
-            Ok(pb::Backend::Unspecified | pb::Backend::Cpu) => Backend::Cpu,
-            Ok(pb::Backend::Cuda) if has_gpu => Backend::Cuda,
-            Ok(pb::Backend::Triton) if has_gpu && python.versions.contains_key("triton") => Backend::Triton,
-            Ok(requested @ (pb::Backend::Cuda | pb::Backend::Triton)) => {
+        let backend = match backend {
+            RequestedBackend::Any if has_gpu => Backend::Cuda,
+            RequestedBackend::Any | RequestedBackend::Cpu => Backend::Cpu,
+            RequestedBackend::Cuda if has_gpu => Backend::Cuda,
+            RequestedBackend::Triton if has_gpu && python.versions.contains_key("triton") => Backend::Triton,
+            RequestedBackend::Cuda | RequestedBackend::Triton => {
+                let name = if backend == RequestedBackend::Cuda { "BACKEND_CUDA" } else { "BACKEND_TRITON" };
                 return Err(invalid(
                     "backend",
-                    format!("{} needs a GPU with its toolchain; this evaluator has only cpu", requested.as_str_name()),
+                    format!("{name} needs a GPU with its toolchain; this evaluator has only cpu"),
                 ));
             }
-            Err(_) => return Err(invalid("backend", format!("unknown value {backend}"))),
+            RequestedBackend::Unknown(value) => return Err(invalid("backend", format!("unknown value {value}"))),
         };
         let policy_name = if policy.is_empty() { config.default_policy.as_str() } else { policy.as_str() };
         let policy = Policy::resolve(policy_name).ok_or_else(|| {

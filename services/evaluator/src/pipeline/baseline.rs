@@ -10,17 +10,18 @@ use tokio_util::sync::CancellationToken;
 
 use kforge_execution::cache::{self, Entry};
 use kforge_execution::devices::Lane;
-use kforge_execution::engine::{Backend, InfraError, RemoveOnDrop, Submission};
+use kforge_execution::engine::{Backend, InfraError, Submission};
 use kforge_execution::protocol::{BaselineSpec, Mode, TimingSpec};
 use kforge_execution::python;
+use kforge_execution::scratch::RemoveOnDrop;
 use kforge_execution::stage::{Request, Stage};
 
 use super::Evaluator;
 use super::request::Evaluation;
 
 /// The reference's timing samples: eager (events and host clock) and torch.compile.
-#[derive(Debug, Clone)]
-pub(super) struct Baseline {
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Baseline {
     pub(super) eager: Vec<f64>,
     /// Absent in baselines cached before the host clock was recorded.
     pub(super) eager_host: Option<Vec<f64>>,
@@ -79,7 +80,7 @@ impl Evaluator {
         let scratch = inner.engine.scratch_dir("baseline-");
         let (evaluator, submission) = (self.clone(), submission.clone());
         tokio::spawn(async move {
-            let _cleanup = RemoveOnDrop(scratch.clone());
+            let _cleanup = RemoveOnDrop::new(scratch.clone());
             let cancel = CancellationToken::new();
             let computed = match std::fs::create_dir_all(&scratch) {
                 Ok(()) => {

@@ -2,31 +2,31 @@
 //! child (`reference` mode) or read from the cache (`check` mode), and the reference's peak device memory kept for
 //! memory-aware admission.
 
-use std::collections::HashMap;
-use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kforge_proto::v1 as pb;
 use kforge_sandbox::tail;
 use serde::{Deserialize, Serialize};
-use tokio_util::sync::CancellationToken;
 
 use kforge_execution::cache::{self, Entry, Held};
 use kforge_execution::devices::Lane;
-use kforge_execution::engine::{InfraError, Submission, phases_into};
+use kforge_execution::engine::{InfraError, Submission};
 use kforge_execution::protocol::{CompareSpec, MismatchRecord, Sensitivity, StageSpec, TimedOutput};
 use kforge_execution::python;
 use kforge_execution::stage::{Request, Stage, Started};
+use kforge_execution::times::{self, StageTimes};
+use kforge_execution::{Finding, Notes, Staged};
 
-use super::Evaluator;
-use super::verdict::mismatch_proto;
+use super::{Evaluating, Evaluator};
 
-/// The inputs a check covers: correctness trials by seed, and the timed calls kept.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Trials<'a> {
-    pub(super) seeds: &'a [u64],
+/// The inputs an evaluation covers: correctness trials by seed (the last `recheck_trials` of them re-checks after
+/// timing and the census), the model's seed, the timing inputs' seeds, and the timed calls kept.
+#[derive(Debug, Clone)]
+pub(super) struct Trials {
+    pub(super) seeds: Vec<u64>,
+    /// The first re-check: the trials from here run after timing and the census.
+    pub(super) recheck_from: usize,
     pub(super) init_seed: u64,
-    pub(super) timing_seeds: &'a [u64],
+    pub(super) timing_seeds: Vec<u64>,
     /// The sensitivity trial (`Evaluator::sensitivity_trial`).
     pub(super) sensitivity: Option<Sensitivity>,
     /// The re-check that repeats trial 0's inputs (`replay_trial`): compared with trial 0's reference.
@@ -60,6 +60,14 @@ struct ReferenceRecord {
     output_bytes: Option<u64>,
 }
 
+/// What a comparison found: the first mismatch, when the outputs differ, and how many trials were compared
+/// (fewer than all where the outputs are large: `output_bytes_budget`).
+#[derive(Debug, Default)]
+pub(super) struct Compared {
+    pub(super) mismatch: Option<(Trial, MismatchRecord)>,
+    pub(super) compared: Option<usize>,
+}
+
 /// Which output differed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Trial {
@@ -81,10 +89,10 @@ impl Trial {
 
 impl Evaluator {
     /// The reference cache's key for the task's outputs on these trials on a device of this name.
-    fn reference_key(&self, submission: &Submission, trials: &Trials<'_>, device_name: &str) -> String {
-        let Trials { seeds, init_seed, sensitivity, replay, .. } = *trials;
+    fn reference_key(&self, submission: &Submission, trials: &Trials, device_name: &str) -> String {
+        let Trials { seeds, init_seed, sensitivity, replay, .. } = trials;
         let mut seed_text: String = seeds.iter().map(|s| format!("{s},")).collect();
-        if let Some(Sensitivity { trial, base, seed }) = sensitivity {
+        if let Some(Sensitivity { trial, base, seed }) = *sensitivity {
             seed_text.push_str(&format!("sensitivity {trial} from {base} with {seed}"));
         }
         if let Some(replay) = replay {
@@ -111,7 +119,7 @@ impl Evaluator {
     pub(super) fn protect_cached_references(
         &self,
         submission: &Submission,
-        trials: &Trials<'_>,
+        trials: &Trials,
     ) -> (Vec<cache::Protected>, bool) {
         let references = &self.inner.references;
         let mut names: Vec<&str> =
@@ -133,21 +141,16 @@ impl Evaluator {
     }
 
     /// Prepares the comparison of the candidate's outputs with the reference's on `lane`: takes the cached
-    /// reference (pinned) or the right to compute it (locked), and starts the clean process that will do it, so it
-    /// starts while the candidate runs.
-    pub(super) async fn prepare_check(
-        &self,
-        submission: &Submission,
-        lane: &Lane,
-        trials: &Trials<'_>,
-        scratch: &Path,
-        candidate_dir: &Path,
-        cancel: &CancellationToken,
-    ) -> Result<PreparedCheck, InfraError> {
+    /// reference (pinned) or the right to compute it (locked), and starts the clean process that will do it in the
+    /// check's directory, so it starts while the candidate runs.
+    pub(super) async fn prepare_check(&self, run: &Evaluating<'_>, lane: &Lane) -> Result<PreparedCheck, InfraError> {
+        let (submission, trials, cancel) = (&run.evaluation.submission, &run.trials, run.cancel);
+        let (scratch, candidate_dir) = (run.dirs.check.as_path(), run.dirs.candidate.as_path());
+        std::fs::write(scratch.join("task.py"), &submission.task).map_err(InfraError::files("writing task.py"))?;
         let gpu = lane.gpu();
         let inner = &self.inner;
         let python = inner.engine.checked_python();
-        let Trials { seeds, init_seed, timing_seeds, sensitivity, replay, digest_key } = *trials;
+        let Trials { seeds, init_seed, timing_seeds, sensitivity, replay, digest_key, .. } = trials;
         let device_name = python.device_name(gpu);
         let key = self.reference_key(submission, trials, device_name);
         let reference_dir = inner.references.dir(&key);
@@ -155,17 +158,17 @@ impl Evaluator {
             computes_reference: false,
             task_path: scratch.join("task.py"),
             device: lane.device(),
-            init_seed,
-            seeds: seeds.to_vec(),
+            init_seed: *init_seed,
+            seeds: seeds.clone(),
             reference_dir: reference_dir.clone(),
             candidate_dir: candidate_dir.to_owned(),
             tolerances: inner.config.tolerances,
-            timing_seeds: timing_seeds.to_vec(),
-            sensitivity,
-            replay,
+            timing_seeds: timing_seeds.clone(),
+            sensitivity: *sensitivity,
+            replay: *replay,
             output_bytes_budget: inner.config.output_bytes_budget,
             timed_outputs: vec![],
-            digest_key,
+            digest_key: *digest_key,
         };
         // Built once per key: the first evaluation computes the reference (and checks), later ones only check.
         // A cached reference is pinned while the checker reads it, so eviction cannot take it meanwhile; one
@@ -196,16 +199,40 @@ impl Evaluator {
         Ok(PreparedCheck { started: inner.engine.start(stage, cancel), spec, key, peak_key, lock, _pin: pin })
     }
 
-    /// Runs a prepared comparison; `timed_outputs` are the candidate's timed calls whose outputs it kept, when it
-    /// was timed (checked too, on rebuilt inputs). The first mismatch, when the outputs differ, and how many trials were
-    /// compared (fewer than all where the outputs are large: `output_bytes_budget`).
-    pub(super) async fn check(
+    /// Compares the candidate's outputs with the reference's, in the prepared clean process on `lane`: the
+    /// correctness trials, and the timed calls whose outputs the candidate kept (`timed_outputs`, when it was timed;
+    /// checked on rebuilt inputs). Its notes: the check's time and phases, and a notice where the outputs were too
+    /// large to compare every trial (`trials` of them).
+    pub(super) async fn compare(
         &self,
         prepared: PreparedCheck,
         lane: &Lane,
         timed_outputs: Vec<TimedOutput>,
-        stage_ms: &mut HashMap<String, f64>,
-    ) -> Result<(Option<(Trial, pb::Mismatch)>, Option<usize>), InfraError> {
+        trials: usize,
+    ) -> Staged<Compared> {
+        let started = Instant::now();
+        let mut notes = Notes::default();
+        let outcome = self.check(prepared, lane, timed_outputs, &mut notes.times).await;
+        notes.times.since(times::Stage::Check, started);
+        if let Ok(Compared { compared: Some(compared), .. }) = &outcome
+            && *compared < trials
+        {
+            notes.findings.push(Finding::notice(
+                "check.trials_limited",
+                format!("the outputs are large: {compared} of {trials} trials were compared (output_bytes_budget)"),
+            ));
+        }
+        Staged::new(notes, outcome.map_err(Into::into))
+    }
+
+    /// Runs a prepared comparison, its phases into `phases`.
+    async fn check(
+        &self,
+        prepared: PreparedCheck,
+        lane: &Lane,
+        timed_outputs: Vec<TimedOutput>,
+        phases: &mut StageTimes,
+    ) -> Result<Compared, InfraError> {
         let inner = &self.inner;
         let PreparedCheck { started, mut spec, key, peak_key, lock, _pin } = prepared;
         spec.timed_outputs = timed_outputs;
@@ -237,12 +264,12 @@ impl Evaluator {
             inner.engine.evict_later("reference", &inner.references);
         }
         if let Some(result) = &outcome.result {
-            phases_into(result, "check", stage_ms);
+            phases.phases(times::Stage::Check, result);
         }
         let result = outcome.result.map(|r| r.body).unwrap_or_default();
         let compared = result.compared_trials.map(|trials| trials.len());
-        let mismatch = result.mismatch.map(|m| (Trial::of(&m), mismatch_proto(&m)));
-        Ok((mismatch, compared))
+        let mismatch = result.mismatch.map(|m| (Trial::of(&m), m));
+        Ok(Compared { mismatch, compared })
     }
 
     /// Keeps what a reference cache entry records ([`ReferenceRecord`]), where it does.

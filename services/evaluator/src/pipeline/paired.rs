@@ -6,11 +6,11 @@
 
 use std::path::Path;
 
+use kforge_execution::Finding;
 use kforge_execution::devices::{Lane, PairSide};
 use kforge_execution::engine::{InfraError, Submission};
 use kforge_execution::protocol::{BaselineResult, BaselineSpec, Mode, TimingSpec};
 use kforge_execution::stage::{Request, StageOutcome, Started};
-use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
 use super::Evaluator;
@@ -90,29 +90,6 @@ pub(super) fn reference(
     }
 }
 
-/// Records the speedup's basis in `response` (its speedups set from the medians): a paired speedup replaces the
-/// eager one, with its spread and, beyond `bound`, the notice `timing.unsteady`; pairing `asked` for that did not
-/// pair says so.
-pub(super) fn record(response: &mut pb::EvaluateResponse, paired: Option<PairedSpeedup>, asked: bool, bound: f64) {
-    response.speedup_basis = pb::SpeedupBasis::CachedBaseline.into();
-    if let Some(paired) = paired {
-        response.speedup_eager = paired.speedup;
-        response.speedup_spread = paired.spread;
-        response.speedup_basis = pb::SpeedupBasis::Paired.into();
-        response.findings.extend(unsteady(paired, bound));
-    } else if asked {
-        response.findings.push(pb::Finding {
-            code: "timing.unpaired".into(),
-            message: "paired timing was asked for, but the rounds did not pair (the paired baseline failed, or the \
-                      candidate ran again unpaired after running out of device memory): the speedup is against the \
-                      cached baseline"
-                .into(),
-            line: 0,
-            category: pb::FindingCategory::Notice as i32,
-        });
-    }
-}
-
 /// The paired baseline's eager samples (events, host clock) and their rounds, when it timed them.
 fn paired_eager(outcome: StageOutcome<BaselineResult>) -> Option<(Vec<f64>, Vec<f64>, Vec<u32>)> {
     if !outcome.ok() {
@@ -150,18 +127,18 @@ pub(super) fn paired_speedup(candidate: (&[f64], &[u32]), eager: (&[f64], &[u32]
 
 /// The notice for paired rounds that spread beyond `bound`: the machine's load moved faster than the rounds
 /// alternate, and the speedup is uncertain by about the spread.
-pub(super) fn unsteady(paired: PairedSpeedup, bound: f64) -> Option<pb::Finding> {
-    (paired.spread > bound).then(|| pb::Finding {
-        code: "timing.unsteady".into(),
-        message: format!(
-            "the paired rounds' speedups spread {:.0}% (interquartile range over the median {:.3}x), beyond the \
+pub(super) fn unsteady(paired: PairedSpeedup, bound: f64) -> Option<Finding> {
+    (paired.spread > bound).then(|| {
+        Finding::notice(
+            "timing.unsteady",
+            format!(
+                "the paired rounds' speedups spread {:.0}% (interquartile range over the median {:.3}x), beyond the \
              bound of {:.0}%: the machine's load changed within rounds, and the speedup is uncertain by about as much",
-            paired.spread * 100.0,
-            paired.speedup,
-            bound * 100.0
-        ),
-        line: 0,
-        category: pb::FindingCategory::Notice as i32,
+                paired.spread * 100.0,
+                paired.speedup,
+                bound * 100.0
+            ),
+        )
     })
 }
 
@@ -224,27 +201,6 @@ mod tests {
         assert_eq!(finding.code, "timing.unsteady");
         assert!(finding.message.contains("spread 60%"), "{}", finding.message);
         assert!(unsteady(paired, 0.6).is_none(), "at the bound");
-    }
-
-    #[test]
-    fn the_basis_says_how_the_speedup_was_taken() {
-        let codes = |response: &pb::EvaluateResponse| -> Vec<String> {
-            response.findings.iter().map(|finding| finding.code.clone()).collect()
-        };
-        let cached = || pb::EvaluateResponse { speedup_eager: 3.0, ..Default::default() };
-        let mut response = cached();
-        record(&mut response, Some(PairedSpeedup { speedup: 2.0, spread: 0.5 }), true, 0.2);
-        assert_eq!(response.speedup_basis(), pb::SpeedupBasis::Paired);
-        assert_eq!((response.speedup_eager, response.speedup_spread), (2.0, 0.5));
-        assert_eq!(codes(&response), ["timing.unsteady"]);
-        let mut response = cached();
-        record(&mut response, None, true, 0.2);
-        assert_eq!((response.speedup_basis(), response.speedup_eager), (pb::SpeedupBasis::CachedBaseline, 3.0));
-        assert_eq!(codes(&response), ["timing.unpaired"]);
-        assert!(!response.findings[0].message.contains("  "), "{}", response.findings[0].message);
-        let mut response = cached();
-        record(&mut response, None, false, 0.2);
-        assert!(response.findings.is_empty(), "unpaired as configured: nothing to say");
     }
 
     #[test]

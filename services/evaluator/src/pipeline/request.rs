@@ -5,6 +5,7 @@ use kforge_execution::engine::{RequestError, Submission, SubmissionRequest};
 use kforge_proto::v1 as pb;
 
 use super::Evaluator;
+use crate::wire;
 
 /// A checked request: what runs (the engine's submission), and how it is evaluated.
 #[derive(Debug, Clone)]
@@ -32,9 +33,9 @@ impl Evaluator {
         } = request;
         let submission = self.inner.engine.submission(SubmissionRequest {
             request_id,
-            task,
+            task: task.map(wire::task),
             candidate_source,
-            backend,
+            backend: wire::requested_backend(backend),
             policy,
             priority,
             job_id,

@@ -1,10 +1,8 @@
-//! Timing, pure: the candidate's samples checked, the wall-clock cross-check against the baseline's overhead, and
-//! speedups.
+//! Timing, pure: the candidate's samples and the timed calls it kept checked, the wall-clock cross-check against the
+//! baseline's overhead, and the notice of a median that includes launch time (the speedups are `record.rs`'s).
 
-use kforge_proto::v1 as pb;
-
+use kforge_execution::Finding;
 use kforge_execution::disk::SAMPLED_TIMED_CALLS;
-use kforge_execution::engine::hack_finding;
 use kforge_execution::protocol::{CandidateResult, TimedOutput, TimingCpu};
 
 use super::baseline::Baseline;
@@ -18,11 +16,11 @@ pub(super) struct Measured {
 }
 
 /// The samples of a candidate run, or the finding that they are impossible.
-pub(super) fn timing_samples(result: &CandidateResult) -> Result<Measured, pb::Finding> {
+pub(super) fn timing_samples(result: &CandidateResult) -> Result<Measured, Finding> {
     let (events, host) = (result.samples_ms.clone(), result.host_ms.clone());
     let valid = |s: &[f64]| !s.is_empty() && s.iter().all(|v| v.is_finite() && *v > 0.0);
     if !valid(&events) || !valid(&host) || events.len() != host.len() {
-        return Err(hack_finding(
+        return Err(Finding::hack(
             "timing.impossible",
             format!(
                 "{} timing samples and {} host-clock samples: empty, unequal, negative or not finite",
@@ -37,12 +35,12 @@ pub(super) fn timing_samples(result: &CandidateResult) -> Result<Measured, pb::F
 /// The timed calls whose outputs the candidate's harness saved for the checker: the last, then the sampled ones
 /// (earlier, distinct, at most SAMPLED_TIMED_CALLS), or the finding that the harness reported what it cannot have
 /// done (timing samples and no timed call kept among them).
-pub(super) fn timed_outputs(result: &CandidateResult) -> Result<Vec<TimedOutput>, pb::Finding> {
+pub(super) fn timed_outputs(result: &CandidateResult) -> Result<Vec<TimedOutput>, Finding> {
     let kept = &result.timed_outputs;
     let Some(last) = kept.first().map(|k| k.call) else {
         return match result.samples_ms.is_empty() {
             true => Ok(vec![]),
-            false => Err(hack_finding("timing.impossible", "timing samples and no timed call's outputs kept")),
+            false => Err(Finding::hack("timing.impossible", "timing samples and no timed call's outputs kept")),
         };
     };
     let mut sampled: Vec<i64> = kept[1..].iter().map(|k| k.call).collect();
@@ -54,7 +52,7 @@ pub(super) fn timed_outputs(result: &CandidateResult) -> Result<Vec<TimedOutput>
         && sampled.iter().all(|call| (0..last).contains(call));
     if !valid {
         let calls: Vec<i64> = kept.iter().map(|k| k.call).collect();
-        return Err(hack_finding(
+        return Err(Finding::hack(
             "timing.impossible",
             format!("timed calls {calls:?} kept: not the last then earlier ones"),
         ));
@@ -67,12 +65,12 @@ pub(super) const WALL_CLOCK_SLACK_MS: f64 = 0.25;
 
 /// The parent's wall-clock cross-check: a candidate whose timed steps take much longer on the host clock than its
 /// events say (beyond the overhead the clean baseline shows) did work, or waited, where the events cannot see.
-pub(super) fn wall_clock_mismatch(measured: &Measured, baseline: &Baseline) -> Option<pb::Finding> {
+pub(super) fn wall_clock_mismatch(measured: &Measured, baseline: &Baseline) -> Option<Finding> {
     let base_host = baseline.eager_host.as_deref()?;
     let hidden = crate::stats::unaccounted_host_ms((&measured.events, &measured.host), (&baseline.eager, base_host))?;
     let median = timing_stats(measured.events.clone())?.median_ms;
     (hidden > WALL_CLOCK_SLACK_MS.max(0.5 * median)).then(|| {
-        hack_finding(
+        Finding::hack(
             "timing.wall_clock_mismatch",
             format!(
                 "each timed call took {hidden:.3} ms more on the host clock than its timer reported ({median:.3} ms \
@@ -86,34 +84,25 @@ pub(super) fn wall_clock_mismatch(measured: &Measured, baseline: &Baseline) -> O
 /// host's launch took longer than the flush and the cover could hide (capped at the call's device time plus the
 /// flush's plus 50 us, so that work moved onto the host is paid for), and the median includes launch time. Calls of
 /// a few microseconds with a slow launch get it; a reward built on their speedup should know.
-pub(super) fn launch_exposed(cpu: &TimingCpu) -> Option<pb::Finding> {
+pub(super) fn launch_exposed(cpu: &TimingCpu) -> Option<Finding> {
     let share = cpu.cover_short_share.filter(|share| *share > 0.5)?;
     let us = |ms: Option<f64>| ms.map_or_else(|| "?".to_owned(), |ms| format!("{:.1}", ms * 1000.0));
-    Some(pb::Finding {
-        code: "timing.launch_exposed".into(),
-        message: format!(
+    Some(Finding::notice(
+        "timing.launch_exposed",
+        format!(
             "in {:.0}% of the timed calls the device reached the call's start before the host had launched it \
              (launch {} us, cover {} us, medians): the median includes the host's launch time beyond the cover",
             share * 100.0,
             us(cpu.launch_ms),
             us(cpu.cover_device_ms)
         ),
-        line: 0,
-        category: pb::FindingCategory::Notice as i32,
-    })
-}
-
-pub(super) fn set_speedups(response: &mut pb::EvaluateResponse) {
-    let speedup = |baseline: &Option<pb::TimingStats>| match (baseline, &response.candidate_timing) {
-        (Some(b), Some(c)) if c.median_ms > 0.0 => b.median_ms / c.median_ms,
-        _ => 0.0,
-    };
-    response.speedup_eager = speedup(&response.eager_timing);
-    response.speedup_compile = speedup(&response.compile_timing);
+    ))
 }
 
 #[cfg(test)]
 mod tests {
+    use kforge_static_checks::Category;
+
     use super::*;
 
     fn samples(events: &[f64], host: &[f64]) -> CandidateResult {
@@ -132,7 +121,7 @@ mod tests {
         for (events, host) in cases {
             let finding = timing_samples(&samples(events, host)).expect_err("impossible");
             assert_eq!(finding.code, "timing.impossible", "{events:?} {host:?}");
-            assert_eq!(finding.category, pb::FindingCategory::Hack as i32);
+            assert_eq!(finding.category, Category::Hack);
         }
         let measured = timing_samples(&samples(&[1.0, 2.0], &[1.1, 2.1])).expect("possible");
         assert_eq!((measured.events, measured.host), (vec![1.0, 2.0], vec![1.1, 2.1]));
@@ -191,27 +180,11 @@ mod tests {
         }
         let finding = launch_exposed(&cpu(Some(0.75))).expect("three calls in four exposed");
         assert_eq!(finding.code, "timing.launch_exposed");
-        assert_eq!(finding.category, pb::FindingCategory::Notice as i32);
+        assert_eq!(finding.category, Category::Notice);
         assert!(
             finding.message.contains("75%") && finding.message.contains("launch 100.0 us, cover 60.0 us"),
             "{}",
             finding.message
         );
-    }
-
-    #[test]
-    fn speedups_are_the_baselines_median_over_the_candidates() {
-        let stats = |median_ms| Some(pb::TimingStats { median_ms, ..Default::default() });
-        let mut response = pb::EvaluateResponse {
-            candidate_timing: stats(2.0),
-            eager_timing: stats(6.0),
-            compile_timing: None,
-            ..Default::default()
-        };
-        set_speedups(&mut response);
-        assert_eq!((response.speedup_eager, response.speedup_compile), (3.0, 0.0));
-        response.candidate_timing = stats(0.0);
-        set_speedups(&mut response);
-        assert_eq!(response.speedup_eager, 0.0, "no speedup from a zero median");
     }
 }
