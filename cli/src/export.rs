@@ -19,6 +19,7 @@ use tokio_stream::StreamExt as _;
 
 use crate::call::CallError;
 use crate::mesh::{Mesh, MeshConfig, Service};
+use crate::store::{redact_url, sqlite_file, store_for_run};
 
 /// What `kforge export` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -89,7 +90,7 @@ pub async fn command(config: &MeshConfig, args: ExportArgs) -> anyhow::Result<()
         }
         None => {
             let mut config = config.clone();
-            crate::run::store_for_run(&mut config, args.work_dir.as_deref());
+            store_for_run(&mut config, args.work_dir.as_deref());
             // The in-command orchestrator serves this export alone: no HTTP port.
             config.orchestrator.http.listen.clear();
             let store = config.orchestrator.store_url();
@@ -170,30 +171,6 @@ fn found_nowhere(status: tonic::Status, searched: &str) -> CallError {
             CallError::Rpc { code, message: format!("{message} in {searched}") }
         }
         other => other,
-    }
-}
-
-/// The SQLite file a store URL names (`sqlite://PATH`, `sqlite:PATH` or a bare path); `None` for PostgreSQL and
-/// in-memory stores.
-fn sqlite_file(store: &str) -> Option<&Path> {
-    if store.contains(":memory:") || store.starts_with("postgres://") || store.starts_with("postgresql://") {
-        return None;
-    }
-    let path = store.strip_prefix("sqlite://").or_else(|| store.strip_prefix("sqlite:")).unwrap_or(store);
-    // Connection options after the path (`sqlite://x.db?mode=ro`) are not part of it.
-    let path = path.split('?').next().unwrap_or(path);
-    (!path.is_empty()).then(|| Path::new(path))
-}
-
-/// A store URL as it may be shown: the password of `scheme://user:password@host/...` replaced by `***`.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    // The user information ends at the last `@` before the path: a password may hold `@` or `/` only escaped.
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else { return url.to_owned() };
-    match rest[..at].split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-        None => url.to_owned(),
     }
 }
 
@@ -309,30 +286,6 @@ fn message_json(name: &str, message: &impl prost::Message) -> anyhow::Result<Str
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_store_url_is_shown_without_its_password() {
-        assert_eq!(
-            redact_url("postgres://kforge:s3cr@t@db.internal:5432/kforge?sslmode=require"),
-            "postgres://kforge:***@db.internal:5432/kforge?sslmode=require"
-        );
-        assert_eq!(redact_url("postgres://kforge@db/kforge"), "postgres://kforge@db/kforge", "no password");
-        assert_eq!(redact_url("postgres://db/kforge"), "postgres://db/kforge");
-        assert_eq!(
-            redact_url("/home/u/.local/state/kforge/orchestrator.db"),
-            "/home/u/.local/state/kforge/orchestrator.db"
-        );
-        assert_eq!(redact_url("sqlite:///tmp/a@b.db"), "sqlite:///tmp/a@b.db", "an @ in the path is not a user");
-    }
-
-    #[test]
-    fn the_sqlite_file_of_a_store_url() {
-        assert_eq!(sqlite_file("/w/orchestrator.db"), Some(Path::new("/w/orchestrator.db")));
-        assert_eq!(sqlite_file("sqlite:///w/o.db?mode=rwc"), Some(Path::new("/w/o.db")));
-        assert_eq!(sqlite_file("sqlite:o.db"), Some(Path::new("o.db")));
-        assert_eq!(sqlite_file("sqlite::memory:"), None);
-        assert_eq!(sqlite_file("postgres://u:p@db/k"), None);
-    }
 
     #[test]
     fn a_job_not_found_names_where_it_was_looked_for() {

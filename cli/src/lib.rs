@@ -6,6 +6,7 @@
 //! - [`export`]: a job's training samples as JSONL or Parquet.
 //! - [`doctor`]: what this machine can do for kforge, and how to fix what it cannot.
 //! - [`scratch`]: `kforge run`'s scratch directory, and the removal of those killed runs left behind.
+//! - [`store`]: the job store a command opens, `kforge run`'s report directory beside it, a URL as shown.
 //! - [`stdout`]: writing a command's output, where a reader that went away ends the command quietly.
 
 pub mod call;
@@ -15,3 +16,4 @@ pub mod mesh;
 pub mod run;
 pub mod scratch;
 pub mod stdout;
+pub mod store;

@@ -458,10 +458,10 @@ async fn prepare_in_process(
 ) -> anyhow::Result<kforge::scratch::Scratch> {
     let scratch =
         kforge::scratch::Scratch::create(&std::env::temp_dir()).context("making the run's scratch directory")?;
-    kforge::run::store_for_run(config, args.work_dir.as_deref());
+    kforge::store::store_for_run(config, args.work_dir.as_deref());
     let (model, judge_model) = match &args.resume {
         Some(job_id) => {
-            let stored = kforge::run::stored_spec(config, job_id).await?;
+            let stored = kforge::store::stored_spec(config, job_id).await?;
             (stored.model, stored.judge_model)
         }
         None => (spec.model.clone(), spec.judge_model.clone()),
@@ -536,7 +536,7 @@ fn report_job(config: &MeshConfig, job: &pb::Job, trajectories: &[pb::Trajectory
     // A reader of the report that went away changes nothing else: the files are written, the job's outcome decides
     // the status (a closed stdout alone ends quietly).
     let printed = kforge::stdout::print(&kforge::run::report(job, trajectories));
-    let dir = kforge::run::report_dir(config, &job.job_id);
+    let dir = kforge::store::report_dir(config, &job.job_id);
     let pricing = kforge::run::pricing(config, job.spec.as_ref().map_or("", |spec| spec.model.as_str()));
     let files = kforge::run::write_report(&dir, job, trajectories, &pricing)
         .with_context(|| format!("writing the job's report under {}", dir.display()))?;

@@ -223,35 +223,6 @@ pub fn evaluator_for_one_job(config: &mut MeshConfig, compile_baseline: bool) {
     config.evaluator.bindings_pch = false;
 }
 
-/// Where `kforge run` keeps its store when the config names none: `orchestrator.db` in `work_dir`, else in the
-/// default state directory (so that `kforge run --resume` and `kforge export` find the job later). The in-process
-/// orchestrator owns its jobs as `kforge-run` and resumes none at start: only `--resume JOB` takes one over.
-pub fn store_for_run(config: &mut MeshConfig, work_dir: Option<&Path>) {
-    if let Some(dir) = work_dir {
-        config.orchestrator.store = dir.join("orchestrator.db").display().to_string();
-    }
-    config.orchestrator.instance = RUN_INSTANCE.into();
-    config.orchestrator.resume_on_start = false;
-}
-
-/// Where `kforge run` writes a job's report: `reports/<job>` beside the SQLite store file (the work directory, or
-/// the default state directory), or under `kforge-reports/` in the current directory for a store that is not a file.
-pub fn report_dir(config: &MeshConfig, job_id: &str) -> PathBuf {
-    let store = match config.orchestrator.store.as_str() {
-        "" => kforge_orchestrator::store::default_url(),
-        store => store.to_owned(),
-    };
-    let file = store.strip_prefix("sqlite://").or_else(|| store.strip_prefix("sqlite:")).unwrap_or(&store);
-    let parent = (!store.contains("://") || store.starts_with("sqlite://"))
-        .then(|| Path::new(file).parent())
-        .flatten()
-        .filter(|_| !file.contains(":memory:"));
-    match parent {
-        Some(dir) => dir.join("reports").join(job_id),
-        None => PathBuf::from("kforge-reports").join(job_id),
-    }
-}
-
 /// Writes the job's report (report.json and a self-contained report.html, crates/report) from its recorded turns,
 /// with the metrics the orchestrator computes from them.
 pub fn write_report(
@@ -274,21 +245,6 @@ pub fn write_report(
         generated_at: httpdate::fmt_http_date(std::time::SystemTime::now()),
     };
     Ok(kforge_report::write_report(dir, &meta, &metrics, &samples)?)
-}
-
-/// The orchestrator instance name of `kforge run`.
-pub const RUN_INSTANCE: &str = "kforge-run";
-
-/// The spec of a stored job, read from the store directly (`kforge run --resume` needs its model before it starts
-/// the mesh that will run it).
-pub async fn stored_spec(config: &MeshConfig, job_id: &str) -> anyhow::Result<pb::JobSpec> {
-    use anyhow::Context as _;
-    let url = config.orchestrator.store_url();
-    let shown = crate::export::redact_url(&url);
-    let store =
-        kforge_orchestrator::store::Store::open(&url).await.with_context(|| format!("opening the store {shown}"))?;
-    let job = store.job(job_id).await?.with_context(|| format!("job {job_id} is not in the store {shown}"))?;
-    job.spec.with_context(|| format!("job {job_id} has no stored spec"))
 }
 
 /// Submits `spec`, or resumes the job `resume` names (its stored spec applies).
