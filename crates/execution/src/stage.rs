@@ -396,101 +396,173 @@ async fn converse(
     limits: Option<&CallLimits>,
     watch: &Mutex<Watch>,
 ) -> Ended {
-    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    use tokio::io::AsyncWriteExt;
     let (read, mut write) = socket.into_split();
-    let mut read = BufReader::new(read);
-    let mut line = Vec::new();
-    let Party { member, pair } = party;
-    let mut call: Option<Call> = None;
-    // A paired round runs: the `share` that ends it passes the turn.
-    let mut in_round = false;
+    let mut heard = Heard { read: tokio::io::BufReader::new(read), line: Vec::new() };
     let processes = control.processes();
+    let mut conversing = Conversing { party, control, waiting, limits, watch, processes, call: None, in_round: false };
     loop {
-        let check_at = call.as_ref().map(|call| call.check_at);
-        // A message cut short by a check keeps its bytes in `line`; the limit counts over the whole message.
-        let mut message = (&mut read).take(MESSAGE_BYTES.saturating_sub(line.len() as u64));
-        tokio::select! {
-            // A message that is there is read before any check: the call it ends is over.
-            biased;
-            read = message.read_until(b'\n', &mut line) => match read {
-                Ok(n) if n > 0 && line.ends_with(b"\n") => {}
-                Ok(0) if line.is_empty() => return Ended::Closed,
-                _ => return Ended::Broken,
-            },
-            () = sleep_until(check_at) => {
-                let call = call.as_mut().expect("a deadline comes with a call");
-                let limits = limits.expect("a call is watched only with limits");
-                let reading = cpu_demand(processes, limits, call.spinning).await;
-                match call.check(limits, || reading) {
-                    Ok(()) => continue,
-                    // The harness has spoken since: the call returned while this check waited for a CPU (on a host
-                    // starved by thousands of exiting processes, seconds), and its message is read next.
-                    Err(_) if message_waiting(&read, &line) => {
-                        call.check_at = tokio::time::Instant::now() + Duration::from_secs(1);
-                        continue;
-                    }
-                    Err(reason) => {
-                        let threads = tokio::task::spawn_blocking(move || processes.thread_states()).await;
-                        return Ended::Hung(match threads {
-                            Ok(threads) if !threads.is_empty() => format!("{reason}; its threads then: {threads}"),
-                            _ => reason,
-                        });
-                    }
-                }
+        let message = match conversing.hear(&mut heard).await {
+            Ok(message) => message,
+            Err(ended) => return ended,
+        };
+        conversing.call_ends();
+        let reply = match conversing.answer(&message).await {
+            Ok(reply) => reply,
+            Err(ended) => return ended,
+        };
+        if reply == Reply::Go && write.write_all(b"go\n").await.is_err() {
+            return Ended::Closed;
+        }
+    }
+}
+
+/// What the harness has sent on its control socket: the reader, and a message read in part.
+#[derive(Debug)]
+struct Heard {
+    read: tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
+    /// A message cut short by a check keeps its bytes here; the limit counts over the whole message.
+    line: Vec<u8>,
+}
+
+/// What a conversation answers a message with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reply {
+    /// A gate request, granted: `go`.
+    Go,
+    /// A notice: no answer.
+    Noted,
+}
+
+/// A stage's conversation between messages ([`converse`]): who it speaks for, how it waits, and the open call.
+struct Conversing<'a> {
+    party: Party<'a>,
+    control: &'a Control,
+    waiting: Waiting,
+    limits: Option<&'a CallLimits>,
+    watch: &'a Mutex<Watch>,
+    processes: Processes,
+    /// The call into candidate code that is open, watched under `limits`.
+    call: Option<Call>,
+    /// A paired round runs: the `share` that ends it passes the turn.
+    in_round: bool,
+}
+
+impl Conversing<'_> {
+    /// The harness's next whole message, the open call checked at its deadlines meanwhile; or how the conversation
+    /// ends: the socket closed, a message the harness never sends, or a hung call.
+    async fn hear(&mut self, heard: &mut Heard) -> Result<Vec<u8>, Ended> {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+        loop {
+            let check_at = self.call.as_ref().map(|call| call.check_at);
+            let mut message = (&mut heard.read).take(MESSAGE_BYTES.saturating_sub(heard.line.len() as u64));
+            tokio::select! {
+                // A message that is there is read before any check: the call it ends is over.
+                biased;
+                read = message.read_until(b'\n', &mut heard.line) => return match read {
+                    Ok(n) if n > 0 && heard.line.ends_with(b"\n") => Ok(std::mem::take(&mut heard.line)),
+                    Ok(0) if heard.line.is_empty() => Err(Ended::Closed),
+                    _ => Err(Ended::Broken),
+                },
+                () = sleep_until(check_at) => self.check_call(heard).await?,
             }
         }
-        let message = std::mem::take(&mut line);
-        call = None;
-        watch.lock().expect("never poisoned").call_ends();
-        match &message[..] {
+    }
+
+    /// The open call at its check: `Ok` while it is within its limits (checked again later), else
+    /// [`Ended::Hung`] with why, and its threads' states.
+    async fn check_call(&mut self, heard: &Heard) -> Result<(), Ended> {
+        let call = self.call.as_mut().expect("a deadline comes with a call");
+        let limits = self.limits.expect("a call is watched only with limits");
+        let reading = cpu_demand(self.processes, limits, call.spinning).await;
+        match call.check(limits, || reading) {
+            Ok(()) => Ok(()),
+            // The harness has spoken since: the call returned while this check waited for a CPU (on a host starved
+            // by thousands of exiting processes, seconds), and its message is read next.
+            Err(_) if message_waiting(&heard.read, &heard.line) => {
+                call.check_at = tokio::time::Instant::now() + Duration::from_secs(1);
+                Ok(())
+            }
+            Err(reason) => {
+                let processes = self.processes;
+                let threads = tokio::task::spawn_blocking(move || processes.thread_states()).await;
+                Err(Ended::Hung(match threads {
+                    Ok(threads) if !threads.is_empty() => format!("{reason}; its threads then: {threads}"),
+                    _ => reason,
+                }))
+            }
+        }
+    }
+
+    /// A message from the harness ends the open call, if there is one.
+    fn call_ends(&mut self) {
+        self.call = None;
+        self.watch.lock().expect("never poisoned").call_ends();
+    }
+
+    /// Answers `message`: a notice opens a call, a gate request is granted once the gate allows, and anything else
+    /// breaks the conversation.
+    async fn answer(&mut self, message: &[u8]) -> Result<Reply, Ended> {
+        let Party { member, .. } = self.party;
+        match message {
             b"call\n" | b"timed\n" => {
-                watch.lock().expect("never poisoned").call_starts();
-                let spinning = message == b"timed\n";
-                call = match limits {
-                    Some(limits) => {
-                        let reading = cpu_demand(processes, limits, spinning).await;
-                        Some(Call::new(limits, spinning, || reading))
-                    }
-                    None => None,
-                };
-                continue;
+                self.call_starts(message == b"timed\n").await;
+                return Ok(Reply::Noted);
             }
-            b"alone\n" => waiting.wait(control, member.alone()).await,
-            b"round\n" => {
-                let Some(pair) = pair else { return Ended::Broken };
-                in_round = true;
-                // Stopped, then held at its pause point while the other side's round runs; then alone for its own.
-                let turn = async {
-                    member.hold();
-                    pair.turn().await;
-                    member.alone().await;
-                };
-                waiting.wait(control, turn).await;
-            }
-            b"share\n" => {
-                let ends_round = std::mem::take(&mut in_round);
-                // A round's end passes the turn once this stage is stopped and held: the other side's round, next,
-                // starts with this one paused.
-                let share = async {
-                    if let Some(pair) = pair.filter(|_| ends_round) {
-                        member.hold();
-                        pair.end_turn();
-                    }
-                    member.share().await;
-                };
-                waiting.wait(control, share).await;
-            }
+            b"alone\n" => self.waiting.wait(self.control, member.alone()).await,
+            b"round\n" => self.round().await?,
+            b"share\n" => self.share().await,
             b"pause\n" => {
                 if member.must_pause() {
-                    waiting.wait(control, member.share()).await;
+                    self.waiting.wait(self.control, member.share()).await;
                 }
             }
             b"idle\n" if member.idle() => {}
-            _ => return Ended::Broken,
+            _ => return Err(Ended::Broken),
         }
-        if write.write_all(b"go\n").await.is_err() {
-            return Ended::Closed;
-        }
+        Ok(Reply::Go)
+    }
+
+    /// A call into candidate code starts (`spinning`: a timed one), watched under the stage's limits if it has any.
+    async fn call_starts(&mut self, spinning: bool) {
+        self.watch.lock().expect("never poisoned").call_starts();
+        self.call = match self.limits {
+            Some(limits) => {
+                let reading = cpu_demand(self.processes, limits, spinning).await;
+                Some(Call::new(limits, spinning, || reading))
+            }
+            None => None,
+        };
+    }
+
+    /// A paired round: stopped, then held at its pause point while the other side's round runs; then alone for its
+    /// own. Only a paired stage sends it.
+    async fn round(&mut self) -> Result<(), Ended> {
+        let Party { member, pair } = self.party;
+        let Some(pair) = pair else { return Err(Ended::Broken) };
+        self.in_round = true;
+        let turn = async {
+            member.hold();
+            pair.turn().await;
+            member.alone().await;
+        };
+        self.waiting.wait(self.control, turn).await;
+        Ok(())
+    }
+
+    /// Shares the device again. A round's end passes the turn once this stage is stopped and held: the other side's
+    /// round, next, starts with this one paused.
+    async fn share(&mut self) {
+        let Party { member, pair } = self.party;
+        let ends_round = std::mem::take(&mut self.in_round);
+        let share = async {
+            if let Some(pair) = pair.filter(|_| ends_round) {
+                member.hold();
+                pair.end_turn();
+            }
+            member.share().await;
+        };
+        self.waiting.wait(self.control, share).await;
     }
 }
 
@@ -734,6 +806,10 @@ impl Drop for Started {
 
 #[cfg(test)]
 mod tests {
+    use std::future::ready;
+
+    use kforge_test_support::eventually;
+
     use super::*;
     use crate::devices::Side;
 
@@ -801,20 +877,9 @@ mod tests {
 
     const SHARE: Joining = Joining::Share { solo: false };
 
-    /// Waits (polling, at most 30 s) until `condition` holds; `what` names it if it never does.
-    async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while !condition() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("{what}"));
-    }
-
     /// Waits until `gate` has `members`.
     async fn members(gate: &Gate, members: usize) {
-        eventually("members joined", || gate.members() == members).await;
+        eventually("members joined", || ready(gate.members() == members)).await;
     }
 
     #[tokio::test]
@@ -918,7 +983,8 @@ mod tests {
             );
             let gate = Arc::new(Gate::default());
             let (stage, watch, dir) = watched_shell_stage(&script, &gate, SHARE);
-            eventually("the evaluator saw the call begin", || watch.lock().expect("watch").open_call.is_some()).await;
+            eventually("the evaluator saw the call begin", || ready(watch.lock().expect("watch").open_call.is_some()))
+                .await;
             let returned = std::time::Instant::now();
             std::fs::write(dir.join("returned"), "").expect("returned");
             // Starved: this thread does nothing else until the message is sent and the limit has passed.
@@ -969,18 +1035,18 @@ mod tests {
         let gate = Arc::new(Gate::default());
         let stage = shell_stage(&script, &gate, Joining::Idle);
         let dir = std::env::temp_dir().join(format!("kforge-python-{}-{}", std::process::id(), script.len()));
-        eventually("the stage got to its host work", || dir.join("in-host-work").exists()).await;
+        eventually("the stage got to its host work", || ready(dir.join("in-host-work").exists())).await;
         let neighbour = gate.join(false).await;
         tokio::time::timeout(Duration::from_secs(30), neighbour.alone())
             .await
             .expect("the neighbour runs alone without waiting for the idle stage");
         // Not stopped: its host work goes on and ends while the neighbour runs alone.
         std::fs::write(dir.join("go-on"), "").expect("go-on");
-        eventually("the stage's host work ends beside timed work", || dir.join("host-work-done").exists()).await;
+        eventually("the stage's host work ends beside timed work", || ready(dir.join("host-work-done").exists())).await;
         let pid = std::fs::read_to_string(dir.join("pid")).expect("pid");
         let group = pid.trim().parse().expect("a pid");
         eventually("the stage is stopped as it asks to share while its neighbour runs alone", || {
-            kforge_sandbox::group_stopped(group)
+            ready(kforge_sandbox::group_stopped(group))
         })
         .await;
         neighbour.share().await;

@@ -1,13 +1,12 @@
 //! The disk budget's dry run: a task's input and output bytes from its shapes on the meta device, in the sandbox,
 //! and an honest "unknown" where the shapes cannot tell, until the task's reference has written its outputs.
 
-mod support;
-
 use std::path::PathBuf;
 
 use kforge_execution::disk::{DiskBudget, OutputPlan, TaskSizes};
 use kforge_execution::python::PythonEnv;
 use kforge_sandbox::{Sandbox, SandboxOptions};
+use kforge_test_support::python;
 
 const SHAPES: &str = r#"import torch
 class Model(torch.nn.Module):
@@ -35,7 +34,7 @@ def get_init_inputs():
 
 #[tokio::test]
 async fn a_task_s_sizes_come_from_its_shapes_and_one_that_reads_values_writes_alone_until_its_reference_ran() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("disk-dry-run");
     let env = PythonEnv::probe(&python, &scratch.join("probe")).await.expect("python with torch");
     let sandbox = Sandbox::detect_with(SandboxOptions::default()).await;
@@ -63,7 +62,7 @@ async fn a_task_s_sizes_come_from_its_shapes_and_one_that_reads_values_writes_al
 /// holds the task it ran.
 #[tokio::test]
 async fn concurrent_first_evaluations_of_a_task_share_one_dry_run() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("disk-dry-run-shared");
     let _ = std::fs::remove_dir_all(&scratch);
     let env = PythonEnv::probe(&python, &scratch.join("probe")).await.expect("python with torch");

@@ -1,15 +1,15 @@
 //! The harness's helpers run directly with the Python environment of `scripts/setup.sh --test`: the build recipe
 //! it installs, its count of calls into extensions, its input and comparison helpers, and its timed loop.
 
-mod support;
-
 use std::path::PathBuf;
+
+use kforge_test_support::python;
 
 /// The harness replaces load_inline with kforge's build recipe unless the evaluator asks for stock builds
 /// (`build_recipe = "stock"`, which sets `KFORGE_BUILD_RECIPE=stock`).
 #[test]
 fn the_harness_leaves_load_inline_alone_for_stock_builds() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
     let script = format!(
         "import os, sys\n\
@@ -39,7 +39,7 @@ fn the_harness_leaves_load_inline_alone_for_stock_builds() {
 /// gives no count for a module it cannot count completely (one exporting a class) or a library that is no module.
 #[test]
 fn the_harness_counts_calls_into_the_candidate_s_extensions() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
     let script = format!(
         "import sys, types\n\
@@ -130,7 +130,7 @@ fn the_harness_writes_outputs_files_and_refuses_malformed_ones() {
 /// Runs `tests/fixtures/NAME` with the harness directory on PYTHONPATH (the package imports as `kforge_harness`),
 /// asserting it succeeded; its standard output, or `None` (a visible skip) without the test environment's Python.
 fn fixture_script(name: &str) -> Option<String> {
-    let python = support::python()?;
+    let python = python::or_skip(&[])?;
     let harness = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("harness");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
     let output =

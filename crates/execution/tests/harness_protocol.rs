@@ -2,8 +2,6 @@
 //! fields. Against the real harness package (and copies of it that claim another version), with the Python
 //! environment of `scripts/setup.sh --test`.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -12,6 +10,7 @@ use kforge_execution::protocol::{self, CompileSpec, PROTOCOL_VERSION, REFUSED_EX
 use kforge_execution::python::{HARNESS_FILES, HARNESS_PACKAGE, PythonEnv};
 use kforge_execution::stage::{self, Request, Stage, StageError};
 use kforge_sandbox::Sandbox;
+use kforge_test_support::python;
 use tokio_util::sync::CancellationToken;
 
 /// The harness package, run as the engine runs it (`python harness/kforge_harness`).
@@ -40,7 +39,7 @@ fn harness_copy(dir: &Path, from: &str, to: &str) -> PathBuf {
 
 /// Runs a compile stage of a trivial candidate with `harness`.
 async fn compile_with(harness: &Path, dir: &Path) -> Result<String, StageError> {
-    let python = support::python().expect("checked by the caller");
+    let python = python::or_skip(&[]).expect("checked by the caller");
     let env = PythonEnv::probe(&python, &dir.join("probe")).await.expect("python with torch");
     let stage_dir = dir.join("stage");
     std::fs::create_dir_all(&stage_dir).expect("stage dir");
@@ -63,7 +62,7 @@ async fn compile_with(harness: &Path, dir: &Path) -> Result<String, StageError> 
 
 #[tokio::test]
 async fn the_evaluator_and_a_harness_of_its_version_understand_each_other() {
-    if support::python().is_none() {
+    if python::or_skip(&[]).is_none() {
         return;
     }
     let dir = scratch("same");
@@ -72,7 +71,7 @@ async fn the_evaluator_and_a_harness_of_its_version_understand_each_other() {
 
 #[tokio::test]
 async fn the_evaluator_refuses_a_harness_that_answers_in_another_version() {
-    if support::python().is_none() {
+    if python::or_skip(&[]).is_none() {
         return;
     }
     let dir = scratch("answers-other");
@@ -91,7 +90,7 @@ async fn the_evaluator_refuses_a_harness_that_answers_in_another_version() {
 
 #[tokio::test]
 async fn a_harness_of_another_version_refuses_the_evaluators_request() {
-    if support::python().is_none() {
+    if python::or_skip(&[]).is_none() {
         return;
     }
     let dir = scratch("speaks-other");
@@ -103,7 +102,7 @@ async fn a_harness_of_another_version_refuses_the_evaluators_request() {
     assert!(matches!(error, StageError::Protocol { harness: Some(v), .. } if v == u64::from(other)), "{error:?}");
 
     // What the harness itself says, to a request in this evaluator's version.
-    let python = support::python().expect("checked above");
+    let python = python::or_skip(&[]).expect("checked above");
     let result_path = dir.join("refused.json");
     let spec = CompileSpec { candidate_path: dir.join("candidate.py"), kernels: false };
     let request = protocol::encode(&spec, &result_path, protocol::GateRole::None, &[]);
@@ -129,7 +128,7 @@ async fn a_harness_of_another_version_refuses_the_evaluators_request() {
 
 #[tokio::test]
 async fn a_harness_refuses_a_spec_unlike_its_modes() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let dir = scratch("bad-spec");
     let result_path = dir.join("result.json");
     let request = serde_json::json!({
@@ -156,7 +155,7 @@ async fn a_harness_refuses_a_spec_unlike_its_modes() {
 
 #[test]
 fn both_sides_list_the_same_spec_fields() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let output = Command::new(python).arg(HARNESS).arg("--specs").output().expect("harness runs");
     assert!(output.status.success(), "{output:?}");
     let harness: BTreeMap<String, Vec<String>> = serde_json::from_slice(&output.stdout).expect("the harness's specs");
@@ -170,7 +169,7 @@ fn both_sides_list_the_same_spec_fields() {
 /// evaluator does not read.
 #[test]
 fn both_sides_list_the_same_result_fields() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let output = Command::new(python).arg(HARNESS).arg("--results").output().expect("harness runs");
     assert!(output.status.success(), "{output:?}");
     #[derive(serde::Deserialize)]

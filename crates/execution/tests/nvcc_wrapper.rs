@@ -3,10 +3,11 @@
 //! failing front end stops the other and prints what nvcc would, and anything unrecognised goes to nvcc as it is.
 //! The real nvcc is exercised on a GPU machine (bench/results/compile/).
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
+
+use kforge_test_support::{Wait, python};
 
 const WRAPPER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/harness/kforge_nvcc.py");
 
@@ -194,8 +195,8 @@ fn the_front_ends_run_side_by_side_and_nvccs_final_step_builds_the_object() {
     assert!(leftovers.is_empty(), "the temporary directory is removed: {leftovers:?}");
 }
 
-#[test]
-fn a_failing_host_front_end_prints_what_nvcc_would_and_stops_the_device_chain() {
+#[tokio::test]
+async fn a_failing_host_front_end_prints_what_nvcc_would_and_stops_the_device_chain() {
     let fixture = Fixture::new("failing");
     let output = fixture.run(&COMPILE, &[("FAIL_HOST", "1")]);
     assert_eq!(output.status.code(), Some(2), "{}", text(&output));
@@ -209,11 +210,11 @@ fn a_failing_host_front_end_prints_what_nvcc_would_and_stops_the_device_chain() 
         std::fs::read_to_string(format!("/proc/{cicc}/stat"))
             .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
     };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while running() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    assert!(!running(), "the device front end was stopped");
+    Wait::new("the device front end to be stopped")
+        .within(Duration::from_secs(10))
+        .every(Duration::from_millis(50))
+        .until(|| std::future::ready(!running()))
+        .await;
 }
 
 #[test]
@@ -300,7 +301,7 @@ fn a_failure_that_quotes_no_left_out_operator_is_reported_from_the_first_build()
 /// source built with only the operators it names compiles, while an operator it does not name is not declared.
 #[test]
 fn torch_s_operator_headers_are_kept_for_every_name_they_declare_and_left_out_otherwise() {
-    let Some(python) = support::python() else { return };
+    let Some(python) = python::or_skip(&[]) else { return };
     let dir = std::env::temp_dir().join(format!("kforge-nvcc-torch-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a directory");

@@ -2,9 +2,9 @@
 //! kernels against KernelBench-format tasks, on the `cpu`, `cuda` and `triton` backends.
 //!
 //! [`pipeline`] holds the stages, on the shared execution engine (`kforge_execution`); this module is the gRPC face:
-//! validation errors and a full queue become statuses (`wire.rs`, which converts to and from the contract), everything
-//! else a verdict; a dropped request (client gone, deadline passed) cancels its evaluation and kills its child
-//! processes.
+//! validation errors and a full queue become statuses (`kforge_execution_proto::status`, as the profiler answers
+//! them), everything else a verdict, its response built once (`wire.rs`); a dropped request (client gone, deadline
+//! passed) cancels its evaluation and kills its child processes.
 
 pub mod config;
 pub mod metrics;
@@ -126,7 +126,7 @@ impl EvaluatorService {
     /// [`is_final`]). A non-final result is forgotten once it is returned.
     async fn evaluate_once(&self, request: pb::EvaluateRequest) -> Result<pb::EvaluateResponse, Status> {
         if request.idempotency_key.is_empty() {
-            return self.evaluator.evaluate(request).await.map_err(wire::status);
+            return self.evaluator.evaluate(request).await.map_err(kforge_execution_proto::status);
         }
         let fingerprint = {
             let mut keyless = request.clone();
@@ -138,8 +138,10 @@ impl EvaluatorService {
         let key = request.idempotency_key.clone();
         let shared = remembered().claim(&key, fingerprint)?;
         let request_id = request.request_id.clone();
-        let result =
-            shared.get_or_init(|| async { self.evaluator.evaluate(request).await.map_err(wire::status) }).await.clone();
+        let result = shared
+            .get_or_init(|| async { self.evaluator.evaluate(request).await.map_err(kforge_execution_proto::status) })
+            .await
+            .clone();
         if !is_final(&result) {
             remembered().forget(&key, &shared);
         }

@@ -46,6 +46,7 @@ use std::sync::OnceLock;
 
 use kforge_evaluator::{Evaluator, EvaluatorConfig, EvaluatorMetrics, config::TimingBudget};
 use kforge_proto::v1 as pb;
+use kforge_test_support::python;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Findings that name lazy work: the candidate's own code does not do the work.
@@ -87,6 +88,14 @@ impl Entry {
 /// The evaluator's package directory (`KFORGE_CORPUS_ROOT` where the binary runs from another checkout).
 fn root() -> PathBuf {
     std::env::var_os("KFORGE_CORPUS_ROOT").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
+/// The `.venv` interpreter of the checkout the corpus is read from: this one's, or `KFORGE_CORPUS_ROOT`'s.
+fn venv_python() -> PathBuf {
+    match std::env::var_os("KFORGE_CORPUS_ROOT") {
+        Some(_) => root().join("../../.venv/bin/python"),
+        None => python::venv_python(),
+    }
 }
 
 fn task_source(name: &str) -> String {
@@ -236,11 +245,12 @@ fn shared() -> Result<Option<&'static Shared>, Failed> {
 
 fn start() -> Result<Option<Shared>, String> {
     let backend = std::env::var("KFORGE_CORPUS_BACKEND").unwrap_or_else(|_| "cpu".into());
+    // An interpreter named must be there; the `.venv` may be missing (a SKIP), except under `KFORGE_CI=1`.
     let named = std::env::var_os("KFORGE_CORPUS_PYTHON").map(PathBuf::from);
-    let python = named.clone().unwrap_or_else(|| root().join("../../.venv/bin/python"));
+    let python = named.clone().unwrap_or_else(venv_python);
     if !python.exists() {
         let missing = format!("{} is missing: run scripts/setup.sh --test", python.display());
-        if named.is_some() || std::env::var_os("KFORGE_CI").is_some_and(|ci| ci == "1") {
+        if named.is_some() || python::ci() {
             return Err(missing);
         }
         return Ok(None);

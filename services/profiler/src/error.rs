@@ -1,6 +1,6 @@
 //! The profiler's errors and their one mapping to gRPC codes. A refusal by the execution engine maps as the
-//! evaluator maps it (INVALID_ARGUMENT, UNAVAILABLE, RESOURCE_EXHAUSTED with the engine's `retry-after-ms` hint,
-//! `RequestError::retry_after`), so a full queue answers alike from either service.
+//! evaluator maps it, with the same function (`kforge_execution_proto::status`: INVALID_ARGUMENT, UNAVAILABLE,
+//! RESOURCE_EXHAUSTED with the engine's `retry-after-ms` hint), so a full queue answers alike from either service.
 
 use kforge_execution::RequestError;
 use tonic::Status;
@@ -57,7 +57,7 @@ impl From<ProfilerError> for Status {
     fn from(error: ProfilerError) -> Self {
         use ProfilerError as E;
         match error {
-            E::Refused(refused) => refused_status(refused),
+            E::Refused(refused) => kforge_execution_proto::status(refused),
             e @ E::Invalid { .. } => Status::invalid_argument(e.to_string()),
             e @ E::NcuUnusable(_) => Status::unavailable(e.to_string()),
             e @ (E::CountersClosed { .. } | E::CountersRefused(_) | E::Device(DeviceError::NoDriver)) => {
@@ -68,24 +68,6 @@ impl From<ProfilerError> for Status {
             e @ (E::NoReport { .. } | E::ReportOpen(_)) => Status::not_found(e.to_string()),
             e @ (E::ReportDir(_) | E::ReportRead(_) | E::DeviceRead(_)) => Status::internal(e.to_string()),
         }
-    }
-}
-
-/// The status of a request the engine refused, as the evaluator answers it: a full queue carries its
-/// `retry-after-ms` hint.
-fn refused_status(refused: RequestError) -> Status {
-    let message = refused.to_string();
-    match &refused {
-        RequestError::Invalid { .. } => Status::invalid_argument(message),
-        RequestError::QueueFull { .. } => {
-            let mut status = Status::resource_exhausted(message);
-            let hint = refused.retry_after().and_then(|after| after.as_millis().to_string().parse().ok());
-            if let Some(value) = hint {
-                status.metadata_mut().insert("retry-after-ms", value);
-            }
-            status
-        }
-        RequestError::Unavailable(_) => Status::unavailable(message),
     }
 }
 

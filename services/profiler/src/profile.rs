@@ -7,11 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kforge_execution::census::KernelRecord;
-use kforge_execution::engine::{RequestedBackend, TaskSource};
-use kforge_execution::{Engine, Finding, Judgement, Notes, Stop, Verdict};
+use kforge_execution::engine::RequestedBackend;
+use kforge_execution::{Engine, Notes};
+use kforge_execution_proto::{self as execution_proto, Ending};
 use kforge_proto::v1 as pb;
-use kforge_static_checks::Category;
 
 use crate::diagnosis::{self, Bottleneck};
 use crate::error::ProfilerError;
@@ -53,7 +52,7 @@ impl Profiling {
         let dir = self.reports.create().map_err(ProfilerError::ReportDir)?;
         let run = ProfileRun {
             request_id: request.request_id.clone(),
-            task: request.task.clone().map(task).unwrap_or_default(),
+            task: request.task.clone().map(execution_proto::task).unwrap_or_default(),
             candidate: request.candidate_source.clone(),
             backend: requested_backend(request.backend),
             policy: request.policy.clone(),
@@ -209,26 +208,19 @@ fn read_report(
 fn response(request_id: String, profiled: Profiled) -> pb::ProfileResponse {
     let Profiled { end, ran } = profiled;
     let Ran { notes, gpu: _, census_reused, census, own_kernels: _ } = ran;
-    let Notes { times, mut findings, compile_cache_hit: _ } = notes;
-    let (verdict, error, compile_log, retryable) = match end {
-        Ok(()) => (Verdict::Correct, String::new(), String::new(), false),
-        Err(Stop::Judged(Judgement { verdict, findings: deciding, error, compile_log })) => {
-            findings.extend(deciding);
-            (verdict, error, compile_log, false)
-        }
-        Err(Stop::Infra(error)) => (Verdict::InfraError, error.to_string(), String::new(), error.retryable()),
-    };
+    let Notes { times, findings, compile_cache_hit: _ } = notes;
+    let Ending { verdict, findings, error, compile_log, retryable } = execution_proto::ending(end, findings);
     let MeasuredCensus { kernels, profiling_ratio } = census.unwrap_or_default();
     pb::ProfileResponse {
         kernels: vec![],
         diagnosis: None,
         device: None,
         request_id,
-        verdict: wire_verdict(verdict).into(),
-        findings: findings.into_iter().map(finding).collect(),
+        verdict: verdict.into(),
+        findings,
         compile_log,
         error,
-        census: kernels.into_iter().map(kernel).collect(),
+        census: kernels.into_iter().map(execution_proto::kernel).collect(),
         profiling_ratio,
         report_id: String::new(),
         stage_ms: times.wire().collect(),
@@ -238,47 +230,12 @@ fn response(request_id: String, profiled: Profiled) -> pb::ProfileResponse {
     }
 }
 
-fn wire_verdict(verdict: Verdict) -> pb::Verdict {
-    match verdict {
-        Verdict::Correct => pb::Verdict::Correct,
-        Verdict::Incorrect => pb::Verdict::Incorrect,
-        Verdict::CompileError => pb::Verdict::CompileError,
-        Verdict::RuntimeError => pb::Verdict::RuntimeError,
-        Verdict::Timeout => pb::Verdict::Timeout,
-        Verdict::Rejected => pb::Verdict::Rejected,
-        Verdict::Hack => pb::Verdict::Hack,
-        Verdict::InfraError => pb::Verdict::InfraError,
-    }
-}
-
-fn finding(finding: Finding) -> pb::Finding {
-    let Finding { code, message, line, category } = finding;
-    let category = match category {
-        Category::Hack => pb::FindingCategory::Hack,
-        Category::Policy => pb::FindingCategory::Policy,
-        Category::Notice => pb::FindingCategory::Notice,
-    };
-    pb::Finding { code: code.into_owned(), message, line, category: category.into() }
-}
-
-fn kernel(record: KernelRecord) -> pb::KernelRecord {
-    let KernelRecord { name, own, launches, total_ms, mode } = record;
-    pb::KernelRecord { name, own, launches, total_ms, mode }
-}
-
-/// A request's task.
-fn task(task: pb::Task) -> TaskSource {
-    let pb::Task { task_id, source } = task;
-    TaskSource { task_id, source }
-}
-
-/// A request's `backend`; a value the contract does not define asks for none in particular.
+/// A request's `backend`; unlike the evaluator, the profiler reads a value the contract does not define as asking
+/// for none in particular.
 fn requested_backend(value: i32) -> RequestedBackend {
-    match pb::Backend::try_from(value) {
-        Ok(pb::Backend::Unspecified) | Err(_) => RequestedBackend::Any,
-        Ok(pb::Backend::Cpu) => RequestedBackend::Cpu,
-        Ok(pb::Backend::Cuda) => RequestedBackend::Cuda,
-        Ok(pb::Backend::Triton) => RequestedBackend::Triton,
+    match execution_proto::requested_backend(value) {
+        RequestedBackend::Unknown(_) => RequestedBackend::Any,
+        requested => requested,
     }
 }
 

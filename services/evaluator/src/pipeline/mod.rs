@@ -90,7 +90,7 @@ struct Evaluating<'a> {
 impl Evaluator {
     /// What this evaluator can do: its engine's backends, devices, policies and protections.
     pub fn capabilities(&self) -> pb::GetCapabilitiesResponse {
-        wire::capabilities(self.inner.engine.capabilities())
+        kforge_execution_proto::capabilities(self.inner.engine.capabilities())
     }
 
     /// False while every GPU is quarantined: the service's readiness.

@@ -5,7 +5,6 @@ use kforge_execution::engine::{RequestError, Submission, SubmissionRequest};
 use kforge_proto::v1 as pb;
 
 use super::Evaluator;
-use crate::wire;
 
 /// A checked request: what runs (the engine's submission), and how it is evaluated.
 #[derive(Debug, Clone)]
@@ -33,9 +32,9 @@ impl Evaluator {
         } = request;
         let submission = self.inner.engine.submission(SubmissionRequest {
             request_id,
-            task: task.map(wire::task),
+            task: task.map(kforge_execution_proto::task),
             candidate_source,
-            backend: wire::requested_backend(backend),
+            backend: kforge_execution_proto::requested_backend(backend),
             policy,
             priority,
             job_id,
