@@ -8,6 +8,10 @@
 //! pod). With every place taken, a call waits for one. The endpoints come from a [`Discovery`] (the Kubernetes API,
 //! or a static list) and change while calls run; a call keeps its endpoint's channel until it ends.
 //!
+//! An endpoint whose call was cut or refused ([`Place::lost`]: the pod died, its connection broke) is passed over for
+//! [`DOWN_FOR`] while another endpoint is up, so the retry of that call (same key) goes elsewhere at once instead of
+//! back to the pod its key prefers: a static list keeps a dead pod, and discovery takes seconds to drop one.
+//!
 //! A pool with one configured URL and no discovery is the same with one endpoint whose capacity is the
 //! orchestrator's own `max_in_flight` for that peer.
 
@@ -23,6 +27,10 @@ use crate::error::OrchestratorError;
 
 /// How long a call waits for a pool with no ready endpoint before it fails (UNAVAILABLE).
 const NO_ENDPOINT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// How long an endpoint that lost a call is passed over while another is up; then a call tries it again (a pod that
+/// restarted on the same address is back; one still dead costs that call one quick refusal).
+const DOWN_FOR: Duration = Duration::from_secs(10);
 
 /// One endpoint as the balancer uses it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,12 +57,35 @@ pub struct Balancer {
     client: ClientConfig,
     slots: Mutex<HashMap<String, Slot>>,
     freed: Notify,
+    /// The endpoint list as targets, rebuilt only when discovery changes it: formatting a thousand URLs, and
+    /// matching every slot against every target, at each call cost more than the rest of a turn
+    /// (bench/results/orchestrator-fleet/2026-11-29-dev).
+    cached: Mutex<Cached>,
+}
+
+#[derive(Debug, Default)]
+struct Cached {
+    /// The list the targets were built from.
+    from: Option<Endpoints>,
+    targets: Arc<[Target]>,
 }
 
 #[derive(Debug)]
 struct Slot {
     channel: Channel,
     in_flight: u32,
+    /// Passed over until then while another endpoint is up ([`Place::lost`]).
+    down_until: Option<tokio::time::Instant>,
+}
+
+impl Slot {
+    fn new(channel: Channel) -> Self {
+        Self { channel, in_flight: 0, down_until: None }
+    }
+
+    fn up(&self, now: tokio::time::Instant) -> bool {
+        self.down_until.is_none_or(|until| until <= now)
+    }
 }
 
 /// A place taken at one endpoint: its channel, for one call. Dropping it frees the place.
@@ -73,6 +104,21 @@ impl Place {
     /// The endpoint's URL.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Frees the place of a call its endpoint lost (cut or refused in transport), passing the endpoint over for
+    /// [`DOWN_FOR`] while another is up. Whether another endpoint of the pool is up now: a retry can go there at once.
+    pub fn lost(self) -> bool {
+        let now = tokio::time::Instant::now();
+        let targets = self.balancer.targets();
+        let mut slots = self.balancer.slots();
+        if let Some(slot) = slots.get_mut(&self.url) {
+            slot.down_until = Some(now + DOWN_FOR);
+        }
+        let elsewhere = targets.iter().any(|t| t.url != self.url && slots.get(&t.url).is_none_or(|slot| slot.up(now)));
+        // Before the place is freed (its drop takes the lock and wakes waiting calls, which must see the mark).
+        drop(slots);
+        elsewhere
     }
 }
 
@@ -103,7 +149,7 @@ impl Balancer {
     }
 
     fn new(peer: &'static str, source: Source, client: ClientConfig) -> Self {
-        Self { peer, source, client, slots: Mutex::default(), freed: Notify::new() }
+        Self { peer, source, client, slots: Mutex::default(), freed: Notify::new(), cached: Mutex::default() }
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
@@ -121,6 +167,32 @@ impl Balancer {
         }
     }
 
+    /// The endpoints now, and whether they changed since the last call here.
+    fn current(&self) -> (Arc<[Target]>, bool) {
+        // A rebuild only: a panic elsewhere cannot leave it half-changed.
+        let mut cached = self.cached.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let changed = match &self.source {
+            Source::Fixed(target) => {
+                let first = cached.targets.is_empty();
+                if first {
+                    cached.targets = Arc::from([target.clone()]);
+                }
+                first
+            }
+            Source::Discovered { endpoints, tls, .. } => {
+                let now = endpoints.borrow().clone();
+                let changed = !cached.from.as_ref().is_some_and(|from| Arc::ptr_eq(from, &now));
+                if changed {
+                    cached.targets =
+                        now.iter().map(|e| Target { url: e.url(*tls), capacity: e.capacity.max(1) }).collect();
+                    cached.from = Some(now);
+                }
+                changed
+            }
+        };
+        (cached.targets.clone(), changed)
+    }
+
     /// Checks the pool can take calls, for a job's submission: a fixed URL is connected to now (UNAVAILABLE naming
     /// the peer and its URL when unreachable); a discovered pool needs a ready endpoint.
     pub async fn check(&self) -> Result<(), OrchestratorError> {
@@ -136,7 +208,7 @@ impl Balancer {
                         message: error.to_string(),
                     }
                 })?;
-                self.slots().entry(target.url.clone()).or_insert(Slot { channel, in_flight: 0 });
+                self.slots().entry(target.url.clone()).or_insert(Slot::new(channel));
                 Ok(())
             }
             Source::Discovered { .. } if self.targets().is_empty() => Err(OrchestratorError::PeerUnavailable {
@@ -160,7 +232,7 @@ impl Balancer {
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            let targets = self.targets();
+            let (targets, changed) = self.current();
             if targets.is_empty() {
                 let since = *none_since.get_or_insert_with(tokio::time::Instant::now);
                 if since.elapsed() >= NO_ENDPOINT_PATIENCE {
@@ -172,7 +244,7 @@ impl Balancer {
                 }
             } else {
                 none_since = None;
-                if let Some(place) = self.take(key, &targets)? {
+                if let Some(place) = self.take(key, &targets, changed)? {
                     return Ok(place);
                 }
             }
@@ -191,22 +263,37 @@ impl Balancer {
         }
     }
 
-    /// A place at the best endpoint with room, if any; slots of endpoints that are gone and idle are dropped.
-    fn take(self: &Arc<Self>, key: &str, targets: &[Target]) -> Result<Option<Place>, tonic::Status> {
+    /// A place at the best endpoint with room, if any, among the endpoints up (all of them when none is: a call is
+    /// tried rather than kept waiting); when the endpoints `changed`, slots of those that are gone and idle are
+    /// dropped. Each target's score is computed once, and its room looked up only when it scores best so far.
+    fn take(self: &Arc<Self>, key: &str, targets: &[Target], changed: bool) -> Result<Option<Place>, tonic::Status> {
+        let now = tokio::time::Instant::now();
         let mut slots = self.slots();
-        slots.retain(|url, slot| slot.in_flight > 0 || targets.iter().any(|t| &t.url == url));
+        if changed {
+            let listed: std::collections::HashSet<&str> = targets.iter().map(|t| t.url.as_str()).collect();
+            slots.retain(|url, slot| slot.in_flight > 0 || listed.contains(url.as_str()));
+        }
         let in_flight = |url: &str| slots.get(url).map_or(0, |slot| slot.in_flight);
-        let best = targets
-            .iter()
-            .filter(|t| in_flight(&t.url) < t.capacity)
-            .max_by(|a, b| score(key, a).total_cmp(&score(key, b)));
-        let Some(target) = best else { return Ok(None) };
+        let up = |url: &str| slots.get(url).is_none_or(|slot| slot.up(now));
+        let any_up = targets.iter().any(|t| up(&t.url));
+        let hashed = key_hash(key);
+        let mut best: Option<(f64, &Target)> = None;
+        for target in targets {
+            let score = score(hashed, target);
+            if best.is_none_or(|(high, _)| score > high)
+                && (up(&target.url) || !any_up)
+                && in_flight(&target.url) < target.capacity
+            {
+                best = Some((score, target));
+            }
+        }
+        let Some((_, target)) = best else { return Ok(None) };
         let slot = match slots.entry(target.url.clone()) {
             std::collections::hash_map::Entry::Occupied(slot) => slot.into_mut(),
             std::collections::hash_map::Entry::Vacant(vacant) => {
                 let channel = client::connect_lazy(&target.url, &self.client)
                     .map_err(|error| tonic::Status::unavailable(format!("{}: {error}", self.peer)))?;
-                vacant.insert(Slot { channel, in_flight: 0 })
+                vacant.insert(Slot::new(channel))
             }
         };
         slot.in_flight += 1;
@@ -214,12 +301,18 @@ impl Balancer {
     }
 }
 
-/// Weighted rendezvous score of `target` for `key`: capacity / -ln(u), u in (0, 1) a hash of both.
-fn score(key: &str, target: &Target) -> f64 {
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// The FNV-1a state after a call's key and a separator: each target's score goes on from it.
+fn key_hash(key: &str) -> u64 {
     const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-    let bytes = key.bytes().chain([0]).chain(target.url.bytes());
-    let mut z = bytes.fold(FNV_OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME));
+    key.bytes().chain([0]).fold(FNV_OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
+}
+
+/// Weighted rendezvous score of `target` for a key hashed by [`key_hash`]: capacity / -ln(u), u in (0, 1) a hash
+/// of both.
+fn score(key_hash: u64, target: &Target) -> f64 {
+    let mut z = target.url.bytes().fold(key_hash, |h, b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME));
     // SplitMix64's finaliser: FNV alone is weak in its high bits.
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -305,6 +398,58 @@ mod tests {
         sender.send_replace(Arc::from(vec![endpoint(8)]));
         assert_eq!(pool.acquire("k").await.expect("a place").url(), "http://127.0.0.1:8", "the gone one is not used");
         pool.check().await.expect("ready");
+    }
+
+    /// A key whose preferred endpoint in `pool` is `url`.
+    async fn key_preferring(pool: &Arc<Balancer>, url: &str) -> String {
+        for i in 0.. {
+            let key = format!("job/task/{i}/0");
+            if pool.acquire(&key).await.expect("a place").url() == url {
+                return key;
+            }
+        }
+        unreachable!("some key prefers each endpoint")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_endpoint_is_passed_over_while_another_is_up_then_tried_again() {
+        let pool = pool(&[(1, 2), (2, 2)]);
+        let key = key_preferring(&pool, "http://127.0.0.1:1").await;
+        let place = pool.acquire(&key).await.expect("a place");
+        assert!(place.lost(), "the other endpoint is up");
+        assert_eq!(pool.acquire(&key).await.expect("a place").url(), "http://127.0.0.1:2", "the retry goes elsewhere");
+        tokio::time::advance(DOWN_FOR).await;
+        assert_eq!(pool.acquire(&key).await.expect("a place").url(), "http://127.0.0.1:1", "tried again later");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_waits_for_a_place_at_an_endpoint_up_rather_than_take_a_lost_one() {
+        let pool = pool(&[(1, 1), (2, 1)]);
+        let on_second = pool.acquire(&key_preferring(&pool, "http://127.0.0.1:2").await).await.expect("a place");
+        let key = key_preferring(&pool, "http://127.0.0.1:1").await;
+        assert!(pool.acquire(&key).await.expect("a place").lost(), "the second is up");
+        let waiting = tokio::spawn({
+            let pool = pool.clone();
+            async move { pool.acquire(&key).await.map(|place| place.url().to_owned()) }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "the lost endpoint's free place is not taken");
+        drop(on_second);
+        assert_eq!(waiting.await.expect("task").expect("a place"), "http://127.0.0.1:2");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_every_endpoint_lost_a_call_is_still_placed() {
+        let pool = pool(&[(1, 1), (2, 1)]);
+        for port in [1, 2] {
+            let place = pool.acquire(&key_preferring(&pool, &format!("http://127.0.0.1:{port}")).await).await;
+            let elsewhere = place.expect("a place").lost();
+            assert_eq!(elsewhere, port == 1, "after the second is lost, none is up");
+        }
+        pool.acquire("k").await.expect("tried rather than kept waiting");
+        let fixed = Balancer::fixed("evaluator", "http://127.0.0.1:3", 1, ClientConfig::default());
+        assert!(!fixed.acquire("k").await.expect("a place").lost(), "a pool of one has nowhere else");
+        assert_eq!(fixed.acquire("k").await.expect("a place").url(), "http://127.0.0.1:3");
     }
 
     #[tokio::test(start_paused = true)]

@@ -3,6 +3,7 @@
 //! binaries of their own: each installs the process's global subscriber and exporter before its runtime starts.
 
 mod dashboards;
+mod evaluator_lost;
 mod faces_kernelgym;
 mod faces_nemo_gym;
 mod faces_openenv;

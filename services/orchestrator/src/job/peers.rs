@@ -75,6 +75,16 @@ impl RetryPolicy {
         let factor = 2u32.saturating_pow(failures.saturating_sub(1));
         self.initial_backoff.saturating_mul(factor).min(self.max_backoff)
     }
+
+    /// The wait before the next attempt after `failures` attempts, the last one `attempt`; `None`: no retry.
+    fn next_wait(&self, attempt: Attempt, failures: u32) -> Option<Duration> {
+        match attempt {
+            _ if failures >= self.attempts => None,
+            Attempt::Final => None,
+            Attempt::Lost { elsewhere: true } => Some(Duration::ZERO),
+            Attempt::Busy | Attempt::Lost { elsewhere: false } => Some(self.backoff(failures)),
+        }
+    }
 }
 
 /// The span of one call to a peer (`Service/Method`), under the current turn's: the call carries its context, so
@@ -109,10 +119,10 @@ pub(crate) async fn evaluate(
     }
 }
 
-/// Evaluates, retrying with backoff while the evaluator is busy (RESOURCE_EXHAUSTED) or answers a retryable
-/// VERDICT_INFRA_ERROR, up to the policy's attempts; the last answer is returned either way (a final infra error
-/// is recorded, never scored). Retries reuse the idempotency key, so an evaluation the evaluator did finish is not
-/// run again.
+/// Evaluates, retrying while the evaluator is busy (RESOURCE_EXHAUSTED), answers a retryable VERDICT_INFRA_ERROR, or
+/// lost the call (the pod died or refused it: retried on another endpoint, at once when one is up), up to the
+/// policy's attempts; the last answer is returned either way (a final infra error is recorded, never scored).
+/// Retries reuse the idempotency key, so an evaluation the evaluator did finish is not run again.
 async fn evaluate_retrying(
     evaluators: &Arc<Balancer>,
     limits: &Limits,
@@ -121,30 +131,200 @@ async fn evaluate_retrying(
 ) -> Result<pb::EvaluateResponse, tonic::Status> {
     let mut failures = 0;
     loop {
-        let answer = {
+        let (answer, attempt) = {
             let _permit = limits.evaluator.acquire().await.expect("the evaluator semaphore is never closed");
             match evaluators.acquire(&request.idempotency_key).await {
                 Ok(place) => {
                     let mut client = EvaluatorClient::new(place.channel());
                     let call = client.evaluate(request.clone()).instrument(call_span("Evaluator/Evaluate"));
-                    call.await.map(tonic::Response::into_inner)
+                    let answer = call.await.map(tonic::Response::into_inner);
+                    let attempt = match &answer {
+                        // Marked before the place is freed, so that no call waiting for one takes it there.
+                        Err(status) if lost_by_endpoint(status) => Attempt::Lost { elsewhere: place.lost() },
+                        answer => Attempt::of(answer),
+                    };
+                    (answer, attempt)
                 }
-                Err(status) => Err(status),
+                // No place: the pool has had no ready endpoint for a while.
+                Err(status) => (Err(status), Attempt::Final),
             }
         };
-        let retryable = match &answer {
-            Err(status) => status.code() == tonic::Code::ResourceExhausted,
-            Ok(response) => response.verdict() == pb::Verdict::InfraError && response.retryable,
-        };
         failures += 1;
-        if !retryable || failures >= limits.retry.attempts {
-            return answer;
+        let Some(wait) = limits.retry.next_wait(attempt, failures) else { return answer };
+        match attempt {
+            Attempt::Lost { .. } => {
+                let error = answer.as_ref().err().map(ToString::to_string);
+                tracing::warn!(key = %request.idempotency_key, failures, ?wait, error, "evaluator lost the call: retrying");
+            }
+            _ => {
+                tracing::info!(key = %request.idempotency_key, failures, ?wait, "evaluator busy or infra error: retrying")
+            }
         }
-        let wait = limits.retry.backoff(failures);
-        tracing::info!(key = %request.idempotency_key, failures, ?wait, "evaluator busy or infra error: retrying");
         tokio::select! {
             () = tokio::time::sleep(wait) => {}
             () = cancel.cancelled() => return answer,
         }
+    }
+}
+
+/// What one evaluation attempt's answer asks of [`evaluate_retrying`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attempt {
+    /// An answer to keep: a final verdict, or an error retrying would not change.
+    Final,
+    /// The evaluator was busy (RESOURCE_EXHAUSTED) or hit a retryable infra error: tried again after the backoff.
+    Busy,
+    /// The endpoint lost the call ([`lost_by_endpoint`]); `elsewhere`: another endpoint of the pool is up, where the
+    /// retry goes at once (`Place::lost`). Without one, the backoff paces the retries.
+    Lost { elsewhere: bool },
+}
+
+impl Attempt {
+    /// The attempt an answer the endpoint gave is.
+    fn of(answer: &Result<pb::EvaluateResponse, tonic::Status>) -> Self {
+        let busy = match answer {
+            Err(status) => status.code() == tonic::Code::ResourceExhausted,
+            Ok(response) => response.verdict() == pb::Verdict::InfraError && response.retryable,
+        };
+        if busy { Self::Busy } else { Self::Final }
+    }
+}
+
+/// Whether a failed call was lost by its endpoint rather than answered by it: UNAVAILABLE (refused, or a server going
+/// away), or a status this client made from a broken connection (a pod killed mid-call: its transport error is the
+/// status's source; a status the evaluator sent has none). Another endpoint can take the call.
+fn lost_by_endpoint(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::Unavailable => true,
+        tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled => {
+            std::error::Error::source(status).is_some()
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use kforge_discovery::{Endpoint, StaticDiscovery};
+    use kforge_server::client::ClientConfig;
+    use kforge_test_support::peers::{self, Hold, Standard, State};
+
+    use super::*;
+
+    fn policy() -> RetryPolicy {
+        RetryPolicy { attempts: 4, initial_backoff: Duration::from_millis(250), max_backoff: Duration::from_secs(1) }
+    }
+
+    #[test]
+    fn a_lost_call_is_retried_at_once_where_another_endpoint_is_up_and_busy_ones_after_the_backoff() {
+        let policy = policy();
+        assert_eq!(policy.next_wait(Attempt::Lost { elsewhere: true }, 1), Some(Duration::ZERO));
+        assert_eq!(policy.next_wait(Attempt::Lost { elsewhere: false }, 1), Some(Duration::from_millis(250)));
+        assert_eq!(policy.next_wait(Attempt::Busy, 2), Some(Duration::from_millis(500)));
+        assert_eq!(policy.next_wait(Attempt::Final, 1), None);
+        // The attempts bound every kind: a pool whose pods all die does not retry forever.
+        assert_eq!(policy.next_wait(Attempt::Lost { elsewhere: true }, 4), None);
+        assert_eq!(policy.next_wait(Attempt::Busy, 4), None);
+    }
+
+    #[test]
+    fn a_call_cut_in_transport_or_refused_is_lost_and_a_status_the_evaluator_sent_is_not() {
+        let broken = tonic::Status::from_error(Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset)));
+        assert_eq!(broken.code(), tonic::Code::Unknown);
+        assert!(lost_by_endpoint(&broken), "a status made here from a transport error");
+        assert!(lost_by_endpoint(&tonic::Status::unavailable("connection refused")));
+        assert!(!lost_by_endpoint(&tonic::Status::unknown("the evaluator said so")));
+        assert!(!lost_by_endpoint(&tonic::Status::internal("the evaluator said so")));
+        assert!(!lost_by_endpoint(&tonic::Status::invalid_argument("task: required")));
+        assert_eq!(Attempt::of(&Err(tonic::Status::resource_exhausted("queue full"))), Attempt::Busy);
+        let infra = |retryable| pb::EvaluateResponse {
+            verdict: pb::Verdict::InfraError.into(),
+            retryable,
+            ..Default::default()
+        };
+        assert_eq!(Attempt::of(&Ok(infra(true))), Attempt::Busy);
+        assert_eq!(Attempt::of(&Ok(infra(false))), Attempt::Final);
+    }
+
+    /// The fakes serving on a runtime of their own, on a thread: stopping it drops every connection with it, as a
+    /// killed process's kernel closes its sockets.
+    struct Doomed {
+        url: String,
+        state: Arc<State>,
+        stop: tokio::sync::oneshot::Sender<()>,
+        thread: std::thread::JoinHandle<()>,
+    }
+
+    fn doomed() -> Doomed {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("non-blocking");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("a tokio listener");
+                let (state, server) = peers::serve(listener, Standard);
+                sender.send(state).expect("the test waits");
+                tokio::select! {
+                    _ = server => {}
+                    _ = stopped => {}
+                }
+            });
+            // Every connection's task goes with the runtime.
+            drop(runtime);
+        });
+        let state = receiver.recv().expect("the fakes start");
+        Doomed { url, state, stop, thread }
+    }
+
+    #[tokio::test]
+    async fn an_evaluation_cut_by_its_endpoints_death_is_retried_at_once_on_another() {
+        let doomed = doomed();
+        let (survivor, survivor_state) = peers::start_fakes().await;
+        let endpoint = |url: &str| Endpoint {
+            address: url.trim_start_matches("http://").parse::<SocketAddr>().expect("an address"),
+            capacity: 4,
+            pod: None,
+        };
+        let discovery = StaticDiscovery::new([endpoint(&doomed.url), endpoint(&survivor)]);
+        let pool = Balancer::discovered("evaluator", Arc::new(discovery), ClientConfig::default());
+        let mut key = String::new();
+        for i in 0.. {
+            key = format!("j/t/{i}/0");
+            if pool.acquire(&key).await.expect("a place").url() == doomed.url {
+                break;
+            }
+        }
+        let turn = key.trim_start_matches("j/").to_owned();
+        let mut held = doomed.state.hold(Hold::Evaluate(turn.clone()));
+        // A backoff far beyond the test's patience: only an immediate retry passes.
+        let limits = Limits {
+            gateway: Semaphore::new(1),
+            evaluator: Semaphore::new(4),
+            reward: Semaphore::new(1),
+            profiler: Semaphore::new(1),
+            retry: RetryPolicy {
+                attempts: 3,
+                initial_backoff: Duration::from_secs(3600),
+                max_backoff: Duration::from_secs(3600),
+            },
+        };
+        let request = pb::EvaluateRequest { idempotency_key: key.clone(), job_id: "j".into(), ..Default::default() };
+        let evaluation = tokio::spawn({
+            let pool = pool.clone();
+            async move { evaluate_retrying(&pool, &limits, request, &CancellationToken::new()).await }
+        });
+        held.recv().await.expect("the evaluation reaches the doomed endpoint");
+        doomed.stop.send(()).expect("the doomed fakes run");
+        tokio::task::spawn_blocking(move || doomed.thread.join().expect("stopped")).await.expect("joined");
+        let answer = tokio::time::timeout(Duration::from_secs(30), evaluation).await.expect("retried at once");
+        let response = answer.expect("task").expect("answered by the survivor");
+        assert_eq!(response.verdict(), pb::Verdict::Correct);
+        let (received, _) = survivor_state.evaluate_counts();
+        assert_eq!(received, std::collections::HashMap::from([(turn, 1)]), "the same key, once, on the survivor");
     }
 }
