@@ -3,14 +3,13 @@
 //!
 //! [`pipeline`] holds the stages, on the shared execution engine (`kforge_execution`); this module is the gRPC face:
 //! validation errors and a full queue become statuses (`kforge_execution_proto::status`, as the profiler answers
-//! them), everything else a verdict, its response built once (`wire.rs`); a dropped request (client gone, deadline
+//! them), everything else a verdict, its response built once (`pipeline/response.rs`); a dropped request (client gone, deadline
 //! passed) cancels its evaluation and kills its child processes.
 
 pub mod config;
 pub mod metrics;
 pub mod pipeline;
 pub mod stats;
-mod wire;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

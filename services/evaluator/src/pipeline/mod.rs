@@ -14,10 +14,11 @@
 //! `Evaluator::run` is the sequence: each stage returns what it made, with the stage times and findings it adds
 //! (the engine's `Staged`), or a stop (`kforge_execution::Stop`: a verdict with what explains it, or the engine's
 //! failure), so each step reads `record.notes.add(stage(..))?`. What the stages reported is kept in a typed
-//! `Record` (`record.rs`), from which `wire.rs` builds the response once. The modules: `request` (validation),
+//! `Record` (`record.rs`), from which `response.rs` builds the response once. The modules: `request` (validation),
 //! `prepare` (directories, seeds, room for the files, processes started early, the lane), `candidate` (the
 //! candidate's stage, its census, the remeasure), `check` (reference and checker), `measure` and `timing` (timing),
-//! `baseline` and `paired` (baselines), `verdict` (the verdict rules, pure), `record` (the typed outcome), `setup`.
+//! `baseline` and `paired` (baselines), `verdict` (the verdict rules, pure), `record` (the typed outcome),
+//! `response` (the response built from it), `setup`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,7 +33,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::EvaluatorConfig;
 use crate::metrics::EvaluatorMetrics;
-use crate::wire;
 
 mod baseline;
 mod candidate;
@@ -42,6 +42,7 @@ mod paired;
 mod prepare;
 mod record;
 mod request;
+mod response;
 mod setup;
 mod timing;
 mod verdict;
@@ -121,7 +122,7 @@ impl Evaluator {
         if let Err(Stop::Infra(error)) = &end {
             self.infra_error(error);
         }
-        let response = wire::response(evaluation.submission.request_id.clone(), record, end);
+        let response = response::response(evaluation.submission.request_id.clone(), record, end);
         self.inner.metrics.verdict(response.verdict(), &response.findings);
         drop(permit);
         Ok(response)

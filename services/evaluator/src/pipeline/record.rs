@@ -1,5 +1,5 @@
 //! An evaluation's outcome, typed: what its stages reported whatever became of it ([`Record`]: their notes, the
-//! device, the mismatch, the timing and the census), from which the evaluator's edge (`wire.rs`) builds the
+//! device, the mismatch, the timing and the census), from which the evaluator's edge (`response.rs`) builds the
 //! response once the evaluation has ended.
 
 use std::collections::BTreeMap;

@@ -1,5 +1,5 @@
-//! The evaluator's edge with the contract (`kforge.v1`): an evaluation's typed outcome made its `EvaluateResponse`
-//! (once, when it ends). What it shares with the profiler (how a run ended, findings, kernel records, a request's
+//! The evaluator's edge with the contract (`kforge.v1`): an evaluation's typed outcome (`record.rs`) made its
+//! `EvaluateResponse` (once, when it ends). What it shares with the profiler (how a run ended, findings, kernel records, a request's
 //! task and backend, the engine's capabilities, a refused request's status) is `kforge_execution_proto`'s; the
 //! evaluator's own parts (timings, the mismatch, the speedups) are here. The messages built here are written out
 //! field by field, so a new field of the contract fails to compile until it is handled; the request's own fields
@@ -10,7 +10,7 @@ use kforge_execution::{Notes, Stop};
 use kforge_execution_proto::{self as execution_proto, Ending};
 use kforge_proto::v1 as pb;
 
-use crate::pipeline::{Basis, Device, KernelCensus, Record, Timing};
+use super::{Basis, Device, KernelCensus, Record, Timing};
 use crate::stats::TimingStats;
 
 /// The response to an evaluation that ended in `end`, from what its stages recorded.
@@ -137,7 +137,7 @@ mod tests {
     /// The contract's comment on `stage_ms` names every key the stages are timed by.
     #[test]
     fn the_contract_names_every_stage_key() {
-        let proto = include_str!("../../../proto/kforge/v1/evaluator.proto");
+        let proto = include_str!("../../../../proto/kforge/v1/evaluator.proto");
         let comment: String = proto
             .lines()
             .take_while(|line| !line.contains("stage_ms = "))
