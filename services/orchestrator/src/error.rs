@@ -37,6 +37,11 @@ impl OrchestratorError {
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self::InvalidArgument { field: field.into(), message: message.into() }
     }
+
+    /// A spec's enum field holding a value this build does not know.
+    pub fn unknown_enum(field: &str, value: i32) -> Self {
+        Self::invalid(field, format!("unknown value {value}"))
+    }
 }
 
 impl From<OrchestratorError> for Status {

@@ -18,6 +18,7 @@ mod config;
 pub mod error;
 mod export;
 pub mod faces;
+pub mod failure;
 mod grpc;
 pub mod job;
 pub mod judge;

@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 
 use kforge_proto::v1 as pb;
 
-use crate::job::TurnFailure;
+use crate::failure::TurnFailure;
 
 /// Turn indices at and past this one share the label `"15+"`: the label set stays bounded.
 const LAST_TURN_LABEL: u32 = 15;
@@ -206,7 +206,7 @@ mod tests {
     use prometheus_client::encoding::text::encode;
 
     use super::*;
-    use crate::job::Refusal;
+    use crate::failure::Refusal;
 
     #[test]
     fn turns_are_counted_by_index_verdict_flag_and_speed() {

@@ -7,7 +7,7 @@ use std::path::Path;
 use kforge_proto::v1 as pb;
 
 use crate::error::OrchestratorError;
-use crate::job::TurnFailure;
+use crate::failure::TurnFailure;
 
 /// The recipes this orchestrator runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -572,7 +572,7 @@ mod tests {
 
     #[test]
     fn a_failed_turn_s_feedback_says_why_it_was_not_evaluated() {
-        let refused = TurnFailure::Evaluation(crate::job::Refusal {
+        let refused = TurnFailure::Evaluation(crate::failure::Refusal {
             code: tonic::Code::ResourceExhausted,
             message: "queue full".into(),
         });

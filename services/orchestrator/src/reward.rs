@@ -30,7 +30,7 @@ use kforge_server::client::Channel;
 use tonic::Code;
 
 use crate::error::{OrchestratorError, store_code};
-use crate::job::TurnFailure;
+use crate::failure::TurnFailure;
 use crate::recipe::Recipe;
 use crate::store::{Stage, Store, StoreError};
 
@@ -140,13 +140,13 @@ impl RewardPlan {
         }
         // Unknown values would read as unspecified: refused instead, as the reward service refuses them.
         if pb::SpeedupBaseline::try_from(spec.baseline).is_err() {
-            return Err(crate::job::unknown_enum("spec.reward.baseline", spec.baseline));
+            return Err(OrchestratorError::unknown_enum("spec.reward.baseline", spec.baseline));
         }
         if pb::ReturnMethod::try_from(spec.return_method).is_err() {
-            return Err(crate::job::unknown_enum("spec.reward.return_method", spec.return_method));
+            return Err(OrchestratorError::unknown_enum("spec.reward.return_method", spec.return_method));
         }
         if pb::AdvantageEstimator::try_from(spec.estimator).is_err() {
-            return Err(crate::job::unknown_enum("spec.reward.estimator", spec.estimator));
+            return Err(OrchestratorError::unknown_enum("spec.reward.estimator", spec.estimator));
         }
         let baseline = match spec.baseline() {
             pb::SpeedupBaseline::Unspecified => pb::SpeedupBaseline::Eager,

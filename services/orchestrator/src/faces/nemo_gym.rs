@@ -24,7 +24,7 @@ use serde_json::{Map, Value, json};
 use tonic::Code;
 
 use super::{Faces, answer_with, parse, prompt_text};
-use crate::job::TurnFailure;
+use crate::failure::TurnFailure;
 use wire::{KernelArgs, Row, Session, WithResponse};
 
 use super::{fingerprint, unique_key, verdict_name};

@@ -12,7 +12,7 @@ use std::fmt;
 
 use kforge_proto::v1 as pb;
 
-use super::failure::TurnFailure;
+use crate::failure::TurnFailure;
 
 /// The most of the last failure's text that the job's error quotes (it is stored, and sent with every update).
 const LAST_ERROR_BYTES: usize = 512;
@@ -159,7 +159,7 @@ fn head(text: &str, limit: usize) -> Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::job::failure::Refusal;
+    use crate::failure::Refusal;
 
     fn refused(code: tonic::Code, message: &str) -> Refusal {
         Refusal { code, message: message.to_owned() }

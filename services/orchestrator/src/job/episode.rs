@@ -8,10 +8,10 @@ use kforge_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
-use super::failure::TurnFailure;
 use super::peers::Peers;
 use super::plan::Plan;
 use super::progress::Progress;
+use crate::failure::TurnFailure;
 use crate::recipe::Attempt;
 use crate::store::{Stage, StoreError};
 

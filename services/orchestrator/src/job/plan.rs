@@ -53,7 +53,7 @@ impl Plan {
                     "required: JOB_KIND_ROLLOUT or JOB_KIND_EVALUATION",
                 ));
             }
-            Err(_) => return Err(unknown_enum("spec.kind", spec.kind)),
+            Err(_) => return Err(OrchestratorError::unknown_enum("spec.kind", spec.kind)),
         }
         let recipe = Recipe::parse(&spec.recipe)?;
         if spec.model.is_empty() {
@@ -67,7 +67,7 @@ impl Plan {
         }
         // Each evaluation would be refused: a job of them would fail every turn.
         if pb::Backend::try_from(spec.backend).is_err() {
-            return Err(unknown_enum("spec.backend", spec.backend));
+            return Err(OrchestratorError::unknown_enum("spec.backend", spec.backend));
         }
         if spec.correctness_trials > MAX_CORRECTNESS_TRIALS {
             return Err(OrchestratorError::invalid(
@@ -237,10 +237,6 @@ fn check_inline_size(spec: &pb::JobSpec, limits: &LimitsConfig) -> Result<(), Or
         }),
         None => Ok(()),
     }
-}
-
-pub(crate) fn unknown_enum(field: &str, value: i32) -> OrchestratorError {
-    OrchestratorError::invalid(field, format!("unknown value {value}"))
 }
 
 /// Sampling as the gateway would refuse it at every generation (its ranges, `gateway.proto`'s

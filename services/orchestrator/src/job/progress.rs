@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::breaker::{Breaker, Failure, Observed};
-use super::turn::TakenTurn;
+use crate::failure::TurnFailure;
 
 use crate::metrics::job_metrics;
 use crate::monitoring::OrchestratorMetrics;
@@ -61,6 +61,21 @@ pub(super) fn slim(turn: &pb::TurnRecord) -> pb::TurnRecord {
         feedback: String::new(),
         prompt_token_ids: Vec::new(),
         ..turn.clone()
+    }
+}
+
+/// A turn as its stages left it, to be recorded: its record, and why it failed where a call did (stored as the
+/// record's `error` when it is recorded).
+#[derive(Debug)]
+pub(super) struct TakenTurn {
+    pub(super) record: pb::TurnRecord,
+    pub(super) failure: Option<TurnFailure>,
+}
+
+impl TakenTurn {
+    /// Keeps the first failure: a later call that fails too does not replace it.
+    pub(super) fn fail(&mut self, failure: TurnFailure) {
+        self.failure.get_or_insert(failure);
     }
 }
 

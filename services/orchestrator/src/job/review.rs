@@ -9,9 +9,9 @@ use kforge_proto::v1::profiler_client::ProfilerClient;
 use tracing::Instrument as _;
 
 use super::episode::Episode;
-use super::failure::Refusal;
 use super::peers::{Peers, call_span};
 use super::progress::StageGuard;
+use crate::failure::Refusal;
 use crate::judge::{self, Mode, ProfileView};
 
 /// Why a turn's kernel has no profile for the Judge; recorded as the review's `profile_note`.

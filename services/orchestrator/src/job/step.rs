@@ -13,10 +13,10 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::episode::Episode;
-use super::failure::TurnFailure;
 use super::peers::Peers;
 use super::plan::Plan;
 use super::progress::{Progress, slim};
+use crate::failure::TurnFailure;
 use crate::recipe::Attempt;
 use crate::reward;
 use crate::store::{Stage, Store, StoreError};

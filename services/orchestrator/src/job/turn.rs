@@ -9,27 +9,12 @@ use kforge_proto::v1 as pb;
 use tracing::Instrument as _;
 
 use super::episode::Episode;
-use super::failure::{Refusal, TurnFailure};
 use super::peers::{Peers, call_span, evaluate};
-use super::progress::StageGuard;
+use super::progress::{StageGuard, TakenTurn};
+use crate::failure::{Refusal, TurnFailure};
 use crate::recipe::{self, Attempt, Recipe};
 use crate::reward;
 use crate::store::{Stage, StoreError};
-
-/// A turn as its stages left it, to be recorded: its record, and why it failed where a call did (stored as the
-/// record's `error` when it is recorded).
-#[derive(Debug)]
-pub(super) struct TakenTurn {
-    pub(super) record: pb::TurnRecord,
-    pub(super) failure: Option<TurnFailure>,
-}
-
-impl TakenTurn {
-    /// Keeps the first failure: a later call that fails too does not replace it.
-    fn fail(&mut self, failure: TurnFailure) {
-        self.failure.get_or_insert(failure);
-    }
-}
 
 impl Episode {
     /// Turn `turn` of the episode, `earlier` its recorded turns: generated (unless `resumed` brings its stored

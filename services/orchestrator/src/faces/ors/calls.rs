@@ -23,7 +23,7 @@ use tonic::Code;
 
 use super::TOOL;
 use crate::faces::{Faces, answer_with, prompt_text, verdict_name};
-use crate::job::TurnFailure;
+use crate::failure::TurnFailure;
 
 /// How long a finished call's result is kept for a client that re-attaches.
 const KEEP: Duration = Duration::from_secs(300);
