@@ -14,7 +14,6 @@
 
 mod breaker;
 mod episode;
-mod failure;
 mod peers;
 mod plan;
 mod progress;
@@ -31,10 +30,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
-pub use failure::{Refusal, TurnFailure};
 pub(crate) use peers::evaluate;
 pub use peers::{Limits, Peers, RetryPolicy};
-pub(crate) use plan::unknown_enum;
 pub use plan::{Plan, task_set};
 pub use step::{Answer, STEP_MODEL, StepError, Stepped, current, first_prompt, step};
 
