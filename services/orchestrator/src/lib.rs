@@ -77,6 +77,19 @@ pub async fn serve_with_http(
     http: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    serve_with_discovery(config, listener, http, None, shutdown).await
+}
+
+/// [`serve_with_http`], the evaluator pool's endpoints found by `evaluators` when given instead of
+/// `discovery.evaluator`: for a caller that keeps the endpoint list itself (the simulated fleet,
+/// `bench/src/fleet/`, whose endpoints have capacities of their own and disappear while it runs).
+pub async fn serve_with_discovery(
+    config: OrchestratorConfig,
+    listener: TcpListener,
+    http: Option<TcpListener>,
+    evaluators: Option<std::sync::Arc<dyn kforge_discovery::Discovery>>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
     let mut host = Host::new("orchestrator", &config.server)?;
     let limit = host.max_message_bytes();
     let url = config.store_url();
@@ -87,9 +100,10 @@ pub async fn serve_with_http(
     let resume = config.resume_on_start;
     let metrics = monitoring::OrchestratorMetrics::register(host.registry());
     let setup = |error: DiscoveryError| ServeError::Setup { service: "orchestrator", message: error.to_string() };
-    let evaluators = match &config.discovery.evaluator {
-        Some(discovery) => Some(discovery.start("orchestrator.discovery.evaluator").await.map_err(setup)?),
-        None => None,
+    let evaluators = match (evaluators, &config.discovery.evaluator) {
+        (Some(given), _) => Some(given),
+        (None, Some(discovery)) => Some(discovery.start("orchestrator.discovery.evaluator").await.map_err(setup)?),
+        (None, None) => None,
     };
     let profilers = match &config.discovery.profiler {
         Some(discovery) => Some(discovery.start("orchestrator.discovery.profiler").await.map_err(setup)?),
